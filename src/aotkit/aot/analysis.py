@@ -1,0 +1,208 @@
+"""The metadata pass: run the function once on functional fake tensors and record what it does.
+
+What it records (``AotMeta``) decides the shape of every graph traced afterwards and of the
+runtime epilogue: which inputs are mutated (data or metadata, visible to autograd or not), which
+outputs require grad, and which outputs alias an input or each other.
+See Note [Aliased outputs] below.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from aotkit.compat import FunctionalTensor, FunctionalTensorMode, StorageWeakRef, mutations_hidden_from_autograd
+
+
+class Alias(enum.Enum):
+    NONE = "none"              # a fresh tensor owned by the caller
+    IS_INPUT = "is_input"      # the very input object (``return x``)
+    OF_INPUT = "of_input"      # a view of input ``base``
+    OF_OUTPUT = "of_output"    # a view of user output ``base``
+    OF_INTERMEDIATE = "of_intermediate"  # a view of extra forward output ``base`` (an intermediate)
+    CONSTANT = "constant"      # not a graph output: a Python value returned as is
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    is_tensor: bool
+    requires_grad: bool = False
+    mutates_data: bool = False
+    mutates_metadata: bool = False
+    mutation_hidden: bool = False  # every mutation ran under no_grad / inference mode
+
+    @property
+    def mutated(self) -> bool:
+        return self.mutates_data or self.mutates_metadata
+
+    @property
+    def mutation_is_differentiable(self) -> bool:
+        return self.requires_grad and self.mutates_data and not self.mutation_hidden
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    alias: Alias
+    base: int | None = None
+    requires_grad: bool = False
+    is_tensor: bool = True
+    constant: Any = None
+    static_view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # size, stride, offset
+
+
+@dataclass
+class AotMeta:
+    """What the metadata pass learned; every later stage reads it, none changes it."""
+
+    inputs: list[InputInfo]
+    outputs: list[OutputInfo]
+    out_spec: pytree.TreeSpec
+    intermediate_bases_requires_grad: list[bool] = field(default_factory=list)
+
+    @property
+    def mutated_inputs(self) -> list[int]:
+        return [i for i, info in enumerate(self.inputs) if info.mutated]
+
+    def graph_user_outputs(self) -> list[int]:
+        """Indices of the user outputs the graph returns (everything but constants)."""
+        return [i for i, o in enumerate(self.outputs) if o.alias is not Alias.CONSTANT]
+
+    def fw_output_differentiable(self) -> list[bool]:
+        """For each forward output (mutated inputs, user outputs, bases): does it get a tangent?"""
+        mutations = [self.inputs[i].mutation_is_differentiable for i in self.mutated_inputs]
+        users = [
+            self.outputs[i].requires_grad and self.outputs[i].alias is Alias.NONE
+            for i in self.graph_user_outputs()
+        ]
+        return mutations + users + list(self.intermediate_bases_requires_grad)
+
+    @property
+    def num_fw_outputs(self) -> int:
+        return (
+            len(self.mutated_inputs)
+            + len(self.graph_user_outputs())
+            + len(self.intermediate_bases_requires_grad)
+        )
+
+
+def to_fun(x: Any) -> Any:
+    return FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x
+
+
+def from_fun(x: Any) -> Any:
+    if isinstance(x, FunctionalTensor):
+        torch._sync(x)
+        return torch._from_functional_tensor(x.elem)
+    return x
+
+
+def analyze(
+    flat_fn: Callable[..., tuple[list[Any], pytree.TreeSpec]], args: Sequence[Any]
+) -> tuple[AotMeta, list[Any]]:
+    """Run ``flat_fn`` on functional wrappers of the fake ``args`` and describe what it did.
+
+    ``flat_fn`` returns ``(flat_outputs, out_spec)``. Must run under the fake mode of ``args``.
+    Also returns fake values of the forward outputs, the templates for the joint's tangents.
+    """
+    with FunctionalTensorMode():
+        f_args = [to_fun(a) for a in args]
+        f_outs, out_spec = flat_fn(*f_args)
+        inputs = [_input_info(a, f) for a, f in zip(args, f_args, strict=True)]
+        outputs, bases = _output_infos(f_args, f_outs)
+        meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases])
+        fw_outs = [
+            *(f_args[i] for i in meta.mutated_inputs),
+            *(f_outs[i] for i in meta.graph_user_outputs()),
+            *bases,
+        ]
+        return meta, [from_fun(o) for o in fw_outs]
+
+
+def _input_info(arg: Any, f_arg: Any) -> InputInfo:
+    if not isinstance(arg, torch.Tensor):
+        return InputInfo(is_tensor=False)
+    torch._sync(f_arg)
+    inner = f_arg.elem
+    data = torch._functionalize_has_data_mutation(inner)
+    metadata = torch._functionalize_has_metadata_mutation(inner)
+    hidden = (data or metadata) and mutations_hidden_from_autograd(inner)
+    return InputInfo(True, arg.requires_grad, data, metadata, hidden)
+
+
+# Note [Aliased outputs]
+# Eager returns real views: ``return x[0]`` aliases ``x``; ``return a, a.view(-1)`` returns two
+# tensors sharing storage. An autograd.Function cannot return views of its inputs or of each
+# other safely, so the graph returns such outputs only to carry their size/stride/offset, and the
+# epilogue regenerates each as ``base.as_strided(...)`` outside the Function: from the input,
+# from the user output it views, or from an extra forward output holding the intermediate base
+# (when several outputs view an intermediate the user never returned). Autograd then flows
+# through as_strided into the base, which is exact because the output *is* a view of it.
+def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo], list[torch.Tensor]]:
+    input_storage = {
+        StorageWeakRef(a.untyped_storage()): i
+        for i, a in reversed(list(enumerate(f_args)))
+        if isinstance(a, torch.Tensor)
+    }
+    shared = _storages_shared_by_outputs(f_outs)
+    infos: list[OutputInfo] = []
+    bases: list[torch.Tensor] = []
+    for out in f_outs:
+        if not isinstance(out, torch.Tensor):
+            infos.append(_non_tensor_info(out))
+            continue
+        storage = StorageWeakRef(out.untyped_storage())
+        rg = out.requires_grad
+        same = next((i for i, a in enumerate(f_args) if a is out), None)
+        if same is not None:
+            infos.append(OutputInfo(Alias.IS_INPUT, same, rg))
+        elif storage in input_storage:
+            infos.append(OutputInfo(Alias.OF_INPUT, input_storage[storage], rg, static_view=_static_view(out)))
+        elif storage in shared:
+            infos.append(_view_of_output_info(out, f_outs, bases))
+        else:
+            infos.append(OutputInfo(Alias.NONE, None, rg))
+    return infos, bases
+
+
+def _storages_shared_by_outputs(f_outs: list[Any]) -> set[StorageWeakRef]:
+    seen: dict[StorageWeakRef, int] = {}
+    for out in f_outs:
+        if isinstance(out, torch.Tensor):
+            ref = StorageWeakRef(out.untyped_storage())
+            seen[ref] = seen.get(ref, 0) + 1
+    return {ref for ref, count in seen.items() if count > 1}
+
+
+def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch.Tensor]) -> OutputInfo:
+    rg = out.requires_grad
+    base = out._base
+    if base is None:  # this output is itself the base the other outputs view
+        return OutputInfo(Alias.NONE, None, rg)
+    owner = next((i for i, o in enumerate(f_outs) if o is base), None)
+    if owner is not None:
+        return OutputInfo(Alias.OF_OUTPUT, owner, rg, static_view=_static_view(out))
+    index = next((i for i, b in enumerate(bases) if b is base), None)
+    if index is None:
+        bases.append(base)
+        index = len(bases) - 1
+    return OutputInfo(Alias.OF_INTERMEDIATE, index, rg, static_view=_static_view(out))
+
+
+def _non_tensor_info(out: Any) -> OutputInfo:
+    if isinstance(out, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return OutputInfo(Alias.NONE, None, False, is_tensor=False)
+    return OutputInfo(Alias.CONSTANT, None, False, is_tensor=False, constant=out)
+
+
+def _static_view(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """Concrete size/stride/offset of a view, or None when any of them is symbolic."""
+    parts = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    flat = [*parts[0], *parts[1], parts[2]]
+    if all(isinstance(v, int) for v in flat):
+        return parts  # type: ignore[return-value]
+    return None

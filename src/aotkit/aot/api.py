@@ -1,0 +1,391 @@
+"""The public entry points of AOT autograd: ``aot_function``, ``aot_module``,
+``aot_module_simplified``."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from aotkit import config, counters
+from aotkit.aot.analysis import analyze
+from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.runtime import CompiledGraphs, run
+from aotkit.aot.signature import describe_change, leaf_names, signature
+from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tracing
+from aotkit.compat import FakeTensorMode
+from aotkit.errors import ArgumentError, OutputTypeError, RecompileLimitError
+from aotkit.partition.default import default_partition
+
+log = logging.getLogger("aotkit.aot")
+
+Partitioner = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
+
+_OUTPUT_LEAVES = (
+    torch.Tensor, int, float, bool, complex, str, type(None), torch.SymInt, torch.SymFloat,
+    torch.SymBool, torch.dtype, torch.device, torch.layout, torch.memory_format,
+)
+
+
+@dataclass(frozen=True)
+class AotOptions:
+    """How to trace, partition and compile; one per ``aot_function`` / ``aot_module``."""
+
+    fw_compiler: Compiler
+    bw_compiler: Compiler | None = None
+    partition_fn: Partitioner = default_partition
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None
+    num_params_buffers: int = 0
+    keep_inference_input_mutations: bool = False
+    inference_compiler: Compiler | None = None
+    dynamic: bool = False
+
+
+def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
+                   mode: FakeTensorMode) -> CompiledGraphs:
+    """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point."""
+    counters.bump("aot", "traces")
+    training = torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    )
+    with tracing(mode, name):
+        meta, fw_out_fakes = analyze(flat_fn, args)
+        if training:
+            primals = [_as_leaf(a) for a in args]
+            gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions)
+        else:
+            gm = trace_inference(flat_fn, args, meta, options.decompositions,
+                                 options.keep_inference_input_mutations)
+    if not training:
+        return _compile_inference(gm, meta, options, name, len(args))
+    fw_gm, bw_gm = options.partition_fn(gm, list(args), num_fwd_outputs=meta.num_fw_outputs)
+    _log_graph(name, "joint", gm)
+    _log_graph(name, "forward", fw_gm)
+    _log_graph(name, "backward", bw_gm)
+    fw = compile_boxed(options.fw_compiler, fw_gm, _graph_inputs(fw_gm), "forward")
+    counters.bump("aot", "fw_compiles")
+    num_saved = sum(1 for v in _graph_outputs(fw_gm)[meta.num_fw_outputs:]
+                    if isinstance(v, torch.Tensor))
+    return CompiledGraphs(
+        name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
+        num_inputs=len(args), training=True, bw_gm=bw_gm,
+        bw_compiler=options.bw_compiler or options.fw_compiler,
+        num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
+    )
+
+
+def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
+                       num_inputs: int) -> CompiledGraphs:
+    _log_graph(name, "inference", gm)
+    compiler = options.inference_compiler or options.fw_compiler
+    fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
+    counters.bump("aot", "inference_compiles")
+    returned = meta.mutated_inputs
+    if options.keep_inference_input_mutations:
+        returned = [i for i in returned if meta.inputs[i].mutates_metadata]
+    return CompiledGraphs(name=name, meta=meta, fw=fw, returned_mutations=returned,
+                          num_inputs=num_inputs)
+
+
+def _as_leaf(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and not a.is_leaf:
+        return a.detach().requires_grad_(a.requires_grad)
+    return a
+
+
+def _graph_inputs(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def _graph_outputs(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta.get("val") if isinstance(n, fx.Node) else n
+            for n in gm.graph.output_node().args[0]]
+
+
+def _log_graph(name: str, kind: str, gm: fx.GraphModule) -> None:
+    level = logging.INFO if config.log_graphs else logging.DEBUG
+    if log.isEnabledFor(level):
+        log.log(level, "%s %s graph:\n%s", name, kind, gm.print_readable(print_output=False))
+
+
+@dataclass
+class _Entry:
+    graphs: CompiledGraphs
+    tensor_positions: list[int]
+    guard: Callable[[list[torch.Tensor]], bool] | None
+
+
+class AotFunction:
+    """A function compiled ahead of time; one traced entry per input signature.
+
+    Create it with :func:`aot_function`; call it like the original function.
+    """
+
+    def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None) -> None:
+        self.fn = fn
+        self.options = options
+        self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
+        self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
+        self._last_key: tuple[Any, ...] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = signature(spec, leaves, self.options.dynamic)
+        for entry in self._entries.get(key, ()):
+            tensors = [leaves[i] for i in entry.tensor_positions]
+            if entry.guard is None or entry.guard(tensors):
+                return pytree.tree_unflatten(run(entry.graphs, tensors), entry.graphs.meta.out_spec)
+        entry = self._compile(args, kwargs, leaves, spec, key)
+        tensors = [leaves[i] for i in entry.tensor_positions]
+        return pytree.tree_unflatten(run(entry.graphs, tensors), entry.graphs.meta.out_spec)
+
+    @property
+    def num_entries(self) -> int:
+        """How many input signatures have been traced and compiled."""
+        return sum(len(v) for v in self._entries.values())
+
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
+                 spec: pytree.TreeSpec, key: tuple[Any, ...]) -> _Entry:
+        self._check_arguments(args, kwargs)
+        if self.num_entries:
+            self._record_recompile(key, args, kwargs)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        mode = _fake_mode(self.options.dynamic)
+        fakes = [make_fake(mode, leaves[i], k, self.options.dynamic) for k, i in enumerate(positions)]
+        flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
+        graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
+        guard = _shape_guard(mode, fakes) if self.options.dynamic else None
+        entry = _Entry(graphs, positions, guard)
+        self._entries.setdefault(key, []).append(entry)
+        self._last_key = key
+        return entry
+
+    def _check_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            params = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return
+        try:
+            params.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ArgumentError(
+                f"{self.name} was called with arguments its function cannot take: {exc}.\n"
+                f"Fix: call it as {getattr(self.fn, '__name__', 'fn')}{params}."
+            ) from None
+
+    def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.num_entries >= config.recompile_limit:
+            raise RecompileLimitError(
+                f"{self.name} has been compiled for {self.num_entries} input signatures "
+                f"(aotkit.config.recompile_limit).\nFix: pass dynamic=True if shapes vary, keep "
+                "dtypes/devices/requires_grad stable, or raise the limit with "
+                "aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the reasons."
+            )
+        old = self._last_key
+        if old is not None and old == key:
+            why = "new sizes fail the shape guards of the dynamic entry"
+        elif old is not None:
+            why = describe_change(old, key, leaf_names(args, kwargs))
+        else:
+            why = "new input signature"
+        counters.record("recompile", self.name, why, logger=log)
+
+
+def _fake_mode(dynamic: bool) -> FakeTensorMode:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
+
+
+def _shape_guard(mode: FakeTensorMode, fakes: list[Any]) -> Callable[[list[torch.Tensor]], bool]:
+    shape_env = mode.shape_env
+    assert shape_env is not None
+    code = shape_env.produce_guards_expression(fakes)
+    if not code:
+        return lambda tensors: True
+    return lambda tensors: shape_env.evaluate_guards_expression(code, tensors)
+
+
+def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
+                  spec: pytree.TreeSpec, name: str) -> FlatFn:
+    """``fn`` as a function of its tensor leaves; non-tensor leaves are baked in as constants."""
+    template = list(leaves)
+
+    def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
+        full = list(template)
+        for i, t in zip(positions, tensors, strict=True):
+            full[i] = t
+        args, kwargs = pytree.tree_unflatten(full, spec)
+        out = fn(*args, **kwargs)
+        flat, out_spec = pytree.tree_flatten(out)
+        check_outputs(out, flat, name)
+        return flat, out_spec
+
+    return flat_fn
+
+
+def check_outputs(out: Any, flat: list[Any], name: str) -> None:
+    """Raise OutputTypeError naming the first output that is not a tensor or simple value."""
+    if all(isinstance(x, _OUTPUT_LEAVES) for x in flat):
+        return
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _OUTPUT_LEAVES):
+            where = "output" + "".join(str(k) for k in path)
+            raise OutputTypeError(
+                f"{name} returned a {type(leaf).__name__} at {where}; compiled functions may "
+                "return tensors, Python scalars, None, and lists/tuples/dicts of them.\nFix: "
+                "return tensors (or convert the value), or register the type with "
+                "torch.utils._pytree.register_pytree_node so it flattens to tensors."
+            )
+
+
+def aot_function(
+    fn: Callable[..., Any],
+    fw_compiler: Compiler,
+    bw_compiler: Compiler | None = None,
+    partition_fn: Partitioner = default_partition,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    num_params_buffers: int = 0,
+    keep_inference_input_mutations: bool = False,
+    inference_compiler: Compiler | None = None,
+    dynamic: bool = False,
+) -> AotFunction:
+    """Trace ``fn``'s forward and backward ahead of time and compile them.
+
+    Each new input signature (pytree structure, dtype, shape, stride, device, requires_grad,
+    grad mode) is traced and compiled once; ``dynamic=True`` traces sizes symbolically so one
+    entry serves every size that passes its shape guards. Non-tensor arguments are constants.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> f = aotkit.aot_function(lambda x, y: (x * y).sin(), aotkit.compilers.nop)
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> f(x, torch.randn(3)).sum().backward()
+        >>> x.grad.shape
+        torch.Size([3])
+    """
+    options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions,
+                         num_params_buffers, keep_inference_input_mutations,
+                         inference_compiler, dynamic)
+    return AotFunction(fn, options)
+
+
+class AotModule(nn.Module):
+    """An ``nn.Module`` whose forward runs ``aot_function`` over the original module's forward,
+    with parameters and buffers as leading inputs, read fresh at every call."""
+
+    def __init__(self, module: nn.Module, options: AotOptions) -> None:
+        super().__init__()
+        self.orig_module = module
+        name = f"aot_module({type(module).__name__})"
+
+        def call(training: bool, state: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            names = self._state_names
+            return torch.func.functional_call(module, dict(zip(names, state, strict=True)), args, kwargs)
+
+        self._state_names: list[str] = []
+        self._compiled = AotFunction(call, options, name)
+
+    def _state(self) -> list[torch.Tensor]:
+        named = [*self.orig_module.named_parameters(), *self.orig_module.named_buffers()]
+        self._state_names = [n for n, _ in named]
+        return [t for _, t in named]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(self.orig_module.training, self._state(), *args, **kwargs)
+
+
+def aot_module(
+    mod: nn.Module,
+    fw_compiler: Compiler,
+    bw_compiler: Compiler | None = None,
+    partition_fn: Partitioner = default_partition,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    keep_inference_input_mutations: bool = False,
+    inference_compiler: Compiler | None = None,
+    dynamic: bool = False,
+) -> AotModule:
+    """Compile an ``nn.Module`` like :func:`aot_function`; parameters and buffers become the
+    leading graph inputs and buffer mutations (e.g. BatchNorm statistics) reach the module.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> m = aotkit.aot_module(torch.nn.Linear(4, 2), aotkit.compilers.nop)
+        >>> m(torch.randn(3, 4)).sum().backward()
+        >>> m.orig_module.weight.grad.shape
+        torch.Size([2, 4])
+    """
+    count = len(list(mod.parameters())) + len(list(mod.buffers()))
+    options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, count,
+                         keep_inference_input_mutations, inference_compiler, dynamic)
+    return AotModule(mod, options)
+
+
+def aot_module_simplified(
+    mod: fx.GraphModule | nn.Module,
+    args: Sequence[Any],
+    fw_compiler: Compiler,
+    bw_compiler: Compiler | None = None,
+    partition_fn: Partitioner = default_partition,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    keep_inference_input_mutations: bool = False,
+    inference_compiler: Compiler | None = None,
+) -> Callable[..., Any]:
+    """The ``torch.compile`` entry: compile a graph for flat ``args`` (fake tensors and SymInts
+    from Dynamo, or real tensors) once, using the inputs' fake mode and ShapeEnv.
+
+    Parameters and buffers of ``mod`` (if any) become leading inputs. Returns ``f(*args)``.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> def backend(gm, example_inputs):
+        ...     return aotkit.aot_module_simplified(gm, example_inputs, aotkit.compilers.nop)
+        >>> f = torch.compile(lambda x: x.cos() + 1, backend=backend)
+        >>> f(torch.zeros(2))
+        tensor([2., 2.])
+    """
+    from torch._guards import detect_fake_mode
+
+    state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
+    names = [n for n, _ in state]
+    tensors = [t for _, t in state]
+    mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [_to_fake(mode, x) for x in [*tensors, *args]]
+    options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, len(names),
+                         keep_inference_input_mutations, inference_compiler)
+
+    def flat_fn(*flat: Any) -> tuple[list[Any], pytree.TreeSpec]:
+        if names:
+            params = dict(zip(names, flat[: len(names)], strict=True))
+            out = torch.func.functional_call(mod, params, tuple(flat[len(names):]))
+        else:
+            out = mod(*flat)
+        return pytree.tree_flatten(out)
+
+    name = f"aot_module_simplified({type(mod).__name__})"
+    graphs = compile_graphs(flat_fn, fakes, options, name, mode)
+    out_spec = graphs.meta.out_spec
+
+    def forward(*runtime_args: Any) -> Any:
+        return pytree.tree_unflatten(run(graphs, [*tensors, *runtime_args]), out_spec)
+
+    forward.graphs = graphs  # type: ignore[attr-defined]
+    return forward
+
+
+def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
+    from aotkit.compat import FakeTensor
+
+    if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+        return mode.from_tensor(x)
+    return x

@@ -1,0 +1,129 @@
+"""Counters and recorded decisions: every recompile, fallback, skip or bypass is data.
+
+A decision is logged under an ``aotkit.*`` logger, counted, and kept for :func:`explain`::
+
+    >>> from aotkit import counters
+    >>> counters.reset()
+    >>> _ = counters.record("recompile", "aot_function(f)", "shape of x changed: (2,) -> (3,)")
+    >>> counters.counters["recompile"]["aot_function(f)"]
+    1
+    >>> print(counters.explain())  # doctest: +ELLIPSIS
+    aotkit: 1 decision(s)
+      [recompile] aot_function(f): shape of x changed: (2,) -> (3,)
+    ...
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from aotkit import config
+
+#: ``counters[category][name]``, e.g. ``counters["aot"]["fw_compiles"]``.
+counters: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
+    collections.Counter
+)
+
+_decisions: collections.deque[Decision] = collections.deque()
+log = logging.getLogger("aotkit")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One recompile, fallback, skip or bypass, with its reason.
+
+    ``kind`` is a short category (``"recompile"``, ``"fallback"``, ...), ``what`` names the
+    compiled object it concerns, ``why`` is a sentence a user can act on, ``node`` names the FX
+    node involved (if any) and ``user_stack`` is the user's source location (if known).
+    """
+
+    kind: str
+    what: str
+    why: str
+    node: str | None = None
+    user_stack: str | None = None
+    timestamp: float = field(default_factory=time.time, compare=False)
+
+    def __str__(self) -> str:
+        where = f" (node {self.node})" if self.node else ""
+        text = f"[{self.kind}] {self.what}{where}: {self.why}"
+        if self.user_stack:
+            text += "\n    at " + self.user_stack.strip().replace("\n", "\n    ")
+        return text
+
+
+def bump(category: str, name: str, by: int = 1) -> None:
+    """Add ``by`` to ``counters[category][name]``."""
+    counters[category][name] += by
+
+
+def record(
+    kind: str,
+    what: str,
+    why: str,
+    *,
+    node: str | None = None,
+    user_stack: str | None = None,
+    logger: logging.Logger | None = None,
+    level: int = logging.INFO,
+) -> Decision:
+    """Log, count and keep one decision; returns it."""
+    decision = Decision(kind, what, why, node, user_stack)
+    _decisions.append(decision)
+    while len(_decisions) > max(config.max_decisions, 0):
+        _decisions.popleft()
+    counters[kind][what] += 1
+    (logger or log).log(level, "%s", decision)
+    return decision
+
+
+class Explanation:
+    """What :func:`explain` returns: the decisions kept and a copy of the counters."""
+
+    def __init__(self, decisions: list[Decision], counts: dict[str, dict[str, int]]) -> None:
+        self.decisions = decisions
+        self.counters = counts
+
+    def __iter__(self) -> Iterator[Decision]:
+        return iter(self.decisions)
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def of_kind(self, kind: str) -> list[Decision]:
+        """The decisions of one kind, e.g. ``explain().of_kind("recompile")``."""
+        return [d for d in self.decisions if d.kind == kind]
+
+    def __str__(self) -> str:
+        lines = [f"aotkit: {len(self.decisions)} decision(s)"]
+        lines += [f"  {d}" for d in self.decisions]
+        lines.append("counters:")
+        for category, names in sorted(self.counters.items()):
+            for name, value in sorted(names.items()):
+                lines.append(f"  {category}.{name} = {value}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain() -> Explanation:
+    """Every decision recorded since the last :func:`reset` (oldest first) and the counters.
+
+    Example::
+
+        >>> import aotkit
+        >>> report = aotkit.explain()
+        >>> [d.why for d in report.of_kind("recompile")]  # doctest: +SKIP
+    """
+    counts = {cat: dict(names) for cat, names in counters.items() if names}
+    return Explanation(list(_decisions), counts)
+
+
+def reset() -> None:
+    """Forget every counter and decision."""
+    counters.clear()
+    _decisions.clear()

@@ -1,0 +1,43 @@
+"""Errors aotkit raises to users: what failed, where, and how to fix it.
+
+Every error derives from :class:`AotkitError`; a few also derive from the built-in exception a
+PyTorch user would already catch (``TypeError``, ``RuntimeError``).
+
+    >>> import aotkit
+    >>> issubclass(aotkit.errors.ArgumentError, TypeError)
+    True
+"""
+
+from __future__ import annotations
+
+
+class AotkitError(Exception):
+    """Base class of every error aotkit raises on purpose."""
+
+
+class ConfigError(AotkitError, ValueError):
+    """An unknown option or a value of the wrong type in ``aotkit.config``."""
+
+
+class ArgumentError(AotkitError, TypeError):
+    """A compiled function was called with arguments it cannot take."""
+
+
+class OutputTypeError(AotkitError, TypeError):
+    """The traced function returned something that is not a tensor, a scalar or a pytree of them."""
+
+
+class TraceError(AotkitError, RuntimeError):
+    """Tracing the function to an FX graph failed (e.g. data-dependent Python control flow)."""
+
+
+class UnsupportedError(AotkitError, RuntimeError):
+    """The program does something aotkit does not support yet; the message names a workaround."""
+
+
+class RecompileLimitError(AotkitError, RuntimeError):
+    """A compiled function saw more input signatures than ``aotkit.config.recompile_limit``."""
+
+
+class CompilerError(AotkitError, RuntimeError):
+    """A graph compiler failed or returned something that is not callable."""

@@ -1,0 +1,41 @@
+"""The default partitioner: the forward computes its outputs; whatever the backward needs from
+the forward is saved, and nothing is recomputed except forward-only nodes the outputs don't need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from aotkit.partition.graph import ancestors, descendants, extract, is_random, is_sym, split_joint
+
+
+def default_partition(
+    joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split a joint graph into forward and backward graphs, saving what the backward uses.
+
+    The forward returns ``fw outputs + saved tensors + saved symints``; the backward takes
+    ``saved symints + saved tensors + tangents`` and returns one grad per primal.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> f = aotkit.aot_function(lambda x: x.sin().sin(), aotkit.compilers.nop,
+        ...                         partition_fn=aotkit.default_partition)
+        >>> f(torch.ones(2, requires_grad=True)).sum().backward()
+    """
+    parts = split_joint(joint_gm, num_fwd_outputs)
+    tangent_side = descendants(parts.tangents)
+    forward_roots = [*parts.fw_outputs, *(n for n in joint_gm.graph.nodes if is_random(n) and n not in tangent_side)]
+    forward = ancestors(forward_roots) | set(parts.primals)
+    backward = ancestors(parts.bw_outputs, stop=forward) - forward
+    used_by_backward = [
+        n for n in joint_gm.graph.nodes
+        if n in forward and any(u in backward for u in n.users)
+    ]
+    saved_syms = [n for n in used_by_backward if is_sym(n)]
+    saved = [n for n in used_by_backward if not is_sym(n)]
+    fw_gm = extract(joint_gm, parts.primals, [*parts.fw_outputs, *saved, *saved_syms])
+    bw_gm = extract(joint_gm, [*saved_syms, *saved, *parts.tangents], parts.bw_outputs)
+    return fw_gm, bw_gm

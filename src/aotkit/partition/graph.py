@@ -1,0 +1,88 @@
+"""Joint-graph helpers every partitioner shares: classify nodes, extract sub-graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+
+@dataclass
+class JointParts:
+    """The pieces of a joint graph ``(primals, tangents) -> (fw outputs, grads)``."""
+
+    primals: list[fx.Node]
+    tangents: list[fx.Node]
+    fw_outputs: list[fx.Node | None]
+    bw_outputs: list[fx.Node | None]
+
+
+def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    outputs = list(joint.graph.output_node().args[0])
+    return JointParts(
+        primals=[p for p in placeholders if p.name.startswith("primals")],
+        tangents=[p for p in placeholders if p.name.startswith("tangents")],
+        fw_outputs=outputs[:num_fwd_outputs],
+        bw_outputs=outputs[num_fwd_outputs:],
+    )
+
+
+def ancestors(roots: Iterable[fx.Node | None], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:  # type: ignore[assignment]
+    """Every node ``roots`` depend on, the roots included, not walking past ``stop``."""
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in stop:
+            todo.extend(node.all_input_nodes)
+    return seen
+
+
+def descendants(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    return seen
+
+
+def is_sym(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def is_random(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in node.target.tags
+    )
+
+
+def extract(
+    joint: fx.GraphModule,
+    inputs: Sequence[fx.Node],
+    outputs: Sequence[fx.Node | None],
+    names: Sequence[str] | None = None,
+) -> fx.GraphModule:
+    """A new graph computing ``outputs`` from ``inputs`` with copies of the joint's nodes."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        env[node] = graph.placeholder(names[i] if names else node.name)
+        env[node].meta = dict(node.meta)
+    needed = ancestors(outputs, stop=set(inputs))
+    for node in joint.graph.nodes:
+        if node in needed and node not in env and node.op != "output":
+            if node.op == "placeholder":
+                raise AssertionError(f"{node.name} is needed but not an input of the sub-graph")
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output([env[o] if isinstance(o, fx.Node) else o for o in outputs])
+    graph.eliminate_dead_code()
+    return fx.GraphModule(joint, graph)
