@@ -31,7 +31,10 @@ def mutations_hidden_from_autograd(inner: torch.Tensor) -> bool:
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """Exceptions fake-tensor tracing raises when Python control flow reads tensor data."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)

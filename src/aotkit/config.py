@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +55,6 @@ _define("log_graphs", bool, False,
         "Log the forward, backward and inference graphs at INFO level under aotkit.aot.")
 _define("max_decisions", int, 1000,
         "How many decisions (recompiles, fallbacks) aotkit.explain() keeps; older ones are dropped.")
-_define("keep_rng_ops_in_forward", bool, True,
-        "Keep random ops uncomposed and never recomputed so results match eager for a seed.",
-        in_cache_key=True)
 
 
 def _parse(option: Option, text: str) -> Any:
@@ -85,51 +83,56 @@ def _check(option: Option, value: Any) -> Any:
     return value
 
 
-class _Config:
-    """Module replacement: attribute access reads and writes the option values."""
+_values: dict[str, Any] = {}
 
-    def __init__(self) -> None:
-        values = {}
-        for option in _OPTIONS.values():
-            text = os.environ.get(option.env_var)
-            values[option.name] = option.default if text is None else _parse(option, text)
-        object.__setattr__(self, "_values", values)
+
+def _load_environment() -> None:
+    for option in _OPTIONS.values():
+        text = os.environ.get(option.env_var)
+        _values[option.name] = option.default if text is None else _parse(option, text)
+
+
+@contextlib.contextmanager
+def patch(**changes: Any) -> Iterator[None]:
+    """Set options for the duration of a ``with`` block, restoring them afterwards."""
+    saved = dict(_values)
+    try:
+        for name, value in changes.items():
+            setattr(sys.modules[__name__], name, value)
+        yield
+    finally:
+        _values.clear()
+        _values.update(saved)
+
+
+def options() -> dict[str, Option]:
+    """Every option with its type, default, help and environment variable."""
+    return dict(_OPTIONS)
+
+
+def cache_key() -> tuple[tuple[str, Any], ...]:
+    """The values of the options that change generated code, for cache keys."""
+    return tuple((n, _values[n]) for n, o in _OPTIONS.items() if o.in_cache_key)
+
+
+class _ConfigModule(types.ModuleType):
+    """Option values read and written as module attributes, type-checked on write."""
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(_unknown(name)) from None
+        if name in _values:
+            return _values[name]
+        raise AttributeError(_unknown(name))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in _OPTIONS:
+        if name in _OPTIONS:
+            _values[name] = _check(_OPTIONS[name], value)
+        elif name.startswith("_") or name in self.__dict__:
+            super().__setattr__(name, value)
+        else:
             raise ConfigError(_unknown(name))
-        self._values[name] = _check(_OPTIONS[name], value)
 
     def __dir__(self) -> list[str]:
-        return [*_OPTIONS, "patch", "options", "cache_key", "Option"]
-
-    @contextlib.contextmanager
-    def patch(self, **changes: Any) -> Iterator[None]:
-        """Set options for the duration of a ``with`` block, restoring them afterwards."""
-        saved = dict(self._values)
-        try:
-            for name, value in changes.items():
-                setattr(self, name, value)
-            yield
-        finally:
-            self._values.clear()
-            self._values.update(saved)
-
-    def options(self) -> dict[str, Option]:
-        """Every option with its type, default, help and environment variable."""
-        return dict(_OPTIONS)
-
-    def cache_key(self) -> tuple[tuple[str, Any], ...]:
-        """The values of the options that change generated code, for cache keys."""
-        return tuple((n, self._values[n]) for n, o in _OPTIONS.items() if o.in_cache_key)
-
-    Option = Option
+        return sorted({*super().__dir__(), *_OPTIONS})
 
 
 def _unknown(name: str) -> str:
@@ -140,4 +143,5 @@ def _unknown(name: str) -> str:
     return f"aotkit.config has no option {name!r}.{hint} Options: {', '.join(sorted(_OPTIONS))}."
 
 
-sys.modules[__name__] = _Config()  # type: ignore[assignment]
+_load_environment()
+sys.modules[__name__].__class__ = _ConfigModule
