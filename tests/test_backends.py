@@ -1,0 +1,180 @@
+"""``torch.compile(backend="aotkit")``: results and gradients equal eager PyTorch's, and aotkit's
+counters show what was traced and compiled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import aotkit
+from aotkit.counters import counters
+
+
+@pytest.fixture(autouse=True)
+def clean_state() -> Iterator[None]:
+    torch._dynamo.reset()
+    aotkit.counters.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_function_forward_and_backward() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * y).relu() + x @ y.t()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    y = torch.randn(4, 4, requires_grad=True)
+    x2, y2 = (t.detach().clone().requires_grad_() for t in (x, y))
+    out = torch.compile(f, backend="aotkit")(x, y)
+    out.sum().backward()
+    expected = f(x2, y2)
+    expected.sum().backward()
+
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(y.grad, y2.grad)
+    assert counters["aot"]["traces"] == 1
+    assert counters["aot"]["fw_compiles"] == 1
+    assert counters["aot"]["bw_compiles"] == 1
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_module_parameters_are_graph_inputs() -> None:
+    """Parameters reach the graph as inputs, so updating them in place needs no recompile."""
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="aotkit")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        out, expected = compiled(x), reference(x)
+        torch.testing.assert_close(out, expected)
+        for o, m in ((opt, out), (ref_opt, expected)):
+            o.zero_grad()
+            m.square().mean().backward()
+            o.step()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert counters["aot"]["traces"] == 1
+    assert not aotkit.explain().of_kind("recompile")
+
+
+def test_dynamic_shapes_one_trace_serves_several_batch_sizes() -> None:
+    model = Net()
+    compiled = torch.compile(model, backend="aotkit", dynamic=True)
+    for batch in (2, 3, 5, 9):
+        x = torch.randn(batch, 8)
+        out = compiled(x)
+        out.sum().backward()
+        compiled_grad = model.fc1.weight.grad.clone()
+        model.zero_grad()
+        expected = model(x)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(compiled_grad, model.fc1.weight.grad)
+        model.zero_grad()
+    assert counters["aot"]["traces"] == 1
+    assert counters["aot"]["fw_compiles"] == 1
+    assert counters["aot"]["bw_compiles"] == 1
+
+
+def test_input_mutation_reaches_the_caller() -> None:
+    def f(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        buf.mul_(2).add_(x.detach())
+        return (x * buf).sum()
+
+    buf, x = torch.arange(4.0), torch.randn(4, requires_grad=True)
+    buf2, x2 = buf.clone(), x.detach().clone().requires_grad_()
+    out = torch.compile(f, backend="aotkit")(buf, x)
+    out.backward()
+    expected = f(buf2, x2)
+    expected.backward()
+
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(buf, buf2)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_buffer_mutation_batchnorm_running_stats() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+    reference = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="aotkit")
+    for _ in range(2):
+        x = torch.randn(10, 6)
+        torch.testing.assert_close(compiled(x), reference(x))
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+    assert model[1].num_batches_tracked.item() == 2
+
+
+def test_graph_break_results_still_right() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.cos() * 3
+        torch._dynamo.graph_break()
+        return (y.exp() + x).sum(0)
+
+    x = torch.randn(3, 5, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = torch.compile(f, backend="aotkit")(x)
+    out.sum().backward()
+    expected = f(x2)
+    expected.sum().backward()
+
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+    assert counters["aot"]["traces"] == 2
+    assert counters["aot"]["bw_compiles"] == 2
+
+
+def test_inference_under_no_grad() -> None:
+    model = Net()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        out = torch.compile(model, backend="aotkit")(x)
+        expected = model(x)
+    torch.testing.assert_close(out, expected)
+    assert not out.requires_grad
+    assert counters["aot"]["inference_compiles"] == 1
+    assert counters["aot"]["fw_compiles"] == 0
+
+
+def test_backend_is_registered_with_dynamo() -> None:
+    from aotkit.backends import aotkit_nop
+
+    assert "aotkit" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("aotkit") is aotkit_nop
+
+
+def test_entry_point_works_without_importing_aotkit() -> None:
+    code = (
+        "import sys, torch\n"
+        "f = torch.compile(lambda x: x * 2, backend='aotkit')\n"
+        "print(f(torch.ones(2)))\n"
+        "print('aotkit' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "tensor([2., 2.])"
+    assert lines[1] == "True"  # loaded through the entry point, not by the command

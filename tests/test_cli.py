@@ -1,0 +1,105 @@
+"""The ``aotkit`` command: ``aotkit demo`` and ``aotkit graphs``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotkit
+from aotkit import cli
+from aotkit.demo import capture_graphs
+
+
+@pytest.fixture(autouse=True)
+def clean_state() -> Iterator[None]:
+    torch._dynamo.reset()
+    aotkit.counters.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_demo_subprocess_reports_figures() -> None:
+    proc = run_command(sys.executable, "-m", "aotkit", "demo", "--steps", "4", "--threads", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"compile time:\s+-?\d+\.\d+ s \(first step \d+\.\d+ s", out), out
+    assert re.search(r"steady step:\s+\d+\.\d+ ms vs eager \d+\.\d+ ms \(\d+\.\d+x eager\)", out), out
+    assert "graphs captured:    1 trace(s), 1 forward, 1 backward" in out, out
+    assert re.search(r"recompiles:\s+0", out), out
+    assert "result: OK" in out
+
+
+def _perturbed_compile(model: torch.nn.Module, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: model(x) * 1.001
+
+
+def _failing_compile(model: torch.nn.Module, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backend exploded")
+
+    return run
+
+
+def test_demo_exits_1_when_results_differ(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch, "compile", _perturbed_compile)
+    assert cli.main(["demo", "--steps", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "result: FAILED" in captured.out
+    assert re.search(r"step 0: loss [\d.]+, eager [\d.]+", captured.out), captured.out
+    assert "differ from eager" in captured.err
+
+
+def test_demo_exits_1_when_compiled_training_raises(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch, "compile", _failing_compile)
+    assert cli.main(["demo", "--steps", "2"]) == 1
+    assert "compiled training raised RuntimeError at step 0: backend exploded" in capsys.readouterr().out
+
+
+def test_demo_rejects_too_few_steps() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--steps", "1"])
+    assert exc.value.code == 2
+
+
+def test_graphs_console_script_prints_sizes_and_code() -> None:
+    script = Path(sys.executable).with_name("aotkit")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "aotkit"]
+    proc = run_command(*command, "graphs", "--model", "mlp", "--code")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"forward: \d+ nodes \(11 ops, 9 inputs", proc.stdout), proc.stdout
+    assert re.search(r"backward: \d+ nodes", proc.stdout), proc.stdout
+    assert "# ---- backward graph ----" in proc.stdout
+    assert "aten.gelu_backward.default" in proc.stdout
+
+
+def test_graphs_transformer_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["graphs", "--model", "transformer"]) == 0
+    out = capsys.readouterr().out
+    assert "aotkit graphs: transformer (training)" in out
+    assert re.search(r"forward: \d+ nodes", out) and re.search(r"backward: \d+ nodes", out)
+
+
+def test_capture_graphs_match_the_model() -> None:
+    forward, backward = capture_graphs("mlp")
+    assert (forward.kind, backward.kind) == ("forward", "backward")
+    assert forward.op_counts["aten.addmm.default"] == 4
+    assert forward.op_counts["aten.gelu.default"] == 3
+    assert backward.op_counts["aten.gelu_backward.default"] == 3
+    (inference,) = capture_graphs("mlp", training=False)
+    assert inference.kind == "inference"
+    assert inference.op_counts["aten.addmm.default"] == 4
+    assert aotkit.counters.counters["aot"]["inference_compiles"] == 1
