@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from aotkit.compat import FunctionalTensor, FunctionalTensorMode, StorageWeakRef, mutations_hidden_from_autograd
+from aotkit.compat import (
+    FunctionalTensor,
+    FunctionalTensorMode,
+    StorageWeakRef,
+    mutations_hidden_from_autograd,
+)
 
 
 class Alias(enum.Enum):
@@ -26,6 +31,7 @@ class Alias(enum.Enum):
     OF_OUTPUT = "of_output"    # a view of user output ``base``
     OF_INTERMEDIATE = "of_intermediate"  # a view of extra forward output ``base`` (an intermediate)
     CONSTANT = "constant"      # not a graph output: a Python value returned as is
+    SAME_AS_OUTPUT = "same_as_output"  # the very object of an earlier user output ``base``
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,8 @@ class InputInfo:
     mutates_data: bool = False
     mutates_metadata: bool = False
     mutation_hidden: bool = False  # every mutation ran under no_grad / inference mode
+    # After the call: ``x.add_(w)`` makes an input that did not require grad require it.
+    requires_grad_after: bool = False
 
     @property
     def mutated(self) -> bool:
@@ -42,7 +50,7 @@ class InputInfo:
 
     @property
     def mutation_is_differentiable(self) -> bool:
-        return self.requires_grad and self.mutates_data and not self.mutation_hidden
+        return self.requires_grad_after and self.mutates_data and not self.mutation_hidden
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,9 @@ class OutputInfo:
     is_tensor: bool = True
     constant: Any = None
     static_view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # size, stride, offset
+    linked: bool = True  # has a grad_fn: autograd flows from this output into its base
+    # A view taken under no_grad: eager gives it requires_grad but no grad_fn (no link to base).
+    no_grad_view: bool = False
 
 
 @dataclass
@@ -130,8 +141,9 @@ def _input_info(arg: Any, f_arg: Any) -> InputInfo:
     inner = f_arg.elem
     data = torch._functionalize_has_data_mutation(inner)
     metadata = torch._functionalize_has_metadata_mutation(inner)
-    hidden = (data or metadata) and mutations_hidden_from_autograd(inner)
-    return InputInfo(True, arg.requires_grad, data, metadata, hidden)
+    # The flag covers data mutations only; a metadata-only mutation would read as hidden.
+    hidden = data and mutations_hidden_from_autograd(inner)
+    return InputInfo(True, arg.requires_grad, data, metadata, hidden, f_arg.requires_grad)
 
 
 # Note [Aliased outputs]
@@ -151,17 +163,20 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
     shared = _storages_shared_by_outputs(f_outs)
     infos: list[OutputInfo] = []
     bases: list[torch.Tensor] = []
-    for out in f_outs:
+    for k, out in enumerate(f_outs):
         if not isinstance(out, torch.Tensor):
             infos.append(_non_tensor_info(out))
             continue
         storage = StorageWeakRef(out.untyped_storage())
         rg = out.requires_grad
         same = next((i for i, a in enumerate(f_args) if a is out), None)
-        if same is not None:
+        earlier = next((j for j, o in enumerate(f_outs[:k]) if o is out), None)
+        if earlier is not None:  # ``return y, y`` gives one object twice
+            infos.append(OutputInfo(Alias.SAME_AS_OUTPUT, earlier, rg))
+        elif same is not None:
             infos.append(OutputInfo(Alias.IS_INPUT, same, rg))
         elif storage in input_storage:
-            infos.append(OutputInfo(Alias.OF_INPUT, input_storage[storage], rg, static_view=_static_view(out)))
+            infos.append(_view_info(Alias.OF_INPUT, input_storage[storage], out))
         elif storage in shared:
             infos.append(_view_of_output_info(out, f_outs, bases))
         else:
@@ -185,12 +200,19 @@ def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch
         return OutputInfo(Alias.NONE, None, rg)
     owner = next((i for i, o in enumerate(f_outs) if o is base), None)
     if owner is not None:
-        return OutputInfo(Alias.OF_OUTPUT, owner, rg, static_view=_static_view(out))
+        return _view_info(Alias.OF_OUTPUT, owner, out)
     index = next((i for i, b in enumerate(bases) if b is base), None)
     if index is None:
         bases.append(base)
         index = len(bases) - 1
-    return OutputInfo(Alias.OF_INTERMEDIATE, index, rg, static_view=_static_view(out))
+    return _view_info(Alias.OF_INTERMEDIATE, index, out)
+
+
+def _view_info(alias: Alias, base: int, out: torch.Tensor) -> OutputInfo:
+    linked = out.grad_fn is not None
+    no_grad_view = out.requires_grad and not linked and out._is_view()
+    return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out),
+                      linked=linked, no_grad_view=no_grad_view)
 
 
 def _non_tensor_info(out: Any) -> OutputInfo:

@@ -15,13 +15,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
-from aotkit.aot.analysis import analyze
+from aotkit.aot.analysis import Alias, AotMeta, analyze
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
-from aotkit.aot.signature import describe_change, leaf_names, signature
+from aotkit.aot.signature import ShapeGuard, describe_change, leaf_names, signature
 from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tracing
 from aotkit.compat import FakeTensorMode
-from aotkit.errors import ArgumentError, OutputTypeError, RecompileLimitError
+from aotkit.errors import ArgumentError, OutputTypeError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
 
 log = logging.getLogger("aotkit.aot")
@@ -58,9 +58,11 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     with tracing(mode, name):
         meta, fw_out_fakes = analyze(flat_fn, args)
         if training:
+            _refuse_leaf_metadata_mutation(meta, args, name)
             primals = [_as_leaf(a) for a in args]
             gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions)
         else:
+            _refuse_grad_without_inputs(meta, name)
             gm = trace_inference(flat_fn, args, meta, options.decompositions,
                                  options.keep_inference_input_mutations)
     if not training:
@@ -79,6 +81,33 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
     )
+
+
+def _refuse_leaf_metadata_mutation(meta: AotMeta, args: Sequence[Any], name: str) -> None:
+    """``p.t_()`` under no_grad on a leaf that requires grad: eager's grad then arrives in the
+    new shape, but a compiled function must return grads shaped like its inputs were."""
+    for i, info in enumerate(meta.inputs):
+        if info.requires_grad and info.mutates_metadata and args[i].is_leaf:
+            raise UnsupportedError(
+                f"{name} changes the shape or strides of input {i} in place (t_(), "
+                "unsqueeze_(), as_strided_(), ...), a leaf that requires grad.\nFix: do the "
+                "in-place view change outside the compiled function, or use the out-of-place "
+                "view (x = x.t()) inside it."
+            )
+
+
+def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
+    """The inference graph runs without autograd; eager would still hand back a fresh output
+    that requires grad when the function makes one itself (``torch.ones(..., requires_grad=True)``
+    or ``torch.enable_grad()`` inside a call made under no_grad)."""
+    fresh = [o for o in meta.outputs if o.alias is Alias.NONE and o.is_tensor and o.requires_grad]
+    if fresh or any(meta.intermediate_bases_requires_grad):
+        raise UnsupportedError(
+            f"{name} returns a tensor that requires grad although no input requires grad or grad "
+            "mode is off, so aotkit compiled it for inference without autograd.\nFix: create "
+            "tensors that require grad outside the function and pass them in, and call the "
+            "function in the grad mode it needs instead of switching inside it."
+        )
 
 
 def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
@@ -119,7 +148,7 @@ def _log_graph(name: str, kind: str, gm: fx.GraphModule) -> None:
 class _Entry:
     graphs: CompiledGraphs
     tensor_positions: list[int]
-    guard: Callable[[list[torch.Tensor]], bool] | None
+    guard: ShapeGuard | None
 
 
 class AotFunction:
@@ -128,9 +157,12 @@ class AotFunction:
     Create it with :func:`aot_function`; call it like the original function.
     """
 
-    def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
+                 leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
+                 ) -> None:
         self.fn = fn
         self.options = options
+        self._leaf_names = leaf_namer  # names in recompile reasons, e.g. ``args[1]['w']``
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
         self._last_key: tuple[Any, ...] | None = None
@@ -161,7 +193,7 @@ class AotFunction:
         fakes = [make_fake(mode, leaves[i], k, self.options.dynamic) for k, i in enumerate(positions)]
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
         graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
-        guard = _shape_guard(mode, fakes) if self.options.dynamic else None
+        guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard)
         self._entries.setdefault(key, []).append(entry)
         self._last_key = key
@@ -189,10 +221,15 @@ class AotFunction:
                 "aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the reasons."
             )
         old = self._last_key
-        if old is not None and old == key:
-            why = "new sizes fail the shape guards of the dynamic entry"
+        failed = self._entries.get(key)
+        if failed and failed[-1].guard is not None:
+            entry = failed[-1]
+            names = self._leaf_names(args, kwargs)
+            leaves = pytree.tree_leaves((args, kwargs))
+            why = entry.guard.explain([leaves[i] for i in entry.tensor_positions],
+                                      [names[i] for i in entry.tensor_positions])
         elif old is not None:
-            why = describe_change(old, key, leaf_names(args, kwargs))
+            why = describe_change(old, key, self._leaf_names(args, kwargs))
         else:
             why = "new input signature"
         counters.record("recompile", self.name, why, logger=log)
@@ -202,15 +239,6 @@ def _fake_mode(dynamic: bool) -> FakeTensorMode:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     return FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
-
-
-def _shape_guard(mode: FakeTensorMode, fakes: list[Any]) -> Callable[[list[torch.Tensor]], bool]:
-    shape_env = mode.shape_env
-    assert shape_env is not None
-    code = shape_env.produce_guards_expression(fakes)
-    if not code:
-        return lambda tensors: True
-    return lambda tensors: shape_env.evaluate_guards_expression(code, tensors)
 
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
@@ -287,20 +315,31 @@ class AotModule(nn.Module):
         self.orig_module = module
         name = f"aot_module({type(module).__name__})"
 
-        def call(training: bool, state: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        def call(modes: tuple[bool, ...], state: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             names = self._state_names
             return torch.func.functional_call(module, dict(zip(names, state, strict=True)), args, kwargs)
 
         self._state_names: list[str] = []
-        self._compiled = AotFunction(call, options, name)
+        self._compiled = AotFunction(call, options, name, self._leaf_names)
 
     def _state(self) -> list[torch.Tensor]:
         named = [*self.orig_module.named_parameters(), *self.orig_module.named_buffers()]
         self._state_names = [n for n, _ in named]
         return [t for _, t in named]
 
+    def _modes(self) -> tuple[bool, ...]:
+        # Every submodule's flag is part of the signature: ``model.dropout.eval()`` alone
+        # changes the program as much as ``model.eval()``.
+        return tuple(m.training for m in self.orig_module.modules())
+
+    def _leaf_names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        _modes, _state, *user = args
+        top = type(self.orig_module).__name__
+        modes = [f"{n or top}.training" for n, _ in self.orig_module.named_modules()]
+        return [*modes, *self._state_names, *leaf_names(tuple(user), kwargs)]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled(self.orig_module.training, self._state(), *args, **kwargs)
+        return self._compiled(self._modes(), self._state(), *args, **kwargs)
 
 
 def aot_module(

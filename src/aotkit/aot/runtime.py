@@ -3,6 +3,7 @@ that writes input mutations back and regenerates aliased outputs (Note [Aliased 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -41,7 +42,6 @@ class CompiledGraphs:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
             self.meta.intermediate_bases_requires_grad
         )
-        self.data_mutated = [i for i in self.returned_mutations if self.meta.inputs[i].mutates_data]
         self.non_differentiable = [i for i, d in enumerate(self.differentiable) if not d]
 
     def backward_fn(self) -> Callable[[list[Any]], Any]:
@@ -61,16 +61,19 @@ class CompiledFunction(torch.autograd.Function):
     """Runs the compiled forward; its backward runs the (lazily) compiled backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def forward(ctx: Any, graphs: CompiledGraphs, anchor: list[torch.Tensor], *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.anchor = anchor[0]
         outs = graphs.fw(list(args))
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.num_saved_tensors]
-        if graphs.data_mutated:
-            saved = _unshare_with_mutated_inputs(saved, args, graphs.data_mutated)
-        ctx.save_for_backward(*saved)
+        if graphs.returned_mutations:
+            saved = _unshare_with_mutated_inputs(saved, args, graphs.returned_mutations)
         ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
+        if any(s is None for s in saved):
+            _refuse_undefined_saved(graphs, saved, len(ctx.saved_syms))
+        ctx.save_for_backward(*saved)
         ctx.graphs = graphs
-        fw_outs = outs[:n]
+        fw_outs = _distinct_non_differentiable(outs[:n], graphs.non_differentiable)
         ctx.mark_non_differentiable(
             *(fw_outs[i] for i in graphs.non_differentiable if isinstance(fw_outs[i], torch.Tensor))
         )
@@ -87,13 +90,37 @@ class CompiledFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
             with torch.no_grad():
                 input_grads = backward(args)
-            return (None, *_refuse_double_backward(graphs.name, input_grads))
-        return (None, *backward(args))
+            return (None, None, *_refuse_double_backward(graphs.name, ctx.anchor, input_grads))
+        return (None, None, *backward(args))
+
+
+# Note [Refusing double backward]
+# Under create_graph=True the grads we return must stay connected to the inputs, or a second
+# backward silently sees no dependence on them (zero or missing second-order terms). We cannot
+# differentiate the compiled backward, so the grads go through _DoubleBackwardGuard, whose
+# backward raises. The guard reaches the inputs through an "anchor": an empty tensor made by
+# _Anchor from the differentiable inputs at forward time. It holds only autograd edges, not the
+# inputs' memory, and is never used unless a second backward runs.
+class _Anchor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.num_inputs = len(inputs)
+        return inputs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[None, ...]:  # type: ignore[override]
+        return (None,) * ctx.num_inputs
+
+
+def make_anchor(args: Sequence[Any]) -> torch.Tensor:
+    """The anchor of Note [Refusing double backward] for one call's inputs."""
+    differentiable = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    return _Anchor.apply(*differentiable)
 
 
 class _DoubleBackwardGuard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, name: str, anchor: torch.Tensor, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.name = name
         return tuple(g.view_as(g) for g in grads)
 
@@ -106,19 +133,48 @@ class _DoubleBackwardGuard(torch.autograd.Function):
         )
 
 
-def _refuse_double_backward(name: str, grads: Sequence[Any]) -> list[Any]:
+def _refuse_double_backward(name: str, anchor: torch.Tensor, grads: Sequence[Any]) -> list[Any]:
+    """See Note [Refusing double backward]."""
     tensors = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
     if not tensors:
         return list(grads)
-    guarded = _DoubleBackwardGuard.apply(name, *(grads[i] for i in tensors))
+    guarded = _DoubleBackwardGuard.apply(name, anchor, *(grads[i] for i in tensors))
     out = list(grads)
     for i, g in zip(tensors, guarded, strict=True):
         out[i] = g
     return out
 
 
+def _refuse_undefined_saved(graphs: CompiledGraphs, saved: Sequence[Any], num_syms: int) -> None:
+    """Some kernels return an undefined tensor (None in Python) where their fake kernel promised
+    one, e.g. mkldnn_rnn_layer's workspace (nn.LSTM on CPU). C++ autograd passes it on; a
+    Python call to the backward op cannot, so refuse here rather than fail inside backward."""
+    assert graphs.bw_gm is not None
+    names = [n.name for n in graphs.bw_gm.graph.find_nodes(op="placeholder")][num_syms:]
+    missing = [names[k] for k, s in enumerate(saved) if s is None]
+    raise UnsupportedError(
+        f"{graphs.name}: the compiled forward returned no tensor for the saved value(s) "
+        f"{', '.join(missing)} its backward needs (the kernel gave an undefined tensor, as "
+        "mkldnn_rnn_layer does for nn.LSTM on CPU).\nFix: run that part eagerly, or for "
+        "RNNs on CPU wrap the calls in torch.backends.mkldnn.flags(enabled=False)."
+    )
+
+
+def _distinct_non_differentiable(outs: Sequence[Any], non_differentiable: list[int]) -> list[Any]:
+    """mark_non_differentiable applies to tensor objects: when the graph returns one tensor both
+    as a differentiable output (a mutated input's new value) and a non-differentiable one (the
+    same input returned to the user), the latter must be a separate alias or both lose grads."""
+    outs = list(outs)
+    for i in non_differentiable:
+        if isinstance(outs[i], torch.Tensor) and any(o is outs[i] for j, o in enumerate(outs) if j != i):
+            outs[i] = outs[i].detach()
+    return outs
+
+
 def _unshare_with_mutated_inputs(saved: Sequence[Any], args: Sequence[Any], mutated: list[int]) -> list[Any]:
-    """Saved tensors that alias an input the epilogue is about to overwrite are cloned first."""
+    """Saved tensors that alias an input the epilogue is about to change are cloned first: a copy_
+    would overwrite them, and even a metadata-only as_strided_ bumps the version counter they
+    share with the input, which autograd would then reject in backward."""
     storages = {args[i].untyped_storage().data_ptr() for i in mutated}
     return [
         s.clone() if isinstance(s, torch.Tensor) and s.untyped_storage().data_ptr() in storages else s
@@ -130,10 +186,10 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     """Run one compiled signature on flat inputs; returns the flat user outputs."""
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
-    if graphs.returned_mutations:
+    if graphs.meta.mutated_inputs:  # mutations kept in the graph too (keep_inference_...)
         check_no_aliased_mutation(graphs.name, graphs.meta, args)
     if graphs.training:
-        fw_outs = CompiledFunction.apply(graphs, *args)
+        fw_outs = CompiledFunction.apply(graphs, [make_anchor(args)], *args)
     else:
         with torch.no_grad():
             fw_outs = graphs.fw(list(args))
@@ -158,6 +214,8 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
             results.append(out)
         elif info.alias is Alias.IS_INPUT:
             results.append(args[info.base])
+        elif info.alias is Alias.SAME_AS_OUTPUT:
+            results.append(results[info.base])
         elif info.alias is Alias.OF_INPUT:
             results.append(regenerate_view(args[info.base], out, info, graphs.name))
         elif info.alias is Alias.OF_OUTPUT:
@@ -168,10 +226,13 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
 
 
 def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> None:
-    """Make the caller's tensor show what the function did to it."""
+    """Make the caller's tensor show what the function did to it, in autograd too."""
     if info.mutates_metadata:
         offset = new.storage_offset() if _same_storage(inp, new) else inp.storage_offset()
-        with torch.no_grad():
+        # Like eager's x.t_() on a non-leaf: later grads to x must arrive in the new shape. (A
+        # leaf that requires grad can only have been changed under no_grad, or eager raises.)
+        tracked = info.requires_grad and not inp.is_leaf and torch.is_grad_enabled()
+        with contextlib.nullcontext() if tracked else torch.no_grad():
             inp.as_strided_(new.size(), new.stride(), offset)
     if info.mutates_data:
         if info.mutation_is_differentiable and torch.is_grad_enabled():
@@ -182,6 +243,19 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
 
 
 def regenerate_view(base: torch.Tensor, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
+    """``out`` as a real view of ``base`` with the autograd link eager would give it."""
+    if info.linked or not base.requires_grad:
+        return _as_view(base, out, info, name)
+    if info.no_grad_view:  # eager: requires_grad, no grad_fn, still a view of base
+        with torch.no_grad():
+            return _as_view(base, out, info, name)
+    # ``x.detach()`` (maybe ``.requires_grad_()`` after): shares memory, no autograd link
+    return _as_view(base.detach(), out, info, name).requires_grad_(info.requires_grad)
+
+
+def _as_view(base: torch.Tensor, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
+    if out.dtype != base.dtype:
+        base = _reinterpret(base, out.dtype)
     if _same_storage(base, out):
         return base.as_strided(out.size(), out.stride(), out.storage_offset())
     if info.static_view is not None:
@@ -192,6 +266,17 @@ def regenerate_view(base: torch.Tensor, out: torch.Tensor, info: OutputInfo, nam
         "preserves views of graph inputs (e.g. aotkit.compilers.nop), or clone the output "
         "in the function."
     )
+
+
+def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole storage of ``base`` as one flat tensor of ``dtype``, for views that change the
+    dtype (``view_as_real``, ``Tensor.view(dtype)``); as_strided alone cannot."""
+    flat = base.as_strided((base.untyped_storage().nbytes() // base.element_size(),), (1,), 0)
+    if flat.is_complex() and not dtype.is_complex:
+        flat = torch.view_as_real(flat).flatten()
+    elif dtype.is_complex and not flat.is_complex():
+        flat = torch.view_as_complex(flat.view(-1, 2))
+    return flat if flat.dtype == dtype else flat.view(dtype)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

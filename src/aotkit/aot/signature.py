@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 
 
 def signature(spec: pytree.TreeSpec, leaves: Sequence[Any], dynamic: bool) -> tuple[Any, ...]:
-    """The key of one call: pytree structure, every leaf, grad and autocast modes."""
+    """The key of one call: pytree structure, every leaf, grad/autocast modes, backend flags."""
     return (
         spec,
         tuple(leaf_key(x, dynamic) for x in leaves),
@@ -38,11 +39,17 @@ def signature(spec: pytree.TreeSpec, leaves: Sequence[Any], dynamic: bool) -> tu
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cpu"),
         torch.is_autocast_enabled("cuda"),
+        # Backend switches decide which kernels a composite op traces to (e.g. LSTM on CPU).
+        torch.backends.mkldnn.enabled,
+        torch.backends.cudnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
     )
 
 
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride")
-_MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast")
+_MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
+          "torch.backends.mkldnn.enabled", "torch.backends.cudnn.enabled",
+          "deterministic algorithms")
 
 
 def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> str:
@@ -82,3 +89,28 @@ def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
         prefix = "args" if getattr(head, "idx", 1) == 0 else "kwargs"
         names.append(prefix + "".join(str(k) for k in rest))
     return names
+
+
+class ShapeGuard:
+    """The size conditions a dynamic entry was traced under, e.g. ``2 <= L['t0'].size()[0]``
+    (sizes 0 and 1 are specialized, so a batch of 1 needs its own entry)."""
+
+    def __init__(self, shape_env: Any, fakes: Sequence[Any]) -> None:
+        from torch._dynamo.source import LocalSource
+
+        self.shape_env = shape_env
+        sources = [LocalSource(f"t{i}") for i in range(len(fakes))]
+        self.guards: list[str] = list(shape_env.produce_guards(fakes, sources))
+        self.code = " and ".join(self.guards)
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return not self.code or self.shape_env.evaluate_guards_expression(self.code, tensors)
+
+    def explain(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> str:
+        """Which guard ``tensors`` fail, in the caller's argument names."""
+        for guard in self.guards:
+            if not self.shape_env.evaluate_guards_expression(guard, tensors):
+                readable = re.sub(r"L\['t(\d+)'\]", lambda m: names[int(m.group(1))], guard)
+                shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
+                return f"sizes fail the shape guard {readable} of the dynamic entry ({shapes})"
+        return "sizes fail the shape guards of the dynamic entry"

@@ -39,8 +39,12 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) 
 @contextlib.contextmanager
 def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     """Enter the fake mode and turn tracing failures into errors that say what to change."""
+    # The Python dispatcher is what lets composite ops decompose with symbolic sizes; with static
+    # shapes we leave it off so composites run their C++ kernels like eager, aliasing included
+    # (its Python decomposition of eval-mode dropout copies where eager returns the input).
+    dispatcher = enable_python_dispatcher() if mode.shape_env is not None else contextlib.nullcontext()
     try:
-        with mode, enable_python_dispatcher():
+        with mode, dispatcher:
             yield
     except data_dependent_errors() as exc:
         raise TraceError(
@@ -58,12 +62,17 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _user_frame(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
-              and "/aotkit/" not in f.filename]
-    if not frames:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/aotkit/" not in f.filename]
+    user = [f for f in frames if "/torch/" not in f.filename]
+    # The data dependence may sit in a library check (torch.nn.functional): show that line too.
+    library = [f for f in frames if "/torch/nn/" in f.filename or "/torch/functional" in f.filename]
+    shown = []
+    if library and (not user or frames.index(library[-1]) > frames.index(user[-1])):
+        shown.append(library[-1])
+    shown += user[-1:]
+    if not shown:
         return "<unknown location>"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+    return "\n  called from ".join(f"{f.filename}:{f.lineno} in {f.name}: {f.line}" for f in shown)
 
 
 def trace_joint(
@@ -81,12 +90,15 @@ def trace_joint(
     differentiable = meta.fw_output_differentiable()
     tangents = [t for t, d in zip(tangents, differentiable, strict=True) if d]
 
+    # Decided before the call: ``x.add_(w)`` makes x require grad, yet x gets no grad.
+    wrt = [i for i, p in enumerate(primals) if isinstance(p, torch.Tensor) and p.requires_grad]
+
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
         with FunctionalTensorMode():
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True)
-            grads = _grads(fw_outs, differentiable, f_primals, f_tangents)
+            grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
         return [from_fun(x) for x in [*fw_outs, *grads]]
 
     return _make_fx(joint, [list(primals), tangents], decompositions)
@@ -140,8 +152,8 @@ def _intermediate_base_owners(outs: list[Any], meta: AotMeta) -> list[torch.Tens
     return [owners[i] for i in range(len(meta.intermediate_bases_requires_grad))]
 
 
-def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any], f_tangents: list[Any]) -> list[Any]:
-    wrt = [i for i, p in enumerate(f_primals) if isinstance(p, torch.Tensor) and p.requires_grad]
+def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any], wrt: list[int],
+           f_tangents: list[Any]) -> list[Any]:
     outs = [o for o, d in zip(fw_outs, differentiable, strict=True) if d]
     grads: list[Any] = [None] * len(f_primals)
     if wrt and outs:

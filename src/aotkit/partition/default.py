@@ -7,7 +7,15 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotkit.partition.graph import ancestors, descendants, extract, is_random, is_sym, split_joint
+from aotkit.partition.graph import (
+    ancestors,
+    descendants,
+    extract,
+    is_random,
+    is_sym,
+    split_joint,
+    with_getitems,
+)
 
 
 def default_partition(
@@ -28,7 +36,7 @@ def default_partition(
     parts = split_joint(joint_gm, num_fwd_outputs)
     tangent_side = descendants(parts.tangents)
     forward_roots = [*parts.fw_outputs, *(n for n in joint_gm.graph.nodes if is_random(n) and n not in tangent_side)]
-    forward = ancestors(forward_roots) | set(parts.primals)
+    forward = with_getitems(ancestors(forward_roots) | set(parts.primals))
     backward = ancestors(parts.bw_outputs, stop=forward) - forward
     used_by_backward = [
         n for n in joint_gm.graph.nodes

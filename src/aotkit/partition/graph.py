@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,16 @@ def descendants(roots: Iterable[fx.Node]) -> set[fx.Node]:
             seen.add(node)
             todo.extend(node.users)
     return seen
+
+
+def with_getitems(nodes: set[fx.Node]) -> set[fx.Node]:
+    """``nodes`` plus every ``getitem`` of a multi-output node among them.
+
+    A tuple-valued node cannot cross the forward/backward boundary (``save_for_backward`` takes
+    tensors), so the items the backward reads are taken apart where the tuple is made.
+    """
+    items = {u for n in nodes for u in n.users if u.op == "call_function" and u.target is operator.getitem}
+    return nodes | items
 
 
 def is_sym(node: fx.Node) -> bool:

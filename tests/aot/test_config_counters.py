@@ -1,0 +1,151 @@
+"""aotkit.config and aotkit.counters basics: patch, environment overrides, helpful errors,
+counters, recorded decisions and explain()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aotkit
+from aotkit import compilers, config, counters
+from aotkit.errors import AotkitError, ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    counters.reset()
+    yield
+    counters.reset()
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AOTKIT_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
+                          text=True, timeout=300)
+
+
+# --- config ----------------------------------------------------------------------------------
+
+
+def test_patch_sets_and_restores():
+    before = config.recompile_limit
+    with config.patch(recompile_limit=before + 5, log_graphs=True):
+        assert config.recompile_limit == before + 5
+        assert config.log_graphs is True
+    assert config.recompile_limit == before
+    assert config.log_graphs is False
+
+
+def test_patch_restores_after_an_exception():
+    before = config.recompile_limit
+    with pytest.raises(KeyError), config.patch(recompile_limit=1):
+        raise KeyError("boom")
+    assert config.recompile_limit == before
+
+
+def test_patch_restores_values_set_inside_the_block():
+    before = config.max_decisions
+    with config.patch(recompile_limit=3):
+        config.max_decisions = 7
+    assert config.max_decisions == before
+
+
+def test_unknown_option_suggests_a_close_name():
+    with pytest.raises(ConfigError, match="recompile_limit") as info:
+        config.recompile_limt = 3
+    assert "Did you mean 'recompile_limit'" in str(info.value)
+    assert isinstance(info.value, AotkitError)
+    with pytest.raises(AttributeError, match="Did you mean 'log_graphs'"):
+        _ = config.log_graph
+    with pytest.raises(ConfigError, match="Did you mean 'max_decisions'"), config.patch(
+        max_decision=3
+    ):
+        pass
+
+
+def test_wrong_type_is_refused():
+    with pytest.raises(ConfigError, match="must be int"):
+        config.recompile_limit = "4"
+    with pytest.raises(ConfigError, match="must be int"):
+        config.recompile_limit = True
+    with pytest.raises(ConfigError, match="must be bool"):
+        config.debug_graphs = 1
+
+
+def test_options_have_type_default_help_and_env_var():
+    options = config.options()
+    assert "recompile_limit" in options
+    for name, option in options.items():
+        assert option.name == name
+        assert option.help
+        assert option.env_var == f"AOTKIT_{name.upper()}"
+        assert isinstance(option.default, option.type)
+    key = dict(config.cache_key())
+    assert set(key) == {n for n, o in options.items() if o.in_cache_key}
+
+
+def test_env_override_is_parsed_in_a_fresh_process():
+    out = _python("import aotkit; c = aotkit.config; print(c.recompile_limit, c.debug_graphs)",
+                  AOTKIT_RECOMPILE_LIMIT="3", AOTKIT_DEBUG_GRAPHS="yes")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "True"]
+
+
+def test_bad_env_value_names_the_variable():
+    out = _python("import aotkit", AOTKIT_RECOMPILE_LIMIT="many")
+    assert out.returncode != 0
+    assert "ConfigError" in out.stderr and "AOTKIT_RECOMPILE_LIMIT='many'" in out.stderr
+
+
+# --- counters and explain -----------------------------------------------------------------
+
+
+def test_bump_record_reset():
+    counters.bump("aot", "thing")
+    counters.bump("aot", "thing", 2)
+    assert counters.counters["aot"]["thing"] == 3
+    decision = counters.record("fallback", "f", "because", node="add", user_stack="x.py:1")
+    assert counters.counters["fallback"]["f"] == 1
+    assert "(node add)" in str(decision) and "at x.py:1" in str(decision)
+    counters.reset()
+    assert not counters.counters
+    assert len(aotkit.explain()) == 0
+
+
+def test_explain_lists_decisions_and_counters():
+    counters.record("recompile", "f", "shape of x changed")
+    counters.record("fallback", "g", "no CUDA")
+    report = aotkit.explain()
+    assert len(report) == 2
+    assert [d.why for d in report.of_kind("recompile")] == ["shape of x changed"]
+    assert [d.what for d in report] == ["f", "g"]
+    text = str(report)
+    assert "[recompile] f: shape of x changed" in text
+    assert "fallback.g = 1" in text
+
+
+def test_explain_keeps_at_most_max_decisions():
+    with config.patch(max_decisions=3):
+        for i in range(5):
+            counters.record("recompile", "f", f"reason {i}")
+    assert [d.why for d in aotkit.explain()] == ["reason 2", "reason 3", "reason 4"]
+    assert aotkit.explain().counters["recompile"]["f"] == 5
+
+
+def test_compiles_are_counted():
+    f = aotkit.aot_function(lambda x: x.sin(), compilers.nop)
+    x = torch.ones(2, requires_grad=True)
+    f(x).sum().backward()
+    f(x).sum().backward()
+    with torch.no_grad():
+        f(x)
+    aot = counters.counters["aot"]
+    assert (aot["traces"], aot["fw_compiles"], aot["bw_compiles"], aot["inference_compiles"]) == (
+        2, 1, 1, 1)
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "grad mode changed: True -> False" in reason.why

@@ -1,0 +1,904 @@
+"""aotkit.aot against eager PyTorch: every function runs both ways on cloned inputs and must give
+the same outputs, aliasing, input mutations and gradients (see eager_check.check_against_eager)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from eager_check import RecordingCompiler, check_against_eager, storage
+from torch import nn
+
+import aotkit
+from aotkit import compilers, counters
+from aotkit.errors import (
+    ArgumentError,
+    OutputTypeError,
+    RecompileLimitError,
+    TraceError,
+    UnsupportedError,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    counters.reset()
+    yield
+    counters.reset()
+
+
+def rand(*shape: int, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_(grad)
+
+
+def _assert_write_through(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out`` is a real alias of ``x``: same storage, and writing into it changes ``x``."""
+    assert storage(out) == storage(x)
+    before = x.detach().clone()
+    with torch.no_grad():
+        out.fill_(42.0)
+    assert (x != before).any(), "writing into the output did not change the input"
+
+
+# --- pytrees and non-tensor values -----------------------------------------------------------
+
+
+def test_pytree_inputs_and_outputs():
+    def fn(d, pair, *, scale, items):
+        x, y = d["x"], d["nested"][0]
+        z = pair[1]["z"]
+        out = {"sum": x + y * scale, "list": [x.sin(), (y.cos(), z * items[0])]}
+        return out, (z.exp(), [items[1] * x])
+
+    d = {"x": rand(3, grad=True), "nested": [rand(3, grad=True), 7]}
+    pair = (2, {"z": rand(3, grad=True)})
+    check_against_eager(fn, d, pair, scale=1.5, items=[rand(3), rand(3, grad=True)])
+
+
+def test_none_int_float_str_outputs():
+    def fn(x, n):
+        return x * 2, None, n + 1, 2.5, "label", (True, None)
+
+    check_against_eager(fn, rand(4, grad=True), 3)
+
+
+def test_symint_output_under_dynamic_shapes():
+    fw = RecordingCompiler("fw")
+    f = aotkit.aot_function(lambda x: (x * 2, x.shape[0], x.shape[0] * 3 + 1), fw, dynamic=True)
+    for n in (3, 5):
+        x = rand(n, 2, grad=True)
+        out, size, expr = f(x)
+        assert type(size) is int and size == n
+        assert type(expr) is int and expr == 3 * n + 1
+        torch.testing.assert_close(out, x * 2)
+    assert fw.calls == 1
+
+
+# --- requires_grad and dtypes ------------------------------------------------------------------
+
+
+def test_mixed_requires_grad_inputs():
+    def fn(a, b, c):
+        return (a * b + c).tanh(), (b * c).sum()
+
+    check_against_eager(fn, rand(3, grad=True), rand(3), rand(3, grad=True))
+
+
+def test_outputs_that_do_not_require_grad():
+    def fn(x):
+        y = x.sin()
+        return y, x.detach() * 2, y.argmax(), (x > 0).long().sum(dim=0), x.shape[0]
+
+    check_against_eager(fn, rand(4, 3, grad=True))
+
+
+def test_integer_and_bool_tensor_inputs():
+    def fn(x, index, mask, count):
+        picked = x[index] * mask.to(x.dtype)
+        return picked + count, index * 2, mask.logical_not(), count.float() * x.sum()
+
+    index = torch.tensor([2, 0, 1, 1])
+    mask = torch.tensor([True, False, True, True])
+    check_against_eager(fn, rand(3, grad=True), index, mask, torch.tensor(3, dtype=torch.int32))
+
+
+def test_detached_outputs_share_memory_without_autograd_link():
+    def fn(x):
+        return x.detach(), x.detach().requires_grad_(), x[1:].detach()
+
+    result = check_against_eager(fn, rand(3, grad=True))
+    plain, leaf, _ = result.aot_out
+    assert not plain.requires_grad and leaf.requires_grad and leaf.grad_fn is None
+    _assert_write_through(plain, result.aot_args[0][0])
+
+
+def test_output_view_taken_under_no_grad():
+    def fn(x):
+        with torch.no_grad():
+            return x[0], x.sin()
+
+    for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+        x = rand(3, 2, grad=True)
+        view, sin = run(x)
+        # eager's odd but defined state: requires_grad, no grad_fn, still a view of x
+        assert (view.requires_grad, view.grad_fn, view._base is x) == (True, None, True)
+        assert not sin.requires_grad
+        with pytest.raises(RuntimeError, match="created in no_grad mode"):
+            view.mul_(2)
+
+
+def test_grad_made_inside_an_inference_call_is_unsupported():
+    def make_leaf(x):
+        return x * torch.ones(3, requires_grad=True)
+
+    def enable_inside(x):
+        with torch.enable_grad():
+            return x * 2
+
+    assert make_leaf(rand(3)).requires_grad  # what eager does, and aotkit cannot
+    with pytest.raises(UnsupportedError, match="pass them in"):
+        aotkit.aot_function(make_leaf, compilers.nop)(rand(3))
+    with torch.no_grad():
+        assert enable_inside(rand(3, grad=True)).requires_grad
+        with pytest.raises(UnsupportedError, match="grad mode"):
+            aotkit.aot_function(enable_inside, compilers.nop)(rand(3, grad=True))
+
+
+# --- input mutation -----------------------------------------------------------------------------
+
+
+def test_data_mutation_of_input_without_grad():
+    def fn(x, w):
+        x.add_(1)
+        return x * w
+
+    check_against_eager(fn, rand(3), rand(3, grad=True))
+
+
+def test_data_mutation_of_input_without_grad_in_inference():
+    def fn(x, y):
+        x.add_(1)
+        y[0] = 5.0
+        return x + y
+
+    check_against_eager(fn, rand(3), rand(3))
+
+
+def test_data_mutation_of_non_leaf_requiring_grad():
+    def fn(x, w):
+        x.mul_(w)
+        return x.sin()
+
+    def prepare(args, kwargs):
+        leaf, w = args
+        return (leaf * 2, w), kwargs
+
+    check_against_eager(fn, rand(3, grad=True), rand(3, grad=True), prepare=prepare)
+    # The caller's tensor carries the mutation in autograd too: differentiate through it as well.
+    result = check_against_eager(fn, rand(3, grad=True), rand(3, grad=True), prepare=prepare,
+                                 backward=False)
+    grads = []
+    for out, ((x, _), _), (leaves, _) in (
+        (result.eager_out, result.eager_args, result.eager_leaves),
+        (result.aot_out, result.aot_args, result.aot_leaves),
+    ):
+        assert x.grad_fn is not None
+        (out.sum() + (x * x).sum()).backward()
+        grads.append([leaf.grad for leaf in leaves])
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_mutation_under_no_grad_of_leaf_requiring_grad():
+    def fn(param, x):
+        loss = (param * x).sum()
+        with torch.no_grad():
+            param.sub_(0.1 * x)
+        return loss
+
+    result = check_against_eager(fn, rand(3, grad=True), rand(3))
+    assert result.aot_args[0][0].is_leaf
+
+
+def test_metadata_mutation_transpose_visible_to_caller():
+    def fn(x, w):
+        x.t_()
+        return x * 2 + w.sum()
+
+    result = check_against_eager(fn, rand(2, 3), rand(1, grad=True))
+    x = result.aot_args[0][0]
+    assert x.shape == (3, 2) and x.stride() == (1, 3)
+
+
+def test_metadata_mutation_unsqueeze_visible_to_caller():
+    def fn(x):
+        x.unsqueeze_(0)
+        return x + 1
+
+    result = check_against_eager(fn, rand(2, 3))
+    assert result.aot_args[0][0].shape == (1, 2, 3)
+
+
+def test_metadata_and_data_mutation_together():
+    def fn(x, w):
+        x.t_()
+        x.mul_(2)
+        return x * w
+
+    check_against_eager(fn, rand(2, 3), rand(3, 2, grad=True))
+
+
+def test_mutated_non_leaf_returned_as_is():
+    def fn(x):
+        return x.mul_(2)
+
+    def prepare(args, kwargs):
+        return (args[0] * 3,), kwargs
+
+    result = check_against_eager(fn, rand(3, grad=True), prepare=prepare)
+    assert result.aot_out is result.aot_args[0][0]
+
+
+@pytest.mark.parametrize("mutate", [lambda x, w: x.add_(w), lambda x, w: x.copy_(w * 2),
+                                    lambda x, w: x[1:].mul_(w[1:])], ids=["add_", "copy_", "view"])
+def test_mutation_makes_input_require_grad(mutate):
+    def fn(x, w):
+        mutate(x, w)
+        return x.sum(), x.view(-1)
+
+    result = check_against_eager(fn, rand(3), rand(3, grad=True))
+    x = result.aot_args[0][0]
+    assert x.requires_grad and x.grad_fn is not None
+
+
+def test_metadata_mutation_of_non_leaf_requiring_grad():
+    def fn(x):
+        x.t_()
+        return x + 1
+
+    def prepare(args, kwargs):
+        return (args[0] * 2,), kwargs
+
+    # the helper also differentiates through the caller's transposed x afterwards
+    result = check_against_eager(fn, rand(2, 3, grad=True), prepare=prepare)
+    assert result.aot_args[0][0].shape == (3, 2)
+
+
+def test_metadata_mutation_of_input_saved_for_backward():
+    def fn(x, w):
+        x.t_()
+        return x * w  # the backward needs the transposed x
+
+    check_against_eager(fn, rand(4, 3), rand(4, grad=True))
+
+
+def test_metadata_mutation_of_leaf_requiring_grad_under_no_grad():
+    def fn(p, x):
+        with torch.no_grad():
+            p.t_()
+        return p * x
+
+    # Eager then sends p a grad in its new shape; a compiled function cannot, so it refuses.
+    f = aotkit.aot_function(fn, compilers.nop)
+    with pytest.raises(UnsupportedError, match="out-of-place view"):
+        f(rand(2, 3, grad=True), rand(3, 2))
+    # Under no_grad there is no backward, and it runs like eager.
+    check_against_eager(fn, rand(2, 3, grad=True), rand(3, 2), context=torch.no_grad,
+                        backward=False)
+
+
+def test_in_place_on_leaf_requiring_grad_raises_like_eager():
+    def fn(x):
+        return x.add_(1)
+
+    for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            run(rand(3, grad=True))
+
+
+def test_mutated_input_sharing_memory_with_another_is_unsupported():
+    f = aotkit.aot_function(lambda x, y: x.add_(y), compilers.nop)
+    base = torch.zeros(4)
+    with pytest.raises(UnsupportedError, match="clone"):
+        f(base[:2], base[2:])
+    a, b = torch.zeros(2), torch.ones(2)
+    f(a, b)  # separate tensors are fine
+    torch.testing.assert_close(a, b)
+    # also when the mutation stays inside the inference graph
+    g = aotkit.aot_function(lambda x, y: (y.add_(1), x * 2)[1], compilers.nop,
+                            keep_inference_input_mutations=True)
+    with torch.no_grad(), pytest.raises(UnsupportedError, match="share memory"):
+        g(base, base[1:])
+
+
+def test_batchnorm_running_stats_through_aot_module():
+    torch.manual_seed(0)
+    eager = nn.BatchNorm1d(4)
+    mod = nn.BatchNorm1d(4)
+    mod.load_state_dict(eager.state_dict())
+    compiled = aotkit.aot_module(mod, compilers.nop)
+    for _ in range(2):
+        x = rand(8, 4)
+        x_e, x_a = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_a = eager(x_e), compiled(x_a)
+        torch.testing.assert_close(out_a, out_e)
+        grad = torch.randn_like(out_e)
+        out_e.backward(grad)
+        out_a.backward(grad)
+        torch.testing.assert_close(x_a.grad, x_e.grad)
+    torch.testing.assert_close(mod.running_mean, eager.running_mean)
+    torch.testing.assert_close(mod.running_var, eager.running_var)
+    assert mod.num_batches_tracked.item() == eager.num_batches_tracked.item() == 2
+    torch.testing.assert_close(mod.weight.grad, eager.weight.grad)
+    torch.testing.assert_close(mod.bias.grad, eager.bias.grad)
+
+
+# --- outputs aliasing inputs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("view", [lambda x: x[0], lambda x: x.view(-1), lambda x: x.t()[1:]],
+                         ids=["select", "view", "t_slice"])
+def test_output_is_view_of_input(view):
+    result = check_against_eager(lambda x: view(x), rand(3, 4, grad=True))
+    x = result.aot_args[0][0]
+    assert result.aot_out._base is x
+    _assert_write_through(result.aot_out, x)
+    _assert_write_through(result.eager_out, result.eager_args[0][0])
+    torch.testing.assert_close(result.aot_args[0][0], result.eager_args[0][0])
+
+
+def test_output_is_view_of_input_without_grad():
+    result = check_against_eager(lambda x, w: (x[1], x.sum() * w), rand(3, 4), rand(1, grad=True))
+    _assert_write_through(result.aot_out[0], result.aot_args[0][0])
+
+
+def test_output_is_the_input():
+    x = rand(3, grad=True)
+    result = check_against_eager(lambda x: x, x)
+    assert result.aot_out is result.aot_args[0][0]
+
+
+def test_output_is_the_input_among_others():
+    result = check_against_eager(lambda x, y: (y, x.sin(), x), rand(3, grad=True), rand(2))
+    (x, y), _ = result.aot_args
+    assert result.aot_out[0] is y and result.aot_out[2] is x
+
+
+def test_output_is_view_of_mutated_input():
+    def fn(x):
+        x.add_(1)
+        return x.view(-1)
+
+    result = check_against_eager(fn, rand(2, 3))
+    x = result.aot_args[0][0]
+    assert result.aot_out._base is x
+    _assert_write_through(result.aot_out, x)
+
+
+def test_output_is_view_of_mutated_non_leaf():
+    def fn(x):
+        x.mul_(3)
+        return x[0], x.view(-1)
+
+    def prepare(args, kwargs):
+        return (args[0] * 2,), kwargs
+
+    check_against_eager(fn, rand(2, 3, grad=True), prepare=prepare)
+
+
+@pytest.mark.parametrize(("fn", "grad"), [
+    (torch.view_as_real, True),
+    (lambda x: torch.view_as_real(x[1:]), True),
+    (lambda x: torch.view_as_real(x).view(torch.int32), False),
+], ids=["view_as_real", "view_as_real_slice", "int32"])
+def test_output_view_changing_dtype(fn, grad):
+    x = torch.randn(4, dtype=torch.cfloat, requires_grad=grad)
+    result = check_against_eager(fn, x)
+    _assert_write_through(result.aot_out, result.aot_args[0][0])
+
+
+def test_eval_dropout_returns_the_input():
+    result = check_against_eager(lambda x: F.dropout(x, 0.5, training=False), rand(3, grad=True))
+    assert result.aot_out is result.aot_args[0][0]
+
+
+def test_inputs_that_alias_each_other():
+    def prepare(args, kwargs):
+        (x,) = args
+        return (x, x[1:], x), kwargs
+
+    check_against_eager(lambda a, b, c: (a * c, b.view(-1), c), rand(3, grad=True),
+                        prepare=prepare)
+
+
+def test_views_restored_when_the_compiler_copies_outputs():
+    def copying_compiler(gm, example_inputs):
+        def run(args):
+            return [o.clone() if isinstance(o, torch.Tensor) else o for o in gm(*args)]
+
+        run._boxed_call = True
+        return run
+
+    def fn(x, y):
+        a = y * 2
+        return x[1], x.t(), a[0], a[1], a, a.view(-1)
+
+    def prepare(args, kwargs):  # x is itself a view with a storage offset
+        return (args[0][1], args[1]), kwargs
+
+    result = check_against_eager(fn, rand(3, 3, 2, grad=True), rand(2, 3, grad=True),
+                                 prepare=prepare, compiler=copying_compiler)
+    _assert_write_through(result.aot_out[0], result.aot_args[0][0])
+
+
+# --- outputs aliasing each other ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [lambda x: ((a := x * 2), a), lambda x: ((v := x.view(-1)), v)],
+                         ids=["intermediate", "view_of_input"])
+def test_same_tensor_returned_twice(fn):
+    result = check_against_eager(fn, rand(2, 3, grad=True))
+    assert result.aot_out[0] is result.aot_out[1]
+
+
+def test_output_views_another_output():
+    result = check_against_eager(lambda x: ((a := x * 2), a.view(-1)), rand(2, 3, grad=True))
+    a, flat = result.aot_out
+    assert storage(a) == storage(flat)
+    with torch.no_grad():
+        flat[0] = 100.0
+    assert a[0, 0].item() == 100.0
+
+
+def test_outputs_view_an_intermediate():
+    result = check_against_eager(lambda x: ((a := x * 2)[0], a[1]), rand(2, 3, grad=True))
+    first, second = result.aot_out
+    assert storage(first) == storage(second)
+    assert first._base is second._base and first._base is not None
+
+
+def test_in_place_change_of_one_aliased_output_is_seen_in_the_other():
+    def fn(x):
+        a = x * 2
+        return a[0], a.view(-1)
+
+    for compiled in (False, True):
+        x = rand(2, 3, grad=True)
+        f = aotkit.aot_function(fn, compilers.nop) if compiled else fn
+        row, flat = f(x)
+        row.mul_(10)  # autograd-visible in-place change through a view
+        assert flat[0].item() == pytest.approx(x[0, 0].item() * 20)
+        flat.sum().backward()
+        torch.testing.assert_close(x.grad, torch.tensor([[20.0] * 3, [2.0] * 3]))
+
+
+# --- inference graphs ----------------------------------------------------------------------------
+
+
+def test_no_grad_uses_the_inference_compiler():
+    fw, bw, inference = RecordingCompiler("fw"), RecordingCompiler("bw"), RecordingCompiler("inf")
+    f = aotkit.aot_function(lambda x: x.sin() * 2, fw, bw, inference_compiler=inference)
+    x = rand(3, grad=True)
+    with torch.no_grad():
+        out = f(x)
+    torch.testing.assert_close(out, x.sin() * 2)
+    assert not out.requires_grad
+    assert (inference.calls, fw.calls, bw.calls) == (1, 0, 0)
+    assert counters.counters["aot"]["inference_compiles"] == 1
+    assert counters.counters["aot"]["fw_compiles"] == 0
+    names = [n.name for n in inference.graphs[0].graph.find_nodes(op="placeholder")]
+    assert names == ["primals_1"]
+
+
+def test_keep_inference_input_mutations_puts_copy_in_graph():
+    inference = RecordingCompiler("inf")
+    f = aotkit.aot_function(lambda x: x.add_(1).mul(2), compilers.nop,
+                            inference_compiler=inference, keep_inference_input_mutations=True)
+    x = torch.zeros(3)
+    with torch.no_grad():
+        out = f(x)
+    torch.testing.assert_close(x, torch.ones(3))
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+    targets = [n.target for n in inference.graphs[0].graph.nodes]
+    assert torch.ops.aten.copy_.default in targets
+    outputs = inference.graphs[0].graph.output_node().args[0]
+    assert len(outputs) == 1  # the new value of x is not returned, the graph wrote it
+
+
+def test_without_keep_inference_input_mutations_graph_is_functional():
+    inference = RecordingCompiler("inf")
+    f = aotkit.aot_function(lambda x: x.add_(1).mul(2), compilers.nop, inference_compiler=inference)
+    x = torch.zeros(3)
+    with torch.no_grad():
+        f(x)
+    torch.testing.assert_close(x, torch.ones(3))
+    assert all(n.target is not torch.ops.aten.copy_.default for n in inference.graphs[0].graph.nodes)
+
+
+def test_no_grad_call_with_mutation_and_aliasing():
+    def fn(x, y):
+        y.mul_(2)
+        return x[0], x, y.view(-1), x.sin()
+
+    check_against_eager(fn, rand(2, 3, grad=True), rand(3), context=torch.no_grad, backward=False)
+
+
+def test_inference_mode_call():
+    check_against_eager(lambda x: (x.add_(1)[0], x.cos()), rand(2, 3),
+                        context=torch.inference_mode)
+
+
+# --- lazy backward -----------------------------------------------------------------------------
+
+
+def test_backward_compiled_lazily_and_once():
+    fw, bw = RecordingCompiler("fw"), RecordingCompiler("bw")
+    f = aotkit.aot_function(lambda x: x.cos() * x, fw, bw)
+    x = rand(3, grad=True)
+    out = f(x)
+    assert (fw.calls, bw.calls) == (1, 0)
+    out.sum().backward()
+    assert bw.calls == 1
+    f(x).sum().backward()
+    assert (fw.calls, bw.calls) == (1, 1)
+    torch.testing.assert_close(x.grad, 2 * (x.cos() - x * x.sin()).detach())
+    assert counters.counters["aot"]["bw_compiles"] == 1
+
+
+# --- dynamic shapes and recompiles -------------------------------------------------------------
+
+
+def test_dynamic_one_compile_for_many_sizes_but_size_one_recompiles():
+    fw = RecordingCompiler("fw")
+    f = aotkit.aot_function(lambda x: (x * x.shape[0]).sum(dim=0), fw, RecordingCompiler("bw"),
+                            dynamic=True)
+    for n in (3, 5, 7):
+        x = rand(n, 2, grad=True)
+        out = f(x)
+        torch.testing.assert_close(out, (x * n).sum(dim=0))
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full((n, 2), float(n)))
+    assert fw.calls == 1
+    assert not aotkit.explain().of_kind("recompile")
+    f(rand(1, 2, grad=True))
+    assert fw.calls == 2
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "guard 2 <= args[0].size()[0]" in reason.why and "(1, 2)" in reason.why
+
+
+def test_dynamic_shapes_with_mutation_and_aliasing():
+    def fn(x, w):
+        x.t_()
+        a = x * w.sum()
+        return a[0], a[1:], x[1:], x.shape[1]
+
+    for rows in (3, 5):
+        check_against_eager(fn, rand(4, rows), rand(4, grad=True), aot_kwargs={"dynamic": True})
+
+
+def test_dynamic_non_contiguous_input_recompiles_with_the_failed_guard():
+    fw = RecordingCompiler("fw")
+    f = aotkit.aot_function(lambda x: x.reshape(-1) * 2, fw, dynamic=True)
+    f(rand(3, 4))
+    f(rand(5, 3))
+    x = rand(3, 4).t()
+    torch.testing.assert_close(f(x), x.reshape(-1) * 2)
+    assert fw.calls == 2
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "args[0].stride()" in reason.why
+
+
+def test_static_shapes_recompile_and_explain_names_the_input():
+    fw = RecordingCompiler("fw")
+
+    def fn(x, y):
+        return x + y.sum()
+
+    f = aotkit.aot_function(fn, fw)
+    f(rand(2, 3, grad=True), rand(4))
+    f(rand(2, 3, grad=True), rand(4))
+    assert fw.calls == 1
+    f(rand(2, 3, grad=True), rand(5))
+    assert fw.calls == 2
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "args[1]" in reason.why and "(4,)" in reason.why and "(5,)" in reason.why
+    assert "shape" in reason.why
+    assert "args[1]" in str(aotkit.explain())
+
+
+def test_recompile_limit():
+    f = aotkit.aot_function(lambda x: x + 1, compilers.nop)
+    with aotkit.config.patch(recompile_limit=2):
+        f(torch.zeros(1))
+        f(torch.zeros(2))
+        with pytest.raises(RecompileLimitError, match="recompile_limit"):
+            f(torch.zeros(3))
+        f(torch.zeros(2))  # compiled signatures still run
+
+
+# --- RNG -----------------------------------------------------------------------------------------
+
+
+def test_dropout_matches_eager_for_a_seed():
+    def fn(x, w):
+        return F.dropout(x * w, 0.5, training=True).sin()
+
+    check_against_eager(fn, rand(64, grad=True), rand(64, grad=True), seed=0, calls=3)
+    check_against_eager(fn, rand(64, grad=True), rand(64, grad=True), seed=0,
+                        aot_kwargs={"dynamic": True})
+
+
+def test_rand_like_and_randn_match_eager_for_a_seed():
+    def fn(x):
+        noise = torch.rand_like(x)
+        return x * noise + torch.randn(x.shape), torch.randn(2)
+
+    check_against_eager(fn, rand(16, grad=True), seed=0)
+
+
+def test_random_ops_differ_between_calls():
+    f = aotkit.aot_function(lambda x: torch.rand_like(x) + x, compilers.nop)
+    x = rand(8, grad=True)
+    assert not torch.equal(f(x), f(x))
+
+
+def test_rng_state_after_call_matches_eager():
+    def fn(x):
+        return F.dropout(x, 0.3, training=True)
+
+    x = rand(32, grad=True)
+    check_against_eager(fn, x, seed=0)  # seeds, runs eager; seeds, runs aotkit
+    after_aot = torch.rand(4)
+    torch.manual_seed(0)
+    fn(x)
+    torch.testing.assert_close(torch.rand(4), after_aot)
+
+
+# --- double backward -------------------------------------------------------------------------
+
+
+def test_double_backward_raises():
+    f = aotkit.aot_function(lambda x: x.sin() * x, compilers.nop)
+    x = rand(3, grad=True)
+    (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(g, (x.cos() * x + x.sin()).detach())
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad(g.sum(), x)
+
+
+def test_double_backward_mixed_with_eager_terms_raises():
+    f = aotkit.aot_function(lambda x, w: (x * w).sin(), compilers.nop)
+    x, w = rand(3, grad=True), rand(3, grad=True)
+    (g,) = torch.autograd.grad(f(x, w).sum(), w, create_graph=True)
+    penalty = g.pow(2).sum() + x.sum()  # the eager term alone would "work"
+    with pytest.raises(UnsupportedError, match="double backward"):
+        penalty.backward()
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class _Thing:
+    pass
+
+
+@pytest.mark.parametrize("bad", [_Thing(), {1, 2}], ids=["object", "set"])
+def test_returning_an_object_is_an_output_type_error(bad):
+    f = aotkit.aot_function(lambda x: (x + 1, {"extra": bad}), compilers.nop)
+    with pytest.raises(OutputTypeError, match=r"output\[1\]\['extra'\]") as info:
+        f(rand(2, grad=True))
+    assert type(bad).__name__ in str(info.value)
+
+
+def test_data_dependent_control_flow_is_a_trace_error():
+    def branchy(x):
+        if x.sum() > 0:  # data-dependent branch
+            return x * 2
+        return x
+
+    f = aotkit.aot_function(branchy, compilers.nop)
+    with pytest.raises(TraceError) as info:
+        f(rand(3, grad=True))
+    message = str(info.value)
+    assert "if x.sum() > 0:" in message
+    assert "test_semantics.py" in message
+
+
+def test_data_dependence_inside_a_library_call_names_both_lines():
+    def loss(x, var):
+        return F.gaussian_nll_loss(x * 2, x, var)  # checks torch.any(var < 0) in Python
+
+    f = aotkit.aot_function(loss, compilers.nop)
+    with pytest.raises(TraceError) as info:
+        f(rand(3, grad=True), torch.rand(3))
+    message = str(info.value)
+    assert "functional.py" in message and "in gaussian_nll_loss" in message
+    assert "called from" in message and "return F.gaussian_nll_loss(x * 2, x, var)" in message
+
+
+def test_wrong_number_of_arguments():
+    def add(x, y):
+        return x + y
+
+    f = aotkit.aot_function(add, compilers.nop)
+    with pytest.raises(ArgumentError, match=r"call it as add\(x, y\)"):
+        f(torch.zeros(1))
+    with pytest.raises(TypeError) as info:  # what callers already catch
+        f(torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    assert isinstance(info.value, ArgumentError)
+    f(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(ArgumentError):  # also once a signature is compiled
+        f(torch.zeros(1), y=torch.zeros(1), z=torch.zeros(1))
+
+
+# --- boxed calling convention ---------------------------------------------------------------
+
+
+def test_compiler_returning_an_unboxed_callable():
+    seen = []
+
+    def plain_compiler(gm, example_inputs):
+        seen.append(len(example_inputs))
+        return gm.forward  # takes *args, not a list
+
+    check_against_eager(lambda x, y: (x * y).sin(), rand(3, grad=True), rand(3),
+                        compiler=plain_compiler)
+    assert len(seen) == 2  # forward, then backward (the compiler is used for both)
+
+
+def test_make_boxed_compiler_and_func():
+    calls = []
+
+    def unboxed(gm, example_inputs):
+        def run(*args):
+            calls.append(len(args))
+            return gm(*args)
+
+        return run
+
+    boxed = aotkit.make_boxed_compiler(unboxed)
+    f = aotkit.aot_function(lambda x: x.exp(), boxed)
+    x = rand(3, grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, x.exp().detach())
+    assert calls  # both graphs ran through the unboxed callables
+    g = aotkit.make_boxed_func(lambda a, b: a * b)
+    assert g._boxed_call and g([2, 3]) == 6
+    assert aotkit.make_boxed_func(g) is g
+
+
+# --- aot_module ----------------------------------------------------------------------------------
+
+
+def test_aot_module_reads_parameters_fresh():
+    lin = nn.Linear(3, 2)
+    m = aotkit.aot_module(lin, compilers.nop)
+    x = rand(4, 3)
+    torch.testing.assert_close(m(x), lin(x))
+    with torch.no_grad():
+        lin.weight.mul_(2)
+        lin.bias.fill_(1.0)
+    torch.testing.assert_close(m(x), lin(x))
+    lin.weight = nn.Parameter(torch.ones(2, 3))
+    torch.testing.assert_close(m(x), lin(x))
+
+
+def test_aot_module_train_eval_switch_recompiles():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    m = aotkit.aot_module(seq, compilers.nop)
+    x = rand(2, 4)
+    m(x)
+    seq.eval()
+    torch.testing.assert_close(m(x), seq(x))
+    assert m._compiled.num_entries == 2
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "Sequential.training changed: bool True -> bool False" in reason.why
+
+
+def test_aot_module_submodule_eval_recompiles():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    m = aotkit.aot_module(seq, compilers.nop)
+    x = rand(2, 4)
+    m(x)
+    seq[1].eval()  # only the dropout: a stale training graph would still drop
+    torch.testing.assert_close(m(x), seq(x))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "1.training" in reason.why
+
+
+def test_aot_module_recompile_reason_names_the_parameter():
+    lin = nn.Linear(3, 2)
+    m = aotkit.aot_module(lin, compilers.nop)
+    m(rand(4, 3))
+    lin.weight = nn.Parameter(torch.randn(2, 3, dtype=torch.float64))
+    lin.bias = nn.Parameter(torch.randn(2, dtype=torch.float64))
+    x = rand(4, 3).double()
+    torch.testing.assert_close(m(x), lin(x))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert reason.why == "dtype of weight changed: torch.float32 -> torch.float64"
+
+
+def test_aot_module_parameter_grads_match_eager():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    mod = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    mod.load_state_dict(eager.state_dict())
+    compiled = aotkit.aot_module(mod, compilers.nop)
+    x = rand(3, 4)
+    torch.testing.assert_close(compiled(x), eager(x))
+    compiled(x).pow(2).sum().backward()
+    eager(x).pow(2).sum().backward()
+    for (name, p), q in zip(mod.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_aot_module_lstm_on_cpu():
+    torch.manual_seed(0)
+    eager = nn.LSTM(3, 4, batch_first=True)
+    mod = nn.LSTM(3, 4, batch_first=True)
+    mod.load_state_dict(eager.state_dict())
+    compiled = aotkit.aot_module(mod, compilers.nop)
+    x = rand(2, 5, 3)
+    if torch.backends.mkldnn.is_available():
+        # mkldnn's kernel leaves its saved workspace undefined: refused with the workaround
+        with pytest.raises(UnsupportedError, match=r"mkldnn\.flags"):
+            compiled(x)
+    with torch.backends.mkldnn.flags(enabled=False):
+        out, (h, c) = compiled(x)
+        out_e, (h_e, c_e) = eager(x)
+    torch.testing.assert_close((out, h, c), (out_e, h_e, c_e))
+    (out.sum() + h.sum() + c.sum()).backward()
+    (out_e.sum() + h_e.sum() + c_e.sum()).backward()
+    for p, q in zip(mod.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+# --- the graphs compilers receive ------------------------------------------------------------
+
+
+def test_graph_placeholder_names_and_output_layout():
+    fw, bw = RecordingCompiler("fw"), RecordingCompiler("bw")
+    f = aotkit.aot_function(lambda x, y: (x * y).sin(), fw, bw)
+    x, y = rand(3, grad=True), rand(3, grad=True)
+    f(x, y).sum().backward()
+    fw_names = [n.name for n in fw.graphs[0].graph.find_nodes(op="placeholder")]
+    assert fw_names == ["primals_1", "primals_2"]
+    fw_outs = fw.graphs[0].graph.output_node().args[0]
+    bw_names = [n.name for n in bw.graphs[0].graph.find_nodes(op="placeholder")]
+    assert bw_names[-1] == "tangents_1"
+    saved = fw_outs[1:]
+    assert [n.name for n in saved] == bw_names[:-1]  # fw outputs the user's, then saved values
+    assert len(bw.graphs[0].graph.output_node().args[0]) == 2
+
+
+def test_backward_graph_returns_none_for_inputs_without_grad():
+    bw = RecordingCompiler("bw")
+    f = aotkit.aot_function(lambda x, w: (x.add_(w), x.sin())[1], compilers.nop, bw)
+    f(rand(3), rand(3, grad=True)).sum().backward()
+    grads = bw.graphs[0].graph.output_node().args[0]
+    assert grads[0] is None and grads[1] is not None  # x became requires-grad only by add_
+
+
+def test_golden_graphs_of_cos_cos():
+    fw, bw = RecordingCompiler("fw"), RecordingCompiler("bw")
+    f = aotkit.aot_function(lambda x: x.cos().cos(), fw, bw)
+    x = rand(3, grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, (x.cos().sin() * x.sin()).detach())
+    assert fw.graphs[0].code.strip() == textwrap.dedent("""
+        def forward(self, primals_1):
+            cos = torch.ops.aten.cos.default(primals_1)
+            cos_1 = torch.ops.aten.cos.default(cos)
+            return [cos_1, primals_1, cos]
+    """).strip()
+    assert bw.graphs[0].code.strip() == textwrap.dedent("""
+        def forward(self, primals_1, cos, tangents_1):
+            sin = torch.ops.aten.sin.default(cos);  cos = None
+            neg = torch.ops.aten.neg.default(sin);  sin = None
+            mul = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+            sin_1 = torch.ops.aten.sin.default(primals_1);  primals_1 = None
+            neg_1 = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+            mul_1 = torch.ops.aten.mul.Tensor(mul, neg_1);  mul = neg_1 = None
+            return [mul_1]
+    """).strip()
