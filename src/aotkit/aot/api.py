@@ -168,13 +168,17 @@ class AotFunction:
         self._last_key: tuple[Any, ...] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = signature(spec, leaves, self.options.dynamic)
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
+        else:
+            leaves, structure = pytree.tree_flatten((args, kwargs))
+        key = signature(structure, leaves, self.options.dynamic)
         for entry in self._entries.get(key, ()):
             tensors = [leaves[i] for i in entry.tensor_positions]
             if entry.guard is None or entry.guard(tensors):
                 return pytree.tree_unflatten(run(entry.graphs, tensors), entry.graphs.meta.out_spec)
-        entry = self._compile(args, kwargs, leaves, spec, key)
+        entry = self._compile(args, kwargs, key)
+        leaves = pytree.tree_leaves((args, kwargs))
         tensors = [leaves[i] for i in entry.tensor_positions]
         return pytree.tree_unflatten(run(entry.graphs, tensors), entry.graphs.meta.out_spec)
 
@@ -183,9 +187,9 @@ class AotFunction:
         """How many input signatures have been traced and compiled."""
         return sum(len(v) for v in self._entries.values())
 
-    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-                 spec: pytree.TreeSpec, key: tuple[Any, ...]) -> _Entry:
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...]) -> _Entry:
         self._check_arguments(args, kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
         if self.num_entries:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -404,11 +408,9 @@ def aot_module_simplified(
                          keep_inference_input_mutations, inference_compiler)
 
     def flat_fn(*flat: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        if names:
-            params = dict(zip(names, flat[: len(names)], strict=True))
-            out = torch.func.functional_call(mod, params, tuple(flat[len(names):]))
-        else:
-            out = mod(*flat)
+        params = dict(zip(names, flat[: len(names)], strict=True))
+        with torch.nn.utils.stateless._reparametrize_module(mod, params):
+            out = _run_keeping_node_meta(mod, flat[len(names):])
         return pytree.tree_flatten(out)
 
     name = f"aot_module_simplified({type(mod).__name__})"
@@ -420,6 +422,17 @@ def aot_module_simplified(
 
     forward.graphs = graphs  # type: ignore[attr-defined]
     return forward
+
+
+def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any]) -> Any:
+    """Run ``mod``; a GraphModule runs node by node so traced ops inherit each node's meta
+    (Dynamo's stack traces), which costs nothing compared with recording stacks anew."""
+    if not isinstance(mod, fx.GraphModule):
+        return mod(*args)
+    from torch.fx import traceback as fx_traceback
+
+    with fx_traceback.preserve_node_meta():
+        return fx.Interpreter(mod).run(*args)
 
 
 def _to_fake(mode: FakeTensorMode, x: Any) -> Any:

@@ -43,6 +43,12 @@ class CompiledGraphs:
             self.meta.intermediate_bases_requires_grad
         )
         self.non_differentiable = [i for i, d in enumerate(self.differentiable) if not d]
+        graph_outputs = self.meta.graph_user_outputs()
+        self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
+        # The common case: nothing to write back, every output is a fresh graph output.
+        self.outputs_are_graph_outputs = not self.returned_mutations and all(
+            o.alias is Alias.NONE for o in self.meta.outputs
+        ) and len(graph_outputs) == self.num_fw_outputs
 
     def backward_fn(self) -> Callable[[list[Any]], Any]:
         """The compiled backward, compiled on first use (the forward may never be differentiated)."""
@@ -61,8 +67,7 @@ class CompiledFunction(torch.autograd.Function):
     """Runs the compiled forward; its backward runs the (lazily) compiled backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, graphs: CompiledGraphs, anchor: list[torch.Tensor], *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.anchor = anchor[0]
+    def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
         outs = graphs.fw(list(args))
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.num_saved_tensors]
@@ -71,53 +76,39 @@ class CompiledFunction(torch.autograd.Function):
         ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
         if any(s is None for s in saved):
             _refuse_undefined_saved(graphs, saved, len(ctx.saved_syms))
-        ctx.save_for_backward(*saved)
+        anchor = torch.empty(0)
+        ctx.save_for_backward(*saved, anchor)
         ctx.graphs = graphs
         fw_outs = _distinct_non_differentiable(outs[:n], graphs.non_differentiable)
         ctx.mark_non_differentiable(
             *(fw_outs[i] for i in graphs.non_differentiable if isinstance(fw_outs[i], torch.Tensor))
         )
-        return tuple(fw_outs)
+        return (*fw_outs, anchor)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         graphs: CompiledGraphs = ctx.graphs
         tangents = [
-            g.contiguous() for g, d in zip(grads, graphs.differentiable, strict=True) if d
+            g.contiguous() for g, d in zip(grads[:-1], graphs.differentiable, strict=True) if d
         ]
-        args = [*ctx.saved_syms, *ctx.saved_tensors, *tangents]
+        *saved, anchor = ctx.saved_tensors
+        args = [*ctx.saved_syms, *saved, *tangents]
         backward = graphs.backward_fn()
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
             with torch.no_grad():
                 input_grads = backward(args)
-            return (None, None, *_refuse_double_backward(graphs.name, ctx.anchor, input_grads))
-        return (None, None, *backward(args))
+            return (None, *_refuse_double_backward(graphs.name, anchor, input_grads))
+        return (None, *backward(args))
 
 
 # Note [Refusing double backward]
 # Under create_graph=True the grads we return must stay connected to the inputs, or a second
 # backward silently sees no dependence on them (zero or missing second-order terms). We cannot
 # differentiate the compiled backward, so the grads go through _DoubleBackwardGuard, whose
-# backward raises. The guard reaches the inputs through an "anchor": an empty tensor made by
-# _Anchor from the differentiable inputs at forward time. It holds only autograd edges, not the
-# inputs' memory, and is never used unless a second backward runs.
-class _Anchor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.num_inputs = len(inputs)
-        return inputs[0].new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[None, ...]:  # type: ignore[override]
-        return (None,) * ctx.num_inputs
-
-
-def make_anchor(args: Sequence[Any]) -> torch.Tensor:
-    """The anchor of Note [Refusing double backward] for one call's inputs."""
-    differentiable = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    return _Anchor.apply(*differentiable)
-
-
+# backward raises. The guard reaches the inputs through an "anchor": an empty extra output of
+# CompiledFunction that it saves for backward. Unpacked there under create_graph, the anchor's
+# grad_fn is this very node, whose edges lead to the inputs. It costs one empty tensor per call,
+# holds no memory, and is never differentiated unless a second backward runs.
 class _DoubleBackwardGuard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str, anchor: torch.Tensor, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -189,7 +180,7 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if graphs.meta.mutated_inputs:  # mutations kept in the graph too (keep_inference_...)
         check_no_aliased_mutation(graphs.name, graphs.meta, args)
     if graphs.training:
-        fw_outs = CompiledFunction.apply(graphs, [make_anchor(args)], *args)
+        fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
     else:
         with torch.no_grad():
             fw_outs = graphs.fw(list(args))
@@ -197,14 +188,16 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
 
 
 def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]) -> list[Any]:
+    if graphs.outputs_are_graph_outputs:
+        return list(fw_outs)
     meta = graphs.meta
     for k, i in enumerate(graphs.returned_mutations):
         apply_mutation(args[i], fw_outs[k], meta.inputs[i])
     start = len(graphs.returned_mutations)
     graph_outs = fw_outs[start : start + len(meta.graph_user_outputs())]
     bases = fw_outs[start + len(graph_outs) :]
-    position = {flat: pos for pos, flat in enumerate(meta.graph_user_outputs())}
-    results = []
+    position = graphs.graph_output_position
+    results: list[Any] = []
     for flat, info in enumerate(meta.outputs):
         if info.alias is Alias.CONSTANT:
             results.append(info.constant)

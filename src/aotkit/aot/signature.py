@@ -30,10 +30,11 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     return (type(leaf), leaf)
 
 
-def signature(spec: pytree.TreeSpec, leaves: Sequence[Any], dynamic: bool) -> tuple[Any, ...]:
-    """The key of one call: pytree structure, every leaf, grad/autocast modes, backend flags."""
+def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool) -> tuple[Any, ...]:
+    """The key of one call: argument structure (a TreeSpec, or the count of a call made of
+    positional tensors only), every leaf, grad/autocast modes, backend flags."""
     return (
-        spec,
+        structure,
         tuple(leaf_key(x, dynamic) for x in leaves),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
@@ -55,7 +56,7 @@ _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
 def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> str:
     """A sentence naming the first difference between two signatures."""
     if old[0] != new[0]:
-        return f"the structure of the arguments changed: {old[0]} -> {new[0]}"
+        return f"the structure of the arguments changed: {_structure(old[0])} -> {_structure(new[0])}"
     if len(old[1]) != len(new[1]):
         return f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"
     for name, a, b in zip(names, old[1], new[1], strict=True):
@@ -70,6 +71,15 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[
         if x != y:
             return f"{mode} changed: {x} -> {y}"
     return "the signature changed"
+
+
+def _structure(s: pytree.TreeSpec | int) -> str:
+    if isinstance(s, int):
+        return f"{s} positional tensor(s)"
+    args_spec, kwargs_spec = s.child(0), s.child(1)
+    kwargs = ", ".join(f"{k}=" for k in kwargs_spec.context)
+    return f"{args_spec.num_children} positional argument(s) ({args_spec.num_leaves} leaves)" + (
+        f" and keywords {kwargs}" if kwargs else "")
 
 
 def _show(x: Any) -> str:

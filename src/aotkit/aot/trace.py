@@ -184,7 +184,7 @@ def _tangent_like(out: Any) -> Any:
 
 def _make_fx(fn: Callable[..., Any], args: list[Any], decompositions: Mapping[Any, Any] | None) -> fx.GraphModule:
     gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
-                 record_stack_traces=True)(*args)
+                 record_stack_traces=config.record_stack_traces)(*args)
     # Flat placeholders and a plain list output: every graph is ``forward(primals_1, ...)``.
     gm.graph._codegen = fx.graph.CodeGen()
     gm.graph.eliminate_dead_code()
