@@ -6,22 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
-import pytest
 import torch
 from torch import nn
 
 import aotkit
 from aotkit.counters import counters
-
-
-@pytest.fixture(autouse=True)
-def clean_state() -> Iterator[None]:
-    torch._dynamo.reset()
-    aotkit.counters.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_function_forward_and_backward() -> None:

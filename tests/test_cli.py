@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,14 +15,6 @@ import torch
 import aotkit
 from aotkit import cli
 from aotkit.demo import capture_graphs
-
-
-@pytest.fixture(autouse=True)
-def clean_state() -> Iterator[None]:
-    torch._dynamo.reset()
-    aotkit.counters.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,7 @@ gives the losses and gradients eager PyTorch gives, step by step, dropout includ
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,14 +20,6 @@ from aotkit.models import (
 
 STEPS = 4
 SEED = 1234
-
-
-@pytest.fixture(autouse=True)
-def clean_state() -> Iterator[None]:
-    torch._dynamo.reset()
-    aotkit.counters.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def train(model: nn.Module, run: Callable[..., torch.Tensor], make_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]],

@@ -1,0 +1,16 @@
+"""Shared test set-up: every test starts with fresh Dynamo caches and aotkit counters."""
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import aotkit
+
+
+@pytest.fixture(autouse=True)
+def clean_state() -> Iterator[None]:
+    torch._dynamo.reset()
+    aotkit.counters.reset()
+    yield
+    torch._dynamo.reset()
