@@ -5,6 +5,8 @@ Everything here is a thin alias over a primitive; callers never test versions th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -20,8 +22,23 @@ __all__ = [
     "FunctionalTensorMode",
     "StorageWeakRef",
     "data_dependent_errors",
+    "effect_tokens",
+    "effect_types",
     "mutations_hidden_from_autograd",
 ]
+
+
+def effect_types() -> list[Any]:
+    """Every kind of ordered side effect functionalization threads a token through."""
+    from torch._higher_order_ops.effects import _EffectType
+
+    return list(_EffectType)
+
+
+def effect_tokens(mode: FunctionalTensorMode) -> dict[Any, torch.Tensor]:
+    """The mode's effect-type -> token map (ordered side effects such as
+    ``aten._linalg_check_errors`` chain through these tokens)."""
+    return mode._tokens
 
 
 def mutations_hidden_from_autograd(inner: torch.Tensor) -> bool:

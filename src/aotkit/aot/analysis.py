@@ -120,7 +120,7 @@ def analyze(
     ``flat_fn`` returns ``(flat_outputs, out_spec)``. Must run under the fake mode of ``args``.
     Also returns fake values of the forward outputs, the templates for the joint's tangents.
     """
-    with FunctionalTensorMode():
+    with FunctionalTensorMode(_allow_token_discovery=True):
         f_args = [to_fun(a) for a in args]
         f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(a, f) for a, f in zip(args, f_args, strict=True)]

@@ -9,15 +9,24 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aotkit.errors import UnsupportedError
+
 
 def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     """What about one flattened argument decides the traced graph."""
     if isinstance(leaf, torch.Tensor):
+        layout = leaf.layout
+        if layout is not torch.strided:
+            raise UnsupportedError(
+                f"aotkit cannot trace tensors with layout {layout} (sparse or mkldnn inputs).\n"
+                "Fix: pass a dense tensor (.to_dense()) or keep this op outside the compiled "
+                "function."
+            )
         rg = leaf.requires_grad
         return (
             leaf.dtype,
             leaf.device,
-            leaf.layout,
+            layout,
             rg,
             rg and leaf.is_leaf,
             leaf.dim() if dynamic else leaf.shape,

@@ -21,8 +21,15 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config
 from aotkit.aot.analysis import AotMeta, from_fun, to_fun
-from aotkit.compat import FakeTensorMode, FunctionalTensorMode, data_dependent_errors
+from aotkit.compat import (
+    FakeTensorMode,
+    FunctionalTensorMode,
+    data_dependent_errors,
+    effect_tokens,
+    effect_types,
+)
 from aotkit.errors import TraceError
+from aotkit.partition.graph import is_impure
 
 log = logging.getLogger("aotkit.aot")
 
@@ -47,14 +54,23 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
         with mode, dispatcher:
             yield
     except data_dependent_errors() as exc:
-        raise TraceError(
-            f"{what} could not be traced: Python control flow or a Python value depends on "
-            f"tensor data ({type(exc).__name__}: {_first_line(exc)}).\n"
-            f"  at {_user_frame(exc)}\n"
-            "Fix: express the branch with tensor ops (torch.where, torch.cond) or move the "
-            "data-dependent part out of the compiled function; torch.compile splits the graph "
-            "there for you."
-        ) from exc
+        raise _data_dependent(what, exc) from exc
+    except RuntimeError as exc:
+        # A kernel without a fake implementation read the (absent) data of a fake tensor.
+        if "data is not allocated yet" not in str(exc):
+            raise
+        raise _data_dependent(what, exc) from exc
+
+
+def _data_dependent(what: str, exc: BaseException) -> TraceError:
+    return TraceError(
+        f"{what} could not be traced: Python control flow or a Python value depends on "
+        f"tensor data ({type(exc).__name__}: {_first_line(exc)}).\n"
+        f"  at {_user_frame(exc)}\n"
+        "Fix: express the branch with tensor ops (torch.where, torch.cond) or move the "
+        "data-dependent part out of the compiled function; torch.compile splits the graph "
+        "there for you."
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -94,7 +110,7 @@ def trace_joint(
     wrt = [i for i, p in enumerate(primals) if isinstance(p, torch.Tensor) and p.requires_grad]
 
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
-        with FunctionalTensorMode():
+        with functionalized():
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True)
@@ -115,7 +131,7 @@ def trace_inference(
     as ``copy_`` into the inputs instead of being returned."""
 
     def inference(primals: list[Any]) -> list[Any]:
-        with FunctionalTensorMode():
+        with functionalized():
             f_primals = [to_fun(p) for p in primals]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=False)
         outs = [from_fun(x) for x in fw_outs]
@@ -124,6 +140,27 @@ def trace_inference(
         return outs
 
     return _make_fx(inference, [list(args)], decompositions)
+
+
+@contextlib.contextmanager
+def functionalized() -> Iterator[FunctionalTensorMode]:
+    """Functionalization in which ordered side effects (e.g. ``aten._linalg_check_errors``) chain
+    through tokens made and sunk inside the graph, so graphs need no token inputs or outputs.
+    A chain no op used is removed after tracing (``_drop_unused_tokens``)."""
+    mode = FunctionalTensorMode()
+    tokens = effect_tokens(mode)
+    for effect in effect_types():
+        tokens[effect] = torch.ops.prims._make_token.default()
+    with mode:
+        yield mode
+    torch.ops.prims._sink_tokens.default([from_fun(t) for t in tokens.values()])
+
+
+def _drop_unused_tokens(graph: fx.Graph) -> None:
+    make, sink = torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default
+    for node in graph.find_nodes(op="call_function", target=sink):
+        if all(t.target is make for t in node.args[0]):
+            graph.erase_node(node)
 
 
 def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, clone_mutated: bool) -> list[Any]:
@@ -187,7 +224,8 @@ def _make_fx(fn: Callable[..., Any], args: list[Any], decompositions: Mapping[An
                  record_stack_traces=config.record_stack_traces)(*args)
     # Flat placeholders and a plain list output: every graph is ``forward(primals_1, ...)``.
     gm.graph._codegen = fx.graph.CodeGen()
-    gm.graph.eliminate_dead_code()
+    _drop_unused_tokens(gm.graph)
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
     gm.recompile()
     if config.debug_graphs:
         gm.graph.lint()

@@ -11,7 +11,7 @@ from aotkit.partition.graph import (
     ancestors,
     descendants,
     extract,
-    is_random,
+    has_effects,
     is_sym,
     split_joint,
     with_getitems,
@@ -35,15 +35,20 @@ def default_partition(
     """
     parts = split_joint(joint_gm, num_fwd_outputs)
     tangent_side = descendants(parts.tangents)
-    forward_roots = [*parts.fw_outputs, *(n for n in joint_gm.graph.nodes if is_random(n) and n not in tangent_side)]
-    forward = with_getitems(ancestors(forward_roots) | set(parts.primals))
-    backward = ancestors(parts.bw_outputs, stop=forward) - forward
+    # Random and side-effecting ops run in the forward, once, as in eager.
+    effects = [n for n in joint_gm.graph.nodes if has_effects(n)]
+    fw_effects = [n for n in effects if n not in tangent_side]
+    bw_effects = [n for n in effects if n in tangent_side]
+    forward = with_getitems(ancestors([*parts.fw_outputs, *fw_effects]) | set(parts.primals))
+    backward = ancestors([*parts.bw_outputs, *bw_effects], stop=forward) - forward
     used_by_backward = [
         n for n in joint_gm.graph.nodes
         if n in forward and any(u in backward for u in n.users)
     ]
     saved_syms = [n for n in used_by_backward if is_sym(n)]
     saved = [n for n in used_by_backward if not is_sym(n)]
-    fw_gm = extract(joint_gm, parts.primals, [*parts.fw_outputs, *saved, *saved_syms])
-    bw_gm = extract(joint_gm, [*saved_syms, *saved, *parts.tangents], parts.bw_outputs)
+    fw_gm = extract(joint_gm, parts.primals, [*parts.fw_outputs, *saved, *saved_syms],
+                    effects=fw_effects)
+    bw_gm = extract(joint_gm, [*saved_syms, *saved, *parts.tangents], parts.bw_outputs,
+                    effects=bw_effects)
     return fw_gm, bw_gm

@@ -70,10 +70,15 @@ def is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def is_random(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in node.target.tags
-    )
+def is_impure(node: fx.Node) -> bool:
+    """FX's impurity plus the sink of effect tokens, which FX does not know: dead-code
+    elimination with this predicate keeps ordered side effects such as linalg error checks."""
+    return node.is_impure() or node.target is torch.ops.prims._sink_tokens.default
+
+
+def has_effects(node: fx.Node) -> bool:
+    """Random ops and side effects: run once, in the forward, never dropped or recomputed."""
+    return node.op == "call_function" and is_impure(node)
 
 
 def extract(
@@ -81,19 +86,21 @@ def extract(
     inputs: Sequence[fx.Node],
     outputs: Sequence[fx.Node | None],
     names: Sequence[str] | None = None,
+    effects: Sequence[fx.Node] = (),
 ) -> fx.GraphModule:
-    """A new graph computing ``outputs`` from ``inputs`` with copies of the joint's nodes."""
+    """A new graph computing ``outputs`` from ``inputs`` with copies of the joint's nodes, and
+    running the side-effecting nodes ``effects`` although no output depends on them."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
         env[node] = graph.placeholder(names[i] if names else node.name)
         env[node].meta = dict(node.meta)
-    needed = ancestors(outputs, stop=set(inputs))
+    needed = ancestors([*outputs, *effects], stop=set(inputs))
     for node in joint.graph.nodes:
         if node in needed and node not in env and node.op != "output":
             if node.op == "placeholder":
                 raise AssertionError(f"{node.name} is needed but not an input of the sub-graph")
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output([env[o] if isinstance(o, fx.Node) else o for o in outputs])
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=is_impure)
     return fx.GraphModule(joint, graph)
