@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -77,11 +78,17 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
+_AOTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
 def _user_frame(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/aotkit/" not in f.filename]
-    user = [f for f in frames if "/torch/" not in f.filename]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_TORCH_DIR)]
     # The data dependence may sit in a library check (torch.nn.functional): show that line too.
-    library = [f for f in frames if "/torch/nn/" in f.filename or "/torch/functional" in f.filename]
+    library = [f for f in frames if os.path.abspath(f.filename).startswith(
+        (_TORCH_DIR + "nn" + os.sep, _TORCH_DIR + "functional.py"))]
     shown = []
     if library and (not user or frames.index(library[-1]) > frames.index(user[-1])):
         shown.append(library[-1])
