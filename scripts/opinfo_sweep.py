@@ -148,23 +148,24 @@ def judge(results: list[OpResult]) -> Verdicts:
     )
 
 
+def _print_failures(ran: dict[str, OpResult], names: list[str]) -> None:
+    for name in names:
+        r = ran[name]
+        print(f"  {name}: {r.failed}/{r.total} samples fail; PyTorch {reference_cell(r)}; "
+              f"{r.first_error}")
+
+
 def report(results: list[OpResult], v: Verdicts) -> None:
     ran = {r.name: r for r in results}
     clean = sum(1 for r in results if r.total and not r.failed)
     print(f"ops: {len(results)}, passing every sample: {clean}, skipped: {sorted(SKIP)}")
     print(f"aotkit bugs (PyTorch's aot_function passes), still failing: {v.bugs}")
-    for name in v.bugs:
-        r = ran[name]
-        print(f"  {name}: {r.failed}/{r.total} samples fail; PyTorch {reference_cell(r)}; "
-              f"{r.first_error}")
+    _print_failures(ran, v.bugs)
     print(f"aotkit bugs that PyTorch's aot_function fails too (move to EXPECTED_FAILURES): "
           f"{v.bugs_pytorch_fails}")
     print(f"listed ops that pass every sample run (remove them from the lists): {v.stale}")
     print(f"failing ops in neither list: {v.unlisted}")
-    for name in v.unlisted:
-        r = ran[name]
-        print(f"  {name}: {r.failed}/{r.total} samples fail; PyTorch {reference_cell(r)}; "
-              f"{r.first_error}")
+    _print_failures(ran, v.unlisted)
     eager = sorted(r.name for r in results if r.eager_fails)
     print(f"ops with samples that fail in eager (not counted): {eager}")
     print(f"expected failures that PyTorch's aot_function passes: {v.bad}")
