@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,38 +312,78 @@ def aot_function(
 
 class AotModule(nn.Module):
     """An ``nn.Module`` whose forward runs ``aot_function`` over the original module's forward,
-    with parameters and buffers as leading inputs, read fresh at every call."""
+    with parameters and buffers as leading inputs, read fresh at every call.
+
+    Every submodule's ``training`` flag selects the compiled function: ``model.dropout.eval()``
+    alone changes the program as much as ``model.eval()``.
+    """
 
     def __init__(self, module: nn.Module, options: AotOptions) -> None:
         super().__init__()
         self.orig_module = module
+        self._options = options
+        self._by_modes: dict[tuple[bool, ...], AotFunction] = {}
+        self._last_modes: tuple[bool, ...] | None = None
+
+    def _collect(self) -> tuple[tuple[bool, ...], list[torch.Tensor]]:
+        """Training flags, then parameters and buffers in named_parameters/named_buffers order,
+        in one walk of the module tree (this runs at every call)."""
+        modules = list(self.orig_module.modules())
+        params = _unique(p for m in modules for p in m._parameters.values())
+        buffers = _unique(b for m in modules for b in m._buffers.values())
+        return tuple(m.training for m in modules), [*params, *buffers]
+
+    def _state_names(self) -> list[str]:
+        mod = self.orig_module
+        return [n for n, _ in (*mod.named_parameters(), *mod.named_buffers())]
+
+    def _compiled_for(self, modes: tuple[bool, ...]) -> AotFunction:
+        compiled = self._by_modes.get(modes)
+        if compiled is None:
+            compiled = self._compile_for(modes)
+        self._last_modes = modes
+        return compiled
+
+    def _compile_for(self, modes: tuple[bool, ...]) -> AotFunction:
+        module, names = self.orig_module, self._state_names()
         name = f"aot_module({type(module).__name__})"
+        if self._last_modes is not None:
+            changed = [f"{n or type(module).__name__}.training {old} -> {new}"
+                       for (n, _), old, new in zip(module.named_modules(), self._last_modes, modes,
+                                                   strict=True) if old != new]
+            counters.record("recompile", name, f"training flags changed: {', '.join(changed)}",
+                            logger=log)
 
-        def call(modes: tuple[bool, ...], state: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-            names = self._state_names
-            return torch.func.functional_call(module, dict(zip(names, state, strict=True)), args, kwargs)
+        def call(*flat: Any, **kwargs: Any) -> Any:
+            state = dict(zip(names, flat[: len(names)], strict=True))
+            return torch.func.functional_call(module, state, flat[len(names):], kwargs)
 
-        self._state_names: list[str] = []
-        self._compiled = AotFunction(call, options, name, self._leaf_names)
+        def leaf_namer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+            return [*names, *leaf_names(args[len(names):], kwargs)]
 
-    def _state(self) -> list[torch.Tensor]:
-        named = [*self.orig_module.named_parameters(), *self.orig_module.named_buffers()]
-        self._state_names = [n for n, _ in named]
-        return [t for _, t in named]
+        compiled = AotFunction(call, self._options, name, leaf_namer)
+        self._by_modes[modes] = compiled
+        return compiled
 
-    def _modes(self) -> tuple[bool, ...]:
-        # Every submodule's flag is part of the signature: ``model.dropout.eval()`` alone
-        # changes the program as much as ``model.eval()``.
-        return tuple(m.training for m in self.orig_module.modules())
-
-    def _leaf_names(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-        _modes, _state, *user = args
-        top = type(self.orig_module).__name__
-        modes = [f"{n or top}.training" for n, _ in self.orig_module.named_modules()]
-        return [*modes, *self._state_names, *leaf_names(tuple(user), kwargs)]
+    @property
+    def num_entries(self) -> int:
+        """How many (training flags, input signature) pairs have been traced and compiled."""
+        return sum(f.num_entries for f in self._by_modes.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled(self._modes(), self._state(), *args, **kwargs)
+        modes, state = self._collect()
+        return self._compiled_for(modes)(*state, *args, **kwargs)
+
+
+def _unique(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Drop Nones and repeats (tied weights), keeping first occurrences, as named_parameters does."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def aot_module(
