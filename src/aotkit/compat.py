@@ -24,6 +24,7 @@ __all__ = [
     "data_dependent_errors",
     "effect_tokens",
     "effect_types",
+    "guard_globals",
     "mutations_hidden_from_autograd",
 ]
 
@@ -39,6 +40,13 @@ def effect_tokens(mode: FunctionalTensorMode) -> dict[Any, torch.Tensor]:
     """The mode's effect-type -> token map (ordered side effects such as
     ``aten._linalg_check_errors`` chain through these tokens)."""
     return mode._tokens
+
+
+def guard_globals() -> dict[str, Any]:
+    """The names ShapeEnv's guard expressions refer to (Min, Max, math helpers...)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    return dict(SYMPY_INTERP)
 
 
 def mutations_hidden_from_autograd(inner: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aotkit.compat import guard_globals
 from aotkit.errors import UnsupportedError
 
 
@@ -121,9 +122,13 @@ class ShapeGuard:
         sources = [LocalSource(f"t{i}") for i in range(len(fakes))]
         self.guards: list[str] = list(shape_env.produce_guards(fakes, sources))
         self.code = " and ".join(self.guards)
+        # Compiled once: evaluating the source string would parse it again on every call.
+        self._compiled = compile(self.code or "True", "<aotkit shape guard>", "eval")
+        self._globals = guard_globals()
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
-        return not self.code or self.shape_env.evaluate_guards_expression(self.code, tensors)
+        env = {"L": {f"t{i}": t for i, t in enumerate(tensors)}}
+        return bool(eval(self._compiled, self._globals, env))
 
     def explain(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> str:
         """Which guard ``tensors`` fail, in the caller's argument names."""

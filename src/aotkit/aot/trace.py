@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from aotkit import config
-from aotkit.aot.analysis import AotMeta, from_fun, to_fun
+from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.compat import (
     FakeTensorMode,
     FunctionalTensorMode,
@@ -187,8 +187,6 @@ def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, cl
 
 def _intermediate_base_owners(outs: list[Any], meta: AotMeta) -> list[torch.Tensor]:
     """For each intermediate base, the first user output viewing it (its ``_base`` is the base)."""
-    from aotkit.aot.analysis import Alias
-
     owners: dict[int, torch.Tensor] = {}
     for out, info in zip(outs, meta.outputs, strict=True):
         if info.alias is Alias.OF_INTERMEDIATE and info.base not in owners:
