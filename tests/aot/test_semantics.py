@@ -902,3 +902,18 @@ def test_golden_graphs_of_cos_cos():
             mul_1 = torch.ops.aten.mul.Tensor(mul, neg_1);  mul = neg_1 = None
             return [mul_1]
     """).strip()
+
+
+def test_num_params_buffers_reaches_the_compilers():
+    seen = []
+
+    def recording(gm, example_inputs):
+        seen.append(gm.meta.get("num_params_buffers"))
+        return gm.forward
+
+    f = aotkit.aot_function(lambda w, x: x @ w, recording, num_params_buffers=1)
+    f(torch.randn(3, 3, requires_grad=True), torch.randn(2, 3)).sum().backward()
+    lin = nn.Linear(3, 2)
+    aotkit.aot_module(lin, recording)(torch.randn(4, 3))
+    # forward; backward (its inputs are saved values and tangents); the module's forward
+    assert seen == [1, None, 2]

@@ -71,6 +71,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     _log_graph(name, "joint", gm)
     _log_graph(name, "forward", fw_gm)
     _log_graph(name, "backward", bw_gm)
+    _mark_static_inputs(fw_gm, options.num_params_buffers)
     fw = compile_boxed(options.fw_compiler, fw_gm, _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
     num_saved = sum(1 for v in _graph_outputs(fw_gm)[meta.num_fw_outputs:]
@@ -114,6 +115,7 @@ def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name:
                        num_inputs: int) -> CompiledGraphs:
     _log_graph(name, "inference", gm)
     compiler = options.inference_compiler or options.fw_compiler
+    _mark_static_inputs(gm, options.num_params_buffers)
     fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
     counters.bump("aot", "inference_compiles")
     returned = meta.mutated_inputs
@@ -121,6 +123,12 @@ def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name:
         returned = [i for i in returned if meta.inputs[i].mutates_metadata]
     return CompiledGraphs(name=name, meta=meta, fw=fw, returned_mutations=returned,
                           num_inputs=num_inputs)
+
+
+def _mark_static_inputs(gm: fx.GraphModule, num_params_buffers: int) -> None:
+    """Tell compilers which leading inputs are parameters and buffers (their addresses stay put
+    between calls, so e.g. CUDA graphs need not copy them): ``gm.meta["num_params_buffers"]``."""
+    gm.meta["num_params_buffers"] = num_params_buffers
 
 
 def _as_leaf(a: Any) -> Any:
@@ -294,6 +302,8 @@ def aot_function(
     Each new input signature (pytree structure, dtype, shape, stride, device, requires_grad,
     grad mode) is traced and compiled once; ``dynamic=True`` traces sizes symbolically so one
     entry serves every size that passes its shape guards. Non-tensor arguments are constants.
+    ``num_params_buffers`` says how many leading tensor inputs are parameters and buffers; the
+    forward and inference graphs carry it as ``gm.meta["num_params_buffers"]`` for compilers.
 
     Example::
 
