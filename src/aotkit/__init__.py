@@ -6,7 +6,7 @@
     >>> f(x).sum().backward()
 """
 
-from aotkit import compilers, config, counters, errors
+from aotkit import compiled_autograd, compilers, config, counters, errors
 from aotkit.aot import (
     AotFunction,
     AotModule,
@@ -27,6 +27,7 @@ __all__ = [
     "aot_function",
     "aot_module",
     "aot_module_simplified",
+    "compiled_autograd",
     "compilers",
     "config",
     "counters",

@@ -63,3 +63,49 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+# --- compiled autograd: the C++ engine's private protocol -------------------------------------
+# Note [Compiled autograd protocol]
+# The C++ autograd engine (torch/csrc/dynamo/python_compiled_autograd.cpp) calls a Python object
+# method by method while it walks the autograd graph; the method names and arguments are private
+# and have moved between releases. Everything that touches the engine's own entry points lives
+# here so aotkit.compiled_autograd has one place to adapt per version.
+
+
+def _engine() -> Any:
+    return torch._C._dynamo.compiled_autograd
+
+
+def set_autograd_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
+    """Install ``factory`` (called once per capture) as the engine's compiler; returns the prior
+    ``(factory, dynamic)`` pair so it can be restored. ``None`` turns compiled autograd off."""
+    return _engine().set_autograd_compiler(factory, dynamic)
+
+
+def clear_autograd_cache() -> None:
+    """Drop every graph the engine cached by autograd-graph structure."""
+    _engine().clear_cache()
+
+
+def set_autograd_verbose_logger(logger: Any) -> None:
+    """Give the engine a ``logging.Logger`` (or ``None``). With one set, the engine also reports
+    why its cache missed through ``log_compile_reasons``; it must be a real Logger (other
+    objects crash the process on 2.13)."""
+    _engine().set_verbose_logger(logger)
+
+
+def call_cpp_tensor_pre_hooks(hook_id: int, grad: torch.Tensor) -> torch.Tensor:
+    """Run the C++ tensor pre-hooks (``retain_grad``) the engine registered under ``hook_id``."""
+    return _engine().call_cpp_tensor_pre_hooks(hook_id, grad)
+
+
+def accumulate_grad_args(
+    variable: Any, variable_grad: Any, grad: Any, has_post_hooks: bool | None
+) -> tuple[Any, Any, Any, bool]:
+    """Normalize the engine's ``accumulate_grad`` arguments to
+    ``(variable, variable_grad, grad, has_post_hooks)``: older engines pass
+    ``(variable, grad, has_post_hooks)`` and leave ``variable_grad`` to be read from ``.grad``."""
+    if has_post_hooks is None:
+        return variable, variable.grad, variable_grad, bool(grad)
+    return variable, variable_grad, grad, bool(has_post_hooks)

@@ -58,6 +58,11 @@ _define("record_stack_traces", bool, False,
         "first call by ~20%). Graphs from torch.compile keep Dynamo's stack traces regardless.")
 _define("max_decisions", int, 1000,
         "How many decisions (recompiles, fallbacks) aotkit.explain() keeps; older ones are dropped.")
+_define("compiled_autograd_cudagraphs", bool, False,
+        "CUDA graphs are requested for compiled-autograd backward graphs: CPU 0-dim tensor inputs "
+        "that only feed ATen ops or built-in backward formulas move to the GPU, so the graph has "
+        "no CPU inputs. Only applies when the graph already has CUDA inputs.",
+        in_cache_key=True)
 
 
 def _parse(option: Option, text: str) -> Any:

@@ -1,0 +1,113 @@
+"""``enable`` / ``disable`` / ``reset``: install our capture object in the C++ autograd engine."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from aotkit import compat, counters
+from aotkit.compiled_autograd import capture, session
+from aotkit.errors import UnsupportedError
+
+log = session.log
+# The engine logs why its cache missed to a Logger it is given; we keep those under ours.
+_engine_log = logging.getLogger("aotkit.compiled_autograd.engine")
+_last_compiler: Callable[..., Any] | None = None
+
+
+@contextlib.contextmanager
+def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[None]:
+    """Capture every ``backward()`` in the block as one FX graph, compiled by ``compiler_fn``.
+
+    ``compiler_fn`` takes the captured ``torch.fx.GraphModule`` and returns a callable with the
+    same signature. The engine replays the compiled graph while the autograd graph keeps its
+    structure; ``dynamic=False`` captures again on the first change of a size, then treats it as
+    dynamic.
+
+        >>> import torch, aotkit
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> with aotkit.compiled_autograd.enable(lambda gm: gm):
+        ...     (w * 2).sum().backward()
+        >>> w.grad
+        tensor([2., 2., 2.])
+    """
+    if session.active() is not None:
+        raise UnsupportedError(
+            "aotkit.compiled_autograd.enable() is already active; nested enable blocks are not "
+            "supported. Exit the outer block first, or switch compilers between blocks."
+        )
+    new = session.Session(compiler_fn, bool(dynamic))
+    prior = compat.set_autograd_compiler(functools.partial(capture.Capture, new), bool(dynamic))
+    if prior[0] is not None:
+        compat.set_autograd_compiler(*prior)
+        raise UnsupportedError(
+            "another compiled autograd (torch._dynamo.compiled_autograd) is active; "
+            "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
+        )
+    _forget_other_compilers(compiler_fn)
+    compat.set_autograd_verbose_logger(_engine_log)
+    session.set_active(new)
+    try:
+        # Multithreaded device queues would call the capture object from several threads.
+        with torch.autograd.set_multithreading_enabled(False):
+            yield
+    finally:
+        session.set_active(None)
+        compat.set_autograd_verbose_logger(None)
+        compat.set_autograd_compiler(*prior)
+
+
+def _forget_other_compilers(compiler_fn: Callable[..., Any]) -> None:
+    """Clear the engine's cache when the compiler changes. See Note [Stale compiled backward]."""
+    global _last_compiler
+    if _last_compiler is not None and _last_compiler is not compiler_fn:
+        _clear_engine_cache()
+        counters.record("cache_clear", "compiled_autograd",
+                        f"compiler changed from {_last_compiler!r} to {compiler_fn!r}; the engine's "
+                        "cached graphs are dropped and backward graphs are captured again",
+                        logger=log)
+    _last_compiler = compiler_fn
+
+
+def _clear_engine_cache() -> None:
+    compat.clear_autograd_cache()
+    session.graphs_cached = 0
+
+
+@contextlib.contextmanager
+def disable() -> Iterator[None]:
+    """Run backward eagerly inside the block, even within ``enable``.
+
+        >>> import torch, aotkit
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> with aotkit.compiled_autograd.disable():
+        ...     w.sum().backward()
+    """
+    prior = compat.set_autograd_compiler(None, False)
+    try:
+        yield
+    finally:
+        compat.set_autograd_compiler(*prior)
+
+
+def reset() -> None:
+    """Return to a fresh process's state: no compiler, an empty engine cache, ids from 0.
+
+        >>> import aotkit
+        >>> aotkit.compiled_autograd.reset()
+    """
+    global _last_compiler
+    if session.active() is not None:
+        raise UnsupportedError(
+            "aotkit.compiled_autograd.reset() was called inside enable(); call it outside."
+        )
+    compat.set_autograd_compiler(None, False)
+    compat.set_autograd_verbose_logger(None)
+    _clear_engine_cache()
+    _last_compiler = None
+    capture.reset_ids()

@@ -1,0 +1,358 @@
+"""The capture object: the C++ autograd engine calls it node by node to build one FX graph.
+
+See Note [Compiled autograd protocol] in aotkit.compat. The engine walks the autograd graph in
+execution order and, for every node, asks us to record a call instead of running it: built-in
+formulas (``apply_functional``), custom Function backwards (``proxy_call_backward``), hooks and
+gradient accumulation. Tensors it hands us are fake; each is bound to the FX value that will
+hold it at run time, and the graph's placeholders are the engine's five lists
+``inputs, sizes, scalars, hooks, packed_data``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._dynamo.source import GetItemSource, LocalSource
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    PythonKeyTracer,
+    _ProxyTensor,
+    disable_proxy_modes_tracing,
+    fetch_object_proxy,
+    fetch_sym_proxy,
+    track_tensor_tree,
+)
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, _suppress_guards
+
+from aotkit import compat, config, counters
+from aotkit.compiled_autograd import passes, runtime
+from aotkit.compiled_autograd import session as session_state
+from aotkit.compiled_autograd.session import (
+    CREATE_GRAPH_MESSAGE,
+    CompiledBackward,
+    Session,
+    compile_graph,
+    log,
+)
+from aotkit.errors import TraceError, UnsupportedError
+
+PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_data")
+_ids = itertools.count()
+
+
+def reset_ids() -> None:
+    global _ids
+    _ids = itertools.count()
+
+
+class Capture:
+    """Records one backward as an FX graph; a fresh one is made for every capture."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.stack = contextlib.ExitStack()
+        self.shape_env = ShapeEnv()
+        self.fake_mode = compat.FakeTensorMode(
+            allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=self.shape_env
+        )
+        self.tracer = PythonKeyTracer()
+        self.proxy_mode = ProxyTorchDispatchMode(self.tracer, "symbolic")
+        self.sym_proxies: dict[Any, fx.Proxy] = {}
+        self.reasons: list[str] = []
+        self.origins: list[str] = []
+        self.origin = ""
+
+    def close(self) -> None:
+        """Leave the fake/proxy modes; the engine also calls this when a capture fails."""
+        self.stack.close()
+
+    # ---- begin ------------------------------------------------------------------------------
+
+    def begin_capture(self, inputs: list[torch.Tensor], sizes: Sequence[int],
+                      scalars: list[Any], origins: Any = None, accumulate_grad: bool = True,
+                      check_nans: bool = False, *rest: Any) -> tuple[str, list[Any], list[Any],
+                                                                      list[Any]]:
+        """Start a graph: fake the inputs and turn sizes and scalars into symbols."""
+        if torch.is_grad_enabled():
+            # The engine runs a create_graph=True backward with grad mode on.
+            raise UnsupportedError(CREATE_GRAPH_MESSAGE)
+        if check_nans:
+            raise UnsupportedError(
+                "aotkit.compiled_autograd does not check for NaNs per node (anomaly mode). "
+                "Workaround: debug under aotkit.compiled_autograd.disable()."
+            )
+        counters.bump("compiled_autograd", "captures")
+        self.id = next(_ids)
+        self.input_shapes = [tuple(x.shape) for x in inputs]
+        self.tracer.root = torch.nn.Module()
+        self.tracer.graph = fx.Graph(tracer_cls=PythonKeyTracer)
+        self.tracer.tensor_attrs = {}
+        proxies = [self.tracer.create_proxy("placeholder", n, (), {}) for n in PLACEHOLDERS]
+        inputs_p, self.sizes_p, self.scalars_p, self.hooks_p, self.packed_p = proxies
+        self.stack.enter_context(enable_python_dispatcher())  # SymInts must not be hashed
+        for i, x in enumerate(inputs):
+            inputs[i] = self._fake(x, i)
+        self._bind(inputs, inputs_p)
+        sym_sizes = [self._symbol(v, "sizes", i, self.sizes_p) for i, v in enumerate(sizes)]
+        sym_scalars = [self._symbol(v, "scalars", i, self.scalars_p) for i, v in enumerate(scalars)]
+        self.stack.enter_context(self.fake_mode)
+        self.stack.enter_context(self.proxy_mode)
+        # Capture must not add shape guards: the engine's cache decides when to capture again.
+        self.stack.enter_context(_suppress_guards(self.shape_env))
+        return f"aotkit_compiled_autograd_{self.id}", inputs, sym_sizes, sym_scalars
+
+    def _fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        try:
+            return self.fake_mode.from_tensor(x, source=GetItemSource(LocalSource("inputs"), index))
+        except Exception as exc:
+            raise UnsupportedError(
+                f"compiled autograd cannot fake backward input {index} of type {type(x).__name__}"
+                f": {exc}. Workaround: run this backward under aotkit.compiled_autograd.disable()."
+            ) from exc
+
+    def _symbol(self, value: Any, name: str, index: int, placeholder: fx.Proxy) -> Any:
+        """A SymInt/SymFloat standing for ``placeholder[index]``, so replays read the new value."""
+        source = GetItemSource(LocalSource(name), index)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TraceError(f"compiled autograd: unexpected {name}[{index}] = {value!r}")
+        if isinstance(value, int):
+            sym = self.shape_env.create_unspecified_symint_and_symbol(
+                value, source, DimDynamic.DYNAMIC)
+        else:
+            symbol = self.shape_env.create_unspecified_symbol(
+                value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            sym = self.shape_env.create_symfloatnode(symbol, hint=value, source=source)
+        if isinstance(sym, (torch.SymInt, torch.SymFloat)):
+            proxy = placeholder[index]
+            self.sym_proxies[sym.node] = proxy
+            # The engine's C++ code may run ATen ops on these sizes; the proxy mode must know them.
+            track_tensor_tree(sym, proxy, constant=None, tracer=self.tracer)
+        return sym
+
+    # ---- binding fakes to graph values ---------------------------------------------------------
+
+    def to_proxy(self, value: Any) -> Any:
+        """The graph value holding ``value`` (tensors, symbols; constants pass through)."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.to_proxy(v) for v in value)
+        if isinstance(value, (torch.SymInt, torch.SymFloat)):
+            if value.node in self.sym_proxies:
+                return self.sym_proxies[value.node]
+            try:  # a size of a fake input, or arithmetic on symbols: the proxy mode tracks those
+                return fetch_sym_proxy(self.tracer)(value)
+            except Exception as exc:
+                raise TraceError(f"compiled autograd: symbol {value} has no graph value "
+                                 f"(in {self.origin or 'the engine'})") from exc
+        if not isinstance(value, torch.Tensor):
+            return value
+        tracked = fetch_object_proxy(self.tracer, value)
+        if not isinstance(tracked, _ProxyTensor):
+            raise TraceError(f"compiled autograd: a tensor of the backward has no graph value "
+                             f"(in {self.origin or 'the engine'})")
+        return tracked.proxy
+
+    def _bind(self, objects: Sequence[Any], proxies: Any) -> None:
+        if isinstance(proxies, fx.Proxy):
+            proxies = [proxies[i] for i in range(len(objects))]
+        track_tensor_tree(list(objects), list(proxies), constant=None, tracer=self.tracer)
+
+    def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any = None) -> fx.Proxy:
+        proxy = self.tracer.create_proxy("call_function", fn, self.to_proxy(args), kwargs or {})
+        proxy.node.meta["autograd_node"] = self.origin
+        return proxy
+
+    def _dummies(self, count: int) -> list[torch.Tensor]:
+        # Placeholders the engine replaces through validate_outputs; their metadata is unused.
+        with disable_proxy_modes_tracing():
+            return [torch.empty(0) for _ in range(count)]
+
+    def _fresh(self, x: Any) -> Any:
+        """A new fake with ``x``'s metadata: a hook's result is a new value of the graph."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        with disable_proxy_modes_tracing():
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+
+    # ---- what the engine calls per node ------------------------------------------------------
+
+    def set_node_origin(self, node_name: str, nodecall_index: int, pyobj: Any = None) -> None:
+        """Which autograd node the following calls come from (kept in ``node.meta``)."""
+        self.origin = f"{node_name} (NodeCall {nodecall_index})"
+        self.origins.append(node_name)
+
+    def log_compile_reasons(self, reasons: Sequence[str]) -> None:
+        """Why the engine's cache missed; see :meth:`end_capture`."""
+        self.reasons.extend(str(r) for r in reasons)
+
+    def bind_function(self, fn_name: str, fn: Callable[..., Any], is_custom_function: bool = False,
+                      is_traceable: bool = True, *rest: Any) -> str:
+        """Register a C++ backward formula (the engine does this once per process)."""
+        return runtime.bind(fn_name, fn, is_custom_function)
+
+    def apply_functional(self, fn_name: str, grads: Sequence[Any], args: Any,
+                         output_metadata: Sequence[Any]) -> list[torch.Tensor]:
+        """Record a call of a built-in backward formula."""
+        return self.proxy_call(runtime.lookup(fn_name), (grads, *args), output_metadata)
+
+    def proxy_call(self, fn: Callable[..., Any], args: Any,
+                   output_metadata: Sequence[Any]) -> list[torch.Tensor]:
+        """Record ``fn(*args)`` with one output per entry of ``output_metadata``."""
+        proxy = self._call(fn, tuple(pytree.tree_map(lambda x: x, args)))
+        results = self._dummies(len(output_metadata))
+        self._bind(results, proxy)
+        return results
+
+    def validate_outputs(self, fn_name: str, outputs: list[Any], args: Any,
+                         output_metadata: Sequence[Any]) -> list[Any]:
+        """Record the engine's shape/dtype/device fix-up of a node's gradients."""
+        proxy = self._call(runtime.lookup(fn_name), (outputs, *args))
+        self._bind(outputs, proxy)
+        return outputs
+
+    def proxy_call_backward(self, inputs: Sequence[Any], output_metadatas: Sequence[Any],
+                            saved_tensors: Sequence[torch.Tensor], backward_idx: int, ctx: Any,
+                            *rest: Any) -> tuple[torch.Tensor | None, ...]:
+        """Record a custom ``autograd.Function`` backward; the ctx arrives in ``hooks``."""
+        forward_cls = ctx._forward_cls
+        if hasattr(forward_cls, "_aot_id") or getattr(forward_cls, "boxed_grads_call", False):
+            raise UnsupportedError(
+                f"compiled autograd cannot capture the backward of {forward_cls.__name__} "
+                "(a torch.compile'd forward). Workaround: compile the forward with "
+                "aotkit.aot_function/aot_module, or run backward under disable()."
+            )
+        proxy = self._call(runtime.call_backward,
+                           (self.hooks_p[backward_idx], list(saved_tensors), *inputs))
+        with disable_proxy_modes_tracing():
+            grads = [None if meta is None else
+                     torch.empty(meta[3], layout=meta[0], device=meta[1], dtype=meta[2])
+                     for meta in output_metadatas]
+        self._bind(grads, proxy)
+        return tuple(grads)
+
+    def call_copy_slices_prologue(self, inputs: Sequence[Any], *geometry: Any) -> list[Any]:
+        """Record the first half of an in-place-on-view backward."""
+        return self.proxy_call(runtime.copy_slices_prologue, (inputs, *geometry), [None] * 3)
+
+    def call_copy_slices_epilogue(self, needs_input_grad: Sequence[bool], result: Any,
+                                  res: Sequence[Any], grad_slice: Any) -> list[Any]:
+        """Record the second half of an in-place-on-view backward."""
+        return self.proxy_call(runtime.copy_slices_epilogue,
+                               (list(needs_input_grad), result, res, grad_slice),
+                               [None] * len(needs_input_grad))
+
+    def accumulate(self, old_var: Any, new_var: Any) -> torch.Tensor:
+        """Record the sum of two gradients flowing into one node input."""
+        proxy = self._call(torch.add, (old_var, new_var))
+        (result,) = self._dummies(1)
+        self._bind([result], [proxy])
+        return result
+
+    def accumulate_grad(self, variable: torch.Tensor, variable_grad: Any, grad: Any,
+                        has_post_hooks: bool | None = None) -> torch.Tensor | None:
+        """Record accumulation into a leaf's ``.grad``, where eager runs it."""
+        old_protocol = has_post_hooks is None
+        args = compat.accumulate_grad_args(variable, variable_grad, grad, has_post_hooks)
+        proxy = self._call(runtime.call_accumulate_grad, args)
+        with disable_proxy_modes_tracing():
+            result = torch.empty_like(variable)
+        self._bind([result], [proxy])
+        variable.grad = result
+        return None if old_protocol else result
+
+    def _hook(self, hook_id: int, *args: Any, hook_type: str) -> fx.Proxy:
+        return self._call(runtime.call_hook, (self.hooks_p[hook_id], *args),
+                          {"hook_type": hook_type})
+
+    def tensor_pre_hook(self, inputs: list[Any], hook_id: int, i: int) -> list[Any]:
+        """Record a ``Tensor.register_hook`` hook on gradient ``i``."""
+        proxy = self._hook(hook_id, inputs[i], hook_type="tensor_pre_hook")
+        inputs[i] = self._fresh(inputs[i])
+        self._bind([inputs[i]], [proxy])
+        return inputs
+
+    def cpp_tensor_pre_hook(self, inputs: list[Any], hook_id: int, i: int) -> list[Any]:
+        """Record a C++ tensor pre-hook (``retain_grad``)."""
+        proxy = self._call(runtime.call_cpp_tensor_pre_hooks, (hook_id, inputs[i]))
+        inputs[i] = self._fresh(inputs[i])
+        self._bind([inputs[i]], [proxy])
+        return inputs
+
+    def pre_hook(self, inputs: Sequence[Any], hook_id: int) -> list[Any]:
+        """Record a node pre-hook (``grad_fn.register_prehook``, module backward pre-hooks)."""
+        proxy = self._hook(hook_id, list(inputs), hook_type="pre_hook")
+        fresh = [self._fresh(x) for x in inputs]
+        self._bind(fresh, proxy)
+        return fresh
+
+    def post_hook(self, outputs: list[Any], inputs: Sequence[Any], hook_id: int) -> list[Any]:
+        """Record a node post-hook (``grad_fn.register_hook``, module full backward hooks)."""
+        proxy = self._hook(hook_id, list(outputs), list(inputs), hook_type="post_hook")
+        fresh = [self._fresh(x) for x in outputs]
+        self._bind(fresh, proxy)
+        return fresh
+
+    def post_acc_grad_hook(self, input: torch.Tensor, hook_id: int) -> list[Any]:
+        """Record a ``register_post_accumulate_grad_hook`` hook."""
+        proxy = self._hook(hook_id, input, hook_type="post_acc_grad_hook")
+        result = [self._fresh(input)]
+        self._bind(result, [proxy])
+        return result
+
+    def unpack_hook(self, hook_id: int, data_id: int) -> torch.Tensor:
+        """Record a saved-tensor unpack hook on packed value ``data_id``."""
+        proxy = self._hook(hook_id, self.packed_p[data_id], hook_type="unpack_hook")
+        (result,) = self._dummies(1)
+        self._bind([result], [proxy])
+        return result
+
+    # ---- end ----------------------------------------------------------------------------------
+
+    def end_capture(self, outputs: Any) -> tuple[CompiledBackward, Any]:
+        """Finish the graph, compile it with the session's compiler, record why we captured."""
+        self.stack.close()
+        graph = self.tracer.graph
+        self.tracer.create_node("output", "output", (self.tracer.create_arg(
+            self.to_proxy(outputs)),), {})
+        to_cuda = self._plan_cuda_scalars(graph)
+        for node in graph.nodes:
+            # Values were traced with placeholder fakes; their metadata would mislead passes.
+            for key in ("val", "tensor_meta"):
+                node.meta.pop(key, None)
+        passes.place_accumulations_eagerly(graph)
+        passes.eliminate_dead_code(graph)
+        gm = fx.GraphModule(self.tracer.root, graph, f"CompiledAutograd{self.id}")
+        if log.isEnabledFor(logging.INFO):
+            log.info("captured backward graph %d:\n%s", self.id,
+                     gm.print_readable(print_output=False))
+        self._record()
+        compiled = compile_graph(gm, self.session.compiler_fn)
+        return CompiledBackward(gm, self.session.compiler_fn, compiled, to_cuda), compiled
+
+    def _plan_cuda_scalars(self, graph: fx.Graph) -> list[int]:
+        if not config.compiled_autograd_cudagraphs:
+            return []
+        plan = passes.cpu_scalars_to_move(graph)
+        if plan.moved or plan.kept:
+            kept = "; ".join(f"inputs[{i}] stays: {why}" for i, why in sorted(plan.kept.items()))
+            counters.record("cuda_scalars", "compiled_autograd",
+                            f"moved inputs {plan.moved} to cuda. {kept}".strip(), logger=log)
+        return plan.moved
+
+    def _record(self) -> None:
+        self.session.captures += 1
+        first = session_state.graphs_cached == 0
+        session_state.graphs_cached += 1
+        kind = "capture" if first else "recapture"
+        why = "; ".join(self.reasons) or (
+            "first backward since the engine's cache was cleared" if first
+            else "the engine's cache missed (no reason reported by this PyTorch)")
+        why += f" (input shapes {self.input_shapes})"
+        counters.record(kind, "compiled_autograd", why, logger=log)

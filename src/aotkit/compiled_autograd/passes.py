@@ -1,0 +1,111 @@
+"""Graph passes over a captured backward: dead-code elimination and the CUDA-graph scalar move."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from aotkit.compiled_autograd.runtime import IMPURE, Op, call_accumulate_grad, call_hook
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """Drop unused values (size reads, dummy getitems) but keep every call with effects."""
+
+    def is_impure(node: fx.Node) -> bool:
+        return (node.op == "call_function" and node.target in IMPURE) or node.is_impure()
+
+    graph.eliminate_dead_code(is_impure)
+
+
+def _is_input_read(node: fx.Node) -> bool:
+    return node.op == "placeholder" or (
+        node.target is operator.getitem and node.args[0].op == "placeholder"  # type: ignore[union-attr]
+    )
+
+
+def place_accumulations_eagerly(graph: fx.Graph) -> None:
+    """Move each ``.grad`` accumulation (and its post-accumulate-grad hooks) right after its
+    gradient is computed.
+
+    The engine visits leaves in its own order when capturing, while eager accumulates a leaf as
+    soon as its gradient is ready; hooks observing ``.grad`` would otherwise run in another order.
+    """
+    for acc in graph.find_nodes(op="call_function", target=call_accumulate_grad):
+        deps = [a for a in acc.args if isinstance(a, fx.Node) and not _is_input_read(a)]
+        if deps:
+            max(deps).append(acc)
+    hooks = [n for n in graph.find_nodes(op="call_function", target=call_hook)
+             if n.kwargs.get("hook_type") == "post_acc_grad_hook"]
+    for hook in reversed(hooks):  # reversed + append after acc keeps the hooks' relative order
+        param = hook.args[1]
+        acc = next((u for u in param.users if u.target is call_accumulate_grad), None)  # type: ignore[union-attr]
+        if acc is not None:
+            acc.append(hook.args[0])  # type: ignore[arg-type]
+            hook.args[0].append(hook)  # type: ignore[union-attr]
+
+
+@dataclass
+class ScalarMove:
+    """Which CPU scalar inputs move to CUDA, and why each other one stays."""
+
+    moved: list[int] = field(default_factory=list)
+    kept: dict[int, str] = field(default_factory=dict)
+    has_cuda_inputs: bool = False
+
+
+def _input_reads(graph: fx.Graph) -> list[tuple[int, fx.Node]]:
+    """``(index, node)`` for each ``inputs[index]`` read in the graph."""
+    placeholder = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "inputs")
+    return [
+        (user.args[1], user)
+        for user in placeholder.users
+        if user.target is operator.getitem and isinstance(user.args[1], int)
+    ]
+
+
+def _feeds_only_aten(node: fx.Node) -> fx.Node | None:
+    """The first user that is not an ATen/prims op or built-in formula, or ``None``."""
+    for user in node.users:
+        target = user.target
+        if isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims"):
+            continue
+        if isinstance(target, Op) and not target.is_custom_function:
+            continue
+        return user
+    return None
+
+
+def cpu_scalars_to_move(graph: fx.Graph) -> ScalarMove:
+    """Plan moving CPU 0-dim tensor inputs to CUDA so a CUDA graph can capture the backward.
+
+    Eager autograd keeps Python scalars of the forward as CPU 0-dim tensors (``DivBackward0``'s
+    ``other``); ATen ops accept a CUDA 0-dim tensor in their place, but user code (hooks, custom
+    Functions) might not, so only inputs that feed ATen ops alone move. A graph with no CUDA
+    input is left alone: it would not be CUDA-graphed anyway.
+
+        >>> plan = cpu_scalars_to_move(graph)  # doctest: +SKIP
+        >>> plan.moved, plan.kept  # doctest: +SKIP
+        ([3], {5: 'feeds call_hook'})
+    """
+    plan = ScalarMove()
+    candidates: list[int] = []
+    for index, node in _input_reads(graph):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if val.device.type == "cuda":
+            plan.has_cuda_inputs = True
+        elif val.device.type == "cpu" and val.dim() == 0:
+            blocker = _feeds_only_aten(node)
+            if blocker is None:
+                candidates.append(index)
+            else:
+                plan.kept[index] = f"feeds {blocker.name}, which is not an ATen op"
+    if plan.has_cuda_inputs:
+        plan.moved = sorted(candidates)
+    else:
+        plan.kept.update({i: "the graph has no CUDA inputs" for i in candidates})
+    return plan

@@ -1,0 +1,150 @@
+"""What a captured backward graph calls at run time: backward formulas, hooks, accumulation.
+
+The engine hands us each C++ backward formula once per process (``bind``); the graph calls it
+through an :class:`Op` so the printed graph names the formula (``MulBackward0``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from aotkit import compat
+from aotkit.errors import UnsupportedError
+
+
+class Op:
+    """A C++ backward formula the engine bound by name; calls it unchanged."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], is_custom_function: bool) -> None:
+        self.fn = fn
+        self.is_custom_function = is_custom_function
+        self.__name__ = name
+        self.__qualname__ = name
+        self.__module__ = "aotkit.compiled_autograd.ops"
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __repr__(self) -> str:
+        return f"{self.__module__}.{self.__name__}"
+
+
+_ops: dict[str, Op] = {}
+_custom_counts: Counter[str] = Counter()
+
+
+def bind(name: str, fn: Callable[..., Any], is_custom_function: bool) -> str:
+    """Register a formula; returns the name the engine must use to ask for it again."""
+    if is_custom_function:
+        # C++ custom Functions share class names across extensions: number them.
+        base = "CppNode" + name
+        name = f"{base}{_custom_counts[base]}"
+        _custom_counts[base] += 1
+    _ops[name] = Op(name, fn, is_custom_function)
+    return name
+
+
+def lookup(name: str) -> Op:
+    """The formula bound as ``name``. See Note [Compiled autograd protocol] in aotkit.compat."""
+    # The engine binds each formula once per process, to whichever implementation captured
+    # first; we never borrow another implementation's registry.
+    if name not in _ops:
+        raise UnsupportedError(
+            f"compiled autograd: the engine asked for backward formula {name!r}, which it bound "
+            "to another compiled-autograd implementation earlier in this process. Workaround: "
+            "do not mix torch._dynamo.compiled_autograd and aotkit.compiled_autograd in one "
+            "process, or run this backward under aotkit.compiled_autograd.disable()."
+        )
+    return _ops[name]
+
+
+class _ReplayCtx:
+    """A custom Function's ctx whose saved tensors come from the graph's inputs."""
+
+    def __init__(self, ctx: Any, saved_tensors: Sequence[torch.Tensor]) -> None:
+        self._ctx = ctx
+        self.saved_tensors = tuple(saved_tensors)
+
+    @property
+    def saved_variables(self) -> tuple[torch.Tensor, ...]:
+        return self.saved_tensors
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any) -> tuple[Any, ...]:
+    """Run a custom ``torch.autograd.Function``'s backward with the graph's saved tensors."""
+    out = ctx._forward_cls.backward(_ReplayCtx(ctx, saved_tensors), *grads)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
+    """Run a user hook; a hook returning ``None`` leaves its first argument unchanged."""
+    result = hook(*args)
+    if result is None:
+        return args[0]
+    if hook_type == "post_acc_grad_hook":
+        raise UnsupportedError(
+            "a post-accumulate-grad hook returned a value; such hooks must return None "
+            "(modify param.grad in place instead)."
+        )
+    return result
+
+
+def call_accumulate_grad(
+    variable: torch.Tensor, variable_grad: Any, grad: torch.Tensor, has_post_hooks: bool
+) -> torch.Tensor:
+    """Accumulate ``grad`` into ``variable.grad`` with the engine's own AccumulateGrad rules."""
+    updated = lookup("AccumulateGrad")([grad], variable, variable_grad, has_post_hooks)
+    variable.grad = updated[0]
+    return variable.grad
+
+
+def call_cpp_tensor_pre_hooks(hook_id: int, grad: torch.Tensor) -> torch.Tensor:
+    """Run C++ tensor pre-hooks such as the one ``retain_grad()`` installs."""
+    return compat.call_cpp_tensor_pre_hooks(hook_id, grad)
+
+
+def copy_slices_prologue(
+    inputs: Sequence[torch.Tensor],
+    base_sizes: Sequence[Any],
+    base_strides: Sequence[Any],
+    base_offset: Any,
+    view_sizes: Sequence[Any],
+    view_strides: Sequence[Any],
+    view_offset: Any,
+) -> list[torch.Tensor]:
+    """First half of an in-place-on-view backward (CopySlices): the base-shaped gradient, the
+    view's slice of it, and a contiguous copy of that slice for the view's formula."""
+    result = inputs[0].new_empty_strided(base_sizes, base_strides)
+    result.copy_(inputs[0])
+    grad_slice = result.as_strided(view_sizes, view_strides, view_offset - base_offset)
+    return [result, grad_slice, grad_slice.clone(memory_format=torch.contiguous_format)]
+
+
+def copy_slices_epilogue(
+    needs_input_grad: Sequence[bool],
+    result: torch.Tensor,
+    res: Sequence[torch.Tensor | None],
+    grad_slice: torch.Tensor,
+) -> list[torch.Tensor | None]:
+    """Second half of CopySlices: write the view formula's grad back into the base gradient."""
+    out: list[torch.Tensor | None] = [None] * len(needs_input_grad)
+    for i, needed in enumerate(needs_input_grad):
+        if not needed or res[i] is None:
+            continue
+        if i == 0:
+            grad_slice.copy_(res[0])  # type: ignore[arg-type]
+            out[0] = result
+        else:
+            out[i] = res[i]
+    return out
+
+
+#: Calls that have effects (user code, ``.grad`` writes) and must survive dead-code elimination.
+IMPURE = frozenset({call_backward, call_hook, call_accumulate_grad, call_cpp_tensor_pre_hooks})

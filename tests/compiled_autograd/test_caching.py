@@ -1,0 +1,131 @@
+"""When the engine replays, when we capture again, and what is refused."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+from tests.compiled_autograd.helpers import counts, nop
+from torch import fx
+
+import aotkit
+from aotkit.compiled_autograd import passes, runtime
+
+
+def _step(w: torch.Tensor, batch: int) -> None:
+    (torch.randn(batch, 3) * w).sin().sum().backward()
+
+
+def test_batch_size_change_recaptures_with_reason_then_is_dynamic() -> None:
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(nop, dynamic=False):
+        _step(w, 2)
+        _step(w, 4)
+        _step(w, 7)
+    assert counts() == (2, 2)
+    (recapture,) = aotkit.explain().of_kind("recapture")
+    assert "(4, 3)" in recapture.why
+    # The dynamic replay (batch 7 was not captured) still computes eager's gradients.
+    eager = torch.randn(3, requires_grad=True)
+    compiled = eager.detach().clone().requires_grad_()
+    compiled.grad, eager.grad = torch.zeros(3), torch.zeros(3)
+    torch.manual_seed(0)
+    _step(eager, 5)
+    torch.manual_seed(0)
+    with aotkit.compiled_autograd.enable(nop, dynamic=False):
+        _step(compiled, 5)
+    torch.testing.assert_close(compiled.grad, eager.grad)
+
+
+def test_dynamic_true_replays_new_batch_sizes() -> None:
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(nop):
+        for batch in (2, 4, 9):
+            _step(w, batch)
+    assert counts() == (1, 1)
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.calls = 0
+
+    def __call__(self, gm: fx.GraphModule) -> Any:
+        self.compiles += 1
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return gm(*args)
+
+        return run
+
+
+def test_switching_compiler_never_runs_the_old_graph() -> None:
+    first, second = Counting(), Counting()
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(first):
+        _step(w, 2)
+        _step(w, 2)
+    assert (first.compiles, first.calls) == (1, 2)
+    with aotkit.compiled_autograd.enable(second):
+        _step(w, 2)
+        _step(w, 2)
+    assert (first.compiles, first.calls) == (1, 2)
+    assert (second.compiles, second.calls) == (1, 2)
+    assert aotkit.explain().of_kind("cache_clear")
+
+
+def test_nested_enable_raises() -> None:
+    with (aotkit.compiled_autograd.enable(nop),
+          pytest.raises(aotkit.errors.UnsupportedError, match="nested"),
+          aotkit.compiled_autograd.enable(nop)):
+        pass
+
+
+def test_create_graph_raises_typed_error_with_workaround() -> None:
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        with pytest.raises(aotkit.errors.UnsupportedError, match="disable"):
+            (w**3).sum().backward(create_graph=True)
+        with aotkit.compiled_autograd.disable():
+            (w**3).sum().backward(create_graph=True)
+    torch.testing.assert_close(w.grad, 3 * w.detach() ** 2)
+
+
+def _graph_with_inputs(vals: list[torch.Tensor], user: Any) -> fx.Graph:
+    graph = fx.Graph()
+    inputs = graph.placeholder("inputs")
+    for i, val in enumerate(vals):
+        read = graph.call_function(operator.getitem, (inputs, i))
+        read.meta["val"] = val
+        graph.call_function(user, (read,))
+    return graph
+
+
+def test_cuda_scalar_move_decision_with_fake_cuda_tensors() -> None:
+    with aotkit.compat.FakeTensorMode():
+        activation = torch.empty(4, device="cuda")
+        scalar = torch.empty((), device="cpu")
+    aten = _graph_with_inputs([activation, scalar], torch.ops.aten.mul.Tensor)
+    assert passes.cpu_scalars_to_move(aten).moved == [1]
+    hook = _graph_with_inputs([activation, scalar], runtime.call_hook)
+    plan = passes.cpu_scalars_to_move(hook)
+    assert plan.moved == [] and "not an ATen op" in plan.kept[1]
+    cpu_only = _graph_with_inputs([scalar], torch.ops.aten.mul.Tensor)
+    assert passes.cpu_scalars_to_move(cpu_only).kept == {0: "the graph has no CUDA inputs"}
+
+
+def test_cuda_scalar_option_on_cpu_graph_records_decision() -> None:
+    w = torch.randn(3, requires_grad=True)
+    with (aotkit.config.patch(compiled_autograd_cudagraphs=True),
+          aotkit.compiled_autograd.enable(nop)):
+        (w / 2.0).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 0.5))
+    # No CUDA input here, so nothing moves; any CPU scalar kept is explained.
+    for decision in aotkit.explain().of_kind("cuda_scalars"):
+        assert "moved inputs []" in decision.why

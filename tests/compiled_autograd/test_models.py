@@ -1,0 +1,53 @@
+"""Whole models: gradients equal eager; one capture per autograd-graph structure."""
+
+import pytest
+import torch
+from tests.compiled_autograd.helpers import check_module, counts
+
+import aotkit
+
+
+def test_mlp_grads_match_eager_and_capture_once() -> None:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    check_module(mlp, [torch.randn(5, 8)])
+    assert counts() == (1, 1)
+
+
+def test_second_backward_reuses_compiled_graph() -> None:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    # Step 1 accumulates into .grad=None, steps 2 and 3 into existing grads: two structures.
+    check_module(mlp, [torch.randn(5, 8)], steps=3)
+    assert counts() == (2, 2)
+    decisions = aotkit.explain().of_kind("recapture")
+    assert len(decisions) == 1 and "AccumulateGrad" in decisions[0].why
+
+
+def test_conv_net_grads_match_eager() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3),
+    )
+    check_module(net, [torch.randn(2, 3, 8, 8)], steps=2)
+    assert counts() == (2, 2)
+
+
+def test_transformer_layer_grads_match_eager() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32,
+                                             dropout=0.0, batch_first=True)
+    check_module(layer, [torch.randn(2, 5, 16)], steps=2)
+    assert counts() == (2, 2)
+
+
+def test_captured_graph_is_logged_and_explained(caplog: pytest.LogCaptureFixture) -> None:
+    w = torch.randn(3, requires_grad=True)
+    with (caplog.at_level("INFO", logger="aotkit.compiled_autograd"),
+          aotkit.compiled_autograd.enable(lambda gm: gm)):
+        (w.sin() * 2).sum().backward()
+    assert any("MulBackward0" in r.getMessage() for r in caplog.records)
+    (decision,) = aotkit.explain().of_kind("capture")
+    assert decision.what == "compiled_autograd"
+    torch.testing.assert_close(w.grad, 2 * w.cos())
