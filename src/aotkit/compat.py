@@ -5,6 +5,8 @@ Everything here is a thin alias over a primitive; callers never test versions th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -81,6 +83,17 @@ def set_autograd_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
     """Install ``factory`` (called once per capture) as the engine's compiler; returns the prior
     ``(factory, dynamic)`` pair so it can be restored. ``None`` turns compiled autograd off."""
     return _engine().set_autograd_compiler(factory, dynamic)
+
+
+@contextlib.contextmanager
+def compiled_autograd_off() -> Iterator[None]:
+    """No compiled autograd inside the block: tracing's own ``autograd.grad`` on fake tensors
+    must run in the plain engine, not be captured as a user backward."""
+    prior = set_autograd_compiler(None, False)
+    try:
+        yield
+    finally:
+        set_autograd_compiler(*prior)
 
 
 def clear_autograd_cache() -> None:

@@ -51,3 +51,20 @@ def test_captured_graph_is_logged_and_explained(caplog: pytest.LogCaptureFixture
     (decision,) = aotkit.explain().of_kind("capture")
     assert decision.what == "compiled_autograd"
     torch.testing.assert_close(w.grad, 2 * w.cos())
+
+
+def test_backward_through_aot_function_graph() -> None:
+    """aotkit's own compiled backward runs as one opaque call; aotkit's tracing (its own
+    autograd.grad on fake tensors) must not be captured as a user backward."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    w_eager = w.detach().clone().requires_grad_()
+    x = torch.randn(3, 4)
+    f = aotkit.aot_function(lambda x, w: (x @ w).tanh(), aotkit.compilers.nop)
+    with aotkit.compiled_autograd.enable(lambda gm: gm):
+        for _ in range(2):
+            f(x, w).pow(2).sum().backward()
+    for _ in range(2):
+        (x @ w_eager).tanh().pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, w_eager.grad)
+    assert counts() == (2, 2)  # step 1, then accumulation into an existing .grad

@@ -25,6 +25,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.compat import (
     FakeTensorMode,
     FunctionalTensorMode,
+    compiled_autograd_off,
     data_dependent_errors,
     effect_tokens,
     effect_types,
@@ -52,7 +53,7 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     # (its Python decomposition of eval-mode dropout copies where eager returns the input).
     dispatcher = enable_python_dispatcher() if mode.shape_env is not None else contextlib.nullcontext()
     try:
-        with mode, dispatcher:
+        with mode, dispatcher, compiled_autograd_off():
             yield
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
