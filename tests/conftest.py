@@ -1,4 +1,5 @@
-"""Shared test set-up: every test starts with fresh Dynamo caches and aotkit counters."""
+"""Shared test set-up: every test starts with fresh Dynamo caches, aotkit counters and
+compiled-autograd state."""
 
 from collections.abc import Iterator
 
@@ -12,5 +13,7 @@ import aotkit
 def clean_state() -> Iterator[None]:
     torch._dynamo.reset()
     aotkit.counters.reset()
+    aotkit.compiled_autograd.reset()
     yield
     torch._dynamo.reset()
+    aotkit.compiled_autograd.reset()
