@@ -1,5 +1,7 @@
 """Whole models: gradients equal eager; one capture per autograd-graph structure."""
 
+import functools
+
 import pytest
 import torch
 from tests.compiled_autograd.helpers import check_module, counts
@@ -68,3 +70,13 @@ def test_backward_through_aot_function_graph() -> None:
         (x @ w_eager).tanh().pow(2).sum().backward()
     torch.testing.assert_close(w.grad, w_eager.grad)
     assert counts() == (2, 2)  # step 1, then accumulation into an existing .grad
+
+
+def test_captured_graph_compiles_with_torch_compile_fullgraph() -> None:
+    """Built-in formulas stay single graph nodes for Dynamo (allow_in_graph), so a compiler
+    that is itself torch.compile sees one whole graph."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiler = functools.partial(torch.compile, backend="aotkit", fullgraph=True)
+    check_module(mlp, [torch.randn(5, 8)], steps=2, compiler=compiler)
+    assert counts() == (2, 2)

@@ -195,7 +195,7 @@ class Capture:
     def bind_function(self, fn_name: str, fn: Callable[..., Any], is_custom_function: bool = False,
                       is_traceable: bool = True, *rest: Any) -> str:
         """Register a C++ backward formula (the engine does this once per process)."""
-        return runtime.bind(fn_name, fn, is_custom_function)
+        return runtime.bind(fn_name, fn, is_custom_function, is_traceable)
 
     def apply_functional(self, fn_name: str, grads: Sequence[Any], args: Any,
                          output_metadata: Sequence[Any]) -> list[torch.Tensor]:

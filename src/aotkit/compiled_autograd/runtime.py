@@ -33,22 +33,28 @@ class Op:
         return f"{self.__module__}.{self.__name__}"
 
 
-_ops: dict[str, Op] = {}
+_ops: dict[str, Callable[..., Any]] = {}
 _custom_counts: Counter[str] = Counter()
 
 
-def bind(name: str, fn: Callable[..., Any], is_custom_function: bool) -> str:
-    """Register a formula; returns the name the engine must use to ask for it again."""
+def bind(name: str, fn: Callable[..., Any], is_custom_function: bool, is_traceable: bool) -> str:
+    """Register a formula; returns the name the engine must use to ask for it again.
+
+    A compiler that runs Dynamo over the captured graph (``torch.compile(gm, ...)``) must not
+    trace into the C++ formula: a traceable one stays one graph node that fake-tensor tracing
+    later expands to ATen ops; one the engine marks untraceable runs eagerly (a graph break).
+    """
     if is_custom_function:
         # C++ custom Functions share class names across extensions: number them.
         base = "CppNode" + name
         name = f"{base}{_custom_counts[base]}"
         _custom_counts[base] += 1
-    _ops[name] = Op(name, fn, is_custom_function)
+    op = Op(name, fn, is_custom_function)
+    _ops[name] = torch._dynamo.allow_in_graph(op) if is_traceable else torch._dynamo.disable(op)
     return name
 
 
-def lookup(name: str) -> Op:
+def lookup(name: str) -> Callable[..., Any]:
     """The formula bound as ``name``. See Note [Compiled autograd protocol] in aotkit.compat."""
     # The engine binds each formula once per process, to whichever implementation captured
     # first; we never borrow another implementation's registry.
