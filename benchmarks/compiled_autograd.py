@@ -39,7 +39,6 @@ import math
 import os
 import pstats
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import aotkit
+from _timing import paired_medians
 from aotkit.models import MLP, make_mlp_batch
 
 NOP_TARGET = 1.1        # nop compiled backward / eager backward
@@ -179,18 +179,7 @@ def measure(model_name: str, compiler: str, steps: int, warmup: int) -> Timing:
         return timing
     eager_backward()
     check_grads(f"{model_name}/{compiler}", model, reference)
-    for _ in range(warmup):
-        backward()
-        eager_backward()
-    times, eager_times = [], []
-    for i in range(steps):  # alternate who goes first, so neither gets the warmer cache
-        if i % 2:
-            eager_times.append(eager_backward())
-            times.append(backward())
-        else:
-            times.append(backward())
-            eager_times.append(eager_backward())
-    timing.steady, timing.paired_eager = statistics.median(times), statistics.median(eager_times)
+    timing.steady, timing.paired_eager = paired_medians(backward, eager_backward, warmup, steps)
     stats = aotkit.counters.counters["compiled_autograd"]
     timing.captures, timing.compiles = stats["captures"], stats["compiles"]
     reset_all()

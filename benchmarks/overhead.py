@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import aotkit
+from _timing import paired_medians
 from aotkit.models import MLP, TinyTransformer, make_mlp_batch, make_token_batch
 
 FIRST_CALL_TARGET = 0.3   # aotkit first call / aot_eager first call
@@ -116,20 +117,9 @@ def measure(model_name: str, variant: str, steps: int, warmup: int, repeats: int
         firsts.append(step())
     first = statistics.median(firsts)
     eager_step = make_step(model_name, "eager")
-    for _ in range(warmup):
-        step()
-        eager_step()
-    times, eager_times = [], []
-    for i in range(steps):  # alternate who goes first, so neither gets the warmer cache
-        if i % 2:
-            eager_times.append(eager_step())
-            times.append(step())
-        else:
-            times.append(step())
-            eager_times.append(eager_step())
+    steady, paired_eager = paired_medians(step, eager_step, warmup, steps)
     traces = aotkit.counters.counters["aot"]["traces"]
-    return Timing(model_name, variant, first, statistics.median(times),
-                  statistics.median(eager_times), traces)
+    return Timing(model_name, variant, first, steady, paired_eager, traces)
 
 
 def warm_up_machinery() -> None:
