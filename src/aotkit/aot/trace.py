@@ -40,9 +40,11 @@ FlatFn = Callable[..., tuple[list[Any], pytree.TreeSpec]]
 
 def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) -> torch.Tensor:
     """A fake copy of ``t`` (same leafness and requires_grad); symbolic sizes when ``dynamic``."""
+    if not dynamic:  # no symbols to name, and torch._dynamo.source would load all of Dynamo
+        return mode.from_tensor(t, static_shapes=True)
     from torch._dynamo.source import LocalSource
 
-    return mode.from_tensor(t, static_shapes=not dynamic, source=LocalSource(f"arg{index}"))
+    return mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
 
 
 @contextlib.contextmanager

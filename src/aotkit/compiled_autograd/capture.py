@@ -20,7 +20,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
-from torch._dynamo.source import GetItemSource, LocalSource
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
     PythonKeyTracer,
@@ -46,6 +45,14 @@ from aotkit.errors import TraceError, UnsupportedError
 
 PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_data")
 _ids = itertools.count()
+
+
+def _source(name: str, index: int) -> Any:
+    # Imported here: torch._dynamo.source loads all of Dynamo (~1 s), which `import aotkit`
+    # must not pay.
+    from torch._dynamo.source import GetItemSource, LocalSource
+
+    return GetItemSource(LocalSource(name), index)
 
 
 def reset_ids() -> None:
@@ -111,7 +118,7 @@ class Capture:
 
     def _fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
         try:
-            return self.fake_mode.from_tensor(x, source=GetItemSource(LocalSource("inputs"), index))
+            return self.fake_mode.from_tensor(x, source=_source("inputs", index))
         except Exception as exc:
             raise UnsupportedError(
                 f"compiled autograd cannot fake backward input {index} of type {type(x).__name__}"
@@ -120,7 +127,7 @@ class Capture:
 
     def _symbol(self, value: Any, name: str, index: int, placeholder: fx.Proxy) -> Any:
         """A SymInt/SymFloat standing for ``placeholder[index]``, so replays read the new value."""
-        source = GetItemSource(LocalSource(name), index)
+        source = _source(name, index)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TraceError(f"compiled autograd: unexpected {name}[{index}] = {value!r}")
         if isinstance(value, int):
