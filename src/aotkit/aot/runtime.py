@@ -45,6 +45,8 @@ class CompiledGraphs:
         self.non_differentiable = [i for i, d in enumerate(self.differentiable) if not d]
         graph_outputs = self.meta.graph_user_outputs()
         self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
+        # Also mutations the graph keeps as copy_ (keep_inference_input_mutations).
+        self.mutates_inputs = bool(self.meta.mutated_inputs)
         # The common case: nothing to write back, every output is a fresh graph output.
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
             o.alias is Alias.NONE for o in self.meta.outputs
@@ -177,7 +179,7 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     """Run one compiled signature on flat inputs; returns the flat user outputs."""
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
-    if graphs.meta.mutated_inputs:  # mutations kept in the graph too (keep_inference_...)
+    if graphs.mutates_inputs:
         check_no_aliased_mutation(graphs.name, graphs.meta, args)
     if graphs.training:
         fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
@@ -194,7 +196,7 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
     for k, i in enumerate(graphs.returned_mutations):
         apply_mutation(args[i], fw_outs[k], meta.inputs[i])
     start = len(graphs.returned_mutations)
-    graph_outs = fw_outs[start : start + len(meta.graph_user_outputs())]
+    graph_outs = fw_outs[start : start + len(graphs.graph_output_position)]
     bases = fw_outs[start + len(graph_outs) :]
     position = graphs.graph_output_position
     results: list[Any] = []
