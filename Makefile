@@ -6,7 +6,12 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean system-deps
+
+# Real components for the tests: Graphviz renders drawn graphs (Debian package graphviz).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@command -v dot >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q graphviz; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/aotkit demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(PY) -m pytest -q -n $(JOBS) tests
 	$(PY) -m pytest -q --doctest-modules src/aotkit

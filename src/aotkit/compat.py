@@ -28,6 +28,7 @@ __all__ = [
     "effect_types",
     "guard_globals",
     "mutations_hidden_from_autograd",
+    "size_hint",
 ]
 
 
@@ -122,3 +123,15 @@ def accumulate_grad_args(
     if has_post_hooks is None:
         return variable, variable.grad, variable_grad, bool(grad)
     return variable, variable_grad, grad, bool(has_post_hooks)
+
+
+def size_hint(size: int | torch.SymInt, fallback: int = 4096) -> int:
+    """A concrete value for a possibly symbolic size, for cost estimates only (never guards);
+    ``fallback`` for an unbacked size with no hint."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    from torch.fx.experimental import symbolic_shapes
+
+    if hasattr(symbolic_shapes, "optimization_hint"):  # 2.13
+        return int(symbolic_shapes.optimization_hint(size, fallback=fallback))
+    return int(symbolic_shapes.hint_int(size, fallback=fallback))  # 2.11

@@ -23,8 +23,10 @@ from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tr
 from aotkit.compat import FakeTensorMode
 from aotkit.errors import ArgumentError, OutputTypeError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
+from aotkit.partition.report import PartitionReport, report
 
 log = logging.getLogger("aotkit.aot")
+_partition_log = logging.getLogger("aotkit.partition")
 
 Partitioner = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
@@ -68,6 +70,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     if not training:
         return _compile_inference(gm, meta, options, name, len(args))
     fw_gm, bw_gm = options.partition_fn(gm, list(args), num_fwd_outputs=meta.num_fw_outputs)
+    _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
     _log_graph(name, "forward", fw_gm)
     _log_graph(name, "backward", bw_gm)
@@ -82,6 +85,21 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
     )
+
+
+def _record_partition(name: str, partition_fn: Partitioner, fw_gm: fx.GraphModule,
+                      num_fw_outputs: int) -> None:
+    """Log and keep what the partition saved (and recomputed): ``explain().of_kind("partition")``.
+    A partitioner that does not describe itself is described from its forward graph's outputs."""
+    described = fw_gm.meta.get("partition")
+    if not isinstance(described, PartitionReport):
+        saved = [n for n in fw_gm.graph.output_node().args[0][num_fw_outputs:]
+                 if isinstance(n, fx.Node)]
+        described = report(getattr(partition_fn, "__name__", "partition_fn"), saved)
+        fw_gm.meta["partition"] = described
+    counters.bump("partition", "saved_bytes", described.saved_bytes)
+    counters.bump("partition", "recomputed_ops", len(described.recomputed))
+    counters.record("partition", name, str(described), logger=_partition_log)
 
 
 def _refuse_leaf_metadata_mutation(meta: AotMeta, args: Sequence[Any], name: str) -> None:

@@ -1,25 +1,28 @@
 """Graph compilers: ``compiler(gm, example_inputs) -> boxed callable``."""
 
-from __future__ import annotations
+from aotkit.compilers.basic import debug_nop, draw_graph_compile, nop, print_compile
+from aotkit.compilers.dump import debug_compile, get_inputs, graph_dumper_aot
+from aotkit.compilers.inductor import inductor
+from aotkit.compilers.torchscript import (
+    default_decompositions,
+    memory_efficient_fusion,
+    nnc_jit,
+    simple_ts_compile,
+    ts_compile,
+)
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch.fx as fx
-
-from aotkit.aot.boxing import make_boxed_func
-
-__all__ = ["nop"]
-
-
-def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
-    """Run the graph as it is (through its generated Python code).
-
-    Example::
-
-        >>> import torch, aotkit
-        >>> f = aotkit.aot_function(torch.sin, aotkit.compilers.nop)
-        >>> f(torch.zeros(1))
-        tensor([0.])
-    """
-    return make_boxed_func(gm.forward)
+__all__ = [
+    "debug_compile",
+    "debug_nop",
+    "default_decompositions",
+    "draw_graph_compile",
+    "get_inputs",
+    "graph_dumper_aot",
+    "inductor",
+    "memory_efficient_fusion",
+    "nnc_jit",
+    "nop",
+    "print_compile",
+    "simple_ts_compile",
+    "ts_compile",
+]
