@@ -58,10 +58,18 @@ _define("record_stack_traces", bool, False,
         "first call by ~20%). Graphs from torch.compile keep Dynamo's stack traces regardless.")
 _define("max_decisions", int, 1000,
         "How many decisions (recompiles, fallbacks) aotkit.explain() keeps; older ones are dropped.")
+_define("debug_dir", str, "aotkit_debug",
+        "Folder where aotkit.compilers.debug_compile writes each graph and its runnable "
+        "repro.py (a relative path is relative to the current directory).")
 _define("compiled_autograd_cudagraphs", bool, False,
         "CUDA graphs are requested for compiled-autograd backward graphs: CPU 0-dim tensor inputs "
         "that only feed ATen ops or built-in backward formulas move to the GPU, so the graph has "
         "no CPU inputs. Only applies when the graph already has CUDA inputs.",
+        in_cache_key=True)
+_define("activation_memory_budget", float, 1.0,
+        "For min_cut_rematerialization_partition: the share (0..1) of saved-activation memory to "
+        "keep between the least the partitioner can save (0: recompute everything but random "
+        "ops) and its default cut (1: recompute only cheap pointwise and view ops).",
         in_cache_key=True)
 
 

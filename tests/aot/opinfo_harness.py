@@ -69,6 +69,14 @@ def aotkit_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     return aotkit.aot_function(fn, aotkit.compilers.nop)
 
 
+def aotkit_min_cut_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`aotkit_compile` with the min-cut rematerialization partitioner."""
+    import aotkit
+
+    return aotkit.aot_function(fn, aotkit.compilers.nop,
+                               partition_fn=aotkit.partition.min_cut_rematerialization_partition)
+
+
 def pytorch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """PyTorch's own ``aot_function`` over a tensors-only wrapper of ``fn`` (the reference)."""
     from torch._functorch.aot_autograd import aot_function

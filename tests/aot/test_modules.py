@@ -106,6 +106,14 @@ def aotkit_module(mod: nn.Module) -> nn.Module:
     return aotkit.aot_module(mod, aotkit.compilers.nop)
 
 
+def aotkit_min_cut_module(mod: nn.Module) -> nn.Module:
+    return aotkit.aot_module(mod, aotkit.compilers.nop,
+                             partition_fn=aotkit.partition.min_cut_rematerialization_partition)
+
+
+PARTITIONERS = {"default": aotkit_module, "min_cut": aotkit_min_cut_module}
+
+
 def pytorch_module(mod: nn.Module) -> nn.Module:
     from torch._functorch.aot_autograd import aot_module
     from torch._functorch.compilers import nop
@@ -161,9 +169,10 @@ def _cases(table: dict[str, Any] | None = None) -> list[Any]:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # deprecation notes of the modules
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
 @pytest.mark.parametrize(("info", "training"), _cases())
-def test_module_matches_eager(info: Any, training: bool) -> None:
-    check_module(info, training)
+def test_module_matches_eager(info: Any, training: bool, partition: str) -> None:
+    check_module(info, training, PARTITIONERS[partition])
 
 
 @pytest.mark.parametrize(("info", "training"), _cases(EXPECTED_FAILURES))

@@ -30,12 +30,16 @@ def _marks(name: str) -> list[Any]:
     return []
 
 
+PARTITIONERS = {"default": harness.aotkit_compile, "min_cut": harness.aotkit_min_cut_compile}
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # deprecation notes of the ops
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
 @pytest.mark.parametrize(
     "op", [pytest.param(op, id=name, marks=_marks(name)) for name, op in OPS.items()]
 )
-def test_op_matches_eager(op: Any) -> None:
-    harness.check_sample(op, harness.first_sample(op))
+def test_op_matches_eager(op: Any, partition: str) -> None:
+    harness.check_sample(op, harness.first_sample(op), PARTITIONERS[partition])
 
 
 @pytest.mark.parametrize("name", sorted(set(EXPECTED_FAILURES) & set(FIRST_SAMPLE_RAISES)))

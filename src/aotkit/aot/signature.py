@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aotkit import config
 from aotkit.compat import guard_globals
 from aotkit.errors import UnsupportedError
 
@@ -54,6 +55,7 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
         torch.are_deterministic_algorithms_enabled(),
+        config.cache_key(),
     )
 
 
@@ -77,9 +79,12 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[
                 if x != y:
                     return f"{field} of {name} changed: {_show(x)} -> {_show(y)}"
         return f"{name} changed: {_show(a)} -> {_show(b)}"
-    for mode, x, y in zip(_MODES, old[2:], new[2:], strict=True):
+    for mode, x, y in zip(_MODES, old[2:-1], new[2:-1], strict=True):
         if x != y:
             return f"{mode} changed: {x} -> {y}"
+    for (option, x), (_, y) in zip(old[-1], new[-1], strict=True):
+        if x != y:
+            return f"aotkit.config.{option} changed: {x!r} -> {y!r}"
     return "the signature changed"
 
 

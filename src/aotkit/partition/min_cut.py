@@ -1,9 +1,231 @@
-"""Min-cut rematerialization partitioner (in progress)."""
+"""The min-cut rematerialization partitioner: save the fewest activation bytes, and let the
+backward recompute cheap pointwise and view ops instead of loading them.
+
+Note [Min-cut partitioning]
+Every forward value the backward reads must reach it: saved by the forward, or recomputed by
+the backward from values that reach it. As a flow network, each forward tensor node n is an
+edge n_in -> n_out whose capacity is the cost of saving n; data edges u_out -> v_in are
+unbounded; the source feeds n_in of every node the backward may not recompute (graph inputs,
+random and side-effecting ops, and expensive ops: matmul, convolution, attention, large
+reductions), and n_out of every forward node the backward reads feeds the sink. A minimum cut
+crosses exactly the nodes to save; a node whose n_in lies on the sink side is recomputed.
+Costs are bytes (symbolic sizes through their hints); graph inputs cost no bytes (the caller
+holds them anyway). Ties go to later nodes, which leaves fewer ops to recompute.
+SymInts stay out of the network: every forward SymInt the backward needs is saved.
+"""
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import networkx as nx
+import torch
+import torch.fx as fx
 
-def min_cut_rematerialization_partition(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("in progress")
+from aotkit import config
+from aotkit.errors import ConfigError, UnsupportedError
+from aotkit.partition.cse import cse
+from aotkit.partition.graph import (
+    ancestors,
+    descendants,
+    extract,
+    has_effects,
+    is_sym,
+    split_joint,
+)
+from aotkit.partition.report import nbytes, report
+
+aten = torch.ops.aten
+
+#: Not pointwise or views, yet cheap to recompute: factories and copies.
+_CHEAP_OPS = frozenset({
+    aten.full, aten.zeros, aten.ones, aten.empty, aten.empty_strided, aten.scalar_tensor,
+    aten.arange, aten.full_like, aten.zeros_like, aten.ones_like, aten.empty_like,
+    aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.clone, aten._to_copy,
+    aten.lift_fresh_copy, aten.copy,
+})
+
+#: A reduction whose input is this many times larger than its output is never recomputed.
+_LARGE_REDUCTION = 4
+
+
+def min_cut_rematerialization_partition(
+    joint_gm: fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    num_fwd_outputs: int,
+    activation_memory_budget: float | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split a joint graph so the forward saves the fewest activation bytes; the backward
+    recomputes cheap pointwise and view chains (never random ops, matmuls, convolutions,
+    attention or large reductions). See Note [Min-cut partitioning].
+
+    ``activation_memory_budget`` (default ``aotkit.config.activation_memory_budget``, 1.0)
+    trades compute for memory: below 1 the backward may also recompute expensive ops, until the
+    saved bytes are at most ``least + budget * (default - least)``, where ``least`` is what
+    recomputing everything but random ops saves. Saved bytes never grow as the budget falls.
+
+    What was saved and recomputed is in ``fw_gm.meta["partition"]`` and ``aotkit.explain()``.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> from aotkit.partition import min_cut_rematerialization_partition as min_cut
+        >>> f = aotkit.aot_function(lambda x: x.cos().cos().cos(), aotkit.compilers.nop,
+        ...                         partition_fn=min_cut)
+        >>> f(torch.ones(3, requires_grad=True)).sum().backward()
+        >>> print(aotkit.explain().of_kind("partition")[-1].why)  # doctest: +ELLIPSIS
+        min_cut_rematerialization_partition: saved 1 tensor(s) (1 of them inputs), 0 activation bytes, ...
+    """
+    budget = config.activation_memory_budget if activation_memory_budget is None \
+        else activation_memory_budget
+    if not 0.0 <= budget <= 1.0:
+        raise ConfigError(f"activation_memory_budget must lie in [0, 1], got {budget!r}.")
+    network = _Network(cse(joint_gm), num_fwd_outputs)
+    saved = network.cut(network.expensive)
+    if budget < 1.0:
+        saved = _within_budget(network, budget, saved)
+    return network.split(saved)
+
+
+@dataclass
+class _Cut:
+    saved: list[fx.Node]
+    activation_bytes: int
+
+
+class _Network:
+    """The flow network of one joint graph (Note [Min-cut partitioning])."""
+
+    def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int) -> None:
+        self.joint = joint
+        self.parts = split_joint(joint, num_fwd_outputs)
+        tangent_side = descendants(self.parts.tangents)
+        effects = [n for n in joint.graph.nodes if has_effects(n)]
+        self.fw_effects = [n for n in effects if n not in tangent_side]
+        self.bw_effects = [n for n in effects if n in tangent_side]
+        nodes = [n for n in joint.graph.nodes if n.op != "output"]
+        self.index = {n: i for i, n in enumerate(nodes)}
+        forward = [n for n in nodes if n not in tangent_side]
+        self.fw_syms = {n for n in forward if is_sym(n)}
+        self.fw_tensors = [n for n in forward if n not in self.fw_syms]
+        self.pinned = [n for n in self.fw_tensors if _pinned(n)]
+        pinned = set(self.pinned)
+        self.expensive = [n for n in self.fw_tensors if n not in pinned and not _cheap(n)]
+        self.read_by_bw = self._read_by_backward(tangent_side)
+
+    def _read_by_backward(self, tangent_side: set[fx.Node]) -> set[fx.Node]:
+        bw_nodes = ancestors([*self.parts.bw_outputs, *self.bw_effects]) & tangent_side
+        read = {u for n in bw_nodes for u in n.all_input_nodes}
+        read |= {o for o in self.parts.bw_outputs if isinstance(o, fx.Node)}
+        return read - tangent_side - self.fw_syms
+
+    def cut(self, banned: Sequence[fx.Node]) -> _Cut:
+        """The cheapest set of nodes to save when ``banned`` (and the pinned nodes) may not be
+        recomputed."""
+        if not self.read_by_bw:
+            return _Cut([], 0)
+        graph = self._flow_graph({*self.pinned, *banned})
+        try:
+            _, (source_side, _) = nx.minimum_cut(graph, "source", "sink")
+        except nx.NetworkXUnbounded as exc:
+            raise UnsupportedError(
+                "min_cut_rematerialization_partition found a value the backward needs that can "
+                "neither be saved nor recomputed (a tuple-valued op read whole by the backward?)."
+                "\nFix: use aotkit.default_partition for this function."
+            ) from exc
+        saved = [n for n in self.fw_tensors
+                 if (n, "in") in source_side and (n, "out") not in source_side]
+        return _Cut(saved, sum(nbytes(n) for n in saved if n.op != "placeholder"))
+
+    def _flow_graph(self, banned: set[fx.Node]) -> nx.DiGraph:
+        graph = nx.DiGraph()
+        members = set(self.fw_tensors)
+        scale = len(self.index) ** 2 + 1  # tie-breaks summed over any cut stay below one byte
+        for node in self.fw_tensors:
+            capacity = self._capacity(node, scale)
+            if capacity is None:
+                graph.add_edge((node, "in"), (node, "out"))
+            else:
+                graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
+            if node in banned:
+                graph.add_edge("source", (node, "in"))
+            for user in node.users:
+                if user in members:
+                    graph.add_edge((node, "out"), (user, "in"))
+            if node in self.read_by_bw:
+                graph.add_edge((node, "out"), "sink")
+        graph.add_node("source")
+        return graph
+
+    def _capacity(self, node: fx.Node, scale: int) -> int | None:
+        """Bytes (scaled) plus a tie-break for later nodes; None where a node cannot be saved."""
+        if isinstance(node.meta.get("val"), (list, tuple)):
+            return None
+        size = 0 if node.op == "placeholder" else nbytes(node)
+        return size * scale + len(self.index) - self.index[node]
+
+    def split(self, cut: _Cut) -> tuple[fx.GraphModule, fx.GraphModule]:
+        parts = self.parts
+        stop = {*cut.saved, *parts.tangents, *self.fw_syms}
+        region = ancestors([*parts.bw_outputs, *self.bw_effects], stop=stop)
+        saved = [n for n in cut.saved if n in region]
+        saved_syms = [n for n in self.index if n in self.fw_syms and n in region]
+        forward = ancestors([*parts.fw_outputs, *self.fw_effects, *saved, *saved_syms])
+        recomputed = [n for n in self.fw_tensors if n in region and n in forward
+                      and n not in stop and n.target is not operator.getitem]
+        fw_gm = extract(self.joint, parts.primals, [*parts.fw_outputs, *saved, *saved_syms],
+                        effects=self.fw_effects)
+        bw_gm = extract(self.joint, [*saved_syms, *saved, *parts.tangents], parts.bw_outputs,
+                        effects=self.bw_effects)
+        fw_gm.meta["partition"] = report(
+            "min_cut_rematerialization_partition", [*saved, *saved_syms], recomputed)
+        return fw_gm, bw_gm
+
+
+def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
+    """Let the backward recompute expensive ops, largest outputs first, until the saved bytes
+    fit the budget: the fewest such ops that do (a binary search; fewer banned ops never save
+    more bytes, so the result shrinks as the budget falls)."""
+    order = sorted(network.expensive, key=lambda n: (-nbytes(n), network.index[n]))
+    least = network.cut([])
+    target = least.activation_bytes + budget * (default.activation_bytes - least.activation_bytes)
+    lo, hi, best = 0, len(order), least
+    while lo < hi:
+        mid = (lo + hi) // 2
+        attempt = network.cut(order[mid:])
+        if attempt.activation_bytes <= target:
+            hi, best = mid, attempt
+        else:
+            lo = mid + 1
+    return best
+
+
+def _pinned(node: fx.Node) -> bool:
+    """Never recomputed, whatever the budget: inputs, random and side-effecting ops."""
+    if node.op == "placeholder" or has_effects(node):
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _cheap(node: fx.Node) -> bool:
+    """Recomputed freely: views, pointwise ops, factories, small reductions, tuple items."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.is_view or torch.Tag.pointwise in target.tags or target.overloadpacket in _CHEAP_OPS:
+        return True
+    return torch.Tag.reduction in target.tags and not _shrinks_a_lot(node)
+
+
+def _shrinks_a_lot(node: fx.Node) -> bool:
+    out = nbytes(node)
+    ins = max((nbytes(a) for a in node.all_input_nodes), default=0)
+    return ins > _LARGE_REDUCTION * max(out, 1)

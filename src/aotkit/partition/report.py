@@ -16,20 +16,23 @@ from aotkit.partition.graph import is_sym
 class PartitionReport:
     """Attached to the forward graph as ``fw_gm.meta["partition"]`` by every aotkit partitioner.
 
-    ``saved_bytes`` counts each saved tensor's storage-independent size (numel x element size,
-    symbolic sizes resolved through their hints); ``recomputed`` names the ATen ops the backward
-    runs again instead of loading them from the forward.
+    ``saved_bytes`` is the activation memory the partition adds: the sizes (numel x element size,
+    symbolic sizes through their hints) of the saved tensors that are not graph inputs; inputs
+    are free to save (the caller holds them) and are counted in ``saved_inputs``.
+    ``recomputed`` names the ops the backward runs again instead of loading them.
     """
 
     partitioner: str
     saved_tensors: int
     saved_bytes: int
     saved_symints: int
+    saved_inputs: int = 0
     recomputed: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        text = (f"{self.partitioner}: saved {self.saved_tensors} tensor(s), "
-                f"{self.saved_bytes} bytes, {self.saved_symints} symint(s)")
+        text = (f"{self.partitioner}: saved {self.saved_tensors} tensor(s) "
+                f"({self.saved_inputs} of them inputs), {self.saved_bytes} activation bytes, "
+                f"{self.saved_symints} symint(s)")
         if self.recomputed:
             text += f"; recomputed {len(self.recomputed)} op(s): {', '.join(self.recomputed)}"
         return text
@@ -50,12 +53,20 @@ def nbytes(node: fx.Node) -> int:
 
 
 def report(partitioner: str, saved: Iterable[fx.Node], recomputed: Iterable[fx.Node] = ()) -> PartitionReport:
+    """Describe a partition from the nodes it saves and the nodes its backward recomputes."""
     saved = list(saved)
     tensors = [n for n in saved if not is_sym(n)]
+    inputs = [n for n in tensors if n.op == "placeholder"]
     return PartitionReport(
         partitioner=partitioner,
         saved_tensors=len(tensors),
-        saved_bytes=sum(nbytes(n) for n in tensors),
+        saved_bytes=sum(nbytes(n) for n in tensors if n.op != "placeholder"),
         saved_symints=len(saved) - len(tensors),
-        recomputed=tuple(str(n.target) for n in recomputed),
+        saved_inputs=len(inputs),
+        recomputed=tuple(_op_name(n) for n in recomputed),
     )
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    return target.__name__ if callable(target) and not hasattr(target, "_schema") else str(target)

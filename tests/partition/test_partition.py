@@ -1,0 +1,300 @@
+"""Both partitioners on small programs: what crosses from forward to backward, what the
+backward recomputes, gradients against eager, the memory budget, reports and CSE."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch import nn
+
+import aotkit
+from aotkit.partition import (
+    PartitionReport,
+    default_partition,
+    min_cut_rematerialization_partition,
+)
+from aotkit.partition.cse import cse
+
+PARTITIONERS = {"default": default_partition, "min_cut": min_cut_rematerialization_partition}
+
+
+class Captured:
+    """A partition_fn that keeps the graphs it made."""
+
+    def __init__(self, partition_fn: Callable[..., Any]) -> None:
+        self.partition_fn = partition_fn
+        self.graphs: list[tuple[fx.GraphModule, fx.GraphModule]] = []
+
+    def __call__(self, joint: fx.GraphModule, inputs: Any, *, num_fwd_outputs: int) -> Any:
+        fw, bw = self.partition_fn(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+        self.graphs.append((fw, bw))
+        return fw, bw
+
+    @property
+    def report(self) -> PartitionReport:
+        return self.graphs[-1][0].meta["partition"]
+
+
+def run_both(fn: Callable[..., Any], *args: torch.Tensor, partition: str,
+             seed: int = 0) -> Captured:
+    """Forward and backward of ``fn`` eagerly and through aotkit; outputs and grads must match."""
+    captured = Captured(PARTITIONERS[partition])
+    compiled = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=captured)
+    eager_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    aot_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    torch.manual_seed(seed)
+    expected = fn(*eager_args)
+    torch.manual_seed(seed)
+    actual = compiled(*aot_args)
+    torch.testing.assert_close(actual, expected)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    actual.backward(grad)
+    for a, e in zip(aot_args, eager_args, strict=True):
+        torch.testing.assert_close(a.grad, e.grad)
+    return captured
+
+
+def targets(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def placeholders(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_cos_chain_min_cut_saves_the_input_and_recomputes() -> None:
+    x = torch.randn(16, requires_grad=True)
+    captured = run_both(lambda x: x.cos().cos().cos(), x, partition="min_cut")
+    fw, bw = captured.graphs[0]
+    report = captured.report
+    assert (report.saved_tensors, report.saved_inputs, report.saved_bytes) == (1, 1, 0)
+    assert report.recomputed == ("aten.cos.default", "aten.cos.default")
+    assert placeholders(fw) == ["primals_1"]
+    assert placeholders(bw) == ["primals_1", "tangents_1"]
+    assert targets(bw).count("aten.cos.default") == 2
+    assert len(fw.graph.output_node().args[0]) == 2  # the output and the saved input
+
+
+def test_cos_chain_min_cut_golden_graphs() -> None:
+    x = torch.randn(3, requires_grad=True)
+    fw, bw = run_both(lambda x: x.cos().cos().cos(), x, partition="min_cut").graphs[0]
+    assert_expected_inline(fw.code.strip(), """\
+def forward(self, primals_1):
+    cos = torch.ops.aten.cos.default(primals_1)
+    cos_1 = torch.ops.aten.cos.default(cos);  cos = None
+    cos_2 = torch.ops.aten.cos.default(cos_1);  cos_1 = None
+    return [cos_2, primals_1]""")
+    assert_expected_inline(bw.code.strip(), """\
+def forward(self, primals_1, tangents_1):
+    cos = torch.ops.aten.cos.default(primals_1)
+    cos_1 = torch.ops.aten.cos.default(cos)
+    sin = torch.ops.aten.sin.default(cos_1);  cos_1 = None
+    neg = torch.ops.aten.neg.default(sin);  sin = None
+    mul = torch.ops.aten.mul.Tensor(tangents_1, neg);  tangents_1 = neg = None
+    sin_1 = torch.ops.aten.sin.default(cos);  cos = None
+    neg_1 = torch.ops.aten.neg.default(sin_1);  sin_1 = None
+    mul_1 = torch.ops.aten.mul.Tensor(mul, neg_1);  mul = neg_1 = None
+    sin_2 = torch.ops.aten.sin.default(primals_1);  primals_1 = None
+    neg_2 = torch.ops.aten.neg.default(sin_2);  sin_2 = None
+    mul_2 = torch.ops.aten.mul.Tensor(mul_1, neg_2);  mul_1 = neg_2 = None
+    return [mul_2]""")
+
+
+def test_cos_chain_default_saves_the_intermediates() -> None:
+    x = torch.randn(16, requires_grad=True)
+    captured = run_both(lambda x: x.cos().cos().cos(), x, partition="default")
+    report = captured.report
+    assert (report.saved_tensors, report.saved_inputs, report.saved_bytes) == (3, 1, 2 * 16 * 4)
+    assert report.recomputed == ()
+    assert "aten.cos.default" not in targets(captured.graphs[0][1])
+
+
+def test_gelu_of_matmul_saves_the_matmul_not_the_gelu() -> None:
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 64, requires_grad=True)
+    captured = run_both(lambda x, w: F.gelu(x @ w), x, w, partition="min_cut")
+    fw, bw = captured.graphs[0]
+    saved = fw.graph.output_node().args[0][1:]
+    assert [str(n.target) for n in saved if n.op != "placeholder"] == ["aten.mm.default"]
+    assert captured.report.saved_bytes == 8 * 64 * 4
+    assert "aten.mm.default" in targets(fw)
+    assert targets(bw).count("aten.mm.default") == 2  # the two grads, never the forward mm
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_layer_norm(partition: str) -> None:
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    w, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+    captured = run_both(lambda x, w, b: F.layer_norm(x, (32,), w, b).relu(), x, w, b,
+                        partition=partition)
+    report = captured.report
+    # Free: the input, weight and bias. Paid: mean and rstd (4 x 8 each), and one (4, 8, 32)
+    # tensor for relu's backward: the layer norm is not recomputable, so at equal bytes min-cut
+    # saves the relu output like the default partition does, and recomputes nothing.
+    assert (report.saved_inputs, report.saved_tensors) == (3, 6)
+    assert report.saved_bytes == 2 * 4 * 8 * 4 + 4 * 8 * 32 * 4
+    assert report.recomputed == ()
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_dropout_gradients_equal_eager(partition: str) -> None:
+    x, w = torch.randn(16, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.dropout(F.gelu(x @ w), 0.3, training=True).tanh() * F.dropout(x, 0.5)
+
+    captured = run_both(f, x, w, partition=partition, seed=3)
+    bw = captured.graphs[0][1]
+    assert not [t for t in targets(bw) if "dropout" in t or "rand" in t or "bernoulli" in t]
+
+
+def test_min_cut_never_recomputes_expensive_ops() -> None:
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    conv = nn.Conv2d(3, 4, 3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = conv(x).relu()
+        q = h.flatten(2)
+        att = F.scaled_dot_product_attention(q, q, q)
+        return (att.sum(-1, keepdim=True) * att).sin()
+
+    captured = run_both(f, x, partition="min_cut")
+    expensive = {"aten.convolution.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                 "aten.bmm.default", "aten.mm.default", "aten.sum.dim_IntList"}
+    assert not expensive & set(captured.report.recomputed)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_min_cut_matches_eager_on_a_transformer_layer(dynamic: bool) -> None:
+    torch.manual_seed(0)
+    # dropout=0: see test_dropout_of_a_non_contiguous_tensor_matches_eager (a known aotkit bug).
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    captured = Captured(min_cut_rematerialization_partition)
+    compiled = aotkit.aot_module(layer, aotkit.compilers.nop, partition_fn=captured,
+                                 dynamic=dynamic)
+    eager = __import__("copy").deepcopy(layer)
+    x = torch.randn(2, 8, 32)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = eager(x)
+        torch.manual_seed(seed)
+        actual = compiled(x)
+        torch.testing.assert_close(actual, expected)
+        actual.sum().backward()
+        expected.sum().backward()
+    for (name, p), q in zip(layer.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert captured.report.saved_symints >= (1 if dynamic else 0)
+
+
+def mlp_step(budget: float) -> PartitionReport:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.Tanh(),
+                          nn.Linear(128, 64), nn.LayerNorm(64))
+    captured = Captured(min_cut_rematerialization_partition)
+    eager = __import__("copy").deepcopy(model)
+    compiled = aotkit.aot_module(model, aotkit.compilers.nop, partition_fn=captured)
+    x = torch.randn(32, 64)
+    with aotkit.config.patch(activation_memory_budget=budget):
+        compiled(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    return captured.report
+
+
+def test_budget_saved_bytes_fall_monotonically() -> None:
+    budgets = (1.0, 0.75, 0.5, 0.25, 0.0)
+    saved = [mlp_step(b).saved_bytes for b in budgets]
+    assert saved == sorted(saved, reverse=True), saved
+    assert saved[-1] < saved[0]
+    assert "aten.addmm.default" in mlp_step(0.0).recomputed
+    assert "aten.addmm.default" not in mlp_step(1.0).recomputed
+
+
+def test_budget_outside_zero_one_is_a_config_error() -> None:
+    f = aotkit.aot_function(torch.sin, aotkit.compilers.nop,
+                            partition_fn=min_cut_rematerialization_partition)
+    with aotkit.config.patch(activation_memory_budget=1.5), \
+            pytest.raises(aotkit.errors.ConfigError, match=r"\[0, 1\]"):
+        f(torch.ones(2, requires_grad=True))
+
+
+def test_budget_change_recompiles_with_a_reason() -> None:
+    f = aotkit.aot_function(lambda x: x.sin().sin(), aotkit.compilers.nop,
+                            partition_fn=min_cut_rematerialization_partition)
+    x = torch.ones(2, requires_grad=True)
+    f(x)
+    with aotkit.config.patch(activation_memory_budget=0.5):
+        f(x)
+    [decision] = aotkit.explain().of_kind("recompile")
+    assert "activation_memory_budget changed: 1.0 -> 0.5" in decision.why
+
+
+@pytest.mark.parametrize(("partition", "saved"), [
+    ("default", "saved 2 tensor(s) (0 of them inputs), 32 activation bytes, 0 symint(s)"),
+    ("min_cut", "saved 1 tensor(s) (1 of them inputs), 0 activation bytes, 0 symint(s); "
+                "recomputed 2 op(s): aten.exp.default, aten.exp.default"),
+])
+def test_partition_is_reported_in_explain_and_the_log(partition: str, saved: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="aotkit.partition"):
+        f = aotkit.aot_function(lambda x: x.exp().exp(), aotkit.compilers.nop,
+                                partition_fn=PARTITIONERS[partition])
+        f(torch.ones(4, requires_grad=True))
+    name = PARTITIONERS[partition].__name__
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.why == f"{name}: {saved}"
+    assert any(decision.why in r.getMessage() for r in caplog.records)
+    assert aotkit.counters.counters["partition"]["saved_bytes"] == (32 if partition == "default" else 0)
+
+
+def test_user_partition_fn_is_described_from_its_forward_graph() -> None:
+    def my_partition(joint: fx.GraphModule, inputs: Any, *, num_fwd_outputs: int) -> Any:
+        return default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+
+    f = aotkit.aot_function(lambda x: x.exp(), aotkit.compilers.nop, partition_fn=my_partition)
+    f(torch.ones(4, requires_grad=True))
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.why.startswith("my_partition: saved 1 tensor(s) (0 of them inputs), 16")
+
+
+def test_cse_merges_pure_duplicates_but_not_random_ops() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    aten = torch.ops.aten
+    sins = [graph.call_function(aten.sin.default, (x,)) for _ in range(2)]
+    drops = [graph.call_function(aten.rand_like.default, (x,)) for _ in range(2)]
+    ints = [graph.call_function(aten.add.Tensor, (x, v)) for v in (1, 1.0, True, 0.0, -0.0)]
+    graph.output([*sins, *drops, *ints])
+    out = cse(fx.GraphModule({}, graph))
+    assert targets(out).count("aten.sin.default") == 1
+    assert targets(out).count("aten.rand_like.default") == 2
+    assert targets(out).count("aten.add.Tensor") == 5  # 1, 1.0, True, 0.0, -0.0 all differ
+
+
+def test_the_min_cut_partitioner_does_not_import_inductor() -> None:
+    """Dynamo (which make_fx loads) brings the bare ``torch._inductor`` package; the partitioner
+    must add nothing to it (PyTorch's imports Inductor's passes, ~0.7 s per first call)."""
+    code = (
+        "import sys, torch, aotkit\n"
+        "def inductor(): return {m for m in sys.modules if m.startswith('torch._inductor')}\n"
+        "f = aotkit.aot_function(lambda x: x.cos().cos(), aotkit.compilers.nop)\n"
+        "f(torch.ones(3, requires_grad=True)).sum().backward()\n"
+        "before = inductor()\n"
+        "mc = aotkit.partition.min_cut_rematerialization_partition\n"
+        "f = aotkit.aot_function(lambda x: x.sin().sin(), aotkit.compilers.nop, partition_fn=mc)\n"
+        "f(torch.ones(3, requires_grad=True)).sum().backward()\n"
+        "print(sorted(inductor() - before), 'torch._inductor.compile_fx' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] False"
