@@ -41,3 +41,8 @@ class RecompileLimitError(AotkitError, RuntimeError):
 
 class CompilerError(AotkitError, RuntimeError):
     """A graph compiler failed or returned something that is not callable."""
+
+
+class MetadataMismatchError(CompilerError):
+    """A graph node produced a value whose dtype, shape, strides or device differ from the fake
+    value traced for it (raised by ``aotkit.compilers.debug_nop``)."""

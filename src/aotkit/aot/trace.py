@@ -8,6 +8,7 @@ outputs, and the intermediate bases of aliased outputs (see Note [Aliased output
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import traceback
@@ -53,7 +54,7 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     # The Python dispatcher is what lets composite ops decompose with symbolic sizes; with static
     # shapes we leave it off so composites run their C++ kernels like eager, aliasing included
     # (its Python decomposition of eval-mode dropout copies where eager returns the input).
-    dispatcher = enable_python_dispatcher() if mode.shape_env is not None else contextlib.nullcontext()
+    dispatcher = enable_python_dispatcher() if mode.shape_env is not None else _EagerDropout()
     try:
         with mode, dispatcher, compiled_autograd_off():
             yield
@@ -64,6 +65,35 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
         if "data is not allocated yet" not in str(exc):
             raise
         raise _data_dependent(what, exc) from exc
+
+
+class _EagerDropout(torch.overrides.TorchFunctionMode):
+    """Training-mode dropout traced as ``aten.native_dropout``, the kernel eager runs.
+
+    Without the Python dispatcher ``aten.dropout`` traces through its C++ composite, which draws
+    the mask with a functional ``bernoulli`` laid out like the input: for a non-contiguous input
+    (a transposed attention output) the same random numbers land on other elements than in
+    eager. Eval mode and p in {0, 1} keep the composite (eager returns the input itself).
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout or func is torch.dropout:
+            call = _DROPOUT_SIGNATURES[func].bind(*args, **kwargs).arguments
+            p, train = call["p"], call.get("training", call.get("train"))
+            if train and not call.get("inplace") and 0 < p < 1:
+                return torch.ops.aten.native_dropout.default(call["input"], p, True)[0]
+        return func(*args, **kwargs)
+
+
+def _dropout_signatures() -> dict[Any, inspect.Signature]:
+    def vf_dropout(input: Any, p: float, train: bool) -> Any: ...
+
+    return {torch.nn.functional.dropout: inspect.signature(torch.nn.functional.dropout),
+            torch.dropout: inspect.signature(vf_dropout)}
+
+
+_DROPOUT_SIGNATURES = _dropout_signatures()
 
 
 def _data_dependent(what: str, exc: BaseException) -> TraceError:

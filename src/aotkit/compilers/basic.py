@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
+from aotkit import counters
 from aotkit.aot.boxing import make_boxed_func
+from aotkit.errors import MetadataMismatchError
+from aotkit.partition.draw import draw_graph
+
+log = logging.getLogger("aotkit.compilers")
 
 
 def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
@@ -24,12 +33,186 @@ def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any
 
 
 def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
-    raise NotImplementedError("helper A")
+    """Print the graph's code (with dtypes and shapes), then run it like :func:`nop`.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> f = aotkit.aot_function(torch.sin, aotkit.compilers.print_compile)
+        >>> f(torch.zeros(1))  # doctest: +ELLIPSIS
+        class ...(torch.nn.Module):
+            def forward(self, primals_1: "f32[1]"):
+        ...
+                sin: "f32[1]" = torch.ops.aten.sin.default(primals_1);  primals_1 = None
+                return [sin]
+        <BLANKLINE>
+        tensor([0.])
+    """
+    print(gm.print_readable(print_output=False))
+    return make_boxed_func(gm.forward)
+
+
+def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
+    """A compiler that draws every graph it gets to ``{name}_{n}.svg`` (``n`` counts from 0 per
+    compiler, so the forward and backward get their own files), then runs it like :func:`nop`.
+
+    Without Graphviz the DOT source is written instead and a ``"fallback"`` decision is recorded.
+
+    Example::
+
+        >>> import os, tempfile, torch, aotkit
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "sin")
+        >>> f = aotkit.aot_function(torch.sin, aotkit.compilers.draw_graph_compile(prefix))
+        >>> f(torch.zeros(1, requires_grad=True)).sum().backward()
+        >>> sorted(os.path.splitext(p)[0] for p in os.listdir(os.path.dirname(prefix)))
+        ['sin_0', 'sin_1']
+    """
+    drawn = 0
+
+    def draw_and_run(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        nonlocal drawn
+        result = draw_graph(gm, f"{name}_{drawn}.svg")
+        drawn += 1
+        log.info("draw_graph_compile: drew the graph to %s", result.path)
+        if result.fallback:  # See Note [draw_graph fallback]
+            counters.record("fallback", f"draw_graph_compile({name})", result.fallback, logger=log)
+        return make_boxed_func(gm.forward)
+
+    draw_and_run.__name__ = f"draw_graph_compile({name!r})"
+    return draw_and_run
 
 
 def debug_nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
-    raise NotImplementedError("helper A")
+    """Run the graph node by node (slowly), checking each tensor a node produces against the fake
+    value traced for it: dtype, device, shape and significant strides (those of dimensions longer
+    than 1). Symbolic sizes are resolved from the real inputs at every call. A difference raises
+    :class:`aotkit.errors.MetadataMismatchError` naming the node, its op and the user's code.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> f = aotkit.aot_function(lambda x: x.t() @ x, aotkit.compilers.debug_nop, dynamic=True)
+        >>> f(torch.ones(3, 2)).shape
+        torch.Size([2, 2])
+    """
+
+    def run(*args: Any) -> Any:
+        return _CheckingInterpreter(gm).run(*args)  # fresh: no values kept between calls
+
+    return make_boxed_func(run)
 
 
-def draw_graph_compile(name: str) -> Callable[..., Any]:
-    raise NotImplementedError("helper A")
+class _CheckingInterpreter(fx.Interpreter):
+    """An ``fx.Interpreter`` comparing every real value with the node's ``meta["val"]``."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.bindings: dict[sympy.Symbol, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        real = super().run_node(n)
+        if "val" not in n.meta:
+            return real
+        fake = n.meta["val"]
+        if n.op == "placeholder":
+            _bind(fake, real, self.bindings)
+        fakes, reals = pytree.tree_leaves(fake), pytree.tree_leaves(real)
+        if len(fakes) != len(reals):
+            self._fail(n, f"it returned {len(reals)} value(s), traced {len(fakes)}")
+        for i, (f, r) in enumerate(zip(fakes, reals, strict=True)):
+            problem = _difference(f, r, self.bindings)
+            if problem:
+                self._fail(n, problem if len(fakes) == 1 else f"output {i}: {problem}")
+        return real
+
+    def _fail(self, n: fx.Node, problem: str) -> None:
+        self.extra_traceback = False  # fx would append "While executing <node>": ours names it
+        raise MetadataMismatchError(_mismatch_message(n, problem, self.bindings))
+
+
+def _bind(fake: Any, real: Any, bindings: dict[sympy.Symbol, int]) -> None:
+    """Map the bare symbols of a placeholder's traced sizes (``s0``) to the real input's values."""
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(fake, torch.SymInt) and isinstance(real, int):
+        pairs = [(fake, real)]
+    elif (isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor)
+          and fake.dim() == real.dim()):
+        pairs = [*zip(fake.shape, real.shape, strict=True),
+                 *zip(fake.stride(), real.stride(), strict=True),
+                 (fake.storage_offset(), real.storage_offset())]
+    for sym, value in pairs:
+        if isinstance(sym, torch.SymInt) and isinstance(sym.node.expr, sympy.Symbol):
+            bindings.setdefault(sym.node.expr, int(value))
+
+
+def _resolve(size: Any, bindings: dict[sympy.Symbol, int]) -> int | None:
+    """A traced size as a number, or None when it depends on a symbol no input binds."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = sympy.sympify(size.node.expr.xreplace(bindings))
+    return int(expr) if expr.is_number else None
+
+
+def _difference(fake: Any, real: Any, bindings: dict[sympy.Symbol, int]) -> str | None:
+    """What differs between a traced value and the real one (None: nothing we can check)."""
+    if isinstance(fake, (int, torch.SymInt)) and isinstance(real, int) and not isinstance(real, bool):
+        expected = _resolve(fake, bindings)
+        if expected in (None, real):
+            return None
+        symbolic = f"{fake} = " if isinstance(fake, torch.SymInt) else ""
+        return f"value {real}, traced {symbolic}{expected}"
+    if not (isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor)):
+        return None
+    if fake.dtype != real.dtype:
+        return f"dtype {real.dtype}, traced {fake.dtype}"
+    if fake.device != real.device:
+        return f"device {real.device}, traced {fake.device}"
+    shape = [_resolve(s, bindings) for s in fake.shape]
+    if len(shape) != real.dim() or any(
+            e not in (None, r) for e, r in zip(shape, real.shape, strict=True)):
+        return f"shape {tuple(real.shape)}, traced {_show(fake.shape, shape)}"
+    if real.numel() == 0:
+        return None
+    strides = [_resolve(s, bindings) for s in fake.stride()]
+    differs = [d for d, (e, r) in enumerate(zip(strides, real.stride(), strict=True))
+               if real.shape[d] > 1 and e not in (None, r)]
+    if differs:
+        return (f"strides {real.stride()}, traced {_show(fake.stride(), strides)} (dims "
+                f"{differs} differ; dims of size <= 1 are not compared) for shape "
+                f"{tuple(real.shape)}")
+    return None
+
+
+def _show(traced: Sequence[Any], resolved: Sequence[int | None]) -> str:
+    """``(4, 8)``, or ``(s0, 8) = (4, 8)`` when symbolic."""
+    numbers = tuple(r if r is not None else t for t, r in zip(traced, resolved, strict=True))
+    if any(isinstance(t, torch.SymInt) for t in traced):
+        return f"({', '.join(map(str, traced))}) = {numbers}"
+    return str(numbers)
+
+
+def _mismatch_message(n: fx.Node, problem: str, bindings: dict[sympy.Symbol, int]) -> str:
+    op = n.op if n.op in ("placeholder", "output") else str(n.target)
+    lines = [f"debug_nop: node {n.name!r} ({op}) gave {problem}."]
+    if bindings:
+        lines.append("Symbolic sizes resolved from the inputs: "
+                     + ", ".join(f"{s}={v}" for s, v in sorted(bindings.items(), key=str)) + ".")
+    trace = n.meta.get("stack_trace")
+    if trace:
+        frames = trace.strip().splitlines()[-6:]
+        lines.append("User code:\n" + "\n".join("    " + f.strip() for f in frames))
+    else:
+        lines.append("User code: not recorded (set aotkit.config.record_stack_traces = True or "
+                     "AOTKIT_RECORD_STACK_TRACES=1 to see it).")
+    if n.op == "placeholder":
+        lines.append("Fix: the graph was called with an input unlike the one it was traced with. "
+                     "If the call came through aotkit, this is an aotkit bug: please report it "
+                     "with this message.")
+    else:
+        lines.append("Fix: the op's fake (meta) implementation disagrees with its real kernel. "
+                     "For a custom op, make its torch.library.register_fake function return the "
+                     "dtype, shape and strides the kernel returns; for a PyTorch op, report it at "
+                     "https://github.com/pytorch/pytorch/issues with this message. Compilers that "
+                     "trust traced layouts (Inductor, CUDA graphs) may compute wrong results "
+                     "here; aotkit.compilers.nop runs the graph as eager does.")
+    return "\n".join(lines)

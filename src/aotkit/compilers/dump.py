@@ -1,17 +1,533 @@
-"""Graphs written to disk: ``graph_dumper_aot``, ``get_inputs``, ``debug_compile``."""
+"""Graphs written to disk: ``graph_dumper_aot``, ``get_inputs``, ``debug_compile``.
+
+A saved graph is a folder holding ``module.py`` (the graph's code as an ``FxModule`` class),
+``constants.tensors`` when the graph reads tensor attributes, a ``.input`` JSON file describing
+every input and, when asked for, a ``.tensors`` file with the inputs of the graph's first call.
+Nothing here is loaded by unpickling: ``.tensors`` files are an 8-byte little-endian header
+length, a JSON header (dtype, shape, stride, storage offset, device, byte range of each tensor)
+and the raw bytes of each tensor's storage span.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import json
+import logging
+import os
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+import torch.fx as fx
+from torch import nn
 
-def graph_dumper_aot(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper A")
+from aotkit import config
+from aotkit.aot import aot_function, aot_module, aot_module_simplified
+from aotkit.aot.boxing import make_boxed_func
+from aotkit.compat import FakeTensor, size_hint
+from aotkit.errors import UnsupportedError
+from aotkit.partition.default import default_partition
+
+log = logging.getLogger("aotkit.compilers")
+
+_INPUTS_FORMAT = "aotkit.inputs/1"
+_TENSORS_FORMAT = "aotkit.tensors/1"
+_INDEX = "aotkit_dump_index"  # gm.meta key: which compiled entry a forward/backward belongs to
+
+# --- describing, saving and rebuilding inputs ---------------------------------------------------
 
 
-def get_inputs(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper A")
+def _layout(t: torch.Tensor) -> dict[str, Any]:
+    """Everything needed to rebuild ``t``'s memory layout; symbolic sizes become their hints."""
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": [size_hint(s) for s in t.shape],
+        "stride": [size_hint(s) for s in t.stride()],
+        "storage_offset": size_hint(t.storage_offset()),
+        "device": str(t.device),
+    }
 
 
-def debug_compile(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper A")
+def _describe(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        described = {"kind": "tensor", **_layout(value), "requires_grad": value.requires_grad}
+        if any(isinstance(s, torch.SymInt) for s in value.shape):
+            described["traced_shape"] = [str(s) for s in value.shape]
+        return described
+    if isinstance(value, torch.SymInt):
+        return {"kind": "int", "value": size_hint(value), "traced": str(value)}
+    if value is None:
+        return {"kind": "none"}
+    if isinstance(value, (bool, int, float)):
+        return {"kind": type(value).__name__, "value": value}
+    return {"kind": "unsupported", "type": type(value).__qualname__}
+
+
+def _span(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """How many storage elements a layout touches, from its storage offset on."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedError(f"unknown dtype {name!r} in a saved aotkit file.\nFix: load it with "
+                               "the PyTorch version that wrote it.")
+    return dtype
+
+
+def _allocate(layout: Mapping[str, Any], device: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flat buffer and a (non-view) tensor with ``layout``'s exact strides over it."""
+    dtype, offset = _dtype(layout["dtype"]), layout["storage_offset"]
+    device = device or layout["device"]
+    buffer = torch.empty(offset + _span(layout["shape"], layout["stride"]), dtype=dtype, device=device)
+    tensor = torch.empty(0, dtype=dtype, device=device)
+    with torch.no_grad():
+        tensor.set_(buffer.untyped_storage(), offset, layout["shape"], layout["stride"])
+    return buffer, tensor
+
+
+def _span_bytes(t: torch.Tensor) -> bytearray:
+    if isinstance(t, FakeTensor):
+        raise UnsupportedError("cannot save the data of a fake tensor (it has none).\nFix: save "
+                               "values of real tensors, e.g. at the graph's first call.")
+    span = _span(t.shape, t.stride())
+    data = bytearray(span * t.element_size())
+    if span:
+        flat = t.detach().as_strided((span,), (1,), t.storage_offset()).to("cpu", copy=True)
+        torch.frombuffer(data, dtype=torch.uint8).copy_(flat.view(torch.uint8))
+    return data
+
+
+def write_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Save named tensors (any dtype, strides, device) in aotkit's pickle-free ``.tensors`` format.
+
+    Example::
+
+        >>> import tempfile, pathlib, torch
+        >>> from aotkit.compilers.dump import read_tensors, write_tensors
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "x.tensors"
+        >>> write_tensors(path, {"x": torch.arange(6.).view(2, 3).t()})
+        >>> read_tensors(path)["x"]
+        tensor([[0., 3.],
+                [1., 4.],
+                [2., 5.]])
+    """
+    header, chunks, end = {}, [], 0
+    for name, t in tensors.items():
+        chunks.append(_span_bytes(t))
+        header[name] = {**_layout(t), "data_offsets": [end, end + len(chunks[-1])]}
+        end += len(chunks[-1])
+    head = json.dumps({"format": _TENSORS_FORMAT, "tensors": header}).encode()
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for chunk in chunks:
+            f.write(chunk)
+
+
+def read_tensors(path: str | os.PathLike[str], device: str | None = None) -> dict[str, torch.Tensor]:
+    """Load a file written by :func:`write_tensors`, on each tensor's own device or ``device``.
+
+    Example::
+
+        >>> import tempfile, pathlib, torch
+        >>> from aotkit.compilers.dump import read_tensors, write_tensors
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "b.tensors"
+        >>> write_tensors(path, {"b": torch.tensor([True, False])})
+        >>> read_tensors(path, device="cpu")
+        {'b': tensor([ True, False])}
+    """
+    raw = Path(path).read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = _json(raw[8:8 + size]) if 8 + size <= len(raw) else {}
+    if header.get("format") != _TENSORS_FORMAT:
+        raise UnsupportedError(f"{path} is not an aotkit tensors file ({_TENSORS_FORMAT}).\nFix: pass a "
+                               ".tensors file written by aotkit.compilers.dump.write_tensors.")
+    data = memoryview(raw)[8 + size:]
+    out = {}
+    for name, layout in header["tensors"].items():
+        buffer, tensor = _allocate(layout, device)
+        begin, end = layout["data_offsets"]
+        if end > begin:
+            values = torch.frombuffer(bytearray(data[begin:end]), dtype=buffer.dtype)
+            buffer[layout["storage_offset"]:].copy_(values)
+        out[name] = tensor
+    return out
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    """Parsed JSON object, or ``{}`` for anything else (e.g. a pickle): callers then refuse it."""
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _random(spec: Mapping[str, Any], device: str | None) -> torch.Tensor:
+    buffer, tensor = _allocate(spec, device)
+    if buffer.is_floating_point() or buffer.is_complex():
+        sample = torch.complex64 if buffer.is_complex() else torch.float32
+        buffer.copy_(torch.randn(buffer.shape, dtype=sample, device=buffer.device))
+    else:
+        buffer.zero_()  # integers and bools: zeros are valid indices and masks
+    return tensor
+
+
+def _rebuild(i: int, spec: Mapping[str, Any], stored: torch.Tensor | None, device: str | None) -> Any:
+    kind = spec.get("kind")
+    if kind == "tensor":
+        tensor = stored if stored is not None else _random(spec, device)
+        return tensor.requires_grad_(spec["requires_grad"])
+    if kind in ("int", "float", "bool"):
+        return spec["value"]
+    if kind == "none":
+        return None
+    raise UnsupportedError(f"input {i} is a {spec.get('type', kind)}, which aotkit cannot rebuild."
+                           "\nFix: pass that input yourself instead of using get_inputs.")
+
+
+def get_inputs(input_data_path: str | os.PathLike[str], *, device: str | None = None) -> list[Any]:
+    """Rebuild a saved graph's inputs from its ``.input`` file: tensors with the recorded shape,
+    strides, storage offset, dtype, device (or ``device``) and requires_grad, filled with the
+    stored values of the first call when a ``.tensors`` file sits next to it, random values
+    otherwise (normal floats, zero integers and bools); ints, floats and bools as recorded.
+
+    Example::
+
+        >>> import tempfile, torch, aotkit
+        >>> from aotkit.compilers import get_inputs, graph_dumper_aot
+        >>> dumper = graph_dumper_aot("sin", tempfile.mkdtemp())
+        >>> f = dumper(torch.sin)
+        >>> f(torch.zeros(2, 3).t())
+        tensor([[0., 0.],
+                [0., 0.],
+                [0., 0.]])
+        >>> [x.stride() for x in get_inputs(dumper.saved[0] / "sin_inference_0.input")]
+        [(1, 3)]
+    """
+    path = Path(input_data_path)
+    described = _json(path.read_bytes())
+    if described.get("format") != _INPUTS_FORMAT:
+        raise UnsupportedError(f"{path} is not an aotkit input description ({_INPUTS_FORMAT})."
+                               "\nFix: pass the "
+                               ".input file of a graph saved by graph_dumper_aot or debug_compile.")
+    values_path = path.with_suffix(".tensors")
+    stored = read_tensors(values_path, device) if values_path.exists() else {}
+    return [_rebuild(i, spec, stored.get(str(i)), device)
+            for i, spec in enumerate(described["inputs"])]
+
+
+# --- saving and loading graph code --------------------------------------------------------------
+
+
+def _imports(globals_: Mapping[str, Any]) -> list[str]:
+    from torch.fx.graph import _custom_builtins
+
+    lines = []
+    for name, obj in globals_.items():
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+        if name in _custom_builtins:
+            lines.append(_custom_builtins[name].import_str)
+        elif module and qualname.isidentifier():
+            lines.append(f"from {module} import {qualname} as {name}")
+        else:
+            raise UnsupportedError(f"cannot save a graph that calls {obj!r} ({name}): it cannot "
+                                   "be imported by name.\nFix: make it a module-level function.")
+    return lines
+
+
+def _source(gm: fx.GraphModule) -> str:
+    graph = copy.deepcopy(gm.graph)
+    graph.set_codegen(fx.graph.CodeGen())  # flat inputs, as the compiled graph is called
+    code = graph.python_code(root_module="self")
+    return "\n".join([
+        "# An FX graph saved by aotkit; load it with aotkit.compilers.dump.load_graph(folder).",
+        *_imports(code.globals), "", "",
+        "class FxModule(torch.nn.Module):",
+        textwrap.indent(code.src.strip(), "    "), "",
+    ])
+
+
+def _constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    constants = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedError(f"cannot save the graph's attribute {node.target!r}, a "
+                                   f"{type(value).__name__}: only tensor attributes are saved.")
+        constants[str(node.target)] = value
+    return constants
+
+
+def _write_graph(gm: fx.GraphModule, folder: Path) -> None:
+    if gm.graph.find_nodes(op="call_module"):
+        raise UnsupportedError("cannot save a graph that calls submodules (call_module nodes)."
+                               "\nFix: save the ATen graphs AOT tracing makes (aot_function, "
+                               "aot_module_simplified), whose nodes are all ops.")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "module.py").write_text(_source(gm))
+    constants = _constants(gm)
+    if constants:
+        write_tensors(folder / "constants.tensors", constants)
+
+
+def load_graph(folder: str | os.PathLike[str], device: str | None = None) -> nn.Module:
+    """Load a graph saved by :func:`graph_dumper_aot` or :func:`debug_compile` as a module whose
+    ``forward`` takes the graph's flat inputs; tensor constants go to ``device`` if given.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> from aotkit.compilers import get_inputs, graph_dumper_aot
+        >>> from aotkit.compilers.dump import load_graph
+        >>> dumper = graph_dumper_aot("cos", tempfile.mkdtemp(), dump_example_input=True)
+        >>> dumper(torch.cos)(torch.zeros(2))
+        tensor([1., 1.])
+        >>> load_graph(dumper.saved[0])(*get_inputs(dumper.saved[0] / "cos_inference_0.input"))
+        [tensor([1., 1.])]
+    """
+    folder = Path(folder)
+    spec = importlib.util.spec_from_file_location("aotkit_saved_graph", folder / "module.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    graph = module.FxModule()
+    constants = folder / "constants.tensors"
+    for target, value in (read_tensors(constants, device) if constants.exists() else {}).items():
+        *path, attr = target.split(".")
+        owner = graph
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        setattr(owner, attr, value)
+    return graph
+
+
+def _save(gm: fx.GraphModule, example_inputs: Sequence[Any], folder: Path, stem: str,
+          values: str) -> None:
+    """Write the graph's code and ``{stem}.input``; ``values`` says where input values are."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    if all("val" in n.meta for n in placeholders):
+        example_inputs = [n.meta["val"] for n in placeholders]
+    _write_graph(gm, folder)
+    about = {"format": _INPUTS_FORMAT, "graph": stem, "torch": torch.__version__, "values": values}
+    inputs = ",\n  ".join(json.dumps(_describe(x)) for x in example_inputs)  # one per line
+    head = "".join(f" {json.dumps(k)}: {json.dumps(v)},\n" for k, v in about.items())
+    (folder / f"{stem}.input").write_text(f'{{\n{head} "inputs": [\n  {inputs}\n ]\n}}\n')
+
+
+def _run_saving_inputs(gm: fx.GraphModule, values_path: Path | None) -> Callable[[list[Any]], Any]:
+    """Run ``gm`` like ``nop``; with ``values_path``, first save the inputs of the first call."""
+    if values_path is None:
+        return make_boxed_func(gm.forward)
+    pending = True
+
+    def run(*args: Any) -> Any:
+        nonlocal pending
+        if pending and not any(isinstance(a, FakeTensor) for a in args):
+            pending = False
+            write_tensors(values_path, {str(i): a for i, a in enumerate(args)
+                                        if isinstance(a, torch.Tensor)})
+        return gm.forward(*args)
+
+    return make_boxed_func(run)
+
+
+# --- graph_dumper_aot ---------------------------------------------------------------------------
+
+
+class GraphDumper:
+    """Made by :func:`graph_dumper_aot`: compiles like ``nop`` and saves every graph it compiles.
+
+    ``saved`` lists the folders written so far, in order.
+    """
+
+    def __init__(self, current_name: str, folder_name: str | os.PathLike[str],
+                 dump_example_input: bool = False) -> None:
+        self.name = current_name
+        self.root = Path(folder_name) / current_name
+        self.dump_example_input = dump_example_input
+        self.saved: list[Path] = []
+        self._entries = 0
+
+    def __call__(self, fn: Callable[..., Any], example_inputs: Sequence[Any] | None = None) -> Any:
+        """``aot_function(fn)`` (``aot_module`` for modules); called as a ``torch.compile`` backend
+        (``fn`` a GraphModule with ``example_inputs``), ``aot_module_simplified``."""
+        options = {"fw_compiler": self.forward_compiler, "bw_compiler": self.backward_compiler,
+                   "partition_fn": self.partition_fn, "inference_compiler": self.inference_compiler}
+        if example_inputs is not None:
+            return aot_module_simplified(fn, example_inputs, **options)
+        if isinstance(fn, nn.Module):
+            return aot_module(fn, **options)
+        return aot_function(fn, **options)
+
+    def forward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._save(gm, example_inputs, "forward", gm.meta.get(_INDEX))
+
+    def backward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._save(gm, example_inputs, "backward", gm.meta.get(_INDEX))
+
+    def inference_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._save(gm, example_inputs, "inference", None)
+
+    def partition_fn(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], *,
+                  num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Save the joint graph, then split it with :func:`aotkit.default_partition`."""
+        index = self._next_index()
+        self._save(joint_gm, joint_inputs, "joint", index)
+        fw_gm, bw_gm = default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        fw_gm.meta[_INDEX] = bw_gm.meta[_INDEX] = index
+        return fw_gm, bw_gm
+
+    def _next_index(self) -> int:
+        self._entries += 1
+        return self._entries - 1
+
+    def _save(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str,
+              index: int | None) -> Callable[..., Any]:
+        stem = f"{self.name}_{kind}_{self._next_index() if index is None else index}"
+        folder = self.root / stem
+        if kind == "joint":
+            values = "not available: the joint graph is traced, never run (see the forward's)"
+        elif self.dump_example_input:
+            values = f"{stem}.tensors, written when the graph first runs"
+        else:
+            values = "not saved (graph_dumper_aot(..., dump_example_input=True) saves them)"
+        _save(gm, example_inputs, folder, stem, values)
+        self.saved.append(folder)
+        log.info("graph_dumper_aot: saved the %s graph to %s", kind, folder)
+        keep = self.dump_example_input and kind != "joint"
+        return _run_saving_inputs(gm, folder / f"{stem}.tensors" if keep else None)
+
+
+def graph_dumper_aot(current_name: str, folder_name: str | os.PathLike[str],
+                     dump_example_input: bool = False) -> GraphDumper:
+    """Save the forward, backward and joint graph of every compiled entry (and inference graphs)
+    to ``folder_name/current_name/current_name_{forward,backward,joint,inference}_N/``.
+
+    Each folder holds ``module.py`` (see :func:`load_graph`) and ``current_name_{kind}_N.input``
+    (JSON, read by :func:`get_inputs`); with ``dump_example_input`` the inputs of each graph's
+    first call go to ``current_name_{kind}_N.tensors``. ``N`` numbers the compiled entries.
+    The returned object wraps a function or module (``dumper(fn)``, like ``aot_function``) or
+    serves as a ``torch.compile`` backend (``torch.compile(fn, backend=dumper)``); the joint graph
+    is split with :func:`aotkit.default_partition`.
+
+    Example::
+
+        >>> import os, tempfile, torch
+        >>> from aotkit.compilers import graph_dumper_aot
+        >>> dumper = graph_dumper_aot("mul", tempfile.mkdtemp())
+        >>> f = dumper(lambda x: x * x)
+        >>> f(torch.ones(2, requires_grad=True)).sum().backward()
+        >>> [p.name for p in dumper.saved]
+        ['mul_joint_0', 'mul_forward_0', 'mul_backward_0']
+        >>> sorted(os.listdir(dumper.saved[1]))
+        ['module.py', 'mul_forward_0.input']
+    """
+    return GraphDumper(current_name, folder_name, dump_example_input)
+
+
+# --- debug_compile ------------------------------------------------------------------------------
+
+_REPRO = '''\
+"""A repro written by aotkit.compilers.debug_compile: rebuild the graph's inputs and run it.
+
+    python repro.py        (AOTKIT_REPRO_DEVICE=cpu runs a CUDA graph's inputs on the CPU)
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from aotkit.compilers import get_inputs
+from aotkit.compilers.dump import load_graph
+
+HERE = Path(__file__).resolve().parent
+DEVICES = {devices!r}  # where the traced inputs lived
+
+
+def main() -> int:
+    device = os.environ.get("AOTKIT_REPRO_DEVICE")
+    cuda = [d for d in DEVICES if d.startswith("cuda")]
+    if cuda and device is None and not torch.cuda.is_available():
+        print(f"repro: this graph was traced with inputs on {{', '.join(cuda)}}, but CUDA is not "
+              "available here (torch.cuda.is_available() is False). Run it on a machine with a "
+              "GPU, or set AOTKIT_REPRO_DEVICE=cpu to run it on the CPU.", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    graph = load_graph(HERE, device)
+    inputs = get_inputs(HERE / "graph.input", device=device)
+    outputs = graph(*inputs)
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    for i, out in enumerate(outputs):
+        if isinstance(out, torch.Tensor):
+            shown = f"{{str(out.dtype).removeprefix('torch.')}}{{list(out.shape)}} on {{out.device}}"
+        else:
+            shown = repr(out)
+        print(f"repro: output {{i}}: {{shown}}")
+    differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if differentiable:
+        torch.autograd.backward(differentiable, [torch.ones_like(o) for o in differentiable])
+        print(f"repro: backward ran through {{len(differentiable)}} output(s)")
+    print(f"repro: ok ({{len(outputs)}} output(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def _fresh_folder(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    index = 0
+    while True:
+        folder = root / f"graph_{index}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            index += 1
+
+
+def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                  folder: str | os.PathLike[str] | None = None,
+                  dump_example_input: bool = False) -> Callable[[list[Any]], Any]:
+    """Write the graph and a runnable ``repro.py`` to a new ``graph_N`` folder under ``folder``
+    (default ``aotkit.config.debug_dir``), then run the graph like ``nop``.
+
+    The repro rebuilds the inputs from ``graph.input`` (random values, or with
+    ``dump_example_input=True`` those of the graph's first call), runs the graph, and runs a
+    backward through outputs that require grad. Inputs traced on CUDA need CUDA to run the repro;
+    without it the script says so and exits with status 2 (``AOTKIT_REPRO_DEVICE=cpu`` runs it on
+    the CPU instead).
+
+    Example::
+
+        >>> import tempfile, torch, aotkit
+        >>> with aotkit.config.patch(debug_dir=tempfile.mkdtemp()):
+        ...     f = aotkit.aot_function(torch.sin, aotkit.compilers.debug_compile)
+        ...     f(torch.zeros(2))
+        tensor([0., 0.])
+    """
+    target = _fresh_folder(Path(config.debug_dir if folder is None else folder))
+    values = "graph.tensors, written when the graph first runs" if dump_example_input else (
+        "not saved (debug_compile(..., dump_example_input=True) saves them)")
+    _save(gm, example_inputs, target, "graph", values)
+    devices = sorted({str(x.device) for x in example_inputs if isinstance(x, torch.Tensor)})
+    (target / "repro.py").write_text(_REPRO.format(devices=devices))
+    log.info("debug_compile: wrote the graph and a repro to %s (run: python %s)",
+             target, target / "repro.py")
+    return _run_saving_inputs(gm, target / "graph.tensors" if dump_example_input else None)

@@ -1,0 +1,216 @@
+"""print_compile, draw_graph_compile and debug_nop: each runs real models exactly as eager
+does, and debug_nop catches a node whose real layout differs from its traced one."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from tests.aot.eager_check import check_against_eager
+from tests.compilers.compiler_check import TRANSFORMER_CFG, check_model
+
+import aotkit
+from aotkit.compilers import debug_nop, draw_graph_compile, print_compile
+from aotkit.errors import CompilerError, MetadataMismatchError
+from aotkit.models import TinyTransformer, make_token_batch
+
+needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz not installed")
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+@pytest.mark.parametrize("compiler", ["print_compile", "debug_nop"])
+def test_compiler_runs_models_like_eager(compiler: str, model: str, capsys: Any) -> None:
+    check_model(model, {"print_compile": print_compile, "debug_nop": debug_nop}[compiler])
+    printed = capsys.readouterr().out
+    if compiler == "print_compile":
+        assert printed.count("def forward(self, primals_1") == 1  # the forward, printed once
+        assert "def forward(self, " in printed.split("def forward(self, primals_1")[1]  # backward
+        assert "torch.ops.aten.mm.default" in printed
+    else:
+        assert printed == ""
+
+
+def test_print_compile_prints_readable_code(capsys: Any) -> None:
+    f = aotkit.aot_function(lambda x: x.cos() * 2, print_compile)
+    assert torch.equal(f(torch.ones(3)), torch.ones(3).cos() * 2)
+    printed = capsys.readouterr().out
+    assert 'cos: "f32[3]" = torch.ops.aten.cos.default(' in printed
+
+
+@needs_graphviz
+def test_draw_graph_compile_draws_forward_and_backward(tmp_path: Path) -> None:
+    check_model("mlp", draw_graph_compile(str(tmp_path / "mlp")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp_0.svg", "mlp_1.svg"]
+    forward = (tmp_path / "mlp_0.svg").read_text()
+    assert forward.startswith("<?xml") and "<svg" in forward
+    assert ">primals_1<" in forward and ">aten.addmm.default<" in forward
+    assert ">float32[4, 16]<" in forward
+    assert "tangents_1" in (tmp_path / "mlp_1.svg").read_text()
+
+
+def test_draw_graph_compile_without_graphviz_writes_dot_and_records_why(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    f = aotkit.aot_function(lambda x: x.sin(), draw_graph_compile(str(tmp_path / "sin")))
+    f(torch.ones(2, requires_grad=True)).sum().backward()
+    assert sorted(p.name for p in tmp_path.glob("sin_*")) == ["sin_0.dot", "sin_1.dot"]
+    assert (tmp_path / "sin_0.dot").read_text().startswith("digraph")
+    fallbacks = aotkit.explain().of_kind("fallback")
+    assert len(fallbacks) == 2 and "apt-get install graphviz" in fallbacks[0].why
+    assert aotkit.counters.counters["fallback"][f"draw_graph_compile({tmp_path / 'sin'})"] == 2
+
+
+# --- debug_nop -------------------------------------------------------------------------------
+
+
+def planting(change: Callable[[fx.Node], None], target: Any) -> Callable[..., Any]:
+    """A compiler that changes the traced value of the first ``target`` node, then runs debug_nop."""
+
+    def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        change(next(n for n in gm.graph.nodes if n.target == target))
+        return debug_nop(gm, example_inputs)
+
+    return compiler
+
+
+def transpose_layout(node: fx.Node) -> None:
+    """The same shape with column-major strides: ``(4, 6)`` strides ``(6, 1)`` -> ``(1, 4)``."""
+    node.meta["val"] = node.meta["val"].t().contiguous().t()
+
+
+def matmul_gelu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ w)
+
+
+def test_debug_nop_catches_a_planted_stride_mismatch() -> None:
+    f = aotkit.aot_function(matmul_gelu, planting(transpose_layout, torch.ops.aten.mm.default))
+    with pytest.raises(MetadataMismatchError) as caught:
+        f(torch.randn(4, 5, requires_grad=True), torch.randn(5, 6))
+    message = str(caught.value)
+    assert message.startswith("debug_nop: node 'mm' (aten.mm.default) gave strides")
+    assert "While executing" not in message  # no second copy of the node from fx.Interpreter
+    assert "strides (6, 1), traced (1, 4)" in message and "dims [0, 1] differ" in message
+    assert "Fix:" in message and "register_fake" in message
+    assert isinstance(caught.value, CompilerError)
+
+
+def test_debug_nop_catches_a_planted_dtype_and_shape_mismatch() -> None:
+    def half(node: fx.Node) -> None:
+        node.meta["val"] = node.meta["val"].half()
+
+    def wider(node: fx.Node) -> None:
+        node.meta["val"] = node.meta["val"].new_empty((4, 7))
+
+    for change, expected in ((half, "dtype torch.float32, traced torch.float16"),
+                             (wider, "shape (4, 6), traced (4, 7)")):
+        f = aotkit.aot_function(matmul_gelu, planting(change, torch.ops.aten.mm.default))
+        with pytest.raises(MetadataMismatchError, match=re.escape(expected)):
+            f(torch.randn(4, 5), torch.randn(5, 6))
+
+
+def test_debug_nop_ignores_strides_of_size_one_dims() -> None:
+    def other_unit_stride(node: fx.Node) -> None:  # (1, 6) with stride (6, 1) -> (99, 1)
+        val = node.meta["val"]
+        node.meta["val"] = val.new_empty_strided(val.shape, (99, 1))
+
+    f = aotkit.aot_function(matmul_gelu, planting(other_unit_stride, torch.ops.aten.mm.default))
+    x, w = torch.randn(1, 5), torch.randn(5, 6)
+    torch.testing.assert_close(f(x, w), matmul_gelu(x, w))
+
+
+@torch.library.custom_op("aotkit_test::column_major_copy", mutates_args=())
+def column_major_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t()
+
+
+@column_major_copy.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # wrong: real is column-major
+
+
+class ScaleColumnMajor(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_major_copy(x) * 2  # the line the error must point at
+
+
+def test_debug_nop_names_the_user_line_of_an_op_whose_fake_strides_are_wrong() -> None:
+    with aotkit.config.patch(record_stack_traces=True):
+        f = aotkit.aot_module(ScaleColumnMajor(), debug_nop)
+        with pytest.raises(MetadataMismatchError) as caught:
+            f(torch.randn(3, 4))
+    message = str(caught.value)
+    assert "node 'column_major_copy' (aotkit_test.column_major_copy.default)" in message
+    assert "strides (1, 3), traced (4, 1)" in message
+    assert "column_major_copy(x) * 2  # the line the error must point at" in message
+    assert os.path.basename(__file__) in message
+
+
+def test_debug_nop_dynamic_aot_function_resolves_sizes() -> None:
+    check_against_eager(matmul_gelu, torch.randn(4, 5, requires_grad=True),
+                        torch.randn(5, 6, requires_grad=True), compiler=debug_nop,
+                        aot_kwargs={"dynamic": True})
+    f = aotkit.aot_function(matmul_gelu, debug_nop, dynamic=True)
+    for rows in (3, 7):
+        x, w = torch.randn(rows, 5, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+        f(x, w).sum().backward()
+        expected = torch.func.grad(lambda x, w: matmul_gelu(x, w).sum())(x.detach(), w.detach())
+        torch.testing.assert_close(x.grad, expected)
+    assert f.num_entries == 1
+
+    planted = aotkit.aot_function(
+        matmul_gelu, planting(transpose_layout, torch.ops.aten.mm.default), dynamic=True)
+    with pytest.raises(MetadataMismatchError) as caught:
+        planted(torch.randn(7, 5), torch.randn(5, 6))
+    message = str(caught.value)
+    assert re.search(r"strides \(6, 1\), traced \(1, (s\d+)\) = \(1, 7\)", message), message
+    assert re.search(r"resolved from the inputs: .*s\d+=7", message), message
+
+
+def aotkit_backend(compiler: Any) -> Any:
+    return lambda gm, inputs: aotkit.aot_module_simplified(gm, inputs, compiler)
+
+
+def test_debug_nop_dynamic_torch_compile_resolves_sizes() -> None:
+    f = torch.compile(matmul_gelu, backend=aotkit_backend(debug_nop), dynamic=True)
+    for rows in (3, 5, 8):
+        x, w = torch.randn(rows, 5, requires_grad=True), torch.randn(5, 6)
+        out = f(x, w)
+        out.sum().backward()
+        expected_x = x.detach().requires_grad_()
+        expected = matmul_gelu(expected_x, w)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(x.grad, expected_x.grad)
+
+    torch._dynamo.reset()
+    planted = torch.compile(
+        matmul_gelu, backend=aotkit_backend(planting(transpose_layout, torch.ops.aten.mm.default)),
+        dynamic=True)
+    with pytest.raises(MetadataMismatchError, match=r"traced \(1, s\d+\) = \(1, 9\)"):
+        planted(torch.randn(9, 5), torch.randn(5, 6))
+
+
+def test_debug_nop_trains_a_transformer_with_dropout_like_eager_through_torch_compile() -> None:
+    cfg = replace(TRANSFORMER_CFG, dropout=0.1)
+    eager, compiled = TinyTransformer.from_seed(0, cfg), TinyTransformer.from_seed(0, cfg)
+    backend = aotkit_backend(debug_nop)
+    step = torch.compile(lambda tokens, targets: compiled.loss(tokens, targets), backend=backend)
+    for seed in range(2):
+        tokens, targets = make_token_batch(seed, cfg)
+        torch.manual_seed(seed)
+        want = eager.loss(tokens, targets)
+        want.backward()
+        torch.manual_seed(seed)
+        got = step(tokens, targets)
+        got.backward()
+        torch.testing.assert_close(got, want)
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"grad of {n}: {m}")

@@ -1,0 +1,101 @@
+"""draw_graph: SVG, PNG and DOT through pydot and Graphviz, and DOT with a warning without it."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+
+import aotkit
+from aotkit.errors import ArgumentError
+from aotkit.partition import draw_graph
+from aotkit.partition.draw import DrawnGraph
+
+needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz not installed")
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)).sum(1)  # the source line drawn with clear_meta=False
+
+
+def forward_graph(record_stack_traces: bool = False) -> fx.GraphModule:
+    """The ATen forward graph of ``TwoLayers`` with traced values in ``meta["val"]``."""
+    graphs: list[fx.GraphModule] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    with aotkit.config.patch(record_stack_traces=record_stack_traces):
+        aotkit.aot_module(TwoLayers(), keep)(torch.randn(2, 3))
+    return graphs[0]
+
+
+@needs_graphviz
+@pytest.mark.parametrize(("name", "magic"), [("g.svg", b"<?xml"), ("g.png", b"\x89PNG\r\n\x1a\n"),
+                                             ("g", b"<?xml"), ("g.dot", b"digraph")])
+def test_draws_each_format(tmp_path: Path, name: str, magic: bytes) -> None:
+    result = draw_graph(forward_graph(), tmp_path / name)
+    expected = tmp_path / (name if "." in name else name + ".svg")
+    assert result == DrawnGraph(expected, expected.suffix[1:])
+    data = expected.read_bytes()
+    assert data.startswith(magic)
+    if expected.suffix == ".svg":
+        assert b"<svg" in data and b">aten.addmm.default<" in data and b">float32[2, 4]<" in data
+    assert [p.name for p in tmp_path.iterdir()] == [expected.name]
+
+
+def test_dot_labels_show_name_op_and_traced_value(tmp_path: Path) -> None:
+    gm = forward_graph()
+    before = gm.code
+    text = draw_graph(gm, tmp_path / "fw.dot").path.read_text()
+    assert text.startswith('digraph "fx_graph" {')
+    assert 'label="addmm\\naten.addmm.default\\nfloat32[2, 4]"' in text
+    assert 'label="primals_3\\nplaceholder\\nfloat32[2, 3]"' in text
+    assert '"primals_3" -> "addmm"' in text
+    assert "the source line" not in text
+    assert gm.code == before
+
+
+def test_clear_meta_false_adds_the_user_source_line(tmp_path: Path) -> None:
+    text = draw_graph(forward_graph(record_stack_traces=True), tmp_path / "fw.dot",
+                      clear_meta=False).path.read_text()
+    assert "return torch.relu(self.fc(x)).sum(1)  # the source line drawn" in text
+
+
+@needs_graphviz
+def test_node_names_that_are_dot_keywords_are_drawn(tmp_path: Path) -> None:
+    gm = fx.symbolic_trace(lambda node, graph, edge: node + graph * edge)
+    svg = draw_graph(gm, tmp_path / "keywords.svg").path.read_text()
+    for name in ("node", "graph", "edge"):
+        assert f"<title>{name}</title>" in svg
+
+
+def test_unknown_extension_names_the_accepted_ones(tmp_path: Path) -> None:
+    with pytest.raises(ArgumentError, match=r"(?s)'\.pdf'.*\.svg, \.png, \.dot"):
+        draw_graph(forward_graph(), tmp_path / "g.pdf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_graphviz_writes_dot_and_warns(tmp_path: Path, monkeypatch: Any,
+                                               caplog: Any) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-graphviz-here"))
+    with caplog.at_level(logging.WARNING, logger="aotkit.partition"):
+        result = draw_graph(forward_graph(), tmp_path / "g.png")
+    assert result.path == tmp_path / "g.dot" and result.format == "dot"
+    assert result.path.read_text().startswith("digraph")
+    assert not (tmp_path / "g.png").exists()
+    assert result.fallback is not None and "apt-get install graphviz" in result.fallback
+    assert f"dot -Tpng {tmp_path / 'g.dot'} -o {tmp_path / 'g.png'}" in result.fallback
+    [record] = [r for r in caplog.records if r.name == "aotkit.partition"]
+    assert record.levelno == logging.WARNING and "brew install graphviz" in record.getMessage()
