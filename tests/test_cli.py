@@ -85,6 +85,18 @@ def test_graphs_transformer_in_process(capsys: pytest.CaptureFixture[str]) -> No
     assert re.search(r"forward: \d+ nodes", out) and re.search(r"backward: \d+ nodes", out)
 
 
+def test_graphs_min_cut_budget_and_drawings(capsys: pytest.CaptureFixture[str],
+                                            tmp_path: Path) -> None:
+    assert cli.main(["graphs", "--model", "mlp", "--partition", "min_cut", "--budget", "0",
+                     "--draw", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "min_cut_rematerialization_partition: saved" in out
+    assert "aten.addmm.default" in out.split("recomputed", 1)[1]  # budget 0 recomputes matmuls
+    for kind in ("forward", "backward"):
+        assert f"drew the {kind} graph: {tmp_path / (kind + '.svg')}" in out
+        assert (tmp_path / f"{kind}.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+
+
 def test_capture_graphs_match_the_model() -> None:
     forward, backward = capture_graphs("mlp")
     assert (forward.kind, backward.kind) == ("forward", "backward")

@@ -6,7 +6,7 @@
     >>> f(x).sum().backward()
 """
 
-from aotkit import compiled_autograd, compilers, config, counters, errors
+from aotkit import compiled_autograd, compilers, config, counters, errors, partition
 from aotkit.aot import (
     AotFunction,
     AotModule,
@@ -17,7 +17,7 @@ from aotkit.aot import (
     make_boxed_func,
 )
 from aotkit.counters import explain
-from aotkit.partition import default_partition
+from aotkit.partition import default_partition, min_cut_rematerialization_partition
 
 __version__ = "0.1.0"
 
@@ -36,4 +36,6 @@ __all__ = [
     "explain",
     "make_boxed_compiler",
     "make_boxed_func",
+    "min_cut_rematerialization_partition",
+    "partition",
 ]

@@ -5,6 +5,7 @@ reports what aotkit did; ``aotkit graphs`` prints the graphs aotkit captures for
 
     $ aotkit demo --steps 10
     $ aotkit graphs --model mlp --code
+    $ aotkit graphs --model transformer --partition min_cut --budget 0.5 --draw graphs/
 """
 
 from __future__ import annotations
@@ -29,13 +30,31 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_PARTITIONERS = ("default", "min_cut")
+
+
 def _graphs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from aotkit import config, partition
     from aotkit.demo import capture_graphs
 
-    graphs = capture_graphs(args.model, training=not args.inference)
+    partition_fn = {"default": partition.default_partition,
+                    "min_cut": partition.min_cut_rematerialization_partition}[args.partition]
+    with config.patch(activation_memory_budget=args.budget):
+        graphs = capture_graphs(args.model, training=not args.inference,
+                                partition_fn=partition_fn)
     print(f"aotkit graphs: {args.model} ({'inference' if args.inference else 'training'})")
     for graph in graphs:
         print("  " + graph.summary())
+        if "partition" in graph.gm.meta:
+            print(f"    {graph.gm.meta['partition']}")
+    if args.draw:
+        for graph in graphs:
+            drawn = partition.draw_graph(graph.gm, Path(args.draw) / f"{graph.kind}.svg")
+            print(f"  drew the {graph.kind} graph: {drawn.path}")
+            if drawn.fallback:
+                print(f"    {drawn.fallback}")
     if args.code:
         for graph in graphs:
             print(f"\n# ---- {graph.kind} graph ----")
@@ -72,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     graphs.add_argument("--code", action="store_true", help="also print each graph's code")
     graphs.add_argument("--inference", action="store_true",
                         help="capture the inference graph (torch.no_grad) instead")
+    graphs.add_argument("--partition", choices=_PARTITIONERS, default="default",
+                        help="how the joint graph is split (default: default)")
+    graphs.add_argument("--budget", type=float, default=1.0,
+                        help="activation_memory_budget for --partition min_cut (0..1)")
+    graphs.add_argument("--draw", metavar="DIR",
+                        help="also draw each graph to DIR/<kind>.svg (needs Graphviz)")
     graphs.set_defaults(func=_graphs)
     return parser
 

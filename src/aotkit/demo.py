@@ -280,9 +280,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Batch]] = {
 }
 
 
-def capture_graphs(model: str = "transformer", training: bool = True) -> list[CapturedGraph]:
+def capture_graphs(model: str = "transformer", training: bool = True,
+                   partition_fn: Callable[..., Any] = aotkit.default_partition) -> list[CapturedGraph]:
     """The graphs ``aotkit.aot_module`` produces for one step of ``model`` ("transformer" or
-    "mlp"): forward and backward when ``training``, else the inference graph.
+    "mlp"): forward and backward when ``training`` (split by ``partition_fn``), else the
+    inference graph.
 
     Example::
 
@@ -305,7 +307,8 @@ def capture_graphs(model: str = "transformer", training: bool = True) -> list[Ca
 
     module = make_model()
     compiled = aotkit.aot_module(module, recorder("forward"), recorder("backward"),
-                                 inference_compiler=recorder("inference"))
+                                 inference_compiler=recorder("inference"),
+                                 partition_fn=partition_fn)
     x, _ = make_batch(seed=0)
     if training:
         out = compiled(x)
