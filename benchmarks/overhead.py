@@ -58,7 +58,7 @@ class Timing:
     first: float
     steady: float
     paired_eager: float  # eager steps interleaved with this variant's steady steps
-    traces: int
+    traces: int = 0
 
     @property
     def steady_vs_eager(self) -> float:
@@ -66,16 +66,15 @@ class Timing:
 
 
 def wrap(model: nn.Module, variant: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The callable a variant trains through."""
+    """The callable a variant trains through; any other name is a ``torch.compile`` backend
+    (``aotkit``, ``aot_eager``, ``inductor``, ``aotkit_inductor``, ...)."""
     if variant == "eager":
         return model
-    if variant in ("aotkit", "aot_eager"):
-        return torch.compile(model, backend=variant)
     if variant == "dynamo":  # Dynamo alone: its graph runs eagerly, no AOT autograd
         return torch.compile(model, backend="eager")
     if variant == "aot_module":
         return aotkit.aot_module(model, aotkit.compilers.nop)
-    raise ValueError(f"unknown variant {variant!r}; pick one of {VARIANTS}")
+    return torch.compile(model, backend=variant)
 
 
 def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -168,3 +169,46 @@ def test_entry_point_works_without_importing_aotkit() -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "tensor([2., 2.])"
     assert lines[1] == "True"  # loaded through the entry point, not by the command
+
+
+def test_debug_backend_runs_like_eager() -> None:
+    """``backend="aotkit_debug"``: every graph runs through debug_nop, which checks each node's
+    real layout against the traced one, forward and backward."""
+    from aotkit.backends import aotkit_debug
+
+    assert torch._dynamo.lookup_backend("aotkit_debug") is aotkit_debug
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8)
+    out = torch.compile(model, backend="aotkit_debug")(x)
+    expected = reference(x)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert counters["aot"]["fw_compiles"] == 1
+    assert counters["aot"]["bw_compiles"] == 1
+
+
+def test_options_pick_the_min_cut_partition_and_its_budget() -> None:
+    model = Net()
+    x = torch.randn(3, 8)
+    compiled = torch.compile(model, backend="aotkit",
+                             options={"partition": "min_cut", "activation_memory_budget": 0.0})
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.why.startswith("min_cut_rematerialization_partition: saved")
+
+
+@pytest.mark.parametrize("options", [{"partition": "sideways"}, {"budget": 1.0},
+                                     {"activation_memory_budget": 0.5}])
+def test_bad_options_are_argument_errors(options: dict[str, object]) -> None:
+    compiled = torch.compile(Net(), backend="aotkit", options=options)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.randn(3, 8))
+    assert isinstance(info.value.inner_exception, aotkit.errors.ArgumentError)
+    assert "accepted: partition" in str(info.value) or "needs options" in str(info.value)

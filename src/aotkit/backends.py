@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,10 @@ import torch.fx as fx
 
 from aotkit import compilers
 from aotkit.aot import aot_module_simplified
+from aotkit.aot.api import Partitioner
 from aotkit.aot.boxing import Compiler, make_boxed_func
+from aotkit.errors import ArgumentError
+from aotkit.partition import default_partition, min_cut_rematerialization_partition
 
 
 def _no_dynamo(compiler: Compiler) -> Compiler:
@@ -27,8 +31,49 @@ def _no_dynamo(compiler: Compiler) -> Compiler:
     return wrapped
 
 
-def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+_PARTITIONS = {"default": default_partition, "min_cut": min_cut_rematerialization_partition}
+
+
+def partition_from(options: Mapping[str, Any] | None, default: str = "default") -> Partitioner:
+    """The partitioner ``torch.compile(..., options={...})`` asks for: ``"partition"``
+    (``"default"`` or ``"min_cut"``) and ``"activation_memory_budget"`` (0..1, min-cut only).
+
+    Example::
+
+        >>> import torch
+        >>> f = torch.compile(lambda x: x.sin().sin(), backend="aotkit",
+        ...                   options={"partition": "min_cut", "activation_memory_budget": 0.5})
+        >>> f(torch.zeros(2, requires_grad=True)).sum().backward()
+    """
+    options = dict(options or {})
+    unknown = set(options) - {"partition", "activation_memory_budget"}
+    name = options.get("partition", default)
+    if unknown or name not in _PARTITIONS:
+        raise ArgumentError(
+            f"unknown aotkit backend options {sorted(unknown) or {'partition': name}}; accepted: "
+            f"partition ({' or '.join(map(repr, _PARTITIONS))}) and activation_memory_budget "
+            "(0..1, with partition='min_cut')."
+        )
+    if "activation_memory_budget" in options:
+        if name != "min_cut":
+            raise ArgumentError("activation_memory_budget needs options={'partition': 'min_cut'}.")
+        return functools.partial(min_cut_rematerialization_partition,
+                                 activation_memory_budget=float(options["activation_memory_budget"]))
+    return _PARTITIONS[name]
+
+
+def _aot(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: Compiler,
+         options: Mapping[str, Any] | None) -> Callable[..., Any]:
+    """AOT autograd with one compiler for every graph, each run outside Dynamo."""
+    compiled = _no_dynamo(compiler)
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compiled, bw_compiler=compiled,
+                                 partition_fn=partition_from(options))
+
+
+def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any],
+               options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     """``backend="aotkit"``: AOT autograd with the ``nop`` compiler (graphs run as Python).
+    ``options`` picks the partitioner (:func:`partition_from`).
 
     Example::
 
@@ -37,5 +82,48 @@ def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..
         >>> f(torch.zeros(2))
         tensor([1., 1.])
     """
-    nop = _no_dynamo(compilers.nop)
-    return aot_module_simplified(gm, example_inputs, fw_compiler=nop, bw_compiler=nop)
+    return _aot(gm, example_inputs, compilers.nop, options)
+
+
+def aotkit_debug(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """``backend="aotkit_debug"``: AOT autograd with ``debug_nop``, which runs every graph node
+    by node and checks each result's dtype, shape and strides against the traced values.
+
+    Example::
+
+        >>> import torch
+        >>> f = torch.compile(lambda x: x.sin() + 1, backend="aotkit_debug")
+        >>> f(torch.zeros(2))
+        tensor([1., 1.])
+    """
+    return _aot(gm, example_inputs, compilers.debug_nop, options)
+
+
+def aotkit_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """``backend="aotkit_inductor"``: aotkit's AOT autograd and min-cut partitioner, Inductor as
+    the code generator of the forward, backward and inference graphs. ``options`` as for
+    :func:`partition_from` (default ``{"partition": "min_cut"}``).
+
+    Graphs are traced with Inductor's decompositions (``inductor.decompositions``), as
+    ``backend="inductor"`` does. Dropout draws from Inductor's RNG, so its masks differ from
+    eager's for the same seed unless ``torch._inductor.config.fallback_random`` is set.
+
+    Example::
+
+        >>> import torch
+        >>> f = torch.compile(lambda x: x.sin() + 1, backend="aotkit_inductor")
+        >>> f(torch.zeros(2))  # doctest: +SKIP
+        tensor([1., 1.])
+    """
+    inductor = compilers.inductor
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=_no_dynamo(inductor.forward),
+        bw_compiler=_no_dynamo(inductor.backward),
+        inference_compiler=_no_dynamo(inductor.inference),
+        partition_fn=partition_from(options, default="min_cut"),
+        decompositions=inductor.decompositions,
+        keep_inference_input_mutations=True,
+    )

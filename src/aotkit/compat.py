@@ -27,6 +27,7 @@ __all__ = [
     "effect_tokens",
     "effect_types",
     "guard_globals",
+    "inductor_joint_graph_passes",
     "mutations_hidden_from_autograd",
     "size_hint",
 ]
@@ -135,3 +136,19 @@ def size_hint(size: int | torch.SymInt, fallback: int = 4096) -> int:
     if hasattr(symbolic_shapes, "optimization_hint"):  # 2.13
         return int(symbolic_shapes.optimization_hint(size, fallback=fallback))
     return int(symbolic_shapes.hint_int(size, fallback=fallback))  # 2.11
+
+
+# --- Inductor -----------------------------------------------------------------------------------
+
+
+def inductor_joint_graph_passes(gm: Any, device: torch.device | None) -> Any:
+    """Run Inductor's joint-graph passes (pattern rewrites, its own RNG) on ``gm``; returns the
+    rewritten GraphModule. ``device`` picks which device's patterns load (older releases take
+    none)."""
+    import inspect
+
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    if "input_device" in inspect.signature(joint_graph_passes).parameters:
+        return joint_graph_passes(gm, input_device=device)
+    return joint_graph_passes(gm)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from tests.aot.eager_check import Compared, check_against_eager
+from torch import nn
 
 from aotkit.models import (
     MLP,
@@ -18,11 +19,8 @@ from aotkit.models import (
 )
 
 MLP_CFG = MLPConfig(width=16, depth=3, batch=4)
-# No dropout here: these checks compare through aot_function, whose dropout of a non-contiguous
-# tensor draws its mask in a different order from eager's; test_basic checks dropout through
-# torch.compile instead.
 TRANSFORMER_CFG = TransformerConfig(vocab=16, d_model=16, heads=2, layers=1, seq=6, batch=2,
-                                    dropout=0.0)
+                                    dropout=0.1)
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, torch.Tensor]]] = {
     "mlp": lambda: (MLP.from_seed(0, MLP_CFG), make_mlp_batch(0, MLP_CFG)[0]),
@@ -41,3 +39,27 @@ def check_model(name: str, compiler: Callable[..., Any], calls: int = 1) -> Comp
         return torch.func.functional_call(model, params, (x,))
 
     return check_against_eager(run, params, x, compiler=compiler, seed=0, calls=calls)
+
+
+def train_like_eager(make: Callable[[], nn.Module], wrap: Callable[[nn.Module], Any],
+                     x: torch.Tensor, steps: int = 3) -> None:
+    """A few SGD steps through ``wrap(model)`` and through an identical eager model, each step
+    from the same seed (dropout draws the same masks): losses and weights must agree (to float32
+    rounding: compiled kernels may sum in another order)."""
+    torch.manual_seed(0)
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    compiled = wrap(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(steps):
+        losses = []
+        for run, opt in zip((compiled, reference), opts, strict=True):
+            torch.manual_seed(step)
+            loss = run(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -216,3 +217,11 @@ def _mismatch_message(n: fx.Node, problem: str, bindings: dict[sympy.Symbol, int
                      "trust traced layouts (Inductor, CUDA graphs) may compute wrong results "
                      "here; aotkit.compilers.nop runs the graph as eager does.")
     return "\n".join(lines)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (node and module meta dicts copied, their
+    values shared), for compilers that rewrite the graph: the caller's stays as traced."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta.update(gm.meta)
+    return copied

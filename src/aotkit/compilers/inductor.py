@@ -1,9 +1,176 @@
-"""Inductor as the code generator for aotkit's partitioned graphs."""
+"""Inductor as the code generator for aotkit's partitioned graphs.
+
+``inductor`` hands one forward, backward or inference graph that aotkit traced and partitioned
+to Inductor's per-graph entry point, ``torch._inductor.compile_fx.compile_fx_inner``. It does
+not go through ``torch._inductor.compile_fx.compile_fx``, which would run PyTorch's own AOT
+autograd and partitioner again. See Note [Inductor on partitioned graphs].
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+
+from aotkit.compilers.basic import copy_graph_module
+from aotkit.errors import ArgumentError, CompilerError
+
+Kind = Literal["forward", "backward", "inference"]
+KINDS: tuple[Kind, ...] = ("forward", "backward", "inference")
+
+_graph_ids = itertools.count()
+
+# Note [Inductor on partitioned graphs]
+# compile_fx_inner compiles one graph; compile_fx normally arranges what it needs around it.
+# What we arrange instead, per graph:
+# - which graph it is (is_backward / is_inference): from the compiler variant, or guessed from
+#   the graph (see graph_kind);
+# - static inputs: the forward's and inference graph's leading parameters and buffers
+#   (gm.meta["num_params_buffers"]), the backward's saved values (every input but tangents);
+# - strides: every forward output, saved values included, keeps the strides it was traced
+#   with. The backward graph was traced, and is compiled, for saved values with those strides;
+#   Inductor may otherwise pick other strides for outputs nobody sees. (PyTorch instead reports
+#   Inductor's strides back to its AOT autograd, which restrides the backward's inputs; our
+#   compilers are independent, so the traced strides are the contract.);
+# - CUDA graphs off: aotkit.cudagraphs captures graphs, never Inductor's cudagraph trees;
+# - Inductor's joint-graph passes (its pattern rewrites and its own RNG) run on each graph, as
+#   compile_fx runs them on the joint graph before partitioning;
+# - the graph is copied first, since Inductor's passes rewrite the graph they are given.
 
 
-def inductor(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper B")
+class Inductor:
+    """A compiler that generates code with Inductor for one kind of aotkit graph.
+
+    ``inductor`` guesses the kind of each graph (a graph with ``tangents_*`` inputs is a
+    backward, a graph aotkit partitioned is a forward, anything else is an inference graph);
+    ``inductor.forward``, ``inductor.backward`` and ``inductor.inference`` say it.
+    Inductor expects graphs traced with its decompositions, ``inductor.decompositions``, as
+    ``torch.compile(backend="aotkit_inductor")`` does; a graph holding an op Inductor only
+    knows decomposed raises :class:`~aotkit.errors.CompilerError`.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> from aotkit.compilers import inductor
+        >>> f = aotkit.aot_function(lambda x: x.sin().cos(), inductor.forward, inductor.backward,
+        ...                         inference_compiler=inductor.inference,
+        ...                         decompositions=inductor.decompositions)
+        >>> x = torch.randn(8, requires_grad=True)
+        >>> f(x).sum().backward()  # doctest: +SKIP
+    """
+
+    def __init__(self, kind: Kind | None = None) -> None:
+        if kind is not None and kind not in KINDS:
+            raise ArgumentError(f"unknown Inductor graph kind {kind!r}; pick one of {KINDS}")
+        self.kind = kind
+        self.__name__ = "inductor" if kind is None else f"inductor.{kind}"
+
+    @property
+    def decompositions(self) -> dict[Any, Callable[..., Any]]:
+        """The decompositions to trace with for this compiler: Inductor's own table
+        (``select_decomp_table()``, which follows ``torch._inductor.config``)."""
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
+
+    @property
+    def forward(self) -> Inductor:
+        """The compiler for forward graphs of training (``fw_compiler``)."""
+        return Inductor("forward")
+
+    @property
+    def backward(self) -> Inductor:
+        """The compiler for backward graphs (``bw_compiler``)."""
+        return Inductor("backward")
+
+    @property
+    def inference(self) -> Inductor:
+        """The compiler for inference graphs (``inference_compiler``)."""
+        return Inductor("inference")
+
+    def __repr__(self) -> str:
+        return f"aotkit.compilers.{self.__name__}"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        return compile_graph(gm, example_inputs, self.kind or graph_kind(gm))
+
+
+def graph_kind(gm: fx.GraphModule) -> Kind:
+    """Guess which kind of aotkit graph ``gm`` is: ``tangents_*`` inputs make a backward; aotkit
+    records a partition report (``gm.meta["partition"]``) on every forward it partitions."""
+    if any(n.name.startswith("tangents") for n in gm.graph.find_nodes(op="placeholder")):
+        return "backward"
+    return "forward" if "partition" in gm.meta else "inference"
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind) -> Callable[[list[Any]], Any]:
+    """Compile one graph of ``kind`` with ``compile_fx_inner``; returns Inductor's boxed callable.
+    See Note [Inductor on partitioned graphs]."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    _refuse_undecomposed(gm)
+    gm = _joint_graph_passes(copy_graph_module(gm), example_inputs)
+    _keep_output_strides(gm)
+    return compile_fx_inner(
+        gm,
+        list(example_inputs),
+        static_input_idxs=_static_input_idxs(gm, kind),
+        cudagraphs=BoxedBool(False),
+        is_backward=kind == "backward",
+        is_inference=kind == "inference",
+        graph_id=next(_graph_ids),
+    )
+
+
+def _refuse_undecomposed(gm: fx.GraphModule) -> None:
+    """Inductor lowers an op in its decomposition table only if it also has a lowering for it;
+    otherwise it fails deep inside with an assertion. Say which ops and how to fix it."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
+
+    table = select_decomp_table()
+    ops = sorted({str(n.target) for n in gm.graph.nodes
+                  if n.op == "call_function" and n.target in table and n.target not in lowerings})
+    if ops:
+        raise CompilerError(
+            f"inductor: the graph holds {', '.join(ops)}, which Inductor compiles only "
+            "decomposed.\nFix: trace with Inductor's decompositions, e.g. "
+            "aotkit.aot_function(fn, inductor, decompositions=inductor.decompositions), or use "
+            'torch.compile(backend="aotkit_inductor").'
+        )
+
+
+def _joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Inductor's joint-graph passes, under the fake mode the graph's values were traced in
+    (its RNG rewrite makes new fake values)."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+
+    from aotkit.compat import FakeTensorMode, inductor_joint_graph_passes
+
+    traced = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    mode = detect_fake_mode(traced) or FakeTensorMode(allow_non_fake_inputs=True)
+    devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
+    with V.set_fake_mode(mode):
+        return inductor_joint_graph_passes(gm, devices[0] if devices else None)
+
+
+def _keep_output_strides(gm: fx.GraphModule) -> None:
+    output = gm.graph.output_node()
+    output.meta["user_visible_output_idxs"] = [
+        i for i, arg in enumerate(output.args[0]) if isinstance(arg, fx.Node)
+    ]
+
+
+def _static_input_idxs(gm: fx.GraphModule, kind: Kind) -> list[int]:
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    if kind == "backward":
+        return [i for i, n in enumerate(placeholders) if not n.name.startswith("tangents")]
+    return list(range(min(gm.meta.get("num_params_buffers", 0), len(placeholders))))
+
+
+inductor = Inductor()

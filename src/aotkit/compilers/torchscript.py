@@ -1,25 +1,270 @@
-"""TorchScript compilers and ``memory_efficient_fusion``."""
+"""TorchScript compilers and ``memory_efficient_fusion``.
+
+TorchScript is deprecated upstream but still ships with PyTorch; these compilers keep working
+code that used functorch's ``ts_compile``/``memory_efficient_fusion`` running on aotkit's graphs.
+See Note [TorchScript warnings] for what is silenced.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._decomp import get_decompositions
 
-def ts_compile(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper B")
+from aotkit.aot import AotFunction, AotModule, aot_function, aot_module
+from aotkit.compilers.basic import copy_graph_module
+from aotkit.errors import ArgumentError, CompilerError
+from aotkit.partition import min_cut_rematerialization_partition
+
+log = logging.getLogger("aotkit.compilers")
+aten = torch.ops.aten
+
+#: The decompositions ``memory_efficient_fusion`` traces with: each op becomes pointwise ATen
+#: ops that a fuser can merge with its neighbours and that the min-cut partitioner may
+#: recompute in the backward instead of saving. They are the backward formulas of activations
+#: (one pointwise expression each, e.g. ``gelu_backward``), piecewise activations that are a
+#: ``where``/``clamp`` away from their definition, ``masked_fill``, and bookkeeping ops the
+#: fuser cannot see through (``detach``, ``conj_physical``, ``is_same_size``, cuDNN batch norm
+#: in its native form). Ops with reductions (softmax, layer norm) and random ops (dropout) are
+#: kept whole: their eager kernels are faster than the expanded form, and dropout must draw
+#: the same random numbers as eager.
+default_decompositions: dict[Any, Callable[..., Any]] = get_decompositions([
+    aten.detach,
+    aten.conj_physical,
+    aten.is_same_size,
+    aten.gelu_backward,
+    aten.leaky_relu_backward,
+    aten.sigmoid_backward,
+    aten.threshold_backward,
+    aten.hardtanh_backward,
+    aten.hardsigmoid_backward,
+    aten.hardswish_backward,
+    aten.tanh_backward,
+    aten.silu_backward,
+    aten.elu_backward,
+    aten.mish_backward,
+    aten.softplus_backward,
+    aten.logit_backward,
+    aten.native_dropout_backward,
+    aten.elu,
+    aten.leaky_relu,
+    aten.hardtanh,
+    aten.hardswish,
+    aten.hardsigmoid,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.cudnn_batch_norm,
+    aten.cudnn_batch_norm_backward,
+])
+
+# Note [TorchScript warnings]
+# torch.jit.script and torch.jit.freeze warn on every call that TorchScript is deprecated, and
+# scripting a GraphModule warns about its instance annotations, which TorchScript never reads.
+# Users who pick a TorchScript compiler chose it knowingly: those two warnings are filtered by
+# message while we compile (every other warning and every error passes through), and the
+# deprecation is logged once under aotkit.compilers.
+_FILTERED_WARNINGS = (
+    (DeprecationWarning, r"`torch\.jit\.\w+` is deprecated"),
+    (UserWarning, r"The TorchScript type system doesn't support instance-level annotations"),
+)
 
 
-def simple_ts_compile(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper B")
+@contextlib.contextmanager
+def _torchscript() -> Iterator[None]:
+    """Compile with TorchScript: its own autocast pass off (aotkit graphs already carry the
+    casts autocast made while tracing) and its deprecation warnings filtered."""
+    _log_deprecation_once()
+    previous = torch._C._jit_set_autocast_mode(False)
+    try:
+        with warnings.catch_warnings():
+            for category, message in _FILTERED_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=category)
+            yield
+    finally:
+        torch._C._jit_set_autocast_mode(previous)
 
 
-def nnc_jit(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper B")
+@functools.cache
+def _log_deprecation_once() -> None:
+    log.info("TorchScript is deprecated upstream; aotkit's TorchScript compilers use it while "
+             "PyTorch still ships it. aotkit.compilers.inductor is the maintained code generator.")
 
 
-def memory_efficient_fusion(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper B")
+def _strip_overloads(gm: fx.GraphModule) -> None:
+    """``aten.add.Tensor`` -> ``aten.add``: TorchScript resolves overloads itself."""
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload):
+            node.target = node.target.overloadpacket
 
 
-def default_decompositions(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("helper B")
+def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
+    """Rewrite what TorchScript cannot take: typed placeholders (a SymInt input is an ``int``,
+    not a Tensor), ``torch.device`` keyword values as strings, a tuple output (TorchScript
+    lists hold one type; outputs mix tensors, ints and None), and dtype-changing ``_to_copy``
+    as ``to`` (which TorchScript's fusers understand)."""
+    graph = gm.graph
+    for node in graph.find_nodes(op="placeholder"):
+        node.type = _script_type(node.meta.get("val"))
+    for node in graph.find_nodes(op="call_function", target=aten._to_copy.default):
+        if _is_cast(node):
+            node.target = aten.to.dtype
+            node.args, node.kwargs = (node.args[0], node.kwargs["dtype"]), {}
+    for node in graph.nodes:
+        if any(isinstance(v, torch.device) for v in node.kwargs.values()):
+            node.kwargs = {k: v.type if isinstance(v, torch.device) else v
+                           for k, v in node.kwargs.items()}
+    output = graph.output_node()
+    output.args = (tuple(output.args[0]),)
+
+
+def _script_type(val: Any) -> type | None:
+    if isinstance(val, (bool, torch.SymBool)):
+        return bool
+    if isinstance(val, (int, torch.SymInt)):
+        return int
+    if isinstance(val, (float, torch.SymFloat)):
+        return float
+    return torch.Tensor if isinstance(val, torch.Tensor) else None
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """``_to_copy(x, dtype=d)`` and nothing else, with ``d`` different from x's dtype (a ``to``
+    to the same dtype would alias x instead of copying)."""
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return (len(node.args) == 1 and set(node.kwargs) == {"dtype"}
+            and isinstance(source, torch.Tensor) and source.dtype != node.kwargs["dtype"])
+
+
+def _script(gm: fx.GraphModule, what: str, remove_mutation: bool) -> torch.jit.ScriptModule:
+    """Script and freeze ``gm``, turning TorchScript's errors into a CompilerError."""
+    gm.recompile()
+    try:
+        scripted = torch.jit.script(gm)
+        if remove_mutation:
+            torch._C._jit_pass_remove_mutation(scripted.graph)
+        return torch.jit.freeze(scripted.eval())
+    except Exception as exc:
+        raise CompilerError(
+            f"{what}: TorchScript could not compile the graph: {type(exc).__name__}: "
+            f"{str(exc).strip()}\nFix: use aotkit.compilers.inductor (TorchScript is deprecated "
+            "and misses newer ops and symbolic shapes), or aotkit.compilers.nop."
+        ) from exc
+
+
+def _boxed(scripted: torch.jit.ScriptModule) -> Callable[[list[Any]], Any]:
+    def run(args: list[Any]) -> Any:
+        previous = torch._C._jit_set_autocast_mode(False)
+        try:
+            return scripted(*args)
+        finally:
+            torch._C._jit_set_autocast_mode(previous)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.scripted = scripted  # type: ignore[attr-defined]
+    return run
+
+
+def ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
+    """Compile ``gm`` with TorchScript: overloads stripped, placeholders typed, device keywords
+    and outputs normalized for the TorchScript type system, then scripted, in-place ops removed
+    where nothing aliases them, and frozen. Returns a boxed callable (its ``scripted``
+    attribute is the frozen ``ScriptModule``). TorchScript fuses ops only where its fuser is
+    enabled for the device (by default CUDA, not CPU).
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> from aotkit.compilers import ts_compile
+        >>> f = aotkit.aot_function(lambda x: (x.sin() * 2).sum(), ts_compile)
+        >>> x = torch.zeros(3, requires_grad=True)
+        >>> f(x).backward()
+        >>> x.grad
+        tensor([2., 2., 2.])
+    """
+    with _torchscript():
+        copied = copy_graph_module(gm)
+        _strip_overloads(copied)
+        _normalize_for_torchscript(copied)
+        return _boxed(_script(copied, "ts_compile", remove_mutation=True))
+
+
+def simple_ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
+    """Script and freeze ``gm`` with only the overloads stripped (TorchScript cannot call
+    ``OpOverload`` objects); graphs with symbolic sizes, ``torch.device`` keywords or mixed
+    outputs need :func:`ts_compile`. Returns a boxed callable.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> from aotkit.compilers import simple_ts_compile
+        >>> f = aotkit.aot_function(lambda x: x.cos() + 1, simple_ts_compile)
+        >>> f(torch.zeros(2))
+        tensor([2., 2.])
+    """
+    with _torchscript():
+        copied = copy_graph_module(gm)
+        _strip_overloads(copied)
+        return _boxed(_script(copied, "simple_ts_compile", remove_mutation=False))
+
+
+def nnc_jit(f: Callable[..., Any]) -> AotFunction:
+    """Decorator: compile ``f`` ahead of time, forward and backward, with :func:`ts_compile`
+    (TorchScript, whose NNC fuser runs where it is enabled).
+
+    Example::
+
+        >>> import torch
+        >>> from aotkit.compilers import nnc_jit
+        >>> @nnc_jit
+        ... def f(x):
+        ...     return x.sin() * x
+        >>> f(torch.zeros(2))
+        tensor([0., 0.])
+    """
+    return aot_function(f, ts_compile)
+
+
+def memory_efficient_fusion(fn_or_module: Callable[..., Any] | nn.Module,
+                            **overrides: Any) -> AotFunction | AotModule:
+    """Compile a function (``aot_function``) or module (``aot_module``) for low activation
+    memory: the min-cut partitioner recomputes cheap pointwise chains in the backward instead
+    of saving them, graphs are traced with :data:`default_decompositions` so that those chains
+    are plain pointwise ops, and both graphs are compiled with :func:`ts_compile`.
+
+    ``overrides`` replace any of these choices (``fw_compiler``, ``bw_compiler``,
+    ``partition_fn``, ``decompositions``) or pass other keyword arguments of
+    ``aot_function``/``aot_module`` (e.g. ``dynamic=True``).
+
+    Example::
+
+        >>> import torch
+        >>> from aotkit.compilers import memory_efficient_fusion
+        >>> model = memory_efficient_fusion(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
+        >>> model(torch.randn(2, 4)).sum().backward()
+    """
+    is_module = isinstance(fn_or_module, nn.Module)
+    target = aot_module if is_module else aot_function
+    valid = list(inspect.signature(target).parameters)[1:]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ArgumentError(
+            f"memory_efficient_fusion got unknown keyword argument(s) {', '.join(unknown)}.\n"
+            f"Fix: pass only keyword arguments of {target.__name__}: {', '.join(valid)}."
+        )
+    options: dict[str, Any] = {
+        "fw_compiler": ts_compile,
+        "bw_compiler": ts_compile,
+        "partition_fn": min_cut_rematerialization_partition,
+        "decompositions": default_decompositions,
+        **overrides,
+    }
+    return target(fn_or_module, **options)

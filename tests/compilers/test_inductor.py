@@ -1,0 +1,152 @@
+"""Inductor as aotkit's code generator: ``torch.compile(backend="aotkit_inductor")`` trains the
+MLP and the TinyTransformer like eager, runs inference under no_grad and serves several batch
+sizes with ``dynamic=True``; ``aotkit.compilers.inductor`` works with ``aot_function`` directly.
+
+Every Inductor compile costs seconds here, so the models are small and the tests few. Dropout:
+Inductor draws random numbers with its own generator, so the Transformer test sets
+``torch._inductor.config.fallback_random`` (random ops run ATen's kernels, eager's numbers for
+the same seed) and keeps dropout on.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from tests.aot.eager_check import RecordingCompiler
+from tests.compilers.compiler_check import train_like_eager
+from torch._inductor import config as inductor_config
+
+import aotkit
+from aotkit.compilers import inductor
+from aotkit.counters import counters
+from aotkit.errors import ArgumentError, CompilerError
+from aotkit.models import (
+    MLP,
+    MLPConfig,
+    TinyTransformer,
+    TransformerConfig,
+    make_mlp_batch,
+    make_token_batch,
+)
+
+# The module (``aotkit.compilers.inductor`` the attribute is the compiler object).
+compilers_inductor = importlib.import_module("aotkit.compilers.inductor")
+
+MLP_CFG = MLPConfig(width=32, depth=3, batch=8)
+TRANSFORMER_CFG = TransformerConfig(vocab=16, d_model=16, heads=2, layers=1, seq=6, batch=2,
+                                    dropout=0.1)
+
+
+def aotkit_inductor(model: torch.nn.Module, **kwargs: object) -> torch.nn.Module:
+    return torch.compile(model, backend="aotkit_inductor", **kwargs)
+
+
+def test_mlp_training_steps_equal_eager() -> None:
+    train_like_eager(lambda: MLP(MLP_CFG), aotkit_inductor, make_mlp_batch(0, MLP_CFG)[0])
+    assert counters["aot"]["traces"] == 1
+    assert counters["aot"]["bw_compiles"] == 1
+
+
+def test_transformer_training_steps_with_dropout_equal_eager() -> None:
+    tokens = make_token_batch(0, TRANSFORMER_CFG)[0]
+    with inductor_config.patch(fallback_random=True):
+        train_like_eager(lambda: TinyTransformer(TRANSFORMER_CFG), aotkit_inductor, tokens)
+    partitions = aotkit.explain().of_kind("partition")
+    assert partitions and "min_cut" in str(partitions[0])
+
+
+def test_inference_under_no_grad() -> None:
+    model = MLP.from_seed(0, MLP_CFG)
+    x = make_mlp_batch(1, MLP_CFG)[0]
+    with torch.no_grad():
+        out = aotkit_inductor(model)(x)
+        expected = model(x)
+    torch.testing.assert_close(out, expected)
+    assert not out.requires_grad
+    assert counters["aot"]["inference_compiles"] == 1
+    assert counters["aot"]["fw_compiles"] == 0
+
+
+def test_dynamic_shapes_one_trace_serves_several_batch_sizes() -> None:
+    model = MLP.from_seed(0, MLP_CFG)
+    compiled = aotkit_inductor(model, dynamic=True)
+    for batch in (3, 5, 9):
+        x = make_mlp_batch(batch, MLP_CFG, batch=batch)[0]
+        out = compiled(x)
+        out.square().sum().backward()
+        grad = model.net[0].weight.grad
+        model.zero_grad()
+        expected = model(x)
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grad, model.net[0].weight.grad, rtol=1e-4, atol=1e-4)
+        model.zero_grad()
+    assert counters["aot"]["traces"] == 1
+    assert counters["aot"]["bw_compiles"] == 1
+
+
+def test_inductor_compiler_with_aot_function() -> None:
+    """``inductor`` alone tells forward, backward and inference graphs apart."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ w).sin().sum(1)
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x2, w2 = (t.detach().clone().requires_grad_() for t in (x, w))
+    compiled = aotkit.aot_function(f, inductor, num_params_buffers=1,
+                                   decompositions=inductor.decompositions)
+    out = compiled(x, w)
+    out.sum().backward()
+    expected = f(x2, w2)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, w), expected)
+
+
+def test_saved_activations_keep_traced_strides_under_layout_optimization() -> None:
+    """On CPU Inductor computes convolutions channels-last; the backward was traced for the
+    saved activations' traced (contiguous) strides, so the forward must return them so."""
+    torch.manual_seed(0)
+    layers = [(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3)) for _ in "ab"]
+    model, reference = (torch.nn.Sequential(*ls) for ls in layers)
+    reference.load_state_dict(model.state_dict())
+    compiled = aotkit.aot_module(model, inductor, decompositions=inductor.decompositions)
+    x = torch.randn(2, 3, 10, 10)
+    out, expected = compiled(x), reference(x)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_graph_without_inductor_decompositions_is_refused() -> None:
+    f = aotkit.aot_function(lambda x: torch.nn.functional.gelu(x), inductor)
+    with pytest.raises(CompilerError, match=r"(?s)aten.gelu.default.*decompositions=inductor"):
+        f(torch.randn(3))
+
+
+def test_graph_kinds() -> None:
+    recording = RecordingCompiler()
+    f = aotkit.aot_function(lambda x: x.sin().sum(), recording)
+    f(torch.randn(3, requires_grad=True)).backward()
+    with torch.no_grad():
+        f(torch.randn(3, requires_grad=True))
+    kinds = [compilers_inductor.graph_kind(gm) for gm in recording.graphs]
+    assert kinds == ["forward", "backward", "inference"]
+    assert [inductor.forward.kind, inductor.backward.kind, inductor.inference.kind] == [
+        "forward", "backward", "inference"]
+    assert repr(inductor.backward) == "aotkit.compilers.inductor.backward"
+    with pytest.raises(ArgumentError, match="forward"):
+        compilers_inductor.Inductor("sideways")  # type: ignore[arg-type]
+
+
+def test_backend_is_registered_with_dynamo() -> None:
+    from aotkit.backends import aotkit_inductor as backend
+
+    assert torch._dynamo.lookup_backend("aotkit_inductor") is backend
