@@ -299,3 +299,17 @@ def test_the_min_cut_partitioner_does_not_import_inductor() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] False"
+
+
+def test_attention_without_dropout_is_recomputable_at_budget_zero() -> None:
+    q = torch.randn(2, 2, 8, 16, requires_grad=True)
+
+    def attend(q: torch.Tensor, p: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.tanh(), q, q, dropout_p=p, is_causal=True).sin()
+
+    def recomputed(p: float) -> tuple[str, ...]:
+        with aotkit.config.patch(activation_memory_budget=0.0):
+            return run_both(lambda q: attend(q, p), q, partition="min_cut").report.recomputed
+
+    assert any("scaled_dot_product" in op for op in recomputed(0.0))
+    assert not any("scaled_dot_product" in op for op in recomputed(0.5))  # it draws the mask

@@ -206,11 +206,24 @@ def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
 
 def _pinned(node: fx.Node) -> bool:
     """Never recomputed, whatever the budget: inputs, random and side-effecting ops."""
-    if node.op == "placeholder" or has_effects(node):
+    if node.op == "placeholder":
         return True
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and \
+    random = isinstance(target, torch._ops.OpOverload) and \
         torch.Tag.nondeterministic_seeded in target.tags
+    if random and _dropout_p(node) == 0:
+        return False  # an attention kernel without dropout draws no random numbers
+    return random or has_effects(node)
+
+
+def _dropout_p(node: fx.Node) -> Any:
+    """The ``dropout_p`` argument of an op that has one (attention kernels), else None."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            if "dropout_p" in node.kwargs:
+                return node.kwargs["dropout_p"]
+            return node.args[i] if i < len(node.args) else arg.default_value
+    return None
 
 
 def _cheap(node: fx.Node) -> bool:
