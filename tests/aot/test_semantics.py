@@ -76,6 +76,16 @@ def test_symint_output_under_dynamic_shapes():
     assert fw.calls == 1
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_shape_outputs_come_back_as_torch_size(dynamic):
+    f = aotkit.aot_function(lambda x: (x.sin(), {"shape": x.shape, "last": x[0].shape}),
+                            compilers.nop, dynamic=dynamic)
+    out, shapes = f(rand(3, 2, grad=True))
+    assert type(shapes["shape"]) is torch.Size and shapes["shape"] == torch.Size([3, 2])
+    assert type(shapes["last"]) is torch.Size and shapes["last"] == (2,)
+    out.sum().backward()
+
+
 # --- requires_grad and dtypes ------------------------------------------------------------------
 
 

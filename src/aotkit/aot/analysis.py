@@ -75,6 +75,15 @@ class AotMeta:
     out_spec: pytree.TreeSpec
     intermediate_bases_requires_grad: list[bool] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._returns_sizes = _has_size(self.out_spec)
+
+    def unflatten(self, flat: list[Any]) -> Any:
+        """The user's output structure around ``flat``; ``torch.Size`` comes back as
+        ``torch.Size`` (PyTorch's pytree rebuilds it as a plain tuple)."""
+        out = pytree.tree_unflatten(flat, self.out_spec)
+        return _restore_sizes(out, self.out_spec) if self._returns_sizes else out
+
     @property
     def mutated_inputs(self) -> list[int]:
         return [i for i, info in enumerate(self.inputs) if info.mutated]
@@ -99,6 +108,21 @@ class AotMeta:
             + len(self.graph_user_outputs())
             + len(self.intermediate_bases_requires_grad)
         )
+
+
+def _has_size(spec: pytree.TreeSpec) -> bool:
+    return spec.type is torch.Size or any(_has_size(c) for c in spec.children_specs)
+
+
+def _restore_sizes(value: Any, spec: pytree.TreeSpec) -> Any:
+    if spec.type is torch.Size:
+        return torch.Size(value)
+    if not _has_size(spec):
+        return value
+    node = pytree.SUPPORTED_NODES[spec.type]
+    children, context = node.flatten_fn(value)
+    children = [_restore_sizes(v, c) for v, c in zip(children, spec.children_specs, strict=True)]
+    return node.unflatten_fn(children, context)
 
 
 def to_fun(x: Any) -> Any:

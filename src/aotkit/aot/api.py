@@ -202,11 +202,11 @@ class AotFunction:
         for entry in self._entries.get(key, ()):
             tensors = [leaves[i] for i in entry.tensor_positions]
             if entry.guard is None or entry.guard(tensors):
-                return pytree.tree_unflatten(run(entry.graphs, tensors), entry.graphs.meta.out_spec)
+                return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
         entry = self._compile(args, kwargs, key)
         leaves = pytree.tree_leaves((args, kwargs))
         tensors = [leaves[i] for i in entry.tensor_positions]
-        return pytree.tree_unflatten(run(entry.graphs, tensors), entry.graphs.meta.out_spec)
+        return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
 
     @property
     def num_entries(self) -> int:
@@ -483,10 +483,10 @@ def aot_module_simplified(
 
     name = f"aot_module_simplified({type(mod).__name__})"
     graphs = compile_graphs(flat_fn, fakes, options, name, mode)
-    out_spec = graphs.meta.out_spec
+    unflatten = graphs.meta.unflatten
 
     def forward(*runtime_args: Any) -> Any:
-        return pytree.tree_unflatten(run(graphs, [*tensors, *runtime_args]), out_spec)
+        return unflatten(run(graphs, [*tensors, *runtime_args]))
 
     forward.graphs = graphs  # type: ignore[attr-defined]
     return forward
