@@ -30,6 +30,7 @@ __all__ = [
     "inductor_joint_graph_passes",
     "mutations_hidden_from_autograd",
     "size_hint",
+    "treespec_children",
 ]
 
 
@@ -152,3 +153,9 @@ def inductor_joint_graph_passes(gm: Any, device: torch.device | None) -> Any:
     if "input_device" in inspect.signature(joint_graph_passes).parameters:
         return joint_graph_passes(gm, input_device=device)
     return joint_graph_passes(gm)
+
+
+def treespec_children(spec: Any) -> list[Any]:
+    """The child specs of a pytree TreeSpec (2.13 deprecates ``children_specs``)."""
+    children = getattr(spec, "children", None)
+    return list(children()) if callable(children) else list(spec.children_specs)

@@ -39,7 +39,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     # Sparse layouts: fake tensors and functionalization do not handle them.
     "sparse.sampled_addmm": "sparse CSR inputs are refused with UnsupportedError",
     "sparse.mm.reduce": "sparse CSR inputs are refused with UnsupportedError",
-    "to_sparse": "sparse COO outputs cannot be traced",
 }
 
 AOTKIT_BUGS: dict[str, str] = {}
@@ -56,7 +55,6 @@ FIRST_SAMPLE_RAISES: dict[str, type[BaseException]] = {
     "tensor_split": TraceError,
     "sparse.sampled_addmm": UnsupportedError,
     "sparse.mm.reduce": UnsupportedError,
-    "to_sparse": RuntimeError,
 }
 
 SKIP: dict[str, str] = {}

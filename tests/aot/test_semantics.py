@@ -86,6 +86,19 @@ def test_shape_outputs_come_back_as_torch_size(dynamic):
     out.sum().backward()
 
 
+def test_sparse_output_gets_a_sparse_grad_like_eager():
+    def fn(x):
+        return (x * 2).to_sparse()
+
+    x = rand(3, 4, grad=True)
+    out = aotkit.aot_function(fn, compilers.nop)(x)
+    expected = fn(x.detach())
+    assert out.layout is torch.sparse_coo
+    torch.testing.assert_close(out.to_dense(), expected.to_dense())
+    out.backward(expected * 3)  # a sparse grad, densified by the backward as eager's is
+    torch.testing.assert_close(x.grad, torch.full((3, 4), 6.0) * x.detach() * 2)
+
+
 # --- requires_grad and dtypes ------------------------------------------------------------------
 
 

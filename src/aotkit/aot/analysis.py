@@ -21,6 +21,7 @@ from aotkit.compat import (
     FunctionalTensorMode,
     StorageWeakRef,
     mutations_hidden_from_autograd,
+    treespec_children,
 )
 
 
@@ -111,7 +112,7 @@ class AotMeta:
 
 
 def _has_size(spec: pytree.TreeSpec) -> bool:
-    return spec.type is torch.Size or any(_has_size(c) for c in spec.children_specs)
+    return spec.type is torch.Size or any(_has_size(c) for c in treespec_children(spec))
 
 
 def _restore_sizes(value: Any, spec: pytree.TreeSpec) -> Any:
@@ -121,7 +122,7 @@ def _restore_sizes(value: Any, spec: pytree.TreeSpec) -> Any:
         return value
     node = pytree.SUPPORTED_NODES[spec.type]
     children, context = node.flatten_fn(value)
-    children = [_restore_sizes(v, c) for v, c in zip(children, spec.children_specs, strict=True)]
+    children = [_restore_sizes(v, c) for v, c in zip(children, treespec_children(spec), strict=True)]
     return node.unflatten_fn(children, context)
 
 

@@ -65,6 +65,12 @@ class CompiledGraphs:
         return self._bw
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """The layout the backward graph was traced for: contiguous and strided (the grad of a
+    sparse output arrives sparse; eager's own backward densifies it too)."""
+    return grad.contiguous() if grad.layout is torch.strided else grad.to_dense()
+
+
 class CompiledFunction(torch.autograd.Function):
     """Runs the compiled forward; its backward runs the (lazily) compiled backward graph."""
 
@@ -91,7 +97,7 @@ class CompiledFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         graphs: CompiledGraphs = ctx.graphs
         tangents = [
-            g.contiguous() for g, d in zip(grads[:-1], graphs.differentiable, strict=True) if d
+            _dense(g) for g, d in zip(grads[:-1], graphs.differentiable, strict=True) if d
         ]
         *saved, anchor = ctx.saved_tensors
         args = [*ctx.saved_syms, *saved, *tangents]
