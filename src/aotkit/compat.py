@@ -28,6 +28,7 @@ __all__ = [
     "effect_types",
     "guard_globals",
     "inductor_joint_graph_passes",
+    "keep_stack_traces_of",
     "mutations_hidden_from_autograd",
     "size_hint",
     "treespec_children",
@@ -159,3 +160,13 @@ def treespec_children(spec: Any) -> list[Any]:
     """The child specs of a pytree TreeSpec (2.13 deprecates ``children_specs``)."""
     children = getattr(spec, "children", None)
     return list(children()) if callable(children) else list(spec.children_specs)
+
+
+def keep_stack_traces_of(fn: Any) -> None:
+    """Let ``make_fx(record_stack_traces=True)`` keep ``fn``'s frames in ``node.meta
+    ["stack_trace"]`` (by default it keeps only frames of functions named ``forward``)."""
+    from torch.fx import proxy
+
+    register = getattr(proxy, "_register_stack_trace_anchor", None)
+    if register is not None:  # absent in older releases: module forwards only
+        register(getattr(fn, "__func__", fn))

@@ -149,3 +149,28 @@ def test_compiles_are_counted():
         2, 1, 1, 1)
     (reason,) = aotkit.explain().of_kind("recompile")
     assert "grad mode changed: True -> False" in reason.why
+
+
+def _scaled_sine(x):
+    y = x.sin()
+    return y * 2
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_record_stack_traces_names_the_lines_of_a_plain_function(record):
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    f = aotkit.aot_function(_scaled_sine, keep)
+    with config.patch(record_stack_traces=record):
+        f(torch.ones(2, requires_grad=True))
+    traces = {str(n.target): n.meta.get("stack_trace") for n in graphs[0].graph.nodes
+              if n.op == "call_function"}
+    if record:
+        assert "in _scaled_sine\n    y = x.sin()" in traces["aten.sin.default"]
+        assert "return y * 2" in traces["aten.mul.Tensor"]
+    else:
+        assert set(traces.values()) == {None}

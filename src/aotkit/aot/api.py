@@ -20,7 +20,7 @@ from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import ShapeGuard, describe_change, leaf_names, signature
 from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tracing
-from aotkit.compat import FakeTensorMode
+from aotkit.compat import FakeTensorMode, keep_stack_traces_of
 from aotkit.errors import ArgumentError, OutputTypeError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
 from aotkit.partition.report import PartitionReport, report
@@ -222,6 +222,8 @@ class AotFunction:
         mode = _fake_mode(self.options.dynamic)
         fakes = [make_fake(mode, leaves[i], k, self.options.dynamic) for k, i in enumerate(positions)]
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
+        if config.record_stack_traces:
+            keep_stack_traces_of(self.fn)
         graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard)
