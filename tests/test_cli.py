@@ -30,6 +30,10 @@ def test_demo_subprocess_reports_figures() -> None:
     assert re.search(r"steady step:\s+\d+\.\d+ ms vs eager \d+\.\d+ ms \(\d+\.\d+x eager\)", out), out
     assert "graphs captured:    1 trace(s), 1 forward, 1 backward" in out, out
     assert re.search(r"recompiles:\s+0", out), out
+    saved = re.search(r"saved activations:  default partition (\d+\.\d+) MB; min-cut "
+                      r"(\d+\.\d+) MB \((\d+\.\d+)x\), recomputing (\d+) op", out)
+    assert saved, out
+    assert float(saved[2]) < float(saved[1]) and int(saved[4]) > 0
     assert "result: OK" in out
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 import aotkit
 from aotkit.models import MLP, TinyTransformer, TransformerConfig, make_mlp_batch, make_token_batch
+from aotkit.partition import PartitionReport
 
 __all__ = ["CapturedGraph", "DemoReport", "TrainRun", "Trainer", "capture_graphs", "run_demo", "train"]
 
@@ -147,6 +148,7 @@ class DemoReport:
     recompiles: list[str]
     other_decisions: list[str]
     problems: list[str]
+    partitions: dict[str, PartitionReport] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -183,6 +185,12 @@ class DemoReport:
         if self.other_decisions:
             lines.append(f"  other decisions:    {len(self.other_decisions)}")
             lines += [f"    - {d}" for d in self.other_decisions]
+        if len(self.partitions) == 2:
+            default, min_cut = self.partitions["default"], self.partitions["min_cut"]
+            ratio = min_cut.saved_bytes / max(default.saved_bytes, 1)
+            lines.append(f"  saved activations:  default partition {default.saved_bytes / 1e6:.2f} MB; "
+                         f"min-cut {min_cut.saved_bytes / 1e6:.2f} MB ({ratio:.2f}x), "
+                         f"recomputing {len(min_cut.recomputed)} op(s) in the backward")
         if self.ok:
             lines.append(f"  result: OK, losses and gradients of all {self.steps} steps "
                          "match eager")
@@ -218,6 +226,9 @@ def run_demo(steps: int = 10, threads: int | None = 1, dropout: bool = True,
     if finished:
         problems = compare(eager.result, compiled.result)
     explanation = aotkit.explain()
+    partitions = {name: capture_graphs("transformer", partition_fn=fn)[0].gm.meta["partition"]
+                  for name, fn in (("default", aotkit.default_partition),
+                                   ("min_cut", aotkit.min_cut_rematerialization_partition))}
     return DemoReport(
         steps=steps, threads=torch.get_num_threads(), dropout=dropout, eager=eager.result,
         compiled=compiled.result if finished else None,
@@ -225,6 +236,7 @@ def run_demo(steps: int = 10, threads: int | None = 1, dropout: bool = True,
         recompiles=[f"{d.what}: {d.why}" for d in explanation.of_kind("recompile")],
         other_decisions=[str(d) for d in explanation if d.kind != "recompile"],
         problems=problems,
+        partitions=partitions,
     )
 
 
