@@ -204,11 +204,16 @@ def test_options_pick_the_min_cut_partition_and_its_budget() -> None:
     assert decision.why.startswith("min_cut_rematerialization_partition: saved")
 
 
-@pytest.mark.parametrize("options", [{"partition": "sideways"}, {"budget": 1.0},
-                                     {"activation_memory_budget": 0.5}])
+@pytest.mark.parametrize("options", [
+    {"partition": "sideways"}, {"budget": 1.0}, {"activation_memory_budget": 0.5},
+    {"partition": ["min_cut"]}, {"partition": "min_cut", "activation_memory_budget": "a"},
+    {"partition": "min_cut", "activation_memory_budget": None},
+    {"partition": "min_cut", "activation_memory_budget": True},
+    {"partition": "min_cut", "activation_memory_budget": 2},
+])
 def test_bad_options_are_argument_errors(options: dict[str, object]) -> None:
     compiled = torch.compile(Net(), backend="aotkit", options=options)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         compiled(torch.randn(3, 8))
     assert isinstance(info.value.inner_exception, aotkit.errors.ArgumentError)
-    assert "accepted: partition" in str(info.value) or "needs options" in str(info.value)
+    assert "Fix:" in str(info.value)

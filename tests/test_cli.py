@@ -101,6 +101,18 @@ def test_graphs_min_cut_budget_and_drawings(capsys: pytest.CaptureFixture[str],
         assert (tmp_path / f"{kind}.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--partition", "min_cut", "--budget", "7"], "not in [0, 1]"),
+    (["--budget", "0.5"], "--budget applies to --partition min_cut"),
+])
+def test_graphs_budget_errors_are_usage_errors(args: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["graphs", "--model", "mlp", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_capture_graphs_match_the_model() -> None:
     forward, backward = capture_graphs("mlp")
     assert (forward.kind, backward.kind) == ("forward", "backward")

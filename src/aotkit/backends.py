@@ -46,20 +46,25 @@ def partition_from(options: Mapping[str, Any] | None, default: str = "default") 
         >>> f(torch.zeros(2, requires_grad=True)).sum().backward()
     """
     options = dict(options or {})
-    unknown = set(options) - {"partition", "activation_memory_budget"}
+    unknown = sorted(set(options) - {"partition", "activation_memory_budget"})
     name = options.get("partition", default)
-    if unknown or name not in _PARTITIONS:
+    if unknown or not isinstance(name, str) or name not in _PARTITIONS:
         raise ArgumentError(
-            f"unknown aotkit backend options {sorted(unknown) or {'partition': name}}; accepted: "
-            f"partition ({' or '.join(map(repr, _PARTITIONS))}) and activation_memory_budget "
-            "(0..1, with partition='min_cut')."
+            f"unknown aotkit backend option(s) {unknown or {'partition': name}}.\nFix: accepted "
+            f"are partition ({' or '.join(map(repr, _PARTITIONS))}) and activation_memory_budget "
+            "(a number in [0, 1], with partition='min_cut')."
         )
-    if "activation_memory_budget" in options:
-        if name != "min_cut":
-            raise ArgumentError("activation_memory_budget needs options={'partition': 'min_cut'}.")
-        return functools.partial(min_cut_rematerialization_partition,
-                                 activation_memory_budget=float(options["activation_memory_budget"]))
-    return _PARTITIONS[name]
+    if "activation_memory_budget" not in options:
+        return _PARTITIONS[name]
+    budget = options["activation_memory_budget"]
+    if name != "min_cut" or isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+            or not 0 <= budget <= 1:
+        raise ArgumentError(
+            f"activation_memory_budget={budget!r} with partition={name!r}.\nFix: give a number "
+            "in [0, 1] together with options={'partition': 'min_cut'}."
+        )
+    return functools.partial(min_cut_rematerialization_partition,
+                             activation_memory_budget=float(budget))
 
 
 def _aot(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: Compiler,

@@ -41,7 +41,7 @@ def _graphs(args: argparse.Namespace) -> int:
 
     partition_fn = {"default": partition.default_partition,
                     "min_cut": partition.min_cut_rematerialization_partition}[args.partition]
-    with config.patch(activation_memory_budget=args.budget):
+    with config.patch(activation_memory_budget=1.0 if args.budget is None else args.budget):
         graphs = capture_graphs(args.model, training=not args.inference,
                                 partition_fn=partition_fn)
     print(f"aotkit graphs: {args.model} ({'inference' if args.inference else 'training'})")
@@ -60,6 +60,13 @@ def _graphs(args: argparse.Namespace) -> int:
             print(f"\n# ---- {graph.kind} graph ----")
             print(graph.gm.code.strip())
     return 0
+
+
+def _budget(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="capture the inference graph (torch.no_grad) instead")
     graphs.add_argument("--partition", choices=_PARTITIONERS, default="default",
                         help="how the joint graph is split (default: default)")
-    graphs.add_argument("--budget", type=float, default=1.0,
-                        help="activation_memory_budget for --partition min_cut (0..1)")
+    graphs.add_argument("--budget", type=_budget, default=None,
+                        help="activation_memory_budget for --partition min_cut (0..1, default 1)")
     graphs.add_argument("--draw", metavar="DIR",
                         help="also draw each graph to DIR/<kind>.svg (needs Graphviz)")
     graphs.set_defaults(func=_graphs)
@@ -113,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo" and args.steps < 2:
         parser.error("--steps must be at least 2 (the first step includes compiling)")
+    if args.command == "graphs" and args.budget is not None and args.partition != "min_cut":
+        parser.error("--budget applies to --partition min_cut")
     return int(args.func(args))
 
 

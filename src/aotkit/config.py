@@ -33,6 +33,7 @@ class Option:
     default: Any
     help: str
     in_cache_key: bool = False
+    bounds: tuple[float, float] | None = None  # inclusive, for numeric options
 
     @property
     def env_var(self) -> str:
@@ -42,8 +43,9 @@ class Option:
 _OPTIONS: dict[str, Option] = {}
 
 
-def _define(name: str, type_: type, default: Any, help: str, *, in_cache_key: bool = False) -> None:
-    _OPTIONS[name] = Option(name, type_, default, help, in_cache_key)
+def _define(name: str, type_: type, default: Any, help: str, *, in_cache_key: bool = False,
+            bounds: tuple[float, float] | None = None) -> None:
+    _OPTIONS[name] = Option(name, type_, default, help, in_cache_key, bounds)
 
 
 _define("recompile_limit", int, 8,
@@ -70,7 +72,7 @@ _define("activation_memory_budget", float, 1.0,
         "For min_cut_rematerialization_partition: the share (0..1) of saved-activation memory to "
         "keep between the least the partitioner can save (0: recompute everything but random "
         "ops) and its default cut (1: recompute only cheap pointwise and view ops).",
-        in_cache_key=True)
+        in_cache_key=True, bounds=(0.0, 1.0))
 
 
 def _parse(option: Option, text: str) -> Any:
@@ -96,6 +98,9 @@ def _check(option: Option, value: Any) -> Any:
         raise ConfigError(
             f"aotkit.config.{option.name} must be {option.type.__name__}, got {value!r}."
         )
+    if option.bounds is not None and not option.bounds[0] <= value <= option.bounds[1]:
+        low, high = option.bounds
+        raise ConfigError(f"aotkit.config.{option.name} must lie in [{low}, {high}], got {value!r}.")
     return value
 
 
@@ -105,7 +110,16 @@ _values: dict[str, Any] = {}
 def _load_environment() -> None:
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
-        _values[option.name] = option.default if text is None else _parse(option, text)
+        _values[option.name] = option.default if text is None else _from_environment(option, text)
+
+
+def _from_environment(option: Option, text: str) -> Any:
+    try:
+        return _check(option, _parse(option, text))
+    except ConfigError as exc:
+        if str(exc).startswith(option.env_var):
+            raise
+        raise ConfigError(f"{option.env_var}={text!r}: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -99,3 +99,14 @@ def test_without_graphviz_writes_dot_and_warns(tmp_path: Path, monkeypatch: Any,
     assert f"dot -Tpng {tmp_path / 'g.dot'} -o {tmp_path / 'g.png'}" in result.fallback
     [record] = [r for r in caplog.records if r.name == "aotkit.partition"]
     assert record.levelno == logging.WARNING and "brew install graphviz" in record.getMessage()
+
+
+def test_missing_folders_are_created_and_graphs_accepted(tmp_path: Path) -> None:
+    gm = forward_graph()
+    out = draw_graph(gm.graph, tmp_path / "a" / "b" / "fw.dot")
+    assert out.path.read_text().startswith("digraph")
+
+
+def test_a_function_is_refused_with_a_fix(tmp_path: Path) -> None:
+    with pytest.raises(ArgumentError, match="symbolic_trace"):
+        draw_graph(lambda x: x, tmp_path / "f.svg")  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ backward recomputes, gradients against eager, the memory budget, reports and CSE
 
 from __future__ import annotations
 
+import functools
 import logging
 import subprocess
 import sys
@@ -222,12 +223,16 @@ def test_budget_saved_bytes_fall_monotonically() -> None:
     assert "aten.addmm.default" not in mlp_step(1.0).recomputed
 
 
-def test_budget_outside_zero_one_is_a_config_error() -> None:
-    f = aotkit.aot_function(torch.sin, aotkit.compilers.nop,
-                            partition_fn=min_cut_rematerialization_partition)
-    with aotkit.config.patch(activation_memory_budget=1.5), \
-            pytest.raises(aotkit.errors.ConfigError, match=r"\[0, 1\]"):
-        f(torch.ones(2, requires_grad=True))
+@pytest.mark.parametrize("budget", [1.5, -0.1, float("nan")])
+def test_budget_outside_zero_one_is_a_config_error(budget: float) -> None:
+    with pytest.raises(aotkit.errors.ConfigError, match=r"must lie in \[0.0, 1.0\]"):
+        aotkit.config.activation_memory_budget = budget
+    assert aotkit.config.activation_memory_budget == 1.0
+    joint_x = torch.ones(2, requires_grad=True)
+    f = aotkit.aot_function(torch.sin, aotkit.compilers.nop, partition_fn=functools.partial(
+        min_cut_rematerialization_partition, activation_memory_budget=budget))
+    with pytest.raises(aotkit.errors.ConfigError, match=r"a number in \[0, 1\]"):
+        f(joint_x)
 
 
 def test_budget_change_recompiles_with_a_reason() -> None:

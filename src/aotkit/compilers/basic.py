@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,7 +56,8 @@ def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
 
 def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
     """A compiler that draws every graph it gets to ``{name}_{n}.svg`` (``n`` counts from 0 per
-    compiler, so the forward and backward get their own files), then runs it like :func:`nop`.
+    compiler, so the forward and backward get their own files; ``name="g.png"`` draws
+    ``g_{n}.png``), then runs it like :func:`nop`.
 
     Without Graphviz the DOT source is written instead and a ``"fallback"`` decision is recorded.
 
@@ -69,10 +71,13 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         ['sin_0', 'sin_1']
     """
     drawn = 0
+    stem, suffix = os.path.splitext(name)
+    if suffix.lower() not in (".svg", ".png", ".dot"):
+        stem, suffix = name, ".svg"
 
     def draw_and_run(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
         nonlocal drawn
-        result = draw_graph(gm, f"{name}_{drawn}.svg")
+        result = draw_graph(gm, f"{stem}_{drawn}{suffix}")
         drawn += 1
         log.info("draw_graph_compile: drew the graph to %s", result.path)
         if result.fallback:  # See Note [draw_graph fallback]

@@ -31,9 +31,11 @@ class DrawnGraph:
     fallback: str | None = None
 
 
-def draw_graph(gm: fx.GraphModule, path: str | os.PathLike[str], *, name: str = "fx_graph",
+def draw_graph(gm: fx.GraphModule | fx.Graph, path: str | os.PathLike[str], *,
+               name: str = "fx_graph",
                clear_meta: bool = True) -> DrawnGraph:
-    """Write ``gm``'s graph to ``path`` as SVG, PNG or DOT, chosen by the extension (none: SVG).
+    """Write ``gm``'s graph to ``path`` as SVG, PNG or DOT, chosen by the extension (none: SVG);
+    missing folders are created.
 
     Each node shows its name, op and target, and the dtype and shape of its traced value;
     ``clear_meta=False`` adds the user's source line where ``node.meta`` records one. The graph
@@ -50,6 +52,13 @@ def draw_graph(gm: fx.GraphModule, path: str | os.PathLike[str], *, name: str = 
         >>> out.format, out.path.read_text().startswith("digraph")
         ('dot', True)
     """
+    if isinstance(gm, fx.Graph):
+        gm = fx.GraphModule({}, gm)
+    if not isinstance(gm, fx.GraphModule):
+        raise ArgumentError(
+            f"draw_graph draws a torch.fx.GraphModule or Graph, got {type(gm).__name__}.\n"
+            "Fix: pass the GraphModule a compiler received, or torch.fx.symbolic_trace(fn)."
+        )
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".svg")
@@ -60,6 +69,7 @@ def draw_graph(gm: fx.GraphModule, path: str | os.PathLike[str], *, name: str = 
             f"Fix: end the path with one of {', '.join(_FORMATS)} (no extension writes SVG)."
         )
     dot = _to_dot(gm, name, clear_meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "dot":
         path.write_text(dot.to_string())
         return DrawnGraph(path, fmt)

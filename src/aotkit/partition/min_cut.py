@@ -82,8 +82,11 @@ def min_cut_rematerialization_partition(
     """
     budget = config.activation_memory_budget if activation_memory_budget is None \
         else activation_memory_budget
-    if not 0.0 <= budget <= 1.0:
-        raise ConfigError(f"activation_memory_budget must lie in [0, 1], got {budget!r}.")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ConfigError(
+            f"activation_memory_budget must be a number in [0, 1], got {budget!r}.\nFix: 1 keeps "
+            "the default cut, 0 recomputes everything but random ops; values between trade the two."
+        )
     network = _Network(cse(joint_gm), num_fwd_outputs)
     saved = network.cut(network.expensive)
     if budget < 1.0:
