@@ -32,7 +32,7 @@ _decisions: collections.deque[Decision] = collections.deque()
 log = logging.getLogger("aotkit")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Decision:
     """One recompile, fallback, skip or bypass, with its reason.
 
@@ -54,6 +54,8 @@ class Decision:
         if self.user_stack:
             text += "\n    at " + self.user_stack.strip().replace("\n", "\n    ")
         return text
+
+    __repr__ = __str__  # a list of decisions prints readably
 
 
 def bump(category: str, name: str, by: int = 1) -> None:

@@ -174,3 +174,29 @@ def test_record_stack_traces_names_the_lines_of_a_plain_function(record):
         assert "return y * 2" in traces["aten.mul.Tensor"]
     else:
         assert set(traces.values()) == {None}
+
+
+def test_not_callable_arguments_are_argument_errors():
+    with pytest.raises(aotkit.errors.ArgumentError, match="compiles a callable"):
+        aotkit.aot_function(3, compilers.nop)
+    with pytest.raises(aotkit.errors.ArgumentError, match="partition_fn must be callable"):
+        aotkit.aot_function(torch.sin, compilers.nop, partition_fn="min_cut")
+
+
+@pytest.mark.parametrize(("partition_fn", "match"), [
+    (lambda joint: None, "failed on the joint graph"),
+    (lambda joint, inputs, *, num_fwd_outputs: None, "returned NoneType"),
+    (lambda joint, inputs, *, num_fwd_outputs: (joint,), "returned tuple"),
+])
+def test_a_broken_partition_fn_is_named_in_a_compiler_error(partition_fn, match):
+    f = aotkit.aot_function(torch.sin, compilers.nop, partition_fn=partition_fn)
+    with pytest.raises(aotkit.errors.CompilerError, match=match) as info:
+        f(torch.ones(2, requires_grad=True))
+    assert "Fix: a partitioner is partition_fn(joint_gm, joint_inputs" in str(info.value)
+
+
+def test_partitioners_refuse_graphs_that_are_not_joint_graphs():
+    gm = torch.fx.symbolic_trace(lambda a, b: (a.sin() * b,))
+    for partition in (aotkit.default_partition, aotkit.min_cut_rematerialization_partition):
+        with pytest.raises(aotkit.errors.ArgumentError, match="neither primals_"):
+            partition(gm, [], num_fwd_outputs=1)

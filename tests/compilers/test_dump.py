@@ -22,8 +22,8 @@ from tests.compilers.compiler_check import MLP_CFG, check_model
 import aotkit
 from aotkit.compat import FakeTensorMode
 from aotkit.compilers import debug_compile, get_inputs, graph_dumper_aot
-from aotkit.compilers.dump import load_graph
-from aotkit.errors import UnsupportedError
+from aotkit.compilers.dump import load_graph, write_tensors
+from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.models import MLP, make_mlp_batch
 
 
@@ -214,3 +214,24 @@ def test_debug_compile_repro_of_a_cuda_graph_needs_cuda_or_says_so(
     monkeypatch.setenv("AOTKIT_REPRO_DEVICE", "cpu")
     assert main() == 0
     assert "repro: output 0: float32[3, 4] on cpu" in capsys.readouterr().out
+
+
+def test_a_new_dump_replaces_stale_values_and_get_inputs_takes_the_folder(tmp_path: Path) -> None:
+    first = graph_dumper_aot("g", tmp_path, dump_example_input=True)
+    first(lambda x: x.sin())(torch.randn(2, 2))
+    second = graph_dumper_aot("g", tmp_path)
+    second(lambda x: x.cos() @ x)(torch.randn(5, 5))
+    [x] = get_inputs(second.saved[0])  # the folder holds one .input file
+    assert x.shape == (5, 5)
+    assert not list(second.saved[0].glob("*.tensors"))
+
+
+def test_get_inputs_refuses_mismatched_values_and_missing_files(tmp_path: Path) -> None:
+    dumper = graph_dumper_aot("g", tmp_path, dump_example_input=True)
+    dumper(lambda x: x.sin())(torch.randn(2, 2))
+    folder = dumper.saved[0]
+    write_tensors(folder / "g_inference_0.tensors", {"0": torch.zeros(3)})
+    with pytest.raises(UnsupportedError, match="from another dump"):
+        get_inputs(folder / "g_inference_0.input")
+    with pytest.raises(ArgumentError, match="does not exist"):
+        get_inputs(tmp_path / "nothing.input")

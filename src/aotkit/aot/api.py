@@ -21,7 +21,14 @@ from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import ShapeGuard, describe_change, leaf_names, signature
 from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tracing
 from aotkit.compat import FakeTensorMode, keep_stack_traces_of
-from aotkit.errors import ArgumentError, OutputTypeError, RecompileLimitError, UnsupportedError
+from aotkit.errors import (
+    AotkitError,
+    ArgumentError,
+    CompilerError,
+    OutputTypeError,
+    RecompileLimitError,
+    UnsupportedError,
+)
 from aotkit.partition.default import default_partition
 from aotkit.partition.report import PartitionReport, report
 
@@ -49,6 +56,16 @@ class AotOptions:
     inference_compiler: Compiler | None = None
     dynamic: bool = False
 
+    def __post_init__(self) -> None:
+        for role in ("fw_compiler", "bw_compiler", "partition_fn", "inference_compiler"):
+            value = getattr(self, role)
+            if value is not None and not callable(value):
+                raise ArgumentError(
+                    f"{role} must be callable, got {type(value).__name__} {value!r}.\nFix: pass "
+                    "a function such as aotkit.compilers.nop (compilers) or "
+                    "aotkit.min_cut_rematerialization_partition (partition_fn)."
+                )
+
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
                    mode: FakeTensorMode) -> CompiledGraphs:
@@ -69,7 +86,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
                                  options.keep_inference_input_mutations)
     if not training:
         return _compile_inference(gm, meta, options, name, len(args))
-    fw_gm, bw_gm = options.partition_fn(gm, list(args), num_fwd_outputs=meta.num_fw_outputs)
+    fw_gm, bw_gm = _partition(options.partition_fn, gm, args, meta.num_fw_outputs, name)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
     _log_graph(name, "forward", fw_gm)
@@ -85,6 +102,26 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
     )
+
+
+def _partition(partition_fn: Partitioner, joint: fx.GraphModule, args: Sequence[Any],
+               num_fw_outputs: int, name: str) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Run ``partition_fn``; a failure or a wrong result says which partitioner and how to fix."""
+    who = getattr(partition_fn, "__name__", type(partition_fn).__name__)
+    fix = ("Fix: a partitioner is partition_fn(joint_gm, joint_inputs, *, num_fwd_outputs) -> "
+           "(fw_gm, bw_gm); aotkit.default_partition is one to compare with.")
+    try:
+        graphs = partition_fn(joint, list(args), num_fwd_outputs=num_fw_outputs)
+    except AotkitError:
+        raise
+    except Exception as exc:
+        raise CompilerError(f"partition_fn {who!r} failed on the joint graph of {name}: "
+                            f"{type(exc).__name__}: {exc}\n{fix}") from exc
+    if not (isinstance(graphs, (tuple, list)) and len(graphs) == 2
+            and all(isinstance(g, fx.GraphModule) for g in graphs)):
+        raise CompilerError(f"partition_fn {who!r} returned {type(graphs).__name__} for {name}, "
+                            f"not two GraphModules.\n{fix}")
+    return graphs[0], graphs[1]
 
 
 def _record_partition(name: str, partition_fn: Partitioner, fw_gm: fx.GraphModule,
@@ -186,6 +223,9 @@ class AotFunction:
     def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
                  leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
                  ) -> None:
+        if not callable(fn):
+            raise ArgumentError(f"aot_function compiles a callable, got {type(fn).__name__} "
+                                f"{fn!r}.\nFix: pass the function (or module) itself.")
         self.fn = fn
         self.options = options
         self._leaf_names = leaf_namer  # names in recompile reasons, e.g. ``args[1]['w']``

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotkit.errors import CompilerError
+from aotkit.errors import AotkitError, CompilerError
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
@@ -53,6 +53,8 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
     name = getattr(compiler, "__name__", type(compiler).__name__)
     try:
         compiled = compiler(gm, list(example_inputs))
+    except AotkitError:
+        raise  # the compiler's own error already says what to fix
     except Exception as exc:
         raise CompilerError(
             f"compiler {name!r} failed on the {what} graph: {type(exc).__name__}: {exc}\n"

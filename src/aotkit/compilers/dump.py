@@ -28,7 +28,7 @@ from aotkit import config
 from aotkit.aot import aot_function, aot_module, aot_module_simplified
 from aotkit.aot.boxing import make_boxed_func
 from aotkit.compat import FakeTensor, size_hint
-from aotkit.errors import UnsupportedError
+from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.partition.default import default_partition
 
 log = logging.getLogger("aotkit.compilers")
@@ -183,6 +183,12 @@ def _random(spec: Mapping[str, Any], device: str | None) -> torch.Tensor:
 def _rebuild(i: int, spec: Mapping[str, Any], stored: torch.Tensor | None, device: str | None) -> Any:
     kind = spec.get("kind")
     if kind == "tensor":
+        if stored is not None and (list(stored.shape) != spec["shape"]
+                                   or str(stored.dtype).removeprefix("torch.") != spec["dtype"]):
+            raise UnsupportedError(
+                f"input {i}: the stored values ({stored.dtype}, {list(stored.shape)}) do not match "
+                f"the description ({spec['dtype']}, {spec['shape']}); the .tensors file is from "
+                "another dump.\nFix: delete it (random values are used then) or dump again.")
         tensor = stored if stored is not None else _random(spec, device)
         return tensor.requires_grad_(spec["requires_grad"])
     if kind in ("int", "float", "bool"):
@@ -191,6 +197,17 @@ def _rebuild(i: int, spec: Mapping[str, Any], stored: torch.Tensor | None, devic
         return None
     raise UnsupportedError(f"input {i} is a {spec.get('type', kind)}, which aotkit cannot rebuild."
                            "\nFix: pass that input yourself instead of using get_inputs.")
+
+
+def _input_file(path: Path) -> Path:
+    """``path`` itself, or the one ``.input`` file in the folder ``path``."""
+    found = sorted(path.glob("*.input")) if path.is_dir() else [path] if path.exists() else []
+    if len(found) != 1:
+        what = "does not exist" if not found and not path.is_dir() else \
+            f"is a folder with {len(found)} .input files"
+        raise ArgumentError(f"get_inputs: {path} {what}.\nFix: pass the .input file of a graph "
+                            "saved by graph_dumper_aot or debug_compile (or its folder).")
+    return found[0]
 
 
 def get_inputs(input_data_path: str | os.PathLike[str], *, device: str | None = None) -> list[Any]:
@@ -212,7 +229,7 @@ def get_inputs(input_data_path: str | os.PathLike[str], *, device: str | None = 
         >>> [x.stride() for x in get_inputs(dumper.saved[0] / "sin_inference_0.input")]
         [(1, 3)]
     """
-    path = Path(input_data_path)
+    path = _input_file(Path(input_data_path))
     described = _json(path.read_bytes())
     if described.get("format") != _INPUTS_FORMAT:
         raise UnsupportedError(f"{path} is not an aotkit input description ({_INPUTS_FORMAT})."
@@ -316,6 +333,7 @@ def load_graph(folder: str | os.PathLike[str], device: str | None = None) -> nn.
 def _save(gm: fx.GraphModule, example_inputs: Sequence[Any], folder: Path, stem: str,
           values: str) -> None:
     """Write the graph's code and ``{stem}.input``; ``values`` says where input values are."""
+    (folder / f"{stem}.tensors").unlink(missing_ok=True)  # an earlier dump's values
     placeholders = gm.graph.find_nodes(op="placeholder")
     if all("val" in n.meta for n in placeholders):
         example_inputs = [n.meta["val"] for n in placeholders]

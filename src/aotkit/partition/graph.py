@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from aotkit.errors import ArgumentError
+
 
 @dataclass
 class JointParts:
@@ -21,14 +23,38 @@ class JointParts:
 
 
 def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
+    """Name the parts of a joint graph; refuse anything else with a message saying why."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-    outputs = list(joint.graph.output_node().args[0])
-    return JointParts(
+    outputs = joint.graph.output_node().args[0]
+    parts = JointParts(
         primals=[p for p in placeholders if p.name.startswith("primals")],
         tangents=[p for p in placeholders if p.name.startswith("tangents")],
-        fw_outputs=outputs[:num_fwd_outputs],
-        bw_outputs=outputs[num_fwd_outputs:],
+        fw_outputs=list(outputs[:num_fwd_outputs]) if isinstance(outputs, (list, tuple)) else [],
+        bw_outputs=list(outputs[num_fwd_outputs:]) if isinstance(outputs, (list, tuple)) else [],
     )
+    problem = _not_a_joint(parts, placeholders, outputs, num_fwd_outputs)
+    if problem:
+        raise ArgumentError(
+            f"not a joint graph: {problem}.\nFix: partitioners take the joint graph AOT autograd "
+            "traces, (primals_*, tangents_*) -> (forward outputs, one grad per primal), and "
+            "num_fwd_outputs, the number of forward outputs."
+        )
+    return parts
+
+
+def _not_a_joint(parts: JointParts, placeholders: list[fx.Node], outputs: object,
+                 num_fwd_outputs: int) -> str | None:
+    others = [p.name for p in placeholders if p not in {*parts.primals, *parts.tangents}]
+    if others:
+        return f"inputs {others} are neither primals_* nor tangents_*"
+    if not isinstance(outputs, (list, tuple)):
+        return "it does not return a list or tuple"
+    if not 0 <= num_fwd_outputs <= len(outputs):
+        return f"num_fwd_outputs={num_fwd_outputs} but the graph has {len(outputs)} outputs"
+    if len(parts.bw_outputs) != len(parts.primals):
+        return (f"{len(parts.bw_outputs)} outputs after the {num_fwd_outputs} forward ones, but "
+                f"{len(parts.primals)} primals (one grad per primal)")
+    return None
 
 
 def ancestors(roots: Iterable[fx.Node | None], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:  # type: ignore[assignment]
