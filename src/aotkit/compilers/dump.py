@@ -528,7 +528,9 @@ def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
 
     The repro rebuilds the inputs from ``graph.input`` (random values, or with
     ``dump_example_input=True`` those of the graph's first call), runs the graph, and runs a
-    backward through outputs that require grad. Inputs traced on CUDA need CUDA to run the repro;
+    backward through outputs that require grad; aotkit's forward and backward graphs run without
+    autograd (their inputs do not require grad), so for them the repro runs the graph alone, as
+    the compiled function does. Inputs traced on CUDA need CUDA to run the repro;
     without it the script says so and exits with status 2 (``AOTKIT_REPRO_DEVICE=cpu`` runs it on
     the CPU instead).
 
