@@ -217,3 +217,9 @@ def test_bad_options_are_argument_errors(options: dict[str, object]) -> None:
         compiled(torch.randn(3, 8))
     assert isinstance(info.value.inner_exception, aotkit.errors.ArgumentError)
     assert "Fix:" in str(info.value)
+
+
+def test_a_compiler_used_as_a_backend_says_which_backend_to_use() -> None:
+    compiled = torch.compile(Net(), backend=aotkit.compilers.nop)
+    with pytest.raises(aotkit.errors.ArgumentError, match="backend='aotkit'"):
+        compiled(torch.randn(3, 8))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotkit.errors import AotkitError, CompilerError
+from aotkit.errors import AotkitError, ArgumentError, CompilerError
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
@@ -25,8 +25,15 @@ def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
     if getattr(f, "_boxed_call", False):
         return f
 
-    def boxed(args: list[Any]) -> Any:
-        return f(*args)
+    def boxed(*call: Any) -> Any:
+        if len(call) != 1 or not isinstance(call[0], (list, tuple)):
+            raise ArgumentError(
+                f"{getattr(f, '__name__', 'this compiled graph')} takes its inputs boxed, as one "
+                f"list, but was called with {len(call)} argument(s).\nFix: aotkit compilers "
+                "return boxed callables for AOT autograd; with torch.compile use "
+                "backend='aotkit' / 'aotkit_debug' / 'aotkit_inductor', not the compiler itself."
+            )
+        return f(*call[0])
 
     boxed._boxed_call = True  # type: ignore[attr-defined]
     return boxed
