@@ -223,3 +223,10 @@ def test_a_compiler_used_as_a_backend_says_which_backend_to_use() -> None:
     compiled = torch.compile(Net(), backend=aotkit.compilers.nop)
     with pytest.raises(aotkit.errors.ArgumentError, match="backend='aotkit'"):
         compiled(torch.randn(3, 8))
+
+
+def test_decisions_name_the_compiled_region() -> None:
+    model = Net()
+    torch.compile(model, backend="aotkit")(torch.randn(3, 8)).sum().backward()
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.what == "aot_module_simplified(forward in test_backends.py [0/0])"

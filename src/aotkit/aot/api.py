@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -523,7 +524,7 @@ def aot_module_simplified(
             out = _run_keeping_node_meta(mod, flat[len(names):])
         return pytree.tree_flatten(out)
 
-    name = f"aot_module_simplified({type(mod).__name__})"
+    name = f"aot_module_simplified({_region(mod)})"
     graphs = compile_graphs(flat_fn, fakes, options, name, mode)
     unflatten = graphs.meta.unflatten
 
@@ -532,6 +533,20 @@ def aot_module_simplified(
 
     forward.graphs = graphs  # type: ignore[attr-defined]
     return forward
+
+
+def _region(mod: nn.Module) -> str:
+    """Which code a Dynamo graph came from, for logs and ``explain()``: ``fn in file.py
+    [0/1]`` (function, file, Dynamo's frame/compile id); the module's class name otherwise."""
+    stack = getattr(getattr(mod, "compile_subgraph_reason", None), "user_stack", None)
+    if not stack:
+        return type(mod).__name__
+    from torch._guards import CompileContext
+
+    frame = stack[-1]
+    compile_id = CompileContext.current_compile_id()
+    where = f"{frame.name} in {os.path.basename(frame.filename)}"
+    return where if compile_id is None else f"{where} [{compile_id}]"
 
 
 def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any]) -> Any:
