@@ -9,9 +9,7 @@ import torch.fx as fx
 
 from aotkit.partition.graph import (
     ancestors,
-    descendants,
     extract,
-    has_effects,
     is_sym,
     split_joint,
     with_getitems,
@@ -34,11 +32,7 @@ def default_partition(
         >>> f(torch.ones(2, requires_grad=True)).sum().backward()
     """
     parts = split_joint(joint_gm, num_fwd_outputs)
-    tangent_side = descendants(parts.tangents)
-    # Random and side-effecting ops run in the forward, once, as in eager.
-    effects = [n for n in joint_gm.graph.nodes if has_effects(n)]
-    fw_effects = [n for n in effects if n not in tangent_side]
-    bw_effects = [n for n in effects if n in tangent_side]
+    fw_effects, bw_effects = parts.fw_effects, parts.bw_effects
     forward = with_getitems(ancestors([*parts.fw_outputs, *fw_effects]) | set(parts.primals))
     backward = ancestors([*parts.bw_outputs, *bw_effects], stop=forward) - forward
     used_by_backward = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -20,6 +20,11 @@ class JointParts:
     tangents: list[fx.Node]
     fw_outputs: list[fx.Node | None]
     bw_outputs: list[fx.Node | None]
+    tangent_side: set[fx.Node] = field(default_factory=set)  # everything a tangent feeds
+    # Random and side-effecting ops: those a tangent feeds run in the backward, the rest run
+    # in the forward, once each, as in eager.
+    fw_effects: list[fx.Node] = field(default_factory=list)
+    bw_effects: list[fx.Node] = field(default_factory=list)
 
 
 def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
@@ -32,6 +37,10 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
         fw_outputs=list(outputs[:num_fwd_outputs]) if isinstance(outputs, (list, tuple)) else [],
         bw_outputs=list(outputs[num_fwd_outputs:]) if isinstance(outputs, (list, tuple)) else [],
     )
+    parts.tangent_side = descendants(parts.tangents)
+    for node in joint.graph.nodes:
+        if has_effects(node):
+            (parts.bw_effects if node in parts.tangent_side else parts.fw_effects).append(node)
     problem = _not_a_joint(parts, placeholders, outputs, num_fwd_outputs)
     if problem:
         raise ArgumentError(

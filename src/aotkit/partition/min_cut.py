@@ -30,7 +30,6 @@ from aotkit.errors import ConfigError, UnsupportedError
 from aotkit.partition.cse import cse
 from aotkit.partition.graph import (
     ancestors,
-    descendants,
     extract,
     has_effects,
     is_sym,
@@ -106,10 +105,8 @@ class _Network:
     def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int) -> None:
         self.joint = joint
         self.parts = split_joint(joint, num_fwd_outputs)
-        tangent_side = descendants(self.parts.tangents)
-        effects = [n for n in joint.graph.nodes if has_effects(n)]
-        self.fw_effects = [n for n in effects if n not in tangent_side]
-        self.bw_effects = [n for n in effects if n in tangent_side]
+        tangent_side = self.parts.tangent_side
+        self.fw_effects, self.bw_effects = self.parts.fw_effects, self.parts.bw_effects
         nodes = [n for n in joint.graph.nodes if n.op != "output"]
         self.index = {n: i for i, n in enumerate(nodes)}
         forward = [n for n in nodes if n not in tangent_side]
