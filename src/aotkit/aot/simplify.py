@@ -1,0 +1,101 @@
+"""Clean-ups of traced graphs before they are partitioned and compiled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+# Note [Views that undo themselves]
+# Autograd formulas transpose and reshape freely, so a traced joint graph is full of view chains
+# that end where they started: the backward of ``x @ w.t()`` takes ``t(t(w))``, a bias grad is
+# ``view(sum(g), shape)`` of an already-shaped tensor. Such a chain's last tensor is its first
+# one, same storage, sizes, strides and offset, so its users may read the first tensor instead.
+# Every compiler gains (each ATen call from Python costs a few microseconds, and the
+# partitioner sees that the backward needs the weight itself, a free graph input, instead of a
+# saved view of it). Forward outputs are left alone: whether an output is a fresh view of an
+# input is part of what the runtime returns to the user (Note [Aliased outputs]).
+def drop_noop_views(gm: fx.GraphModule, keep_outputs: int | None = None) -> int:
+    """Let users of a view chain that ends where it started read its start instead, and remove
+    the views nobody reads any more; the first ``keep_outputs`` graph outputs (all by default)
+    keep their nodes. Returns the number of nodes removed. See Note [Views that undo themselves].
+
+    Example::
+
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> from aotkit.aot.simplify import drop_noop_views
+        >>> gm = make_fx(lambda x: x.t().t() + 1)(torch.ones(2, 3))
+        >>> drop_noop_views(gm)
+        2
+        >>> [n.name for n in gm.graph.nodes]
+        ['x_1', 'add', 'output']
+    """
+    chains: dict[fx.Node, list[fx.Node]] = {}  # a view -> the views it was taken through
+    for node in gm.graph.nodes:
+        if not _is_view(node):
+            continue
+        base = node.args[0]
+        chains[node] = [*chains.get(base, [base]), node]
+        same = next((a for a in chains[node][:-1] if _same_view(a, node)), None)
+        if same is not None:
+            _replace_uses(node, same, keep_outputs)
+    removed = 0
+    for node in reversed(chains):  # views have no side effects: unread ones can go
+        if not node.users:
+            gm.graph.erase_node(node)
+            removed += 1
+    if removed:
+        gm.recompile()
+    return removed
+
+
+# Views that flip a tensor's conjugate or negative bit change its values, not its layout (and
+# fake values do not always carry those bits): a chain through one of them is not a no-op.
+_BIT_VIEWS = {torch.ops.aten.conj.default, torch.ops.aten._conj.default,
+              torch.ops.aten._neg_view.default}
+
+
+def _is_view(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and node.target not in _BIT_VIEWS
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+
+
+def _same_view(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two views of one storage are provably the same tensor (sizes may be symbolic)."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+        return False
+    if va.layout != torch.strided or vb.layout != torch.strided:
+        return False
+    return (
+        va.dtype == vb.dtype
+        and va.device == vb.device
+        and _known_equal(va.shape, vb.shape)
+        and _known_equal(va.stride(), vb.stride())
+        and _known_equal([va.storage_offset()], [vb.storage_offset()])
+    )
+
+
+def _known_equal(xs: Any, ys: Any) -> bool:
+    return len(xs) == len(ys) and all(statically_known_true(x == y) for x, y in zip(xs, ys, strict=True))
+
+
+def _replace_uses(node: fx.Node, by: fx.Node, keep_outputs: int | None) -> None:
+    for user in list(node.users):
+        if user.op != "output":
+            user.replace_input_with(node, by)
+        elif keep_outputs is not None:
+            outs = user.args[0]
+            kept, rest = outs[:keep_outputs], [by if o is node else o for o in outs[keep_outputs:]]
+            user.args = (type(outs)([*kept, *rest]), *user.args[1:])
