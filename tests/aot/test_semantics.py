@@ -949,3 +949,25 @@ def test_num_params_buffers_reaches_the_compilers():
     aotkit.aot_module(lin, recording)(torch.randn(4, 3))
     # forward; backward (its inputs are saved values and tangents); the module's forward
     assert seen == [1, None, 2]
+
+
+def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
+    """Graphs carry the casts traced under autocast; running them under the caller's
+    autocast again would override regions the function itself disabled or changed."""
+
+    def f(x, w):
+        with torch.autocast("cpu", enabled=False):
+            full = x @ w
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            half = x @ w
+        return full, half, x @ w
+
+    x, w = torch.randn(4, 8), torch.randn(8, 3, requires_grad=True)
+    g = aotkit.aot_function(f, compilers.nop)
+    for dtype in (torch.bfloat16, torch.float16):  # the second is a new signature
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+            out, expected = g(x, w), f(x, w)
+        assert [o.dtype for o in out] == [torch.float32, torch.float16, dtype]
+        for o, e in zip(out, expected, strict=True):
+            torch.testing.assert_close(o, e)
+    assert "CPU autocast changed: torch.bfloat16 -> torch.float16" in str(aotkit.explain())

@@ -76,7 +76,8 @@ class CompiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        outs = graphs.fw(list(args))
+        with torch._C._DisableAutocast():  # See Note [Autocast is traced]
+            outs = graphs.fw(list(args))
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.num_saved_tensors]
         if graphs.returned_mutations:
@@ -103,10 +104,11 @@ class CompiledFunction(torch.autograd.Function):
         args = [*ctx.saved_syms, *saved, *tangents]
         backward = graphs.backward_fn()
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
-            with torch.no_grad():
+            with torch.no_grad(), torch._C._DisableAutocast():
                 input_grads = backward(args)
             return (None, *_refuse_double_backward(graphs.name, anchor, input_grads))
-        return (None, *backward(args))
+        with torch._C._DisableAutocast():
+            return (None, *backward(args))
 
 
 # Note [Refusing double backward]
@@ -190,9 +192,16 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if graphs.training:
         fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
     else:
-        with torch.no_grad():
+        with torch.no_grad(), torch._C._DisableAutocast():
             fw_outs = graphs.fw(list(args))
     return epilogue(graphs, args, fw_outs)
+
+
+# Note [Autocast is traced]
+# Tracing under autocast records its casts in the graph (and an autocast region inside the
+# function records its own dtype, or none where it is disabled). Running the graph under the
+# caller's autocast would cast again and override those regions, so graphs run with autocast
+# off, and the autocast dtype is part of the signature (aotkit.aot.signature).
 
 
 def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]) -> list[Any]:

@@ -49,14 +49,20 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         tuple(leaf_key(x, dynamic) for x in leaves),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
+        _autocast("cpu"),
+        _autocast("cuda"),
         # Backend switches decide which kernels a composite op traces to (e.g. LSTM on CPU).
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
         torch.are_deterministic_algorithms_enabled(),
         config.cache_key(),
     )
+
+
+def _autocast(device_type: str) -> torch.dtype | bool:
+    """The dtype autocast casts to on ``device_type``, or ``False`` when it is off: graphs
+    traced under autocast carry its casts, so a new dtype needs a new graph."""
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
 
 
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride")
