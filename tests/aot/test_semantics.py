@@ -590,6 +590,22 @@ def test_dynamic_one_compile_for_many_sizes_but_size_one_recompiles():
     assert "guard 2 <= args[0].size()[0]" in reason.why and "(1, 2)" in reason.why
 
 
+@pytest.mark.parametrize("first", [0, 1])
+def test_dynamic_entry_traced_at_size_zero_or_one_serves_only_that_size(first):
+    """Sizes 0 and 1 are specialized while tracing: the entry must not serve other sizes."""
+    fw = RecordingCompiler("fw")
+    fn = lambda x: (x.shape[0] + 10, torch.ones(x.shape[0]) * x.sum())  # noqa: E731
+    f = aotkit.aot_function(fn, fw, dynamic=True)
+    for n in (first, 4, 6):
+        x = rand(n, 3)
+        got, expected = f(x), fn(x)
+        assert got[0] == expected[0]
+        torch.testing.assert_close(got[1], expected[1])
+    assert fw.calls == 2  # the specialized entry, then one dynamic entry for 4 and 6
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert f"args[0].size()[0] == {first}" in reason.why
+
+
 def test_dynamic_shapes_with_mutation_and_aliasing():
     def fn(x, w):
         x.t_()

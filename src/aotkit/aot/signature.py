@@ -122,6 +122,17 @@ def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     return names
 
 
+def _static_sizes(fakes: Sequence[Any]) -> list[str]:
+    """Guards for the sizes and strides traced as plain ints (sizes 0 and 1 are specialized, and
+    the ShapeEnv's own guards only cover symbols): the graph bakes these values in."""
+    guards = []
+    for i, fake in enumerate(fakes):
+        for what, values in (("size", fake.shape), ("stride", fake.stride())):
+            guards += [f"L['t{i}'].{what}()[{d}] == {v}" for d, v in enumerate(values)
+                       if isinstance(v, int)]
+    return guards
+
+
 class ShapeGuard:
     """The size conditions a dynamic entry was traced under, e.g. ``2 <= L['t0'].size()[0]``
     (sizes 0 and 1 are specialized, so a batch of 1 needs its own entry)."""
@@ -131,7 +142,7 @@ class ShapeGuard:
 
         self.shape_env = shape_env
         sources = [LocalSource(f"t{i}") for i in range(len(fakes))]
-        self.guards: list[str] = list(shape_env.produce_guards(fakes, sources))
+        self.guards: list[str] = [*shape_env.produce_guards(fakes, sources), *_static_sizes(fakes)]
         self.code = " and ".join(self.guards)
         # Compiled once: evaluating the source string would parse it again on every call.
         self._compiled = compile(self.code or "True", "<aotkit shape guard>", "eval")
