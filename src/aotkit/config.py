@@ -57,7 +57,8 @@ _define("log_graphs", bool, False,
         "Log the forward, backward and inference graphs at INFO level under aotkit.aot.")
 _define("record_stack_traces", bool, False,
         "Record the Python stack of every traced op in node.meta['stack_trace'] (slows the "
-        "first call by ~20%). Graphs from torch.compile keep Dynamo's stack traces regardless.")
+        "first call by ~20%). Plain functions need torch >= 2.13 (older releases keep only "
+        "module forward frames). Graphs from torch.compile keep Dynamo's stack traces regardless.")
 _define("max_decisions", int, 1000,
         "How many decisions (recompiles, fallbacks) aotkit.explain() keeps; older ones are dropped.")
 _define("debug_dir", str, "aotkit_debug",
