@@ -162,7 +162,7 @@ def test_dropout_gradients_equal_eager(partition: str) -> None:
 
 def test_min_cut_never_recomputes_expensive_ops() -> None:
     x = torch.randn(2, 3, 16, 16, requires_grad=True)
-    conv = nn.Conv2d(3, 4, 3)
+    conv = nn.Conv2d(3, 4, 3).requires_grad_(False)  # closed over: a constant, no grad
 
     def f(x: torch.Tensor) -> torch.Tensor:
         h = conv(x).relu()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aotkit.aot.frames import current_user_line
 from aotkit.compat import (
     FunctionalTensor,
     FunctionalTensorMode,
@@ -23,6 +24,7 @@ from aotkit.compat import (
     mutations_hidden_from_autograd,
     treespec_children,
 )
+from aotkit.errors import UnsupportedError
 
 
 class Alias(enum.Enum):
@@ -41,7 +43,9 @@ class InputInfo:
     requires_grad: bool = False
     mutates_data: bool = False
     mutates_metadata: bool = False
-    mutation_hidden: bool = False  # every mutation ran under no_grad / inference mode
+    # Autograd saw none of the data mutations: they ran under no_grad / inference mode or
+    # through a detached alias (``x.detach().add_(1)``, ``x.data.mul_(2)``).
+    mutation_hidden: bool = False
     # After the call: ``x.add_(w)`` makes an input that did not require grad require it.
     requires_grad_after: bool = False
 
@@ -65,6 +69,10 @@ class OutputInfo:
     linked: bool = True  # has a grad_fn: autograd flows from this output into its base
     # A view taken under no_grad: eager gives it requires_grad but no grad_fn (no link to base).
     no_grad_view: bool = False
+    # The view reads its storage conjugated / negated (``x.conj()``, ``x.conj().imag``); see
+    # Note [Conjugate and negative views].
+    is_conj: bool = False
+    is_neg: bool = False
 
 
 @dataclass
@@ -147,8 +155,12 @@ def analyze(
     """
     with FunctionalTensorMode(_allow_token_discovery=True):
         f_args = [to_fun(a) for a in args]
-        f_outs, out_spec = flat_fn(*f_args)
-        inputs = [_input_info(a, f) for a, f in zip(args, f_args, strict=True)]
+        # Held, not just compared: a grad_fn object stays the same only while referenced.
+        grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
+        with _RefuseStorageChanges(args, f_args):
+            f_outs, out_spec = flat_fn(*f_args)
+        inputs = [_input_info(i, a, f, g) for i, (a, f, g)
+                  in enumerate(zip(args, f_args, grad_fns, strict=True))]
         outputs, bases = _output_infos(f_args, f_outs)
         meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases])
         fw_outs = [
@@ -159,16 +171,88 @@ def analyze(
         return meta, [from_fun(o) for o in fw_outs]
 
 
-def _input_info(arg: Any, f_arg: Any) -> InputInfo:
+def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputInfo:
     if not isinstance(arg, torch.Tensor):
         return InputInfo(is_tensor=False)
     torch._sync(f_arg)
     inner = f_arg.elem
+    if torch._functionalize_was_storage_changed(inner):
+        raise _storage_change_error(f"x.set_(...) on input {index}", "")
     data = torch._functionalize_has_data_mutation(inner)
     metadata = torch._functionalize_has_metadata_mutation(inner)
-    # The flag covers data mutations only; a metadata-only mutation would read as hidden.
-    hidden = data and mutations_hidden_from_autograd(inner)
-    return InputInfo(True, arg.requires_grad, data, metadata, hidden, f_arg.requires_grad)
+    # Functionalization flags mutations made under no_grad, not those made through a detached
+    # alias; both leave the input's autograd history (its grad_fn) as it was, which autograd
+    # would have changed had it seen the mutation. Data only: a metadata-only mutation would
+    # read as hidden.
+    unseen = mutations_hidden_from_autograd(inner) or f_arg.grad_fn is grad_fn_before
+    return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad)
+
+
+# Note [Storage changes of inputs]
+# ``x.set_(y)``, ``x.data = y`` and a ``resize_`` that grows ``x`` give the caller's tensor new
+# memory. The runtime writes mutations back into the caller's tensor (copy_, as_strided_) and
+# cannot hand it another tensor's storage or grow it, so these are refused while tracing, where
+# the user can still move them out of the compiled function. Under dynamic shapes fake tensors
+# cannot be resized at all, so every resize_ is refused there.
+class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
+    """Raises UnsupportedError for the storage changes of Note [Storage changes of inputs] that
+    are visible as Python calls (``set_`` never reaches torch function; ``_input_info`` catches it)."""
+
+    def __init__(self, args: Sequence[Any], f_args: Sequence[Any]) -> None:
+        super().__init__()
+        self.f_args = f_args
+        self.storages = {StorageWeakRef(a.untyped_storage()): i for i, a in enumerate(f_args)
+                         if isinstance(a, torch.Tensor)}
+        self.nbytes = [a.untyped_storage().nbytes() if isinstance(a, torch.Tensor) else 0
+                       for a in args]
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.resize_ or func is torch.Tensor.resize_as_:
+            self._check_resize(args[0], _requested_size(func, args, kwargs))
+        elif func == _DATA_SETTER and any(args[0] is a for a in self.f_args):
+            raise _storage_change_error(f"x.data = ... on input {self._input_of(args[0])}",
+                                        current_user_line())
+        return func(*args, **kwargs)
+
+    def _input_of(self, t: torch.Tensor) -> int | None:
+        return self.storages.get(StorageWeakRef(t.untyped_storage()))
+
+    def _check_resize(self, t: torch.Tensor, size: Sequence[Any]) -> None:
+        if any(isinstance(s, torch.SymInt) for s in (*t.shape, *size)):
+            raise UnsupportedError(
+                f"resize_ cannot be traced with dynamic shapes (at {current_user_line()}).\nFix: compile "
+                "with dynamic=False, resize the tensor outside the compiled function, or make a "
+                "new tensor of the size you need (torch.empty, torch.cat) instead."
+            )
+        index = self._input_of(t)
+        needed = (torch.Size(size).numel() + t.storage_offset()) * t.element_size()
+        if index is not None and needed > self.nbytes[index]:
+            raise _storage_change_error(f"resize_ growing input {index}", current_user_line())
+
+
+_DATA_SETTER = torch.Tensor.data.__set__  # type: ignore[attr-defined]
+
+
+def _requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> Sequence[Any]:
+    if func is torch.Tensor.resize_as_:
+        other = args[1] if len(args) > 1 else kwargs["the_template"]
+        return tuple(other.shape)
+    sizes = args[1:] or (kwargs.get("size", ()),)
+    if len(sizes) == 1 and not isinstance(sizes[0], (int, torch.SymInt)):
+        return tuple(sizes[0])
+    return tuple(sizes)
+
+
+def _storage_change_error(what: str, where: str) -> UnsupportedError:
+    where = f" (at {where})" if where else ""
+    return UnsupportedError(
+        f"{what} of the compiled function{where} gives the caller's tensor "
+        "new memory, which aotkit cannot write back to it.\nFix: do it outside the compiled "
+        "function (before or after the call), or build a new tensor inside it and return that."
+    )
+
+
 
 
 # Note [Aliased outputs]
@@ -236,8 +320,11 @@ def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch
 def _view_info(alias: Alias, base: int, out: torch.Tensor) -> OutputInfo:
     linked = out.grad_fn is not None
     no_grad_view = out.requires_grad and not linked and out._is_view()
+    # Functional tensors mirror the conj/neg bits of what they wrap (unlike the fake values
+    # make_fx later records in node.meta), so these are eager's bits.
     return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out),
-                      linked=linked, no_grad_view=no_grad_view)
+                      linked=linked, no_grad_view=no_grad_view,
+                      is_conj=out.is_conj(), is_neg=out.is_neg())
 
 
 def _non_tensor_info(out: Any) -> OutputInfo:

@@ -314,7 +314,11 @@ class AotFunction:
 def _fake_mode(dynamic: bool) -> FakeTensorMode:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
+    # Data-dependent sizes and values (nonzero, item) are refused as with static shapes, where
+    # they raise TraceError, rather than traced as unbacked symbols the graphs cannot carry.
+    shape_env = ShapeEnv(allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False) \
+        if dynamic else None
+    return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
 
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],

@@ -208,8 +208,9 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
     if graphs.outputs_are_graph_outputs:
         return list(fw_outs)
     meta = graphs.meta
-    for k, i in enumerate(graphs.returned_mutations):
-        apply_mutation(args[i], fw_outs[k], meta.inputs[i])
+    new_values = dict(zip(graphs.returned_mutations, fw_outs, strict=False))
+    for i, new in new_values.items():
+        apply_mutation(args[i], new, meta.inputs[i])
     start = len(graphs.returned_mutations)
     graph_outs = fw_outs[start : start + len(graphs.graph_output_position)]
     bases = fw_outs[start + len(graph_outs) :]
@@ -227,11 +228,13 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
         elif info.alias is Alias.SAME_AS_OUTPUT:
             results.append(results[info.base])
         elif info.alias is Alias.OF_INPUT:
-            results.append(regenerate_view(args[info.base], out, info, graphs.name))
+            view = _ViewSource(args[info.base], new_values.get(info.base), info.base)
+            results.append(regenerate_view(view, out, info, graphs.name))
         elif info.alias is Alias.OF_OUTPUT:
-            results.append(regenerate_view(graph_outs[position[info.base]], out, info, graphs.name))
+            view = _ViewSource(graph_outs[position[info.base]])
+            results.append(regenerate_view(view, out, info, graphs.name))
         else:
-            results.append(regenerate_view(bases[info.base], out, info, graphs.name))
+            results.append(regenerate_view(_ViewSource(bases[info.base]), out, info, graphs.name))
     return results
 
 
@@ -252,30 +255,94 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
                 inp.copy_(new)
 
 
-def regenerate_view(base: torch.Tensor, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
-    """``out`` as a real view of ``base`` with the autograd link eager would give it."""
+@dataclass
+class _ViewSource:
+    """What an aliased output is regenerated from: its base, and for a view of an input that
+    the function also mutates, the graph's new value of that input (see ``_view_of_new_value``)."""
+
+    base: torch.Tensor
+    new_value: torch.Tensor | None = None
+    input_index: int | None = None
+
+
+def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
+    """``out`` as a real view of ``source.base`` with the autograd link eager would give it."""
+    base = source.base
     if info.linked or not base.requires_grad:
-        return _as_view(base, out, info, name)
+        return _as_view(source, out, info, name)
     if info.no_grad_view:  # eager: requires_grad, no grad_fn, still a view of base
         with torch.no_grad():
-            return _as_view(base, out, info, name)
+            return _as_view(source, out, info, name)
     # ``x.detach()`` (maybe ``.requires_grad_()`` after): shares memory, no autograd link
-    return _as_view(base.detach(), out, info, name).requires_grad_(info.requires_grad)
+    detached = _ViewSource(base.detach(), source.new_value, source.input_index)
+    return _as_view(detached, out, info, name).requires_grad_(info.requires_grad)
 
 
-def _as_view(base: torch.Tensor, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
+# Note [Conjugate and negative views]
+# ``x.conj()`` and ``x.conj().imag`` are views whose values are their storage's conjugated or
+# negated: the conj/neg bit belongs to the tensor, not the storage, and as_strided drops it.
+# So the view is regenerated from the base with its bits cleared (the storage's own values, still
+# through views autograd follows) and eager's bits, recorded by the analysis, are set again.
+def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
+    base = _plain(source.base)
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
+    view = base.as_strided(*_placement(source, base, out, info, name))
+    if info.is_neg:
+        view = torch._neg_view(view)
+    return view.conj() if info.is_conj else view
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without conj/neg bits: a view showing its storage's values as they are."""
+    if t.is_conj():
+        t = t.conj()
+    return torch._neg_view(t) if t.is_neg() else t
+
+
+def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info: OutputInfo,
+               name: str) -> tuple[Any, Any, int]:
+    """Size, stride and storage offset of ``out`` within ``base``'s storage."""
     if _same_storage(base, out):
-        return base.as_strided(out.size(), out.stride(), out.storage_offset())
+        return out.size(), out.stride(), out.storage_offset()
     if info.static_view is not None:
-        return base.as_strided(*info.static_view)
+        return info.static_view
+    if source.new_value is not None and _same_storage(source.new_value, out):
+        return _view_of_new_value(source, base, out, name)
     raise CompilerError(
         f"{name}: an output that views another tensor came back from the compiled graph as a "
         "copy with symbolic sizes, so it cannot be made a view again.\nFix: use a compiler that "
-        "preserves views of graph inputs (e.g. aotkit.compilers.nop), or clone the output "
-        "in the function."
+        "keeps the graph's views (e.g. aotkit.compilers.nop), compile with dynamic=False, or "
+        "clone the output in the function."
     )
+
+
+# Note [Views of mutated inputs under dynamic shapes]
+# When the function mutates input x and returns a view of it, the graph computes x's new value
+# as a fresh tensor and the view from that tensor, not from x. The epilogue copies the new value
+# into x and needs the view's place in x's storage: with static shapes the analysis recorded it;
+# with symbolic sizes it did not, but the graph's new value and view are real tensors here. When
+# the new value is laid out like x (same sizes and strides), each element sits at the same
+# distance from its tensor's start in both storages, so the view moves by the difference of
+# the two storage offsets.
+def _view_of_new_value(source: _ViewSource, base: torch.Tensor, out: torch.Tensor,
+                       name: str) -> tuple[Any, Any, int]:
+    new = source.new_value
+    assert new is not None
+    laid_out_alike = (
+        new.dtype == base.dtype and new.size() == base.size() and new.stride() == base.stride()
+    )
+    if not laid_out_alike:
+        raise UnsupportedError(
+            f"{name}: an output is a view of input {source.input_index}, which the function "
+            "also mutates in place; with dynamic shapes aotkit finds the view's place in the "
+            "input from the graph's new value of that input, but the compiled graph laid that "
+            f"value out differently (sizes {tuple(new.size())}, strides {new.stride()}) from "
+            f"the input (sizes {tuple(base.size())}, strides {base.stride()}).\nFix: compile "
+            "with dynamic=False, or return a clone of the view (out.clone())."
+        )
+    offset = base.storage_offset() + out.storage_offset() - new.storage_offset()
+    return out.size(), out.stride(), offset
 
 
 def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

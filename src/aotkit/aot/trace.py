@@ -8,10 +8,9 @@ outputs, and the intermediate bases of aliased outputs (see Note [Aliased output
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import logging
-import os
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,18 +19,22 @@ import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit import config
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
+from aotkit.aot.frames import current_user_line, user_frame
 from aotkit.compat import (
+    FakeTensor,
     FakeTensorMode,
+    FunctionalTensor,
     FunctionalTensorMode,
     compiled_autograd_off,
     data_dependent_errors,
     effect_tokens,
     effect_types,
 )
-from aotkit.errors import TraceError
+from aotkit.errors import TraceError, UnsupportedError
 from aotkit.partition.graph import is_impure
 
 log = logging.getLogger("aotkit.aot")
@@ -55,8 +58,10 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     # shapes we leave it off so composites run their C++ kernels like eager, aliasing included
     # (its Python decomposition of eval-mode dropout copies where eager returns the input).
     dispatcher = enable_python_dispatcher() if mode.shape_env is not None else _EagerDropout()
+    guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
+    token = _GUARD.set(guard)
     try:
-        with mode, dispatcher, compiled_autograd_off():
+        with mode, dispatcher, compiled_autograd_off(), _saved_tensor_hooks_deferred(), guard:
             yield
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
@@ -65,6 +70,167 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
         if "data is not allocated yet" not in str(exc):
             raise
         raise _data_dependent(what, exc) from exc
+    finally:
+        _GUARD.reset(token)
+
+
+def _begin_graph_pass() -> None:
+    guard = _GUARD.get()
+    if guard is not None:
+        guard.begin_graph_pass()
+
+
+@contextlib.contextmanager
+def _saved_tensor_hooks_deferred() -> Iterator[None]:
+    """Saved-tensor hooks (``torch.utils.checkpoint``, ``save_on_cpu``) do not run while tracing.
+
+    Tracing on fake tensors cannot replay what they do at run time: checkpoint's recompute
+    restores the real RNG state, which no graph op records, so a recomputed dropout would draw a
+    second, different mask, and it runs outside our dropout replacement (torch-function modes are
+    not active in the backward). Without the hooks the graph saves what eager would have
+    recomputed, which gives eager's values, grads and RNG state; the partitioner decides what to
+    save. Hooks around the compiled call still see the tensors the compiled forward saves.
+    """
+    prior = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_set_tracing(prior)
+
+
+# Note [Closed-over tensors]
+# A function may use tensors it was not given: closure cells, globals, attributes of objects that
+# are not parameters or buffers of an aot_module. They reach tracing as real tensors and the fake
+# mode (allow_non_fake_inputs=True) makes them graph constants. That is right for a tensor the
+# function only reads (a mask, a table; the graph keeps a reference, so later changes show) and
+# wrong in two cases, which _OutsideTensorGuard refuses before the op runs:
+# * it requires grad: the graph would treat it as a constant and its gradient would be dropped;
+# * the function mutates it: the fake mode runs ops on constants for real, so every tracing pass
+#   would mutate the caller's tensor as well as the compiled call.
+# The guard is a dispatch mode above functionalization (user modes run before every infra mode),
+# where a tensor from outside is neither functional nor fake; views of one are outside too
+# (``buf[0].add_(1)`` mutates ``buf``). Dynamo hands aot_module_simplified its closed-over
+# tensors as inputs (parameters and buffers are lifted), so only read-only constants remain.
+class _OutsideTensorGuard(TorchDispatchMode):
+    """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, what: str, dynamic: bool) -> None:
+        super().__init__()
+        self.what = what
+        self.dynamic = dynamic
+        # Fake views of outside tensors by id, with the outside tensor they view; held so that
+        # an id is not reused while tracing.
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.generators: list[torch.Generator] = []
+        self.first_pass_generators: list[torch.Generator] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: its body dispatches
+            return func(*args, **kwargs)
+        self._check(func, args, kwargs)
+        self._check_generators(func, args, kwargs)
+        out = self._run(func, args, kwargs)
+        if func.is_view:
+            self._track_views(args, kwargs, out)
+        return out
+
+    def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
+        bases = [b for b in map(self._outside, _tensors((args, kwargs))) if b is not None]
+        if bases:
+            self.views.update((id(t), (t, bases[0])) for t in _tensors(out)
+                              if not isinstance(t, FunctionalTensor))
+
+    def _outside(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The outside tensor ``t`` is or views, if any."""
+        if not isinstance(t, (FakeTensor, FunctionalTensor)):
+            return t
+        view, base = self.views.get(id(t), (None, None))
+        return base if view is t else None
+
+    def _check(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        for t in _written(func, args, kwargs):
+            if (base := self._outside(t)) is not None:
+                raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
+                                    "mutate it too, on top of each call")
+        if torch.is_grad_enabled() and func not in _GRADLESS_READS:
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad and self._outside(t) is not None:
+                    raise self._refusal(t, f"requires grad ({func} reads it)",
+                                        "its gradient would be lost")
+
+    def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
+        # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
+        # Tensor.__mul__, and Python would report an unsupported operand type instead.
+        return UnsupportedError(
+            f"{self.what} uses a tensor of shape {tuple(t.shape)} and dtype {t.dtype} that it "
+            "does not take as an argument (a closed-over variable, a global or an attribute) "
+            f"and that {what}; aotkit traces such tensors as graph constants, so {so}.\n"
+            f"  at {current_user_line()}\n"
+            "Fix: pass it as an argument (or use aot_module for parameters/buffers)."
+        )
+
+    def begin_graph_pass(self) -> None:
+        """The metadata pass is over; the pass whose graph is kept starts."""
+        self.first_pass_generators = list(self.generators)
+
+    def _check_generators(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        """A generator the function creates is a new object in every pass; the graph would keep
+        the one made while tracing and carry its state from call to call, where eager starts
+        each call from the seed."""
+        for g in pytree.tree_leaves((args, kwargs)):
+            if not isinstance(g, torch.Generator) or any(g is h for h in self.generators):
+                continue
+            self.generators.append(g)
+            if self.first_pass_generators is not None:
+                raise UnsupportedError(
+                    f"{self.what} creates the torch.Generator that {func} draws from; a graph "
+                    "would keep the generator made while tracing, so its state would carry over "
+                    "from call to call instead of starting from its seed as in eager.\n"
+                    f"  at {current_user_line()}\n"
+                    "Fix: create the generator outside the function (it is then used as a "
+                    "constant and advances like in eager), or seed the default generator with "
+                    "torch.manual_seed outside the function."
+                )
+
+    def _run(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            generator = any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs)))
+            if not (self.dynamic and generator and "concrete" in str(exc)):
+                raise
+            raise UnsupportedError(
+                f"{self.what} calls {func} with an explicit torch.Generator and symbolic sizes; "
+                f"its kernel needs concrete sizes ({_first_line(exc)}).\n"
+                f"  at {current_user_line()}\n"
+                "Fix: use dynamic=False for this function, or draw with the default generator "
+                "(seeded by torch.manual_seed) instead of a torch.Generator."
+            ) from exc
+
+
+_GUARD: contextvars.ContextVar[_OutsideTensorGuard | None] = contextvars.ContextVar(
+    "aotkit_outside_tensor_guard", default=None)
+
+#: Ops that read a tensor without linking its gradient to their outputs.
+_GRADLESS_READS = frozenset({torch.ops.aten.detach.default})
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors ``func`` writes to, from its schema (``Tensor(a!)``)."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written += _tensors(value)
+    return written
 
 
 class _EagerDropout(torch.overrides.TorchFunctionMode):
@@ -100,7 +266,7 @@ def _data_dependent(what: str, exc: BaseException) -> TraceError:
     return TraceError(
         f"{what} could not be traced: Python control flow or a Python value depends on "
         f"tensor data ({type(exc).__name__}: {_first_line(exc)}).\n"
-        f"  at {_user_frame(exc)}\n"
+        f"  at {user_frame(exc)}\n"
         "Fix: express the branch with tensor ops (torch.where, torch.cond) or move the "
         "data-dependent part out of the compiled function; torch.compile splits the graph "
         "there for you."
@@ -109,26 +275,6 @@ def _data_dependent(what: str, exc: BaseException) -> TraceError:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-
-
-_AOTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def _user_frame(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_TORCH_DIR)]
-    # The data dependence may sit in a library check (torch.nn.functional): show that line too.
-    library = [f for f in frames if os.path.abspath(f.filename).startswith(
-        (_TORCH_DIR + "nn" + os.sep, _TORCH_DIR + "functional.py"))]
-    shown = []
-    if library and (not user or frames.index(library[-1]) > frames.index(user[-1])):
-        shown.append(library[-1])
-    shown += user[-1:]
-    if not shown:
-        return "<unknown location>"
-    return "\n  called from ".join(f"{f.filename}:{f.lineno} in {f.name}: {f.line}" for f in shown)
 
 
 def trace_joint(
@@ -148,6 +294,8 @@ def trace_joint(
 
     # Decided before the call: ``x.add_(w)`` makes x require grad, yet x gets no grad.
     wrt = [i for i, p in enumerate(primals) if isinstance(p, torch.Tensor) and p.requires_grad]
+
+    _begin_graph_pass()
 
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
         with functionalized():
@@ -169,6 +317,8 @@ def trace_inference(
 ) -> fx.GraphModule:
     """Trace the forward alone. With ``keep_input_mutations`` data mutations stay in the graph
     as ``copy_`` into the inputs instead of being returned."""
+
+    _begin_graph_pass()
 
     def inference(primals: list[Any]) -> list[Any]:
         with functionalized():

@@ -34,10 +34,12 @@ def default_partition(
     parts = split_joint(joint_gm, num_fwd_outputs)
     fw_effects, bw_effects = parts.fw_effects, parts.bw_effects
     forward = with_getitems(ancestors([*parts.fw_outputs, *fw_effects]) | set(parts.primals))
-    backward = ancestors([*parts.bw_outputs, *bw_effects], stop=forward) - forward
+    # A size the backward reads comes from the forward as a SymInt, never through the tensor.
+    computed_in_fw = forward | parts.fw_syms
+    backward = ancestors([*parts.bw_outputs, *bw_effects], stop=computed_in_fw) - computed_in_fw
     used_by_backward = [
         n for n in joint_gm.graph.nodes
-        if n in forward and any(u in backward for u in n.users)
+        if n in computed_in_fw and any(u in backward for u in n.users)
     ]
     saved_syms = [n for n in used_by_backward if is_sym(n)]
     saved = [n for n in used_by_backward if not is_sym(n)]

@@ -25,6 +25,9 @@ class JointParts:
     # in the forward, once each, as in eager.
     fw_effects: list[fx.Node] = field(default_factory=list)
     bw_effects: list[fx.Node] = field(default_factory=list)
+    # SymInts no tangent feeds (sizes of primals and of forward values): the forward computes
+    # those the backward reads and saves them, so no tensor is kept only for its sizes.
+    fw_syms: set[fx.Node] = field(default_factory=set)
 
 
 def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
@@ -41,6 +44,8 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
     for node in joint.graph.nodes:
         if has_effects(node):
             (parts.bw_effects if node in parts.tangent_side else parts.fw_effects).append(node)
+        elif is_sym(node) and node not in parts.tangent_side:
+            parts.fw_syms.add(node)
     problem = _not_a_joint(parts, placeholders, outputs, num_fwd_outputs)
     if problem:
         raise ArgumentError(

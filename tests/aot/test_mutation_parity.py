@@ -1,0 +1,368 @@
+"""aotkit.aot against eager PyTorch for mutations and views that carry more than sizes and
+strides: conj/neg views, storage changes of inputs (set_, resize_), mutations hidden from
+autograd (``x.detach().add_()``) and views of mutated inputs under dynamic shapes. Every
+function runs both ways on cloned inputs (see eager_check.check_against_eager)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from eager_check import check_against_eager, clone_inputs, storage, tensors
+from torch.utils import _pytree as pytree
+
+import aotkit
+from aotkit import compilers, counters
+from aotkit.errors import UnsupportedError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    counters.reset()
+    yield
+    counters.reset()
+
+
+def rand(*shape: int, grad: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def crand(*shape: int, grad: bool = False) -> torch.Tensor:
+    return rand(*shape, grad=grad, dtype=torch.cfloat)
+
+
+def _assert_same_bits(actual: Any, expected: Any) -> None:
+    """Each output tensor is conjugated / negated lazily exactly where eager's is."""
+    for i, (a, e) in enumerate(zip(tensors(actual), tensors(expected), strict=True)):
+        assert (a.is_conj(), a.is_neg()) == (e.is_conj(), e.is_neg()), (
+            f"output {i}: is_conj/is_neg {(a.is_conj(), a.is_neg())} != eager "
+            f"{(e.is_conj(), e.is_neg())}")
+
+
+def _assert_write_through(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out`` is a real alias of ``x``: same storage, and writing into it changes ``x``."""
+    assert storage(out) == storage(x)
+    before = x.detach().clone()
+    with torch.no_grad():
+        out.fill_(42.0)
+    assert (x != before).any(), "writing into the output did not change the input"
+
+
+def _compare_torch_compile(fn: Any, *args: Any, dynamic: bool = False) -> tuple[Any, Any]:
+    """``fn`` eagerly and through ``torch.compile(backend="aotkit")`` on input clones: outputs
+    (values, conj/neg bits), storage sharing with the inputs, inputs after the call and grads."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aotkit", dynamic=dynamic, fullgraph=True)
+    sides = []
+    for run in (fn, compiled):
+        call = clone_inputs(args)
+        out = run(*call)
+        diff = [o for o in tensors(out) if o.requires_grad]
+        if diff:
+            torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+        sides.append((out, call))
+    (e_out, e_args), (a_out, a_args) = sides
+    for a, e in zip(pytree.tree_leaves(a_out), pytree.tree_leaves(e_out), strict=True):
+        torch.testing.assert_close(a, e)
+        shares = [storage(a) == storage(x) for x in a_args]
+        assert shares == [storage(e) == storage(x) for x in e_args], "aliasing differs from eager"
+    _assert_same_bits(a_out, e_out)
+    for a, e in zip(a_args, e_args, strict=True):
+        torch.testing.assert_close(a, e)
+        assert (a.grad is None) == (e.grad is None)
+        if e.grad is not None:
+            torch.testing.assert_close(a.grad, e.grad)
+    return a_out, a_args
+
+
+# --- conj / neg views ----------------------------------------------------------------------------
+
+
+_CONJ_VIEWS = {
+    "conj": lambda x: x.conj(),
+    "conj_imag": lambda x: x.conj().imag,  # a neg view of x's storage, as float
+    "conj_real": lambda x: x.conj().real,
+    "conj_slice": lambda x: x.conj()[1:],
+    "slice_conj": lambda x: x[1:].conj(),
+    "neg_view": lambda x: torch._neg_view(x),
+    "conj_of_output": lambda x: ((y := x * 1).conj(), y),
+    "conj_of_intermediate": lambda x: ((y := x * 2).conj(), y[0]),
+    "conj_with_other_outputs": lambda x: (x.sin(), x.conj(), x.conj().imag, x),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("fn", _CONJ_VIEWS.values(), ids=_CONJ_VIEWS.keys())
+def test_conj_and_neg_views_keep_their_bits(fn, grad):
+    result = check_against_eager(fn, crand(3, grad=grad))
+    _assert_same_bits(result.aot_out, result.eager_out)
+
+
+def test_conj_view_of_input_is_a_real_view():
+    result = check_against_eager(lambda x: x.conj(), crand(3, grad=True))
+    x, out = result.aot_args[0][0], result.aot_out
+    assert out.is_conj() and out._base is x
+    with torch.no_grad():
+        out[0] = 1 + 1j  # writes conj(1 + 1j) into x, as in eager
+    assert x[0].item() == 1 - 1j
+
+
+def test_conj_view_of_a_conjugated_input():
+    def prepare(args, kwargs):
+        return (args[0].conj(),), kwargs
+
+    for fn in (lambda x: x[1:], lambda x: x.conj(), lambda x: x.imag):
+        result = check_against_eager(fn, crand(3, grad=True), prepare=prepare)
+        _assert_same_bits(result.aot_out, result.eager_out)
+
+
+def test_conj_views_under_no_grad_and_dynamic_shapes():
+    fn = _CONJ_VIEWS["conj_with_other_outputs"]
+    result = check_against_eager(fn, crand(3, grad=True), context=torch.no_grad, backward=False)
+    _assert_same_bits(result.aot_out, result.eager_out)
+    result = check_against_eager(fn, crand(5, grad=True), aot_kwargs={"dynamic": True})
+    _assert_same_bits(result.aot_out, result.eager_out)
+
+
+@pytest.mark.parametrize("name", ["conj", "conj_imag", "conj_of_output"])
+def test_conj_views_through_torch_compile(name):
+    _compare_torch_compile(_CONJ_VIEWS[name], crand(3, grad=True))
+
+
+# --- storage changes of inputs: set_, .data =, resize_ ----------------------------------------
+
+
+def _assert_refused(fn: Any, args: tuple[Any, ...], match: str, **aot_kwargs: Any) -> None:
+    """Eager runs ``fn``; aotkit refuses it while tracing, naming the input and a fix, and
+    leaves the caller's tensors as they were (nothing half applied)."""
+    fn(*clone_inputs(args))
+    call = clone_inputs(args)
+    before = [(t.clone(), t.shape, storage(t)) for t in call]
+    with pytest.raises(UnsupportedError, match=match) as info:
+        aotkit.aot_function(fn, compilers.nop, **aot_kwargs)(*call)
+    assert "Fix:" in str(info.value)
+    for t, (value, shape, ptr) in zip(call, before, strict=True):
+        assert t.shape == shape and storage(t) == ptr
+        torch.testing.assert_close(t, value)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_set_on_an_input_is_refused(dynamic):
+    def fn(x, y):
+        x.set_(y)
+        return x + 1
+
+    _assert_refused(fn, (torch.zeros(3), torch.arange(4.0)), r"set_\(\.\.\.\) on input 0",
+                    dynamic=dynamic)
+
+
+def test_assigning_data_of_an_input_is_refused():
+    def fn(x, y):
+        x.data = y
+        return x + 1
+
+    _assert_refused(fn, (torch.zeros(3), torch.arange(4.0)), r"x\.data = \.\.\. on input 0")
+
+
+@pytest.mark.parametrize("resize", [lambda x: x.resize_(5, 5), lambda x: x.resize_as_(torch.ones(9)),
+                                    lambda x: x[1:].resize_(8)], ids=["resize_", "resize_as_", "view"])
+def test_resize_growing_an_input_is_refused(resize):
+    def fn(x):
+        resize(x)
+        return x.sum()
+
+    _assert_refused(fn, (torch.zeros(3),), "resize_ growing input 0")
+
+
+@pytest.mark.parametrize("shrink", [True, False], ids=["shrink", "same_size"])
+def test_resize_under_dynamic_shapes_is_refused(shrink):
+    def fn(x):
+        x.resize_(2 if shrink else x.shape[0])
+        return x * 2
+
+    _assert_refused(fn, (torch.zeros(4),), "dynamic shapes", dynamic=True)
+
+
+def test_resize_shrinking_an_input_matches_eager():
+    def fn(x, w):
+        x.resize_(2)
+        return x * w
+
+    result = check_against_eager(fn, rand(4), rand(2, grad=True))
+    assert result.aot_args[0][0].shape == (2,)
+
+
+def test_resize_of_an_intermediate_matches_eager():
+    def fn(x):
+        y = x.new_empty(0)
+        y.resize_(3)
+        return y.fill_(2) * x
+
+    check_against_eager(fn, rand(3, grad=True))
+
+
+# --- mutations hidden from autograd ----------------------------------------------------------
+
+
+_HIDDEN = {
+    "detach": lambda x: x.detach().add_(1),
+    "data": lambda x: x.data.mul_(2),
+    "detached_view": lambda x: x.detach()[1:].sub_(3),
+    "no_grad": lambda x: torch.no_grad()(lambda: x.add_(1))(),
+}
+
+
+@pytest.mark.parametrize("mutate", _HIDDEN.values(), ids=_HIDDEN.keys())
+def test_hidden_mutation_of_leaf_requiring_grad(mutate):
+    def fn(x):
+        mutate(x)
+        return x * 2, x * x  # the second saves the mutated x for backward
+
+    result = check_against_eager(fn, rand(3, grad=True))
+    x = result.aot_args[0][0]
+    assert x.is_leaf and x.grad_fn is None and x.requires_grad
+
+
+@pytest.mark.parametrize("mutate", _HIDDEN.values(), ids=_HIDDEN.keys())
+def test_hidden_mutation_of_non_leaf_keeps_its_history(mutate):
+    def fn(x):
+        mutate(x)
+        return x * 2
+
+    def prepare(args, kwargs):
+        return (args[0] * 3,), kwargs
+
+    # The helper also differentiates through the caller's x after the call.
+    result = check_against_eager(fn, rand(3, grad=True), prepare=prepare)
+    e_x, a_x = result.eager_args[0][0], result.aot_args[0][0]
+    assert type(a_x.grad_fn).__name__ == type(e_x.grad_fn).__name__ == "MulBackward0"
+
+
+def test_hidden_then_visible_mutation_of_non_leaf():
+    def fn(x, w):
+        x.detach().add_(1)
+        x.mul_(w)
+        return x.sin()
+
+    def prepare(args, kwargs):
+        return (args[0] * 3, args[1]), kwargs
+
+    result = check_against_eager(fn, rand(3, grad=True), rand(3, grad=True), prepare=prepare)
+    assert type(result.aot_args[0][0].grad_fn).__name__ != "MulBackward0"  # history changed
+
+
+def test_hidden_mutation_through_torch_compile():
+    def fn(x):
+        x.detach().add_(1)
+        return x * 2
+
+    _, (x,) = _compare_torch_compile(fn, torch.ones(3, requires_grad=True))
+    assert x.is_leaf
+
+
+def test_visible_mutation_of_leaf_still_raises_like_eager():
+    def fn(x):
+        x.detach().add_(1)
+        return x.add_(1)
+
+    for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            run(rand(3, grad=True))
+
+
+# --- views of mutated inputs under dynamic shapes ---------------------------------------------
+
+
+def _slice_mul(x: torch.Tensor) -> torch.Tensor:
+    y = x[1:]
+    y.mul_(2)
+    return y
+
+
+def _transpose_add(x: torch.Tensor) -> torch.Tensor:
+    x.transpose_(0, 1).add_(1)
+    return x[0]
+
+
+def _mul_view(x: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)
+    return x.view(-1)
+
+
+def _several_views(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x[1:].add_(1)
+    return x[0], x[1:].t(), x.view(-1)[2:], x.sum()
+
+
+_DYNAMIC_VIEWS = {"slice_mul": _slice_mul, "transpose_add": _transpose_add,
+                  "mul_view": _mul_view, "several_views": _several_views}
+
+
+@pytest.mark.parametrize("no_grad", [False, True], ids=["grad_mode", "no_grad"])
+@pytest.mark.parametrize("fn", _DYNAMIC_VIEWS.values(), ids=_DYNAMIC_VIEWS.keys())
+def test_view_of_mutated_input_under_dynamic_shapes(fn, no_grad):
+    context = torch.no_grad if no_grad else torch.enable_grad
+    for rows in (4, 6):
+        result = check_against_eager(fn, rand(rows, 3), aot_kwargs={"dynamic": True},
+                                     context=context, backward=False)
+        x, out = result.aot_args[0][0], tensors(result.aot_out)[0]
+        assert out._base is x
+        _assert_write_through(out, x)
+    # One entry serves both sizes, each output still a view of its own call's input.
+    f = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    for rows in (4, 6):
+        x = rand(rows, 3)
+        expected = fn(x.clone())
+        with context():
+            out = tensors(f(x))[0]
+        torch.testing.assert_close(out, tensors(expected)[0])
+        _assert_write_through(out, x)
+    assert f.num_entries == 1
+
+
+@pytest.mark.parametrize("fn", [_slice_mul, _transpose_add, _mul_view, _several_views],
+                         ids=["slice_mul", "transpose_add", "mul_view", "several_views"])
+def test_view_of_mutated_non_leaf_under_dynamic_shapes(fn):
+    def prepare(args, kwargs):
+        return (args[0] * 2,), kwargs
+
+    for rows in (4, 6):
+        result = check_against_eager(fn, rand(rows, 3, grad=True), prepare=prepare,
+                                     aot_kwargs={"dynamic": True})
+        _assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+
+
+def test_view_of_mutated_input_with_offset_under_dynamic_shapes():
+    def prepare(args, kwargs):  # x is itself a view with a storage offset
+        return (args[0][1],), kwargs
+
+    result = check_against_eager(_several_views, rand(3, 5, 4), prepare=prepare,
+                                 aot_kwargs={"dynamic": True}, backward=False)
+    _assert_write_through(result.aot_out[0], result.aot_args[0][0])
+
+
+@pytest.mark.parametrize("name", ["slice_mul", "mul_view"])  # Dynamo splits at transpose_
+def test_view_of_mutated_input_through_torch_compile_dynamic(name):
+    out, (x,) = _compare_torch_compile(_DYNAMIC_VIEWS[name], rand(5, 3), dynamic=True)
+    _assert_write_through(out, x)
+
+
+def test_view_of_mutated_input_laid_out_differently_is_refused():
+    def relayout(gm, example_inputs):  # lays x's new value out column-major, views it
+        def run(args):
+            new, _ = gm(*args)
+            new = new.t().contiguous().t()
+            return [new, new[0]]
+
+        run._boxed_call = True
+        return run
+
+    def fn(x):
+        x.mul_(2)
+        return x[0]
+
+    f = aotkit.aot_function(fn, relayout, dynamic=True)
+    x = rand(3, 4)
+    with torch.no_grad(), pytest.raises(UnsupportedError, match="laid that value out differently"):
+        f(x)

@@ -1,0 +1,321 @@
+"""Tracing against eager PyTorch: tensors a function closes over, sizes the backward needs under
+dynamic shapes, data-dependent ops, generators and activation checkpointing. Each test runs the
+program eagerly too; where aotkit refuses a program, the test shows what eager does with it and
+that aotkit changed nothing before refusing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from eager_check import RecordingCompiler, check_against_eager
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import aotkit
+from aotkit import compilers, counters
+from aotkit.errors import TraceError, UnsupportedError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    counters.reset()
+    yield
+    counters.reset()
+
+
+def rand(*shape: int, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_(grad)
+
+
+# --- closed-over tensors (Note [Closed-over tensors]) ----------------------------------------
+
+
+@pytest.mark.parametrize("mutate", [
+    pytest.param(lambda buf: buf.add_(1), id="add_"),
+    pytest.param(lambda buf: buf[1].mul_(2).add_(1), id="view"),
+    pytest.param(lambda buf: torch.add(buf, 1, out=buf), id="out="),
+    pytest.param(lambda buf: buf.t_(), id="metadata"),
+])
+@pytest.mark.parametrize("grad", [True, False])
+def test_mutated_closed_over_tensor_is_refused_before_tracing_touches_it(mutate, grad):
+    def make():
+        buf = torch.zeros(2, 3)
+
+        def fn(x):
+            mutate(buf)
+            return x * 2
+
+        return buf, fn
+
+    buf, fn = make()
+    fn(rand(3, grad=grad))
+    assert not torch.equal(buf, torch.zeros(2, 3)), "eager mutates the tensor"
+
+    buf, fn = make()
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    with pytest.raises(UnsupportedError) as info:
+        compiled(rand(3, grad=grad))
+    assert torch.equal(buf, torch.zeros(2, 3)) and buf.stride() == (3, 1), "tracing mutated it"
+    message = str(info.value)
+    assert "shape (2, 3)" in message and "torch.float32" in message
+    assert "mutates in place" in message and "test_trace_parity.py" in message  # the user line
+    assert "Fix: pass it as an argument (or use aot_module for parameters/buffers)" in message
+
+
+def test_mutated_closed_over_tensor_matches_eager_when_passed_as_argument():
+    def fn(x, buf):
+        buf.add_(1)
+        return x * buf
+
+    check_against_eager(fn, rand(3, grad=True), torch.zeros(3))
+
+
+def test_closed_over_tensor_that_requires_grad_is_refused():
+    c = torch.ones(3, requires_grad=True)
+
+    def fn(x):
+        return x * c
+
+    fn(torch.ones(3, requires_grad=True)).sum().backward()
+    assert torch.equal(c.grad, torch.ones(3))  # eager gives c a gradient
+    c.grad = None
+    for x in (rand(3, grad=True), rand(3)):  # the joint graph, and the inference graph
+        with pytest.raises(UnsupportedError) as info:
+            aotkit.aot_function(fn, compilers.nop)(x)
+        message = str(info.value)
+        assert "requires grad" in message and "shape (3,)" in message and "x * c" in message
+        assert "Fix: pass it as an argument" in message
+    assert c.grad is None
+
+
+def test_closed_over_tensor_that_requires_grad_matches_eager_where_no_grad_flows():
+    c = torch.randn(3, requires_grad=True)
+
+    def detached(x):
+        return x * c.detach()
+
+    def under_no_grad(x):
+        with torch.no_grad():
+            scale = c * 2
+        return x * scale
+
+    check_against_eager(detached, rand(3, grad=True))
+    check_against_eager(under_no_grad, rand(3, grad=True))
+    with torch.no_grad():
+        check_against_eager(lambda x: x * c, rand(3), backward=False)
+    assert c.grad is None
+
+
+def test_read_only_closed_over_tensor_is_a_live_constant():
+    mask = torch.tensor([1.0, 0.0, 1.0])
+    table = torch.arange(6.0).reshape(2, 3)
+
+    def fn(x):
+        return x * mask + table[1], (mask > 0).sum()
+
+    check_against_eager(fn, rand(3, grad=True))
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    x = rand(3, grad=True)
+    compiled(x)
+    mask.fill_(3.0)  # the graph keeps a reference, as eager reads the tensor at each call
+    out, count = compiled(x)
+    expected, expected_count = fn(x)
+    torch.testing.assert_close(out, expected)
+    assert count == expected_count
+
+
+def test_aot_module_reads_plain_tensor_attributes_and_updates_buffers():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+            self.scale = torch.tensor(0.5)  # a plain attribute: neither parameter nor buffer
+
+        def forward(self, x):
+            return self.bn(self.lin(x)) * self.scale
+
+    torch.manual_seed(0)
+    eager, ours = Net(), Net()
+    ours.load_state_dict(eager.state_dict())
+    compiled = aotkit.aot_module(ours, compilers.nop)
+    for _ in range(2):
+        x = rand(5, 4)
+        eager(x).sum().backward()
+        compiled(x).sum().backward()
+    for (name, a), b in zip(eager.state_dict().items(), ours.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, msg=lambda m, n=name: f"{n}: {m}")
+    for a, b in zip(eager.parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
+
+
+def test_torch_compile_lifts_closed_over_tensors_to_inputs():
+    def run(compile_fn):
+        c = torch.ones(3, requires_grad=True)
+        buf = torch.zeros(3)
+
+        def fn(x):
+            buf.add_(1)
+            return x * c
+
+        torch._dynamo.reset()
+        fn = compile_fn(fn)
+        x = torch.arange(3.0, requires_grad=True)
+        fn(x).sum().backward()
+        fn(x)
+        return buf, c.grad, x.grad
+
+    eager = run(lambda f: f)
+    ours = run(lambda f: torch.compile(f, backend="aotkit"))
+    for a, e in zip(ours, eager, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def test_aot_module_simplified_keeps_graph_tensor_attributes_as_constants():
+    class WithConstant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3))
+            self.offset = torch.tensor([1.0, 2.0, 3.0])  # traced as a get_attr constant
+
+        def forward(self, x):
+            return x * self.weight + self.offset
+
+    module = WithConstant()
+    gm = torch.fx.symbolic_trace(module)
+    x = rand(3, grad=True)
+    compiled = aotkit.aot_module_simplified(gm, [x], compilers.nop)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = module(x_ref)
+    expected.sum().backward()
+    eager_grads = (x_ref.grad, module.weight.grad.clone())
+    module.weight.grad = None
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close((x.grad, module.weight.grad), eager_grads)
+
+
+# --- dynamic shapes: the backward gets sizes, not tensors ------------------------------------
+
+
+def test_dynamic_default_partition_saves_sizes_not_the_input():
+    def fn(x):
+        return x.sum()
+
+    def run(compiled):
+        a = torch.ones(2, 3, requires_grad=True)
+        x = a * 1
+        s = compiled(x)
+        x.mul_(3)  # eager allows it: sum's backward keeps only the size
+        s.backward()
+        return s.detach(), a.grad
+
+    bw = RecordingCompiler("bw")
+    compiled = aotkit.aot_function(fn, compilers.nop, bw_compiler=bw, dynamic=True)
+    for (out, grad), (e_out, e_grad) in ((run(compiled), run(fn)), (run(compiled), run(fn))):
+        torch.testing.assert_close(out, e_out)
+        torch.testing.assert_close(grad, e_grad)
+    inputs = bw.example_inputs[0]
+    assert [type(v) for v in inputs] == [torch.SymInt, torch.SymInt, aotkit.compat.FakeTensor]
+    assert compiled.num_entries == 1
+
+
+def test_dynamic_default_partition_matches_eager_with_sizes_and_saved_tensors():
+    def fn(x, w):
+        y = (x @ w).relu()
+        return y.reshape(-1).softmax(0).view_as(y) + x.mean(1, keepdim=True)
+
+    for rows in (4, 6):
+        check_against_eager(fn, rand(rows, 5, grad=True), rand(5, 5, grad=True),
+                            aot_kwargs={"dynamic": True})
+
+
+# --- data-dependent ops, generators ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    pytest.param(lambda x: x * x.sum().item(), id="item"),
+    pytest.param(lambda x: x.nonzero(), id="nonzero"),
+    pytest.param(lambda x: x.masked_select(x > 0) * 2, id="masked_select"),
+    pytest.param(lambda x: torch.where(x > 0)[0] + 1, id="where"),
+])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_data_dependent_ops_raise_trace_error(fn, dynamic, grad):
+    x = rand(4, 3, grad=grad)
+    fn(x)  # eager runs it
+    with pytest.raises(TraceError) as info:
+        aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x)
+    message = str(info.value)
+    assert "depends on tensor data" in message and "test_trace_parity.py" in message
+    assert "Fix:" in message
+
+
+def test_generator_made_inside_the_function_is_refused():
+    def fn(x):
+        g = torch.Generator().manual_seed(5)
+        return x + torch.rand(x.shape, generator=g)
+
+    x = torch.zeros(3)
+    assert torch.equal(fn(x), fn(x))  # eager: every call starts from the seed
+    for dynamic, why in ((False, "carry over"), (True, "concrete sizes")):
+        with pytest.raises(UnsupportedError) as info:
+            aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x)
+        assert why in str(info.value) and "torch.Generator" in str(info.value)
+        assert "Fix:" in str(info.value) and "generator=g" in str(info.value)
+
+
+def test_generator_made_outside_the_function_advances_like_eager():
+    gen = torch.Generator()
+
+    def fn(x):
+        return x + torch.rand(x.shape, generator=gen)
+
+    for grad in (False, True):
+        gen.manual_seed(5)
+        expected = [fn(torch.zeros(3)) for _ in range(2)]
+        compiled = aotkit.aot_function(fn, compilers.nop)
+        gen.manual_seed(5)
+        for e in expected:
+            torch.testing.assert_close(compiled(rand(3, grad=grad).detach().zero_()
+                                                .requires_grad_(grad)), e)
+
+
+# --- activation checkpointing ----------------------------------------------------------------
+
+
+def _checkpointed_dropout(x):
+    return checkpoint(lambda a: F.dropout(a, 0.5).sin(), x, use_reentrant=False)
+
+
+def _checkpointed_block(x, w):
+    def block(a, w):
+        return F.dropout((a @ w).relu(), 0.3) * a
+
+    return checkpoint(block, x, w, use_reentrant=False).sum(1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_checkpoint_with_dropout_matches_eager(dynamic, partition):
+    partition_fn = aotkit.default_partition if partition == "default" \
+        else aotkit.min_cut_rematerialization_partition
+    kwargs = {"dynamic": dynamic, "partition_fn": partition_fn}
+    check_against_eager(_checkpointed_dropout, rand(4, 4, grad=True), seed=0, aot_kwargs=kwargs)
+    check_against_eager(_checkpointed_block, rand(4, 6, grad=True), rand(6, 6, grad=True),
+                        seed=1, aot_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_checkpoint_leaves_the_rng_where_eager_does(dynamic):
+    compiled = aotkit.aot_function(_checkpointed_dropout, compilers.nop, dynamic=dynamic)
+    after = []
+    for fn in (_checkpointed_dropout, compiled):
+        torch.manual_seed(0)
+        out = fn(torch.ones(4, 4, requires_grad=True))
+        forward_rng = torch.rand(2)
+        out.sum().backward()
+        after.append((forward_rng, torch.rand(2)))
+    torch.testing.assert_close(after[1], after[0])
