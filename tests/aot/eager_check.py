@@ -44,6 +44,19 @@ def tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+def rand(*shape: int, grad: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def assert_write_through(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out`` is a real alias of ``x``: same storage, and writing into it changes ``x``."""
+    assert storage(out) == storage(x)
+    before = x.detach().clone()
+    with torch.no_grad():
+        out.fill_(42.0)
+    assert (x != before).any(), "writing into the output did not change the input"
+
+
 def storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 

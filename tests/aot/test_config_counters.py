@@ -15,13 +15,6 @@ from aotkit import compilers, config, counters
 from aotkit.errors import AotkitError, ConfigError
 
 
-@pytest.fixture(autouse=True)
-def _fresh_counters():
-    counters.reset()
-    yield
-    counters.reset()
-
-
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("AOTKIT_")}
     full_env.update(env)

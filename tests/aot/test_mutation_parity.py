@@ -9,23 +9,19 @@ from typing import Any
 
 import pytest
 import torch
-from eager_check import check_against_eager, clone_inputs, storage, tensors
+from eager_check import (
+    assert_write_through,
+    check_against_eager,
+    clone_inputs,
+    rand,
+    storage,
+    tensors,
+)
 from torch.utils import _pytree as pytree
 
 import aotkit
-from aotkit import compilers, counters
+from aotkit import compilers
 from aotkit.errors import UnsupportedError
-
-
-@pytest.fixture(autouse=True)
-def _fresh_counters():
-    counters.reset()
-    yield
-    counters.reset()
-
-
-def rand(*shape: int, grad: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
 
 
 def crand(*shape: int, grad: bool = False) -> torch.Tensor:
@@ -38,15 +34,6 @@ def _assert_same_bits(actual: Any, expected: Any) -> None:
         assert (a.is_conj(), a.is_neg()) == (e.is_conj(), e.is_neg()), (
             f"output {i}: is_conj/is_neg {(a.is_conj(), a.is_neg())} != eager "
             f"{(e.is_conj(), e.is_neg())}")
-
-
-def _assert_write_through(out: torch.Tensor, x: torch.Tensor) -> None:
-    """``out`` is a real alias of ``x``: same storage, and writing into it changes ``x``."""
-    assert storage(out) == storage(x)
-    before = x.detach().clone()
-    with torch.no_grad():
-        out.fill_(42.0)
-    assert (x != before).any(), "writing into the output did not change the input"
 
 
 def _compare_torch_compile(fn: Any, *args: Any, dynamic: bool = False) -> tuple[Any, Any]:
@@ -308,7 +295,7 @@ def test_view_of_mutated_input_under_dynamic_shapes(fn, no_grad):
                                      context=context, backward=False)
         x, out = result.aot_args[0][0], tensors(result.aot_out)[0]
         assert out._base is x
-        _assert_write_through(out, x)
+        assert_write_through(out, x)
     # One entry serves both sizes, each output still a view of its own call's input.
     f = aotkit.aot_function(fn, compilers.nop, dynamic=True)
     for rows in (4, 6):
@@ -317,7 +304,7 @@ def test_view_of_mutated_input_under_dynamic_shapes(fn, no_grad):
         with context():
             out = tensors(f(x))[0]
         torch.testing.assert_close(out, tensors(expected)[0])
-        _assert_write_through(out, x)
+        assert_write_through(out, x)
     assert f.num_entries == 1
 
 
@@ -330,7 +317,7 @@ def test_view_of_mutated_non_leaf_under_dynamic_shapes(fn):
     for rows in (4, 6):
         result = check_against_eager(fn, rand(rows, 3, grad=True), prepare=prepare,
                                      aot_kwargs={"dynamic": True})
-        _assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+        assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
 
 
 def test_view_of_mutated_input_with_offset_under_dynamic_shapes():
@@ -339,13 +326,13 @@ def test_view_of_mutated_input_with_offset_under_dynamic_shapes():
 
     result = check_against_eager(_several_views, rand(3, 5, 4), prepare=prepare,
                                  aot_kwargs={"dynamic": True}, backward=False)
-    _assert_write_through(result.aot_out[0], result.aot_args[0][0])
+    assert_write_through(result.aot_out[0], result.aot_args[0][0])
 
 
 @pytest.mark.parametrize("name", ["slice_mul", "mul_view"])  # Dynamo splits at transpose_
 def test_view_of_mutated_input_through_torch_compile_dynamic(name):
     out, (x,) = _compare_torch_compile(_DYNAMIC_VIEWS[name], rand(5, 3), dynamic=True)
-    _assert_write_through(out, x)
+    assert_write_through(out, x)
 
 
 def test_view_of_mutated_input_laid_out_differently_is_refused():

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from eager_check import RecordingCompiler, check_against_eager, storage
+from eager_check import RecordingCompiler, assert_write_through, check_against_eager, rand, storage
 from torch import nn
 
 import aotkit
@@ -20,27 +20,6 @@ from aotkit.errors import (
     TraceError,
     UnsupportedError,
 )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_counters():
-    counters.reset()
-    yield
-    counters.reset()
-
-
-def rand(*shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape).requires_grad_(grad)
-
-
-def _assert_write_through(out: torch.Tensor, x: torch.Tensor) -> None:
-    """``out`` is a real alias of ``x``: same storage, and writing into it changes ``x``."""
-    assert storage(out) == storage(x)
-    before = x.detach().clone()
-    with torch.no_grad():
-        out.fill_(42.0)
-    assert (x != before).any(), "writing into the output did not change the input"
-
 
 # --- pytrees and non-tensor values -----------------------------------------------------------
 
@@ -134,7 +113,7 @@ def test_detached_outputs_share_memory_without_autograd_link():
     result = check_against_eager(fn, rand(3, grad=True))
     plain, leaf, _ = result.aot_out
     assert not plain.requires_grad and leaf.requires_grad and leaf.grad_fn is None
-    _assert_write_through(plain, result.aot_args[0][0])
+    assert_write_through(plain, result.aot_args[0][0])
 
 
 def test_output_view_taken_under_no_grad():
@@ -366,14 +345,14 @@ def test_output_is_view_of_input(view):
     result = check_against_eager(lambda x: view(x), rand(3, 4, grad=True))
     x = result.aot_args[0][0]
     assert result.aot_out._base is x
-    _assert_write_through(result.aot_out, x)
-    _assert_write_through(result.eager_out, result.eager_args[0][0])
+    assert_write_through(result.aot_out, x)
+    assert_write_through(result.eager_out, result.eager_args[0][0])
     torch.testing.assert_close(result.aot_args[0][0], result.eager_args[0][0])
 
 
 def test_output_is_view_of_input_without_grad():
     result = check_against_eager(lambda x, w: (x[1], x.sum() * w), rand(3, 4), rand(1, grad=True))
-    _assert_write_through(result.aot_out[0], result.aot_args[0][0])
+    assert_write_through(result.aot_out[0], result.aot_args[0][0])
 
 
 def test_output_is_the_input():
@@ -396,7 +375,7 @@ def test_output_is_view_of_mutated_input():
     result = check_against_eager(fn, rand(2, 3))
     x = result.aot_args[0][0]
     assert result.aot_out._base is x
-    _assert_write_through(result.aot_out, x)
+    assert_write_through(result.aot_out, x)
 
 
 def test_output_is_view_of_mutated_non_leaf():
@@ -418,7 +397,7 @@ def test_output_is_view_of_mutated_non_leaf():
 def test_output_view_changing_dtype(fn, grad):
     x = torch.randn(4, dtype=torch.cfloat, requires_grad=grad)
     result = check_against_eager(fn, x)
-    _assert_write_through(result.aot_out, result.aot_args[0][0])
+    assert_write_through(result.aot_out, result.aot_args[0][0])
 
 
 def test_eval_dropout_returns_the_input():
@@ -452,7 +431,7 @@ def test_views_restored_when_the_compiler_copies_outputs():
 
     result = check_against_eager(fn, rand(3, 3, 2, grad=True), rand(2, 3, grad=True),
                                  prepare=prepare, compiler=copying_compiler)
-    _assert_write_through(result.aot_out[0], result.aot_args[0][0])
+    assert_write_through(result.aot_out[0], result.aot_args[0][0])
 
 
 # --- outputs aliasing each other ---------------------------------------------------------------

@@ -8,25 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from eager_check import RecordingCompiler, check_against_eager
+from eager_check import RecordingCompiler, check_against_eager, rand
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import aotkit
-from aotkit import compilers, counters
+from aotkit import compilers
 from aotkit.errors import TraceError, UnsupportedError
-
-
-@pytest.fixture(autouse=True)
-def _fresh_counters():
-    counters.reset()
-    yield
-    counters.reset()
-
-
-def rand(*shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape).requires_grad_(grad)
-
 
 # --- closed-over tensors (Note [Closed-over tensors]) ----------------------------------------
 
