@@ -112,6 +112,16 @@ def set_autograd_verbose_logger(logger: Any) -> None:
     _engine().set_verbose_logger(logger)
 
 
+def replay_ctx(ctx: Any, saved_tensors: list[torch.Tensor]) -> Any:
+    """The ``ctx`` a custom Function's backward gets when a captured graph replays it: the
+    engine's node, with ``saved_tensors`` taken from the graph's inputs. Dynamo (a compiler such
+    as ``torch.compile(gm)``) traces ``Function.backward(ctx, ...)`` only for a ctx of exactly
+    this Dynamo-provided type, so that is the one we build."""
+    from torch._dynamo.external_utils import FakeBackwardCFunction
+
+    return FakeBackwardCFunction(ctx, saved_tensors)
+
+
 def call_cpp_tensor_pre_hooks(hook_id: int, grad: torch.Tensor) -> torch.Tensor:
     """Run the C++ tensor pre-hooks (``retain_grad``) the engine registered under ``hook_id``."""
     return _engine().call_cpp_tensor_pre_hooks(hook_id, grad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -95,6 +96,56 @@ def test_create_graph_raises_typed_error_with_workaround() -> None:
         with aotkit.compiled_autograd.disable():
             (w**3).sum().backward(create_graph=True)
     torch.testing.assert_close(w.grad, 3 * w.detach() ** 2)
+
+
+def test_failed_captures_do_not_poison_the_engine_cache() -> None:
+    """A capture that fails leaves the engine an entry without a graph; the same backward must
+    fail the same way again (not with an engine assert), and work once it can."""
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        for _ in range(3):
+            with pytest.raises(aotkit.errors.UnsupportedError, match="create_graph"):
+                (w**3).sum().backward(create_graph=True)
+        w.grad = None
+        (w**3).sum().backward()
+    torch.testing.assert_close(w.grad, 3 * w.detach() ** 2)
+
+    calls = []
+
+    def fails_once(gm: fx.GraphModule) -> Any:
+        calls.append(gm)
+        if len(calls) == 1:
+            raise ValueError("boom")
+        return gm
+
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(2):  # within the block, then in a new block (which clears the engine's cache)
+        with aotkit.compiled_autograd.enable(fails_once):
+            failing = len(calls) == 0
+            with pytest.raises(aotkit.errors.CompilerError, match="boom") if failing else nullcontext():
+                (x.sin() * 2).sum().backward()
+            x.grad = None
+            (x.sin() * 2).sum().backward()
+            torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+            x.grad = None
+    assert counts() == (3, 4)  # failed captures are not counted as captures
+
+
+def test_an_identical_compiler_function_per_block_reuses_the_graph() -> None:
+    """``enable(lambda gm: gm)`` inside a training loop makes a new but identical function each
+    step: the captured graph is kept. A function closing over another object is a new compiler."""
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for _ in range(3):
+        with aotkit.compiled_autograd.enable(lambda gm: gm):
+            _step(w, 2)
+    assert counts() == (1, 1)
+    assert not aotkit.explain().of_kind("cache_clear")
+    for scale in (1.0, 2.0):
+        with aotkit.compiled_autograd.enable(lambda gm, s=scale: gm):
+            _step(w, 2)
+    assert counts() == (3, 3)
+    assert len(aotkit.explain().of_kind("cache_clear")) == 2
 
 
 def _graph_with_inputs(vals: list[torch.Tensor], user: Any) -> fx.Graph:

@@ -155,3 +155,47 @@ def test_in_place_on_view_backward() -> None:
 
     _, _, expected, actual = both(step)
     torch.testing.assert_close(actual, expected)
+
+
+def test_hooks_on_parameter_grads_run_when_the_grad_is_ready() -> None:
+    """A hook on a parameter's gradient, its accumulation and post-accumulate hooks run as soon
+    as that gradient is ready (eager's order), not at the end of the captured backward."""
+
+    def step(log: list[str]) -> Any:
+        l1, l2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        l2.bias.register_hook(lambda g: (log.append("l2.bias hook"), g * 2)[1])
+        l2.bias.register_post_accumulate_grad_hook(lambda p: log.append("l2.bias post-acc"))
+        l1.weight.register_post_accumulate_grad_hook(lambda p: log.append("l1.weight post-acc"))
+        l1.weight.retain_grad()  # a C++ tensor pre-hook on a leaf (a no-op there)
+        x = torch.randn(2, 3, requires_grad=True)
+        x.register_hook(lambda g: log.append(f"x hook sees l2.bias.grad={l2.bias.grad}"))
+        l2(l1(x)).sum().backward()
+        return [p.grad for p in (*l1.parameters(), *l2.parameters(), x)]
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert eager_log[:2] == ["l2.bias hook", "l2.bias post-acc"]
+    assert compiled_log == eager_log
+    torch.testing.assert_close(actual, expected)
+
+
+def test_custom_function_backward_under_a_dynamo_compiler() -> None:
+    """torch.compile traces a custom Function's backward replayed from the captured graph."""
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return g * 2 + x
+
+    def compiler(gm: torch.fx.GraphModule) -> Any:
+        return torch.compile(gm, backend="eager", fullgraph=True, dynamic=False)
+
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(compiler):
+        Double.apply(w).sum().backward()
+    torch.testing.assert_close(w.grad, 2 + w.detach())

@@ -50,6 +50,10 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
             "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
         )
     _forget_other_compilers(compiler_fn)
+    if session.failed_captures:  # See Note [Failed captures]
+        _clear_engine_cache()
+        counters.record("cache_clear", "compiled_autograd", "a capture failed in an earlier "
+                        "enable() block; the engine's cached graphs are dropped", logger=log)
     compat.set_autograd_verbose_logger(_engine_log)
     session.set_active(new)
     try:
@@ -65,7 +69,7 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
 def _forget_other_compilers(compiler_fn: Callable[..., Any]) -> None:
     """Clear the engine's cache when the compiler changes. See Note [Stale compiled backward]."""
     global _last_compiler
-    if _last_compiler is not None and _last_compiler is not compiler_fn:
+    if _last_compiler is not None and not session.same_compiler(_last_compiler, compiler_fn):
         _clear_engine_cache()
         counters.record("cache_clear", "compiled_autograd",
                         f"compiler changed from {_last_compiler!r} to {compiler_fn!r}; the engine's "
@@ -77,6 +81,7 @@ def _forget_other_compilers(compiler_fn: Callable[..., Any]) -> None:
 def _clear_engine_cache() -> None:
     compat.clear_autograd_cache()
     session.graphs_cached = 0
+    session.failed_captures = 0
 
 
 @contextlib.contextmanager

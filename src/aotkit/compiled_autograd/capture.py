@@ -76,10 +76,14 @@ class Capture:
         self.reasons: list[str] = []
         self.origins: list[str] = []
         self.origin = ""
+        self.finished = False
 
     def close(self) -> None:
-        """Leave the fake/proxy modes; the engine also calls this when a capture fails."""
+        """Leave the fake/proxy modes. The engine calls this when a capture fails, leaving an
+        entry without a graph in its cache: see Note [Failed captures]."""
         self.stack.close()
+        if not self.finished:
+            session_state.forget_failed_capture()
 
     # ---- begin ------------------------------------------------------------------------------
 
@@ -96,7 +100,6 @@ class Capture:
                 "aotkit.compiled_autograd does not check for NaNs per node (anomaly mode). "
                 "Workaround: debug under aotkit.compiled_autograd.disable()."
             )
-        counters.bump("compiled_autograd", "captures")
         self.id = next(_ids)
         self.input_shapes = [tuple(x.shape) for x in inputs]
         self.tracer.root = torch.nn.Module()
@@ -339,8 +342,9 @@ class Capture:
         if log.isEnabledFor(logging.INFO):
             log.info("captured backward graph %d:\n%s", self.id,
                      gm.print_readable(print_output=False))
-        self._record()
         compiled = compile_graph(gm, self.session.compiler_fn)
+        self._record()
+        self.finished = True
         return CompiledBackward(gm, self.session.compiler_fn, compiled, to_cuda), compiled
 
     def _plan_cuda_scalars(self, graph: fx.Graph) -> list[int]:
@@ -354,12 +358,14 @@ class Capture:
         return plan.moved
 
     def _record(self) -> None:
+        counters.bump("compiled_autograd", "captures")
         self.session.captures += 1
         first = session_state.graphs_cached == 0
         session_state.graphs_cached += 1
         kind = "capture" if first else "recapture"
         why = "; ".join(self.reasons) or (
             "first backward since the engine's cache was cleared" if first
+            else "an earlier capture of this graph failed" if session_state.failed_captures
             else "the engine's cache missed (no reason reported by this PyTorch)")
         why += f" (input shapes {self.input_shapes})"
         counters.record(kind, "compiled_autograd", why, logger=log)

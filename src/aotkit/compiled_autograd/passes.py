@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from aotkit.compiled_autograd.runtime import IMPURE, Op, call_accumulate_grad, call_hook
+from aotkit.compiled_autograd.runtime import (
+    IMPURE,
+    Op,
+    call_accumulate_grad,
+    call_cpp_tensor_pre_hooks,
+    call_hook,
+)
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:
@@ -27,16 +33,17 @@ def _is_input_read(node: fx.Node) -> bool:
 
 
 def place_accumulations_eagerly(graph: fx.Graph) -> None:
-    """Move each ``.grad`` accumulation (and its post-accumulate-grad hooks) right after its
-    gradient is computed.
+    """Move each ``.grad`` accumulation (with the tensor hooks on that gradient, and its
+    post-accumulate-grad hooks) right after its gradient is computed.
 
-    The engine visits leaves in its own order when capturing, while eager accumulates a leaf as
-    soon as its gradient is ready; hooks observing ``.grad`` would otherwise run in another order.
+    The engine visits leaves in its own order when capturing, often last, while eager
+    accumulates a leaf, running its hooks, as soon as its gradient is ready; hooks observing
+    ``.grad`` would otherwise run in another order, and gradients would live longer.
     """
-    for acc in graph.find_nodes(op="call_function", target=call_accumulate_grad):
-        deps = [a for a in acc.args if isinstance(a, fx.Node) and not _is_input_read(a)]
-        if deps:
-            max(deps).append(acc)
+    placed: dict[fx.Node, fx.Node] = {}  # a node -> the last node moved right after it
+    for node in list(graph.nodes):
+        if node.target is call_accumulate_grad or _feeds_accumulation(node):
+            _move_after_inputs(node, placed)
     hooks = [n for n in graph.find_nodes(op="call_function", target=call_hook)
              if n.kwargs.get("hook_type") == "post_acc_grad_hook"]
     for hook in reversed(hooks):  # reversed + append after acc keeps the hooks' relative order
@@ -45,6 +52,31 @@ def place_accumulations_eagerly(graph: fx.Graph) -> None:
         if acc is not None:
             acc.append(hook.args[0])  # type: ignore[arg-type]
             hook.args[0].append(hook)  # type: ignore[union-attr]
+
+
+def _feeds_accumulation(node: fx.Node) -> bool:
+    """A tensor hook on a leaf's gradient (``param.register_hook``, ``retain_grad``), possibly
+    followed by more hooks before the accumulation."""
+    is_tensor_hook = node.target is call_cpp_tensor_pre_hooks or (
+        node.target is call_hook and node.kwargs.get("hook_type") == "tensor_pre_hook")
+    return is_tensor_hook and any(
+        u.target is call_accumulate_grad or _feeds_accumulation(u) for u in node.users)
+
+
+def _move_after_inputs(node: fx.Node, placed: dict[fx.Node, fx.Node]) -> None:
+    """Move ``node`` right after the last value it reads (after nodes already moved there, in
+    their order); reads of graph inputs come along, just before it."""
+    deps = [a for a in node.all_input_nodes if not _is_input_read(a)]
+    if not deps:
+        return
+    target = max(deps)
+    anchor = placed.get(target, target)
+    reads = [a for a in node.all_input_nodes if _is_input_read(a) and a.op != "placeholder"]
+    anchor.append(node)
+    for read in reads:
+        if read > node:
+            node.prepend(read)
+    placed[target] = node
 
 
 @dataclass

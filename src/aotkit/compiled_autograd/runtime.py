@@ -68,24 +68,9 @@ def lookup(name: str) -> Callable[..., Any]:
     return _ops[name]
 
 
-class _ReplayCtx:
-    """A custom Function's ctx whose saved tensors come from the graph's inputs."""
-
-    def __init__(self, ctx: Any, saved_tensors: Sequence[torch.Tensor]) -> None:
-        self._ctx = ctx
-        self.saved_tensors = tuple(saved_tensors)
-
-    @property
-    def saved_variables(self) -> tuple[torch.Tensor, ...]:
-        return self.saved_tensors
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ctx, name)
-
-
 def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any) -> tuple[Any, ...]:
     """Run a custom ``torch.autograd.Function``'s backward with the graph's saved tensors."""
-    out = ctx._forward_cls.backward(_ReplayCtx(ctx, saved_tensors), *grads)
+    out = ctx._forward_cls.backward(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
     return out if isinstance(out, tuple) else (out,)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,22 @@ class Session:
 _active: Session | None = None
 #: Graphs captured since the engine's cache was last cleared (0: the next capture is the first).
 graphs_cached = 0
+#: Captures that failed since the engine's cache was last cleared. See Note [Failed captures].
+failed_captures = 0
+
+
+# Note [Failed captures]
+# When a capture fails (create_graph=True, a compiler that raises, ...) the engine keeps an entry
+# without a graph for that autograd-graph structure. The next backward of that structure
+# captures again, except that with a verbose logger set the engine insists on a reason for the
+# capture, finds none and fails an internal assert. So a failed capture drops the engine's
+# verbose logger for the rest of the enable() block (later recaptures are recorded without the
+# engine's reasons), and the next enable() clears the engine's cache before setting it again.
+def forget_failed_capture() -> None:
+    """Called by a capture that did not finish. See Note [Failed captures]."""
+    global failed_captures
+    failed_captures += 1
+    compat.set_autograd_verbose_logger(None)
 
 
 def active() -> Session | None:
@@ -45,6 +62,40 @@ def active() -> Session | None:
 def set_active(session: Session | None) -> None:
     global _active
     _active = session
+
+
+def same_compiler(a: Callable[..., Any] | None, b: Callable[..., Any] | None) -> bool:
+    """Whether two compiler objects compile alike: the same object, or two Python functions made
+    from one definition with the same defaults, globals and closed-over objects (``enable(lambda
+    gm: gm)`` in a training loop makes a new, identical lambda every step)."""
+    if a is b:
+        return True
+    if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)):
+        return False
+    kwdefaults_a, kwdefaults_b = a.__kwdefaults__ or {}, b.__kwdefaults__ or {}
+    return (
+        a.__code__ is b.__code__
+        and a.__globals__ is b.__globals__
+        and kwdefaults_a.keys() == kwdefaults_b.keys()
+        and _identical(a.__defaults__ or (), b.__defaults__ or ())
+        and _identical([kwdefaults_a[k] for k in kwdefaults_a], [kwdefaults_b[k] for k in kwdefaults_a])
+        and _identical(_cells(a), _cells(b))
+    )
+
+
+def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
+    return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))
+
+
+def _cells(fn: types.FunctionType) -> list[Any]:
+    """The objects ``fn`` closes over (a cell not yet assigned counts as itself)."""
+    contents = []
+    for cell in fn.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:
+            contents.append(cell)
+    return contents
 
 
 def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,7 +140,7 @@ class CompiledBackward:
                 "aotkit.compiled_autograd.enable(); call aotkit.compiled_autograd.reset() after "
                 "switching between compiled-autograd implementations."
             )
-        if session.compiler_fn is not self._compiler_fn:
+        if not same_compiler(session.compiler_fn, self._compiler_fn):
             counters.record("recompile", "compiled_autograd",
                             f"compiler changed to {session.compiler_fn!r}; compiling the captured "
                             "graph again", logger=log)
