@@ -219,6 +219,18 @@ def test_bad_options_are_argument_errors(options: dict[str, object]) -> None:
     assert "Fix:" in str(info.value)
 
 
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_debug", "aotkit_inductor"])
+def test_modes_the_backends_lack_are_refused_not_ignored(backend: str) -> None:
+    net, x = Net(), torch.ones(3, 8)
+    torch.testing.assert_close(torch.compile(net, backend=backend, mode="default")(x), net(x),
+                               rtol=1e-4, atol=1e-5)
+    compiled = torch.compile(Net(), backend=backend, mode="reduce-overhead")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.randn(3, 8))
+    assert isinstance(info.value.inner_exception, aotkit.errors.ArgumentError)
+    assert "has no 'reduce-overhead' mode" in str(info.value)
+
+
 def test_a_compiler_used_as_a_backend_says_which_backend_to_use() -> None:
     compiled = torch.compile(Net(), backend=aotkit.compilers.nop)
     with pytest.raises(aotkit.errors.ArgumentError, match="backend='aotkit'"):
@@ -230,3 +242,28 @@ def test_decisions_name_the_compiled_region() -> None:
     torch.compile(model, backend="aotkit")(torch.randn(3, 8)).sum().backward()
     [decision] = aotkit.explain().of_kind("partition")
     assert decision.what == "aot_module_simplified(forward in test_backends.py [0/0])"
+
+
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_debug"])
+def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None:
+    """Dynamo hands over .item() values and data-dependent sizes as unbacked symbols."""
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().item()
+
+    def count(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(x.nonzero().shape[0]) + x.sum()
+
+    x = torch.randn(5)
+    x[1] = 0.0
+    with torch._dynamo.config.patch(capture_scalar_outputs=True,
+                                    capture_dynamic_output_shape_ops=True):
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(count, backend=backend)(x), count(x))
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = torch.compile(scale, backend=backend, fullgraph=True)(a)
+        expected = scale(b)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(a.grad, b.grad)

@@ -67,6 +67,17 @@ def partition_from(options: Mapping[str, Any] | None, default: str = "default") 
                              activation_memory_budget=float(budget))
 
 
+def _check_mode(mode: str | None, backend: str) -> None:
+    """``torch.compile(mode=...)`` names Inductor presets (CUDA graphs, autotuning) that these
+    backends do not implement: only the default is accepted, never silently ignored."""
+    if mode not in (None, "default"):
+        raise ArgumentError(
+            f"torch.compile(backend={backend!r}, mode={mode!r}): backend {backend!r} has no "
+            f"{mode!r} mode.\nFix: leave mode unset (or 'default'); choose the partitioner "
+            "with options={'partition': ...} instead."
+        )
+
+
 def _aot(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: Compiler,
          options: Mapping[str, Any] | None) -> Callable[..., Any]:
     """AOT autograd with one compiler for every graph, each run outside Dynamo."""
@@ -76,7 +87,8 @@ def _aot(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: Compiler,
 
 
 def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any],
-               options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+               options: Mapping[str, Any] | None = None,
+               mode: str | None = None) -> Callable[..., Any]:
     """``backend="aotkit"``: AOT autograd with the ``nop`` compiler (graphs run as Python).
     ``options`` picks the partitioner (:func:`partition_from`).
 
@@ -87,11 +99,13 @@ def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any],
         >>> f(torch.zeros(2))
         tensor([1., 1.])
     """
+    _check_mode(mode, "aotkit")
     return _aot(gm, example_inputs, compilers.nop, options)
 
 
 def aotkit_debug(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                 options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+                 options: Mapping[str, Any] | None = None,
+                 mode: str | None = None) -> Callable[..., Any]:
     """``backend="aotkit_debug"``: AOT autograd with ``debug_nop``, which runs every graph node
     by node and checks each result's dtype, shape and strides against the traced values.
 
@@ -102,11 +116,13 @@ def aotkit_debug(gm: fx.GraphModule, example_inputs: Sequence[Any],
         >>> f(torch.zeros(2))
         tensor([1., 1.])
     """
+    _check_mode(mode, "aotkit_debug")
     return _aot(gm, example_inputs, compilers.debug_nop, options)
 
 
 def aotkit_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                    options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+                    options: Mapping[str, Any] | None = None,
+                    mode: str | None = None) -> Callable[..., Any]:
     """``backend="aotkit_inductor"``: aotkit's AOT autograd and min-cut partitioner, Inductor as
     the code generator of the forward, backward and inference graphs. ``options`` as for
     :func:`partition_from` (default ``{"partition": "min_cut"}``).
@@ -122,6 +138,7 @@ def aotkit_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
         >>> f(torch.zeros(2))  # doctest: +SKIP
         tensor([1., 1.])
     """
+    _check_mode(mode, "aotkit_inductor")
     inductor = compilers.inductor
     return aot_module_simplified(
         gm, example_inputs,

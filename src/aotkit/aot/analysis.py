@@ -8,6 +8,7 @@ See Note [Aliased outputs] below.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import current_user_line
 from aotkit.compat import (
+    FakeTensor,
     FunctionalTensor,
     FunctionalTensorMode,
     StorageWeakRef,
@@ -153,7 +155,7 @@ def analyze(
     ``flat_fn`` returns ``(flat_outputs, out_spec)``. Must run under the fake mode of ``args``.
     Also returns fake values of the forward outputs, the templates for the joint's tangents.
     """
-    with FunctionalTensorMode(_allow_token_discovery=True):
+    with FunctionalTensorMode(_allow_token_discovery=True), _discarding_unbacked_symbols(args):
         f_args = [to_fun(a) for a in args]
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
@@ -169,6 +171,14 @@ def analyze(
             *bases,
         ]
         return meta, [from_fun(o) for o in fw_outs]
+
+
+def _discarding_unbacked_symbols(args: Sequence[Any]) -> Any:
+    """Sizes and values this pass reads from data (``x.item()`` when Dynamo captures scalar
+    outputs) are fresh unbacked symbols of the ShapeEnv; the pass's values are thrown away, so
+    are those symbols, or the traced pass after it would find them unbound."""
+    shape_env = next((a.fake_mode.shape_env for a in args if isinstance(a, FakeTensor)), None)
+    return shape_env.ignore_fresh_unbacked_symbols() if shape_env else contextlib.nullcontext()
 
 
 def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputInfo:
