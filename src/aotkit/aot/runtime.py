@@ -310,7 +310,7 @@ def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info:
     if info.static_view is not None:
         return info.static_view
     if source.new_value is not None and _same_storage(source.new_value, out):
-        return _view_of_new_value(source, base, out, name)
+        return _view_of_new_value(source, out, name)
     raise CompilerError(
         f"{name}: an output that views another tensor came back from the compiled graph as a "
         "copy with symbolic sizes, so it cannot be made a view again.\nFix: use a compiler that "
@@ -327,9 +327,8 @@ def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info:
 # the new value is laid out like x (same sizes and strides), each element sits at the same
 # distance from its tensor's start in both storages, so the view moves by the difference of
 # the two storage offsets.
-def _view_of_new_value(source: _ViewSource, base: torch.Tensor, out: torch.Tensor,
-                       name: str) -> tuple[Any, Any, int]:
-    new = source.new_value
+def _view_of_new_value(source: _ViewSource, out: torch.Tensor, name: str) -> tuple[Any, Any, int]:
+    new, base = source.new_value, _plain(source.base)
     assert new is not None
     laid_out_alike = (
         new.dtype == base.dtype and new.size() == base.size() and new.stride() == base.stride()
@@ -343,8 +342,9 @@ def _view_of_new_value(source: _ViewSource, base: torch.Tensor, out: torch.Tenso
             f"the input (sizes {tuple(base.size())}, strides {base.stride()}).\nFix: compile "
             "with dynamic=False, or return a clone of the view (out.clone())."
         )
-    offset = base.storage_offset() + out.storage_offset() - new.storage_offset()
-    return out.size(), out.stride(), offset
+    # Offsets count elements of each tensor's own dtype: move by bytes, in out's elements.
+    shift = (base.storage_offset() - new.storage_offset()) * base.element_size()
+    return out.size(), out.stride(), out.storage_offset() + shift // out.element_size()
 
 
 def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

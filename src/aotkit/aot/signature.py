@@ -122,15 +122,23 @@ def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     return names
 
 
-def _static_sizes(fakes: Sequence[Any]) -> list[str]:
-    """Guards for the sizes and strides traced as plain ints (sizes 0 and 1 are specialized, and
-    the ShapeEnv's own guards only cover symbols): the graph bakes these values in."""
+def _static_sizes(shape_env: Any, fakes: Sequence[Any]) -> list[str]:
+    """Guards for the sizes and strides the graph bakes in: traced as plain ints (sizes 0 and 1
+    are specialized) or made constant while tracing (``int(x.shape[0])``, a size compared with a
+    literal), which the ShapeEnv records as a replacement but not always as a guard."""
     guards = []
     for i, fake in enumerate(fakes):
         for what, values in (("size", fake.shape), ("stride", fake.stride())):
-            guards += [f"L['t{i}'].{what}()[{d}] == {v}" for d, v in enumerate(values)
-                       if isinstance(v, int)]
+            for d, v in enumerate(values):
+                constant = v if isinstance(v, int) else _constant(shape_env, v)
+                if constant is not None:
+                    guards.append(f"L['t{i}'].{what}()[{d}] == {constant}")
     return guards
+
+
+def _constant(shape_env: Any, value: torch.SymInt) -> int | None:
+    expr = shape_env.replace(value.node.expr)
+    return int(expr) if expr.is_number else None
 
 
 class ShapeGuard:
@@ -142,7 +150,7 @@ class ShapeGuard:
 
         self.shape_env = shape_env
         sources = [LocalSource(f"t{i}") for i in range(len(fakes))]
-        self.guards: list[str] = [*shape_env.produce_guards(fakes, sources), *_static_sizes(fakes)]
+        self.guards: list[str] = [*shape_env.produce_guards(fakes, sources), *_static_sizes(shape_env, fakes)]
         self.code = " and ".join(self.guards)
         # Compiled once: evaluating the source string would parse it again on every call.
         self._compiled = compile(self.code or "True", "<aotkit shape guard>", "eval")

@@ -54,9 +54,10 @@ def drop_noop_views(gm: fx.GraphModule, keep_outputs: int | None = None) -> int:
 
 
 # Views that flip a tensor's conjugate or negative bit change its values, not its layout (and
-# fake values do not always carry those bits): a chain through one of them is not a no-op.
-_BIT_VIEWS = {torch.ops.aten.conj.default, torch.ops.aten._conj.default,
-              torch.ops.aten._neg_view.default}
+# fake values do not always carry those bits), and detach cuts autograd history a kept output
+# may rely on (``W.detach()[1:]`` of a closed-over W): chains through them are not no-ops.
+_NOT_NOOP_VIEWS = {torch.ops.aten.conj.default, torch.ops.aten._conj.default,
+                   torch.ops.aten._neg_view.default, torch.ops.aten.detach.default}
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -64,7 +65,7 @@ def _is_view(node: fx.Node) -> bool:
         node.op == "call_function"
         and isinstance(node.target, torch._ops.OpOverload)
         and node.target.is_view
-        and node.target not in _BIT_VIEWS
+        and node.target not in _NOT_NOOP_VIEWS
         and bool(node.args)
         and isinstance(node.args[0], fx.Node)
         and isinstance(node.meta.get("val"), torch.Tensor)

@@ -130,9 +130,10 @@ class _OutsideTensorGuard(TorchDispatchMode):
         kwargs = kwargs or {}
         if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: its body dispatches
             return func(*args, **kwargs)
-        self._check(func, args, kwargs)
+        self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
         out = self._run(func, args, kwargs)
+        self._check_grad_reads(func, args, kwargs, out)
         if func.is_view:
             self._track_views(args, kwargs, out)
         return out
@@ -150,16 +151,25 @@ class _OutsideTensorGuard(TorchDispatchMode):
         view, base = self.views.get(id(t), (None, None))
         return base if view is t else None
 
-    def _check(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+    def _check_writes(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        """Before the op runs: the fake mode would write to the real outside tensor."""
         for t in _written(func, args, kwargs):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
-        if torch.is_grad_enabled() and func not in _GRADLESS_READS:
-            for t in _tensors((args, kwargs)):
-                if t.requires_grad and self._outside(t) is not None:
-                    raise self._refusal(t, f"requires grad ({func} reads it)",
-                                        "its gradient would be lost")
+
+    def _check_grad_reads(self, func: torch._ops.OpOverload, args: Any, kwargs: Any,
+                          out: Any) -> None:
+        """After a read (reads have no effects): a gradient could flow back to an outside tensor
+        that requires grad only through floating outputs of an op that is differentiable."""
+        if not torch.is_grad_enabled() or func in _GRADLESS_READS:
+            return
+        if not any(t.is_floating_point() or t.is_complex() for t in _tensors(out)):
+            return  # comparisons, indices, .item(): no gradient to lose
+        for t in _tensors((args, kwargs)):
+            if t.requires_grad and self._outside(t) is not None:
+                raise self._refusal(t, f"requires grad ({func} reads it)",
+                                    "its gradient would be lost")
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
@@ -215,7 +225,14 @@ _GUARD: contextvars.ContextVar[_OutsideTensorGuard | None] = contextvars.Context
     "aotkit_outside_tensor_guard", default=None)
 
 #: Ops that read a tensor without linking its gradient to their outputs.
-_GRADLESS_READS = frozenset({torch.ops.aten.detach.default})
+_GRADLESS_READS = frozenset({
+    torch.ops.aten.detach.default, torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
+    torch.ops.aten.full_like.default, torch.ops.aten.rand_like.default,
+    torch.ops.aten.randn_like.default, torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_full.default,
+})
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
