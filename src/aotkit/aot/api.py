@@ -73,14 +73,11 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
                    mode: FakeTensorMode) -> CompiledGraphs:
     """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point."""
     counters.bump("aot", "traces")
-    inputs_need_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    training = torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    )
     with tracing(mode, name):
         meta, fw_out_fakes = analyze(flat_fn, args)
-        # Called under no_grad, a function may turn grad mode on itself (torch.enable_grad()):
-        # as in eager, its outputs then carry autograd history, so it needs the joint graph.
-        grad_inside = not torch.is_grad_enabled() and inputs_need_grad and any(
-            o.is_tensor and o.requires_grad for o in meta.outputs)
-        training = inputs_need_grad and (torch.is_grad_enabled() or grad_inside)
         if training:
             _refuse_leaf_metadata_mutation(meta, args, name)
             primals = [_as_leaf(a) for a in args]
@@ -105,7 +102,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
                     if isinstance(v, torch.Tensor))
     return CompiledGraphs(
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
-        num_inputs=len(args), training=True, grad_inside=grad_inside, bw_gm=bw_gm,
+        num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
     )
@@ -161,14 +158,15 @@ def _refuse_leaf_metadata_mutation(meta: AotMeta, args: Sequence[Any], name: str
 
 def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
     """The inference graph runs without autograd; eager would still hand back a fresh output
-    that requires grad when the function makes one itself from no input that requires grad
-    (``torch.ones(..., requires_grad=True)``)."""
+    that requires grad when the function makes one itself (``torch.ones(..., requires_grad=True)``
+    or ``torch.enable_grad()`` inside a call made under no_grad)."""
     fresh = [o for o in meta.outputs if o.alias is Alias.NONE and o.is_tensor and o.requires_grad]
     if fresh or any(meta.intermediate_bases_requires_grad):
         raise UnsupportedError(
-            f"{name} returns a tensor that requires grad although no input requires grad, so "
-            "aotkit compiled it for inference without autograd.\nFix: create tensors that "
-            "require grad outside the function and pass them in."
+            f"{name} returns a tensor that requires grad although no input requires grad or grad "
+            "mode is off, so aotkit compiled it for inference without autograd.\nFix: create "
+            "tensors that require grad outside the function and pass them in, and call the "
+            "function in the grad mode it needs instead of switching inside it."
         )
 
 

@@ -31,7 +31,6 @@ class CompiledGraphs:
     returned_mutations: list[int]       # inputs whose new value the forward returns
     num_inputs: int
     training: bool = False
-    grad_inside: bool = False  # traced under no_grad; the function enables grad itself
     bw_gm: fx.GraphModule | None = None
     bw_compiler: Compiler | None = None
     num_saved_tensors: int = 0
@@ -191,8 +190,7 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if graphs.mutates_inputs:
         check_no_aliased_mutation(graphs.name, graphs.meta, args)
     if graphs.training:
-        with torch.enable_grad() if graphs.grad_inside else contextlib.nullcontext():
-            fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
+        fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
     else:
         with torch.no_grad(), torch._C._DisableAutocast():
             fw_outs = graphs.fw(list(args))
