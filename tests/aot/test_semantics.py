@@ -585,6 +585,26 @@ def test_dynamic_entry_traced_at_size_zero_or_one_serves_only_that_size(first):
     assert f"args[0].size()[0] == {first}" in reason.why
 
 
+def test_dynamic_entry_guards_sizes_made_constant_while_tracing():
+    """int(x.shape[0]), math.sqrt(d), a size compared with a literal: the graph bakes the value
+    in, so the entry must not serve other sizes."""
+    import math
+
+    fns = {
+        "int": lambda x: x * int(x.shape[0]),
+        "len": lambda x: x.sum(0) / len(x),
+        "sqrt": lambda q: q @ q.T / math.sqrt(q.shape[-1]),
+        "duck": lambda x: x * torch.ones(x.shape[0], 3),
+    }
+    for name, fn in fns.items():
+        f = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+        for shape in ((3, 3), (5, 3), (2, 4)):
+            if name == "duck" and shape[1] != 3:
+                continue
+            x = rand(*shape)
+            torch.testing.assert_close(f(x), fn(x), msg=lambda m, n=name, s=shape: f"{n} {s}: {m}")
+
+
 def test_dynamic_shapes_with_mutation_and_aliasing():
     def fn(x, w):
         x.t_()

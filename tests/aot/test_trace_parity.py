@@ -90,6 +90,9 @@ def test_closed_over_tensor_that_requires_grad_matches_eager_where_no_grad_flows
 
     check_against_eager(detached, rand(3, grad=True))
     check_against_eager(under_no_grad, rand(3, grad=True))
+    for gradless in (lambda x: x * (c > 0), lambda x: x + torch.zeros_like(c),
+                     lambda x: x * c.argmax()):
+        check_against_eager(gradless, rand(3, grad=True))
     with torch.no_grad():
         check_against_eager(lambda x: x * c, rand(3), backward=False)
     assert c.grad is None
@@ -307,3 +310,11 @@ def test_checkpoint_leaves_the_rng_where_eager_does(dynamic):
         out.sum().backward()
         after.append((forward_rng, torch.rand(2)))
     torch.testing.assert_close(after[1], after[0])
+
+
+def test_a_view_of_a_detached_closed_over_tensor_stays_detached():
+    w = torch.randn(3, requires_grad=True)
+    out = aotkit.aot_function(lambda x: (x * 2, w.detach()[1:]), compilers.nop)(rand(3, grad=True))
+    expected = w.detach()[1:]
+    assert (out[1].requires_grad, out[1].grad_fn) == (expected.requires_grad, None) == (False, None)
+    torch.testing.assert_close(out[1], expected)
