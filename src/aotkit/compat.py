@@ -29,7 +29,6 @@ __all__ = [
     "guard_globals",
     "inductor_joint_graph_passes",
     "keep_stack_traces_of",
-    "mutations_hidden_from_autograd",
     "size_hint",
     "treespec_children",
 ]
@@ -53,11 +52,6 @@ def guard_globals() -> dict[str, Any]:
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
     return dict(SYMPY_INTERP)
-
-
-def mutations_hidden_from_autograd(inner: torch.Tensor) -> bool:
-    """Whether every mutation of a functional tensor ran under no_grad or inference mode."""
-    return torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(inner)
 
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:

@@ -23,7 +23,6 @@ from aotkit.compat import (
     FunctionalTensor,
     FunctionalTensorMode,
     StorageWeakRef,
-    mutations_hidden_from_autograd,
     treespec_children,
 )
 from aotkit.errors import UnsupportedError
@@ -190,11 +189,12 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
         raise _storage_change_error(f"x.set_(...) on input {index}", "")
     data = torch._functionalize_has_data_mutation(inner)
     metadata = torch._functionalize_has_metadata_mutation(inner)
-    # Functionalization flags mutations made under no_grad, not those made through a detached
-    # alias; both leave the input's autograd history (its grad_fn) as it was, which autograd
-    # would have changed had it seen the mutation. Data only: a metadata-only mutation would
+    # A mutation autograd saw changed the input's autograd history (its grad_fn); one made
+    # under no_grad or through a detached alias left it as it was. Functionalization's own
+    # no_grad flag is not used: a custom Function's forward mutates under no_grad and then
+    # ``mark_dirty`` hands the input to autograd. Data only: a metadata-only mutation would
     # read as hidden.
-    unseen = mutations_hidden_from_autograd(inner) or f_arg.grad_fn is grad_fn_before
+    unseen = f_arg.grad_fn is grad_fn_before
     return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad)
 
 
