@@ -244,7 +244,7 @@ def test_decisions_name_the_compiled_region() -> None:
     assert decision.what == "aot_module_simplified(forward in test_backends.py [0/0])"
 
 
-@pytest.mark.parametrize("backend", ["aotkit", "aotkit_debug"])
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_debug", "aotkit_inductor"])
 def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None:
     """Dynamo hands over .item() values and data-dependent sizes as unbacked symbols."""
 
@@ -267,3 +267,47 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
         out.sum().backward()
         expected.sum().backward()
         torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
+def test_float_argument_that_changes_between_calls(backend: str) -> None:
+    """Dynamo passes a changing float as a tensor plus .item(); see Note [Float arguments from
+    Dynamo]. One graph serves every later value, and values and grads are eager's."""
+
+    def f(x: torch.Tensor, lr: float) -> torch.Tensor:
+        return (x * lr).sin() * (lr * 2 + 1)
+
+    compiled = torch.compile(f, backend=backend)
+    for lr in (0.1, 0.2, 0.3, 0.4):
+        x = torch.randn(4, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, expected = compiled(x, lr), f(x_eager, lr)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(x.grad, x_eager.grad)
+    assert counters["aot"]["traces"] == 2  # the first value, then one graph for all others
+    assert not aotkit.explain().of_kind("specialize")
+
+
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
+def test_compiled_optimizer_step_with_a_learning_rate_scheduler(backend: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    eager_model = nn.Linear(4, 4)
+    eager_model.load_state_dict(model.state_dict())
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager_model))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, eager_opt)]
+    step = torch.compile(opt.step, backend=backend)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        model(x).sum().backward()
+        eager_model(x).sum().backward()
+        step()
+        eager_opt.step()
+        for sched in scheds:
+            sched.step()
+        torch.testing.assert_close(model.weight, eager_model.weight)
+    # SGD passes lr as alpha=, a Scalar a tensor cannot replace: Dynamo specializes it.
+    [decision] = aotkit.explain().of_kind("specialize")
+    assert "0-d tensor" in decision.why

@@ -20,7 +20,7 @@ from aotkit.aot.analysis import Alias, AotMeta, analyze
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import ShapeGuard, describe_change, leaf_names, signature
-from aotkit.aot.simplify import drop_noop_views
+from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
 from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tracing
 from aotkit.compat import FakeTensorMode, keep_stack_traces_of
 from aotkit.errors import (
@@ -82,12 +82,12 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
             _refuse_leaf_metadata_mutation(meta, args, name)
             primals = [_as_leaf(a) for a in args]
             gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions)
-            drop_noop_views(gm, keep_outputs=meta.num_fw_outputs)
         else:
             _refuse_grad_without_inputs(meta, name)
             gm = trace_inference(flat_fn, args, meta, options.decompositions,
                                  options.keep_inference_input_mutations)
-            drop_noop_views(gm)
+    tensorify_float_inputs(gm, mode, name)
+    drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
     if not training:
         return _compile_inference(gm, meta, options, name, len(args))
     fw_gm, bw_gm = _partition(options.partition_fn, gm, args, meta.num_fw_outputs, name)

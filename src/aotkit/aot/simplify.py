@@ -8,6 +8,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from aotkit import counters
+
 
 # Note [Views that undo themselves]
 # Autograd formulas transpose and reshape freely, so a traced joint graph is full of view chains
@@ -100,3 +102,33 @@ def _replace_uses(node: fx.Node, by: fx.Node, keep_outputs: int | None) -> None:
             outs = user.args[0]
             kept, rest = outs[:keep_outputs], [by if o is node else o for o in outs[keep_outputs:]]
             user.args = (type(outs)([*kept, *rest]), *user.args[1:])
+
+
+# Note [Float arguments from Dynamo]
+# Dynamo passes a Python float argument that changes between calls (a learning rate from a
+# scheduler) as a 0-d float64 tensor input and reads it back with ``.item()`` in the graph, a
+# ``_local_scalar_dense`` node with a backed SymFloat. It expects its backend to turn the float
+# arithmetic on that SymFloat back into tensor ops on the input (``x * lr`` with ``lr`` a tensor),
+# which is what torch.fx's tensorify pass does; Inductor cannot compile a ``.item()`` whose
+# symbol it is not told how to bind, and every compiler gains a graph without a host read.
+# Where the pass cannot rewrite a use, it specializes the float and makes Dynamo trace again
+# with it as a constant (it raises ``TensorifyScalarRestartAnalysis``, which Dynamo handles).
+def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
+    """Rewrite arithmetic on floats Dynamo read from tensor inputs into tensor ops, in place.
+    A no-op without symbolic shapes. See Note [Float arguments from Dynamo]."""
+    if mode.shape_env is None or not any(
+        n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes
+    ):
+        return
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
+
+    try:
+        tensorify_python_scalars(gm, mode.shape_env, mode)
+    except TensorifyScalarRestartAnalysis:
+        counters.record("specialize", name, "a float argument is used where a tensor cannot "
+                        "stand in for it (an op's Scalar argument such as alpha=, a size); "
+                        "Dynamo traces again with its value as a constant, so each new value "
+                        "compiles anew. Fix: pass the float as a 0-d tensor.")
+        raise
+    gm.recompile()
