@@ -276,6 +276,8 @@ def test_mark_dirty_on_an_input_rebases_its_history():
     assert type(result.aot_args[0][0].grad_fn).__name__ != "MulBackward0"
 
 
+@pytest.mark.xfail(torch.__version__ < "2.13", strict=True,
+                   reason="Dynamo before 2.13 drops the rebase itself (backend='eager' gives 15)")
 def test_mark_dirty_on_an_input_through_torch_compile():
     def run(fn):
         a = torch.ones(3, requires_grad=True)
