@@ -354,6 +354,24 @@ def test_view_of_mutated_input_under_dynamic_shapes(fn, no_grad):
     assert f.num_entries == 1
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", _DYNAMIC_VIEWS.values(), ids=_DYNAMIC_VIEWS.keys())
+def test_view_of_mutated_input_with_mutations_kept_in_the_graph(fn, dynamic):
+    """keep_inference_input_mutations: the graph copies the new value in, and the view is taken
+    from the input inside the graph (_view_of_copied_input)."""
+    kwargs = {"dynamic": dynamic, "keep_inference_input_mutations": True}
+    f = aotkit.aot_function(fn, compilers.nop, **kwargs)
+    for rows in (4, 6):
+        result = check_against_eager(fn, rand(rows, 3), aot_kwargs=kwargs, context=torch.no_grad,
+                                     backward=False)
+        assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+        x = rand(rows, 3)
+        with torch.no_grad():
+            out = tensors(f(x))[0]
+        assert out._base is x
+    assert f.num_entries == (1 if dynamic else 2)
+
+
 @pytest.mark.parametrize("fn", [_slice_mul, _transpose_add, _mul_view, _several_views],
                          ids=["slice_mul", "transpose_add", "mul_view", "several_views"])
 def test_view_of_mutated_non_leaf_under_dynamic_shapes(fn):

@@ -84,13 +84,14 @@ def _same_view(a: fx.Node, b: fx.Node) -> bool:
     return (
         va.dtype == vb.dtype
         and va.device == vb.device
-        and _known_equal(va.shape, vb.shape)
-        and _known_equal(va.stride(), vb.stride())
-        and _known_equal([va.storage_offset()], [vb.storage_offset()])
+        and known_equal(va.shape, vb.shape)
+        and known_equal(va.stride(), vb.stride())
+        and known_equal([va.storage_offset()], [vb.storage_offset()])
     )
 
 
-def _known_equal(xs: Any, ys: Any) -> bool:
+def known_equal(xs: Any, ys: Any) -> bool:
+    """Equal sizes (or strides), element by element, without adding a shape guard."""
     return len(xs) == len(ys) and all(statically_known_true(x == y) for x, y in zip(xs, ys, strict=True))
 
 

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aotkit import config
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
+from aotkit.aot.simplify import known_equal
 from aotkit.compat import (
     FakeTensor,
     FakeTensorMode,
@@ -408,14 +409,34 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
 
 
 def _copy_mutations_in_graph(primals: list[Any], outs: list[Any], meta: AotMeta) -> list[Any]:
-    kept = []
+    kept, copied = [], {}
     for k, i in enumerate(meta.mutated_inputs):
         info = meta.inputs[i]
         if info.mutates_data and not info.mutates_metadata:
             primals[i].copy_(outs[k])
+            copied[i] = outs[k]
         else:
             kept.append(outs[k])
-    return kept + outs[len(meta.mutated_inputs):]
+    user = outs[len(meta.mutated_inputs):]
+    for k, j in enumerate(meta.graph_user_outputs()):
+        info = meta.outputs[j]
+        if info.alias is Alias.OF_INPUT and info.base in copied:
+            user[k] = _view_of_copied_input(primals[info.base], copied[info.base], user[k])
+    return kept + user
+
+
+def _view_of_copied_input(primal: torch.Tensor, new: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """An output viewing an input whose mutation the graph copies in, taken from the input
+    itself: the functional graph made it a view of the new value, whose memory the runtime never
+    sees, and with symbolic sizes its place cannot be recorded as numbers. Left as it is when
+    the new value is laid out unlike the input (the runtime then says so)."""
+    alike = (new.dtype == primal.dtype == out.dtype and known_equal(new.size(), primal.size())
+             and known_equal(new.stride(), primal.stride())
+             and new.untyped_storage()._cdata == out.untyped_storage()._cdata)
+    if not alike:
+        return out
+    offset = out.storage_offset() - new.storage_offset() + primal.storage_offset()
+    return primal.as_strided(out.size(), out.stride(), offset)
 
 
 def _tangent_like(out: Any) -> Any:
