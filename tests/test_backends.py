@@ -260,13 +260,14 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
                                     capture_dynamic_output_shape_ops=True):
         with torch.no_grad():
             torch.testing.assert_close(torch.compile(count, backend=backend)(x), count(x))
-        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out = torch.compile(scale, backend=backend, fullgraph=True)(a)
-        expected = scale(b)
-        torch.testing.assert_close(out, expected)
-        out.sum().backward()
-        expected.sum().backward()
-        torch.testing.assert_close(a.grad, b.grad)
+        for fn in (scale, count):  # count: the output's size, and its tangent's, are data's
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out = torch.compile(fn, backend=backend, fullgraph=True)(a)
+            expected = fn(b)
+            torch.testing.assert_close(out, expected)
+            (out * torch.arange(out.shape[0])).sum().backward()
+            (expected * torch.arange(expected.shape[0])).sum().backward()
+            torch.testing.assert_close(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])

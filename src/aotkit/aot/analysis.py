@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,12 +172,23 @@ def analyze(
         return meta, [from_fun(o) for o in fw_outs]
 
 
-def _discarding_unbacked_symbols(args: Sequence[Any]) -> Any:
-    """Sizes and values this pass reads from data (``x.item()`` when Dynamo captures scalar
-    outputs) are fresh unbacked symbols of the ShapeEnv; the pass's values are thrown away, so
-    are those symbols, or the traced pass after it would find them unbound."""
-    shape_env = next((a.fake_mode.shape_env for a in args if isinstance(a, FakeTensor)), None)
-    return shape_env.ignore_fresh_unbacked_symbols() if shape_env else contextlib.nullcontext()
+@contextlib.contextmanager
+def _discarding_unbacked_symbols(args: Sequence[Any]) -> Iterator[None]:
+    """Sizes and values this pass reads from data (``x.item()``, ``nonzero`` when Dynamo
+    captures them) are fresh unbacked symbols of the ShapeEnv; the pass's values are thrown
+    away, so are those symbols, or the traced pass after it would find them unbound.
+
+    The fake mode also remembers them on the input (``x.item()`` twice gives one symbol); a new
+    epoch forgets that, so the traced pass binds its own symbols to the ops that make them.
+    Otherwise a joint trace would bind them to the tangents (shaped like this pass's outputs),
+    and the forward would read its sizes from a tangent."""
+    mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
+    if mode is None or mode.shape_env is None:
+        yield
+        return
+    with mode.shape_env.ignore_fresh_unbacked_symbols():
+        yield
+    mode.epoch += 1
 
 
 def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputInfo:
