@@ -779,6 +779,26 @@ def test_wrong_number_of_arguments():
         f(torch.zeros(1), y=torch.zeros(1), z=torch.zeros(1))
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_call_inside_a_torch_func_transform_is_refused(transform):
+    f = aotkit.aot_function(lambda x: x.sin().sum(), compilers.nop)
+    run = torch.func.grad(f) if transform == "grad" else torch.func.vmap(f)
+    with pytest.raises(UnsupportedError, match=r"inside a torch\.func transform"):
+        run(rand(3, 2))
+
+
+def test_tensor_kept_in_a_memo_between_passes_is_refused():
+    memo: dict[str, torch.Tensor] = {}
+
+    def f(x):
+        if "scale" not in memo:
+            memo["scale"] = torch.linspace(0, 1, 3)
+        return x * memo["scale"]
+
+    with pytest.raises(UnsupportedError, match=r"kept in an earlier tracing pass \(aten.mul"):
+        aotkit.aot_function(f, compilers.nop)(rand(3, grad=True))
+
+
 # --- boxed calling convention ---------------------------------------------------------------
 
 

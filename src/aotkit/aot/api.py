@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,8 @@ class AotOptions:
     def __post_init__(self) -> None:
         for role in ("fw_compiler", "bw_compiler", "partition_fn", "inference_compiler"):
             value = getattr(self, role)
-            if value is not None and not callable(value):
+            optional = role in ("bw_compiler", "inference_compiler")
+            if not callable(value) and not (optional and value is None):
                 raise ArgumentError(
                     f"{role} must be callable, got {type(value).__name__} {value!r}.\nFix: pass "
                     "a function such as aotkit.compilers.nop (compilers) or "
@@ -211,6 +212,15 @@ def _log_graph(name: str, kind: str, gm: fx.GraphModule) -> None:
         log.log(level, "%s %s graph:\n%s", name, kind, gm.print_readable(print_output=False))
 
 
+def _under_transform(name: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...); its graphs "
+        "were traced for plain tensors and cannot see the transform's wrapped ones.\nFix: call "
+        "the original function inside the transform, or use torch.compile(fn, "
+        "backend='aotkit'), which traces through torch.func transforms."
+    )
+
+
 @dataclass
 class _Entry:
     graphs: CompiledGraphs
@@ -238,6 +248,8 @@ class AotFunction:
         self._last_key: tuple[Any, ...] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise _under_transform(self.name)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
@@ -386,109 +398,6 @@ def aot_function(
                          num_params_buffers, keep_inference_input_mutations,
                          inference_compiler, dynamic)
     return AotFunction(fn, options)
-
-
-class AotModule(nn.Module):
-    """An ``nn.Module`` whose forward runs ``aot_function`` over the original module's forward,
-    with parameters and buffers as leading inputs, read fresh at every call.
-
-    Every submodule's ``training`` flag selects the compiled function: ``model.dropout.eval()``
-    alone changes the program as much as ``model.eval()``.
-    """
-
-    def __init__(self, module: nn.Module, options: AotOptions) -> None:
-        super().__init__()
-        self.orig_module = module
-        self._options = options
-        self._by_modes: dict[tuple[bool, ...], AotFunction] = {}
-        self._last_modes: tuple[bool, ...] | None = None
-
-    def _collect(self) -> tuple[tuple[bool, ...], list[torch.Tensor]]:
-        """Training flags, then parameters and buffers in named_parameters/named_buffers order,
-        in one walk of the module tree (this runs at every call)."""
-        modules = list(self.orig_module.modules())
-        params = _unique(p for m in modules for p in m._parameters.values())
-        buffers = _unique(b for m in modules for b in m._buffers.values())
-        return tuple(m.training for m in modules), [*params, *buffers]
-
-    def _state_names(self) -> list[str]:
-        mod = self.orig_module
-        return [n for n, _ in (*mod.named_parameters(), *mod.named_buffers())]
-
-    def _compiled_for(self, modes: tuple[bool, ...]) -> AotFunction:
-        compiled = self._by_modes.get(modes)
-        if compiled is None:
-            compiled = self._compile_for(modes)
-        self._last_modes = modes
-        return compiled
-
-    def _compile_for(self, modes: tuple[bool, ...]) -> AotFunction:
-        module, names = self.orig_module, self._state_names()
-        name = f"aot_module({type(module).__name__})"
-        if self._last_modes is not None:
-            changed = [f"{n or type(module).__name__}.training {old} -> {new}"
-                       for (n, _), old, new in zip(module.named_modules(), self._last_modes, modes,
-                                                   strict=True) if old != new]
-            counters.record("recompile", name, f"training flags changed: {', '.join(changed)}",
-                            logger=log)
-
-        def call(*flat: Any, **kwargs: Any) -> Any:
-            state = dict(zip(names, flat[: len(names)], strict=True))
-            return torch.func.functional_call(module, state, flat[len(names):], kwargs)
-
-        def leaf_namer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-            return [*names, *leaf_names(args[len(names):], kwargs)]
-
-        compiled = AotFunction(call, self._options, name, leaf_namer)
-        self._by_modes[modes] = compiled
-        return compiled
-
-    @property
-    def num_entries(self) -> int:
-        """How many (training flags, input signature) pairs have been traced and compiled."""
-        return sum(f.num_entries for f in self._by_modes.values())
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        modes, state = self._collect()
-        return self._compiled_for(modes)(*state, *args, **kwargs)
-
-
-def _unique(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Drop Nones and repeats (tied weights), keeping first occurrences, as named_parameters does."""
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if t is not None and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def aot_module(
-    mod: nn.Module,
-    fw_compiler: Compiler,
-    bw_compiler: Compiler | None = None,
-    partition_fn: Partitioner = default_partition,
-    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
-    keep_inference_input_mutations: bool = False,
-    inference_compiler: Compiler | None = None,
-    dynamic: bool = False,
-) -> AotModule:
-    """Compile an ``nn.Module`` like :func:`aot_function`; parameters and buffers become the
-    leading graph inputs and buffer mutations (e.g. BatchNorm statistics) reach the module.
-
-    Example::
-
-        >>> import torch, aotkit
-        >>> m = aotkit.aot_module(torch.nn.Linear(4, 2), aotkit.compilers.nop)
-        >>> m(torch.randn(3, 4)).sum().backward()
-        >>> m.orig_module.weight.grad.shape
-        torch.Size([2, 4])
-    """
-    count = len(list(mod.parameters())) + len(list(mod.buffers()))
-    options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, count,
-                         keep_inference_input_mutations, inference_compiler, dynamic)
-    return AotModule(mod, options)
 
 
 def aot_module_simplified(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -112,6 +113,12 @@ def _saved_tensor_hooks_deferred() -> Iterator[None]:
 # where a tensor from outside is neither functional nor fake; views of one are outside too
 # (``buf[0].add_(1)`` mutates ``buf``). Dynamo hands aot_module_simplified its closed-over
 # tensors as inputs (parameters and buffers are lifted), so only read-only constants remain.
+#
+# A tensor the function computes and keeps (``self.cache = pos.cos()``, a memo dict,
+# ``parametrize.cached()``) is a tracing value, not data. Read back in a later tracing pass (the
+# joint trace after the metadata pass, or the next signature's trace) it would become a graph
+# constant holding no data, and the outputs would be fake. The guard tags each functional
+# tensor an op makes with its pass and refuses one from another pass.
 class _OutsideTensorGuard(TorchDispatchMode):
     """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""
 
@@ -126,6 +133,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.generators: list[torch.Generator] = []
         self.first_pass_generators: list[torch.Generator] | None = None
+        self.pass_id = next(_PASS_IDS)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -133,7 +141,11 @@ class _OutsideTensorGuard(TorchDispatchMode):
             return func(*args, **kwargs)
         self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
+        self._check_kept(func, args, kwargs)
         out = self._run(func, args, kwargs)
+        for t in _tensors(out):
+            if isinstance(t, FunctionalTensor):
+                t._aotkit_pass = self.pass_id
         self._check_grad_reads(func, args, kwargs, out)
         if func.is_view:
             self._track_views(args, kwargs, out)
@@ -186,6 +198,23 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def begin_graph_pass(self) -> None:
         """The metadata pass is over; the pass whose graph is kept starts."""
         self.first_pass_generators = list(self.generators)
+        self.pass_id = next(_PASS_IDS)
+
+    def _check_kept(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        """A functional tensor made by another tracing pass was kept by the function."""
+        for t in _tensors((args, kwargs)):
+            if getattr(t, "_aotkit_pass", self.pass_id) != self.pass_id:
+                raise UnsupportedError(
+                    f"{self.what} reads a tensor of shape {tuple(t.shape)} that it computed and "
+                    f"kept in an earlier tracing pass ({func} reads it): an attribute or cache set "
+                    "inside the function (self.cache = ..., a memo dict, "
+                    "torch.nn.utils.parametrize.cached()). aotkit traces the function on fake "
+                    "tensors, so the kept tensor holds no data.\n"
+                    f"  at {current_user_line()}\n"
+                    "Fix: compute it outside the compiled function and pass it in (or register "
+                    "it as a buffer in __init__ for aot_module), or use "
+                    "torch.compile(..., backend='aotkit'), which replays such side effects."
+                )
 
     def _check_generators(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
         """A generator the function creates is a new object in every pass; the graph would keep
@@ -221,6 +250,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 "(seeded by torch.manual_seed) instead of a torch.Generator."
             ) from exc
 
+
+_PASS_IDS = itertools.count()
 
 _GUARD: contextvars.ContextVar[_OutsideTensorGuard | None] = contextvars.ContextVar(
     "aotkit_outside_tensor_guard", default=None)

@@ -1,0 +1,275 @@
+"""``aot_module``: an ``nn.Module`` compiled with its parameters and buffers as graph inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotkit import counters
+from aotkit.aot.api import AotFunction, AotOptions, Partitioner
+from aotkit.aot.boxing import Compiler
+from aotkit.aot.signature import leaf_names
+from aotkit.errors import ArgumentError, UnsupportedError
+from aotkit.partition.default import default_partition
+
+log = logging.getLogger("aotkit.aot")
+
+
+# Note [Module state as graph inputs]
+# Parameters and buffers are read from the module at every call and passed to the compiled
+# function as its leading inputs, in named_parameters/named_buffers order without repeats (tied
+# weights once). Which tensor sits in which slot is the module's layout: every submodule (by
+# identity, in module order), its training flag, and its parameter and buffer names. A layout
+# seen for the first time is traced and compiled; ``explain()`` says what changed (a training
+# flag, a layer added, replaced or re-registered, a parameter set to None, weights untied), so a
+# compiled graph never receives one parameter in another's place.
+#
+# While tracing, each slot (a module's ``_parameters`` or ``_buffers`` entry) is pointed at its
+# fake input and restored afterwards. Slots, not names: a submodule registered under two names
+# (``self.head = self.body[-1]``) has one slot per tensor, and tied weights fill every slot
+# they occupy. A buffer that forward assigns anew (``self.ema = 0.9 * self.ema + x``) is
+# returned by the graph and assigned to the module after each call, as eager assigns it.
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    table: dict[str, Any]   # a module's _parameters or _buffers
+    key: str
+    index: int              # which state tensor fills it
+    name: str               # qualified name, e.g. "encoder.0.norm.running_mean"
+    is_buffer: bool
+
+
+@dataclasses.dataclass
+class _Layout:
+    modes: list[tuple[str, bool]]   # (module name, training)
+    names: list[str]                # state tensor names, in input order
+    slots: list[_Slot]
+    tables: list[dict[str, Any]]    # every module's _parameters and _buffers
+
+
+@dataclasses.dataclass
+class _Compiled:
+    fn: AotFunction
+    layout: _Layout
+
+
+class AotModule(nn.Module):
+    """An ``nn.Module`` whose forward runs ``aot_function`` over the original module's forward,
+    with parameters and buffers as leading inputs, read fresh at every call.
+
+    The module's layout (every submodule's ``training`` flag, which parameters and buffers it
+    holds) selects the compiled function; see Note [Module state as graph inputs].
+    """
+
+    def __init__(self, module: nn.Module, options: AotOptions) -> None:
+        super().__init__()
+        self.orig_module = module
+        self._options = options
+        self._compiled: dict[Hashable, _Compiled] = {}
+        self._last: _Compiled | None = None
+
+    @property
+    def num_entries(self) -> int:
+        """How many (layout, input signature) pairs have been traced and compiled."""
+        return sum(c.fn.num_entries for c in self._compiled.values())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        key, state = _collect(self.orig_module)
+        compiled = self._compiled.get(key) or self._compile_for(key)
+        self._last = compiled
+        out, assigned = compiled.fn(*state, *args, **kwargs)
+        for name, value in assigned.items():
+            _assign_buffer(self.orig_module, name, value)
+        return out
+
+    def _compile_for(self, key: Hashable) -> _Compiled:
+        module = self.orig_module
+        _refuse_uninitialized(module)
+        layout = _layout(module)
+        name = f"aot_module({type(module).__name__})"
+        if self._last is not None:
+            counters.record("recompile", name, _describe(self._last.layout, layout), logger=log)
+        names = layout.names
+
+        def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+            with _filled(layout, flat[: len(names)]) as assigned:
+                out = module(*flat[len(names):], **kwargs)
+            return out, assigned
+
+        def leaf_namer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+            return [*names, *leaf_names(args[len(names):], kwargs)]
+
+        options = dataclasses.replace(self._options, num_params_buffers=len(names))
+        compiled = _Compiled(AotFunction(call, options, name, leaf_namer), layout)
+        self._compiled[key] = compiled
+        return compiled
+
+
+def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
+    """The module's layout key and its state tensors, in one walk (this runs at every call)."""
+    key: list[Any] = []
+    params: list[Any] = []
+    buffers: list[Any] = []
+    for m in root.modules():
+        p, b = m._parameters, m._buffers
+        key.append((id(m), m.training, *p, None, *b))
+        params.extend(p.values())
+        buffers.extend(b.values())
+    params, buffers = _unique(params), _unique(buffers)
+    return (tuple(key), len(params), len(buffers)), [*params, *buffers]
+
+
+def _unique(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Drop Nones and repeats (tied weights), keeping first occurrences, as named_parameters does."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _layout(root: nn.Module) -> _Layout:
+    modules = list(root.named_modules())
+    modes = [(n or type(root).__name__, m.training) for n, m in modules]
+    index: dict[int, int] = {}
+    names: list[str] = []
+    slots: list[_Slot] = []
+    for is_buffer in (False, True):
+        for prefix, m in modules:
+            table = m._buffers if is_buffer else m._parameters
+            for key, t in table.items():
+                if t is None:
+                    continue
+                qualified = f"{prefix}.{key}" if prefix else key
+                if id(t) not in index:
+                    index[id(t)] = len(names)
+                    names.append(qualified)
+                slots.append(_Slot(table, key, index[id(t)], qualified, is_buffer))
+    tables = [t for _, m in modules for t in (m._parameters, m._buffers)]
+    return _Layout(modes, names, slots, tables)
+
+
+@contextlib.contextmanager
+def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """Point every slot at its state tensor while forward runs; restore them after. Yields the
+    buffers forward assigned anew (filled in when it returns)."""
+    slots = layout.slots
+    originals = [s.table[s.key] for s in slots]
+    keys = [(table, dict.fromkeys(table)) for table in layout.tables]
+    for s in slots:
+        s.table[s.key] = state[s.index]
+    assigned: dict[str, torch.Tensor] = {}
+    try:
+        yield assigned
+        assigned.update(_assigned_in_forward(slots, state, keys))
+    finally:
+        for table, before in keys:
+            for key in [k for k in table if k not in before]:
+                del table[key]  # registered by forward: a tracing value
+        for s, t in zip(slots, originals, strict=True):
+            s.table[s.key] = t
+
+
+def _assigned_in_forward(slots: Sequence[_Slot], state: Sequence[torch.Tensor],
+                         keys: Sequence[tuple[dict[str, Any], dict[str, None]]]) -> dict[str, torch.Tensor]:
+    for table, before in keys:
+        if table.keys() != before.keys():
+            raise UnsupportedError(
+                f"the module's forward registered or removed a parameter or buffer "
+                f"({sorted(set(table) ^ set(before))}); aot_module traces forward on fake tensors, "
+                "so the module would keep a tracing value.\nFix: create parameters and buffers "
+                "in __init__ (or run one eager forward first), or use "
+                "torch.compile(model, backend='aotkit')."
+            )
+    assigned = {}
+    for s in slots:
+        value = s.table[s.key]
+        if value is state[s.index]:
+            continue
+        if not s.is_buffer or not isinstance(value, torch.Tensor):
+            what = f"a new value to parameter {s.name!r}" if not s.is_buffer else (
+                f"{type(value).__name__} to buffer {s.name!r}")
+            raise UnsupportedError(
+                f"the module's forward assigned {what}; "
+                "aot_module writes back in-place changes of parameters and buffers and new "
+                "tensors assigned to buffers, nothing else.\nFix: change the tensor in place "
+                "(copy_, mul_), or use torch.compile(model, backend='aotkit')."
+            )
+        assigned[s.name] = value
+    return assigned
+
+
+def _assign_buffer(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    prefix, _, key = name.rpartition(".")
+    root.get_submodule(prefix)._buffers[key] = value
+
+
+def _refuse_uninitialized(root: nn.Module) -> None:
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    lazy = [n or type(root).__name__ for n, m in root.named_modules()
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if lazy:
+        raise ArgumentError(
+            f"aot_module: lazy modules {lazy} have not created their parameters yet; tracing "
+            "would create them as tracing values.\nFix: run one eager forward first (e.g. "
+            "model(example_input)), then compile."
+        )
+
+
+def _describe(old: _Layout, new: _Layout) -> str:
+    """Why a new layout was compiled, e.g. ``training flags changed: drop.training True -> False``."""
+    reasons = []
+    if [n for n, _ in old.modes] == [n for n, _ in new.modes]:
+        flips = [f"{n}.training {a} -> {b}" for (n, a), (_, b) in zip(old.modes, new.modes, strict=True)
+                 if a != b]
+        if flips:
+            reasons.append(f"training flags changed: {', '.join(flips)}")
+    else:
+        reasons.append("submodules changed (added, removed, replaced or re-registered)")
+    if old.names != new.names:
+        added = [n for n in new.names if n not in old.names]
+        removed = [n for n in old.names if n not in new.names]
+        parts = [f"added {added}" if added else "", f"removed {removed}" if removed else ""]
+        reasons.append("parameters/buffers changed: " + ("; ".join(p for p in parts if p)
+                                                         or "same names in a new order"))
+    elif [(s.name, s.index) for s in old.slots] != [(s.name, s.index) for s in new.slots]:
+        reasons.append("weights tied differently")
+    return "; ".join(reasons) or "the module's layout changed (a submodule was replaced)"
+
+
+def aot_module(
+    mod: nn.Module,
+    fw_compiler: Compiler,
+    bw_compiler: Compiler | None = None,
+    partition_fn: Partitioner = default_partition,
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    keep_inference_input_mutations: bool = False,
+    inference_compiler: Compiler | None = None,
+    dynamic: bool = False,
+) -> AotModule:
+    """Compile an ``nn.Module`` like :func:`aot_function`; parameters and buffers become the
+    leading graph inputs and buffer mutations (e.g. BatchNorm statistics) reach the module.
+
+    Example::
+
+        >>> import torch, aotkit
+        >>> m = aotkit.aot_module(torch.nn.Linear(4, 2), aotkit.compilers.nop)
+        >>> m(torch.randn(3, 4)).sum().backward()
+        >>> m.orig_module.weight.grad.shape
+        torch.Size([2, 4])
+    """
+    if not isinstance(mod, nn.Module):
+        raise ArgumentError(f"aot_module compiles an nn.Module, got {type(mod).__name__}.\n"
+                            "Fix: use aotkit.aot_function for plain functions.")
+    options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, 0,
+                         keep_inference_input_mutations, inference_compiler, dynamic)
+    return AotModule(mod, options)

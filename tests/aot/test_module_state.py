@@ -1,0 +1,217 @@
+"""aot_module and the module's state: aliased submodules, layouts that change after compiling,
+buffers assigned in forward (Note [Module state as graph inputs]). Each test runs the same model
+eagerly and through aot_module and compares outputs, gradients and the module's tensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import aotkit
+from aotkit import compilers
+from aotkit.errors import ArgumentError, UnsupportedError
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    out.pow(2).sum().backward()
+    return out.detach()
+
+
+def _assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
+    got = dict(actual.named_parameters(remove_duplicate=False))
+    for name, p in expected.named_parameters(remove_duplicate=False):
+        assert type(got[name]) is nn.Parameter, name
+        torch.testing.assert_close(got[name], p, msg=name)
+        torch.testing.assert_close(got[name].grad, p.grad, msg=f"{name}.grad")
+    got_buffers = dict(actual.named_buffers(remove_duplicate=False))
+    for name, b in expected.named_buffers(remove_duplicate=False):
+        assert type(got_buffers[name]) is torch.Tensor, name
+        torch.testing.assert_close(got_buffers[name], b, msg=name)
+
+
+def _pair(model: nn.Module) -> tuple[nn.Module, nn.Module, aotkit.AotModule]:
+    twin = copy.deepcopy(model)
+    return model, twin, aotkit.aot_module(twin, compilers.nop)
+
+
+class _AliasedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2), nn.BatchNorm1d(2))
+        self.head = self.body[2]  # the same submodule under a second name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_submodule_registered_under_two_names():
+    eager, twin, compiled = _pair(_AliasedHead())
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        _assert_same_state(twin, eager)
+    assert compiled.num_entries == 1
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.relu(self.a(x)))
+        return out * self.scale if hasattr(self, "scale") else out
+
+
+_CHANGES = {
+    # re-registering a layer moves its parameters behind b's: same names and shapes, new order
+    "reregistered": lambda m, new: (delattr(m, "a"), setattr(m, "a", new)),
+    "replaced": lambda m, new: setattr(m, "a", new),
+    "bias_removed": lambda m, new: setattr(m.b, "bias", None),
+    "parameter_added": lambda m, new: setattr(m, "scale", nn.Parameter(torch.full((4,), 2.0))),
+}
+
+
+@pytest.mark.parametrize("change", _CHANGES.values(), ids=_CHANGES.keys())
+def test_layout_change_after_compiling_recompiles(change):
+    torch.manual_seed(0)
+    eager, twin, compiled = _pair(_TwoLayers())
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+    torch.manual_seed(1)
+    new = nn.Linear(4, 4)
+    change(eager, new)
+    change(twin, copy.deepcopy(new))
+    for _ in range(2):
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        _assert_same_state(twin, eager)
+    assert compiled.num_entries == 2
+    (decision,) = aotkit.explain().of_kind("recompile")
+    assert decision.what == "aot_module(_TwoLayers)"
+
+
+def test_recompile_reason_names_added_and_removed_state():
+    model = _TwoLayers()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    compiled(torch.randn(3, 4))
+    model.b.bias = None
+    model.scale = nn.Parameter(torch.ones(4))
+    compiled(torch.randn(3, 4))
+    (decision,) = aotkit.explain().of_kind("recompile")
+    assert decision.why == "parameters/buffers changed: added ['scale']; removed ['b.bias']"
+
+
+def test_untying_weights_recompiles():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(6, 4)
+            self.out = nn.Linear(4, 6, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(idx))
+
+    eager, twin, compiled = _pair(Tied())
+    idx = torch.tensor([[0, 3, 5]])
+    torch.testing.assert_close(_step(compiled, idx), _step(eager, idx))
+    for m in (eager, twin):
+        m.out.weight = nn.Parameter(m.emb.weight.detach() * 2)
+    torch.testing.assert_close(_step(compiled, idx), _step(eager, idx))
+    _assert_same_state(twin, eager)
+    assert compiled.num_entries == 2
+
+
+class _Ema(nn.Module):
+    """Buffers assigned anew in forward, as EMA and step counters are often written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.ema = 0.9 * self.ema + 0.1 * y.detach().mean(0)
+        self.steps = self.steps + 1
+        return y - self.ema
+
+
+def test_buffer_assigned_in_forward():
+    eager, twin, compiled = _pair(_Ema())
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        _assert_same_state(twin, eager)
+    assert twin.steps.item() == 3
+    assert compiled.num_entries == 1
+
+
+def test_forward_registering_a_buffer_is_refused():
+    class Registers(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.register_buffer("seen", x.sum())
+            return x * 2
+
+    model = Registers()
+    with pytest.raises(UnsupportedError, match=r"registered or removed .*'seen'"):
+        aotkit.aot_module(model, compilers.nop)(torch.randn(3))
+    assert "seen" not in model._buffers
+
+
+def test_forward_assigning_a_parameter_is_refused():
+    class Assigns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.w = nn.Parameter(self.w * 2)
+            return x * self.w
+
+    model = Assigns()
+    with pytest.raises(UnsupportedError, match="assigned a new value to parameter 'w'"):
+        aotkit.aot_module(model, compilers.nop)(torch.randn(3))
+    assert type(model.w) is nn.Parameter and model.w.sum().item() == 3
+
+
+def test_uninitialized_lazy_module_is_refused():
+    model = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(ArgumentError, match="run one eager forward first"):
+        aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
+    model(torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x), model(x))
+
+
+def test_aot_module_wants_a_module():
+    with pytest.raises(ArgumentError, match="aot_function"):
+        aotkit.aot_module(lambda x: x, compilers.nop)
+
+
+def test_tensor_kept_by_forward_between_passes_is_refused():
+    """A rotary-style cache computed in forward is a tracing value (Note [Closed-over tensors])."""
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.cache is None:
+                self.cache = torch.arange(4.0).cos()
+            return self.lin(x) * self.cache
+
+    with pytest.raises(UnsupportedError, match=r"computed and kept in an earlier tracing pass"):
+        aotkit.aot_module(Cached(), compilers.nop)(torch.randn(2, 4))
+    model = Cached()
+    model.cache = torch.arange(4.0).cos()  # computed outside: a constant, as eager reads it
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x), model(x))
