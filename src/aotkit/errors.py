@@ -46,3 +46,13 @@ class CompilerError(AotkitError, RuntimeError):
 class MetadataMismatchError(CompilerError):
     """A graph node produced a value whose dtype, shape, strides or device differ from the fake
     value traced for it (raised by ``aotkit.compilers.debug_nop``)."""
+
+
+class HookResultError(AotkitError, RuntimeError):
+    """A backward hook returned a gradient of another size, or the wrong number of them
+    (raised under compiled autograd where eager raises a RuntimeError)."""
+
+
+class HookResultTypeError(AotkitError, TypeError):
+    """A backward hook returned something its kind of hook may not return (raised under compiled
+    autograd where eager raises a TypeError)."""

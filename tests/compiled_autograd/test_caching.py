@@ -180,3 +180,33 @@ def test_cuda_scalar_option_on_cpu_graph_records_decision() -> None:
     # No CUDA input here, so nothing moves; any CPU scalar kept is explained.
     for decision in aotkit.explain().of_kind("cuda_scalars"):
         assert "moved inputs []" in decision.why
+
+
+COMPILERS = {"first": Counting(), "second": Counting()}
+_chosen = "first"
+
+
+def test_a_compiler_reading_a_changed_global_is_a_new_compiler() -> None:
+    """``enable(lambda gm: COMPILERS[_chosen](gm))`` in a loop over a module-level name: the
+    lambdas share code and globals, but the global they read changed."""
+    global _chosen
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for name in ("first", "second", "second"):
+        _chosen = name
+        with aotkit.compiled_autograd.enable(lambda gm: COMPILERS[_chosen](gm)):  # noqa: B023
+            _step(w, 2)
+    assert [(c.compiles, c.calls) for c in COMPILERS.values()] == [(1, 1), (1, 2)]
+    assert len(aotkit.explain().of_kind("cache_clear")) == 1
+
+
+def test_recapture_reason_is_only_this_captures() -> None:
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(nop, dynamic=False):
+        for batch in (2, 2, 4):
+            _step(w, batch)
+    (capture,) = aotkit.explain().of_kind("capture")
+    (recapture,) = aotkit.explain().of_kind("recapture")
+    assert "new autograd node" in capture.why
+    assert "new autograd node" not in recapture.why and "(4, 3)" in recapture.why

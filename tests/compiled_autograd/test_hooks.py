@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
+import pytest
 import torch
 from tests.compiled_autograd.helpers import counts, nop
 
 import aotkit
+
+
+def _dynamo_eager(gm: torch.fx.GraphModule) -> Any:
+    return torch.compile(gm, backend="eager")
 
 
 def both(step: Callable[[list[str]], Any]) -> tuple[list[str], list[str], Any, Any]:
@@ -199,3 +205,109 @@ def test_custom_function_backward_under_a_dynamo_compiler() -> None:
     with aotkit.compiled_autograd.enable(compiler):
         Double.apply(w).sum().backward()
     torch.testing.assert_close(w.grad, 2 + w.detach())
+
+
+@pytest.mark.parametrize("compiler", [nop, _dynamo_eager], ids=["nop", "torch.compile-eager"])
+@pytest.mark.parametrize("variant", ["set_none", "assign_new", "zero_in_place"])
+def test_accumulation_reads_a_grad_replaced_by_an_earlier_hook(variant: str,
+                                                               compiler: Any) -> None:
+    """Optimizer-in-backward with zero_grad: a hook replaces another parameter's .grad before
+    that parameter is accumulated; eager accumulates into the .grad of that moment."""
+
+    def step(mode: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        a, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        a.grad = torch.zeros(4)
+
+        def clear_b(p: torch.Tensor) -> None:
+            if variant == "set_none":
+                b.grad = None
+            elif variant == "assign_new":
+                b.grad = torch.zeros(4)
+            else:
+                b.grad.zero_()  # type: ignore[union-attr]
+
+        a.register_post_accumulate_grad_hook(clear_b)
+        results = []
+        for _ in range(2):  # the second backward replays the captured graph
+            b.grad = torch.full((4,), 100.0)
+            with mode():
+                ((b * 2).exp().log() * a).sum().backward()  # a's gradient is ready first
+            results += [a.grad.clone(), b.grad.clone()]  # type: ignore[union-attr]
+        return results
+
+    expected = step(nullcontext)
+    actual = step(lambda: aotkit.compiled_autograd.enable(compiler))
+    torch.testing.assert_close(actual, expected)
+    assert counts()[0] == 1
+
+
+def test_hooks_on_independent_branches_run_in_eager_order() -> None:
+    """Eager runs the ready node made last in the forward first; the engine captures in another
+    order. Tensor hooks, leaf hooks and accumulations must follow eager's."""
+
+    def step(log: list[str]) -> Any:
+        w1, w2 = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        for name, w in (("w1", w1), ("w2", w2)):
+            w.register_hook(lambda g, n=name: log.append(f"hook {n}"))
+            w.register_post_accumulate_grad_hook(lambda p, n=name: log.append(f"acc {n}"))
+        x = torch.randn(4)
+        b1, b2 = (x * w1).exp(), (x * w2).sin()
+        b1.register_hook(lambda g: log.append("b1"))
+        b2.register_hook(lambda g: log.append("b2"))
+        (b2 * b1).sum().backward()
+        return w1.grad, w2.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert eager_log == ["b2", "hook w2", "acc w2", "b1", "hook w1", "acc w1"]
+    assert compiled_log == eager_log
+    torch.testing.assert_close(actual, expected)
+
+
+def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Tensor) -> None:
+    if kind == "leaf":
+        w.register_hook(hook)
+    elif kind == "tensor":
+        k.register_hook(hook)
+    elif kind == "pre":
+        k.grad_fn.register_prehook(hook)
+    else:
+        k.grad_fn.register_hook(hook)
+
+
+@pytest.mark.parametrize(("kind", "hook", "error", "match"), [
+    ("leaf", lambda g: g.sum(), RuntimeError, "size"),
+    ("tensor", lambda g: g[:2], RuntimeError, "size"),
+    ("tensor", lambda g: 3.0, TypeError, "float"),
+    ("pre", lambda gos: (gos[0], gos[0]), RuntimeError, "2 gradients, expected 1"),
+    ("pre", lambda gos: (gos[0][:2],), RuntimeError, "size"),
+    ("post", lambda gis, gos: (gis[0],), RuntimeError, "1 gradients, expected 2"),
+    ("post", lambda gis, gos: [gis[0], gis[1]], TypeError, "tuple"),
+], ids=["leaf-size", "tensor-size", "tensor-float", "pre-count", "pre-size", "post-count",
+        "post-list"])
+def test_hook_results_are_checked_like_eager(kind: str, hook: Callable[..., Any],
+                                             error: type[Exception], match: str) -> None:
+    def step() -> None:
+        w, v = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        k = w * v
+        _register(kind, hook, w, k)
+        k.exp().sum().backward()
+
+    with pytest.raises(error):
+        step()
+    with aotkit.compiled_autograd.enable(nop), pytest.raises(error, match=match) as info:
+        step()
+    assert isinstance(info.value, aotkit.errors.AotkitError)
+
+
+def test_hook_returning_none_entries_or_same_sizes_passes_the_checks() -> None:
+    def step(log: list[str]) -> Any:
+        w, v = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        k = w * v
+        k.register_hook(lambda g: g * 2)
+        k.grad_fn.register_hook(lambda gis, gos: (None, gis[1] * 3))
+        k.exp().sum().backward()
+        return w.grad, v.grad
+
+    _, _, expected, actual = both(step)
+    torch.testing.assert_close(actual, expected)

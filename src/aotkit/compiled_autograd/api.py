@@ -17,7 +17,7 @@ from aotkit.errors import UnsupportedError
 log = session.log
 # The engine logs why its cache missed to a Logger it is given; we keep those under ours.
 _engine_log = logging.getLogger("aotkit.compiled_autograd.engine")
-_last_compiler: Callable[..., Any] | None = None
+_last_session: session.Session | None = None
 
 
 @contextlib.contextmanager
@@ -49,7 +49,7 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
             "another compiled autograd (torch._dynamo.compiled_autograd) is active; "
             "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
         )
-    _forget_other_compilers(compiler_fn)
+    _forget_other_compilers(new)
     if session.failed_captures:  # See Note [Failed captures]
         _clear_engine_cache()
         counters.record("cache_clear", "compiled_autograd", "a capture failed in an earlier "
@@ -66,16 +66,17 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         compat.set_autograd_compiler(*prior)
 
 
-def _forget_other_compilers(compiler_fn: Callable[..., Any]) -> None:
+def _forget_other_compilers(new: session.Session) -> None:
     """Clear the engine's cache when the compiler changes. See Note [Stale compiled backward]."""
-    global _last_compiler
-    if _last_compiler is not None and not session.same_compiler(_last_compiler, compiler_fn):
+    global _last_session
+    last = _last_session
+    if last is not None and not session.same_compiler(last.identity, new.identity):
         _clear_engine_cache()
         counters.record("cache_clear", "compiled_autograd",
-                        f"compiler changed from {_last_compiler!r} to {compiler_fn!r}; the engine's "
-                        "cached graphs are dropped and backward graphs are captured again",
+                        f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}; the "
+                        "engine's cached graphs are dropped and backward graphs are captured again",
                         logger=log)
-    _last_compiler = compiler_fn
+    _last_session = new
 
 
 def _clear_engine_cache() -> None:
@@ -106,7 +107,7 @@ def reset() -> None:
         >>> import aotkit
         >>> aotkit.compiled_autograd.reset()
     """
-    global _last_compiler
+    global _last_session
     if session.active() is not None:
         raise UnsupportedError(
             "aotkit.compiled_autograd.reset() was called inside enable(); call it outside."
@@ -114,5 +115,5 @@ def reset() -> None:
     compat.set_autograd_compiler(None, False)
     compat.set_autograd_verbose_logger(None)
     _clear_engine_cache()
-    _last_compiler = None
+    _last_session = None
     capture.reset_ids()

@@ -32,7 +32,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, _suppress_guards
 
 from aotkit import compat, config, counters
-from aotkit.compiled_autograd import passes, runtime
+from aotkit.compiled_autograd import engine_order, passes, runtime
 from aotkit.compiled_autograd import session as session_state
 from aotkit.compiled_autograd.session import (
     CREATE_GRAPH_MESSAGE,
@@ -76,6 +76,9 @@ class Capture:
         self.reasons: list[str] = []
         self.origins: list[str] = []
         self.origin = ""
+        self.call_names: dict[int, str] = {}  # NodeCall index -> autograd node name
+        self.nodecall = 0
+        self.eager_order: list[Any] = []
         self.finished = False
 
     def close(self) -> None:
@@ -101,6 +104,9 @@ class Capture:
                 "Workaround: debug under aotkit.compiled_autograd.disable()."
             )
         self.id = next(_ids)
+        # The nodes in the order eager would run them: See Note [Eager node order].
+        self.eager_order = engine_order.execution_order()
+        self.name = f"aotkit_compiled_autograd_{self.id}"
         self.input_shapes = [tuple(x.shape) for x in inputs]
         self.tracer.root = torch.nn.Module()
         self.tracer.graph = fx.Graph(tracer_cls=PythonKeyTracer)
@@ -117,7 +123,7 @@ class Capture:
         self.stack.enter_context(self.proxy_mode)
         # Capture must not add shape guards: the engine's cache decides when to capture again.
         self.stack.enter_context(_suppress_guards(self.shape_env))
-        return f"aotkit_compiled_autograd_{self.id}", inputs, sym_sizes, sym_scalars
+        return self.name, inputs, sym_sizes, sym_scalars
 
     def _fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
         try:
@@ -177,6 +183,7 @@ class Capture:
     def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any = None) -> fx.Proxy:
         proxy = self.tracer.create_proxy("call_function", fn, self.to_proxy(args), kwargs or {})
         proxy.node.meta["autograd_node"] = self.origin
+        proxy.node.meta["nodecall"] = self.nodecall
         return proxy
 
     def _dummies(self, count: int) -> list[torch.Tensor]:
@@ -197,10 +204,16 @@ class Capture:
         """Which autograd node the following calls come from (kept in ``node.meta``)."""
         self.origin = f"{node_name} (NodeCall {nodecall_index})"
         self.origins.append(node_name)
+        self.call_names[nodecall_index] = node_name
+        self.nodecall = nodecall_index
 
     def log_compile_reasons(self, reasons: Sequence[str]) -> None:
-        """Why the engine's cache missed; see :meth:`end_capture`."""
-        self.reasons.extend(str(r) for r in reasons)
+        """Why the engine's cache missed; see :meth:`end_capture`.
+
+        The engine passes every reason it logged so far, each prefixed with the name of the graph
+        it was captured for (the name :meth:`begin_capture` returned): keep this capture's."""
+        ours = f"{self.name}:"
+        self.reasons.extend(r for r in map(str, reasons) if r.startswith(ours))
 
     def bind_function(self, fn_name: str, fn: Callable[..., Any], is_custom_function: bool = False,
                       is_traceable: bool = True, *rest: Any) -> str:
@@ -269,8 +282,10 @@ class Capture:
                         has_post_hooks: bool | None = None) -> torch.Tensor | None:
         """Record accumulation into a leaf's ``.grad``, where eager runs it."""
         old_protocol = has_post_hooks is None
-        args = compat.accumulate_grad_args(variable, variable_grad, grad, has_post_hooks)
-        proxy = self._call(runtime.call_accumulate_grad, args)
+        variable, _, grad, has_post_hooks = compat.accumulate_grad_args(
+            variable, variable_grad, grad, has_post_hooks)
+        # The engine's snapshot of .grad is dropped: see Note [Accumulate into the current .grad].
+        proxy = self._call(runtime.call_accumulate_grad, (variable, grad, has_post_hooks))
         with disable_proxy_modes_tracing():
             result = torch.empty_like(variable)
         self._bind([result], [proxy])
@@ -284,6 +299,7 @@ class Capture:
     def tensor_pre_hook(self, inputs: list[Any], hook_id: int, i: int) -> list[Any]:
         """Record a ``Tensor.register_hook`` hook on gradient ``i``."""
         proxy = self._hook(hook_id, inputs[i], hook_type="tensor_pre_hook")
+        proxy.node.meta["nodecall"] = None  # see passes.follow_node_order
         inputs[i] = self._fresh(inputs[i])
         self._bind([inputs[i]], [proxy])
         return inputs
@@ -291,6 +307,7 @@ class Capture:
     def cpp_tensor_pre_hook(self, inputs: list[Any], hook_id: int, i: int) -> list[Any]:
         """Record a C++ tensor pre-hook (``retain_grad``)."""
         proxy = self._call(runtime.call_cpp_tensor_pre_hooks, (hook_id, inputs[i]))
+        proxy.node.meta["nodecall"] = None  # see passes.follow_node_order
         inputs[i] = self._fresh(inputs[i])
         self._bind([inputs[i]], [proxy])
         return inputs
@@ -298,6 +315,7 @@ class Capture:
     def pre_hook(self, inputs: Sequence[Any], hook_id: int) -> list[Any]:
         """Record a node pre-hook (``grad_fn.register_prehook``, module backward pre-hooks)."""
         proxy = self._hook(hook_id, list(inputs), hook_type="pre_hook")
+        proxy.node.meta["nodecall"] = None  # see passes.follow_node_order
         fresh = [self._fresh(x) for x in inputs]
         self._bind(fresh, proxy)
         return fresh
@@ -336,6 +354,7 @@ class Capture:
             # Values were traced with placeholder fakes; their metadata would mislead passes.
             for key in ("val", "tensor_meta"):
                 node.meta.pop(key, None)
+        self._follow_eager_order(graph)
         passes.place_accumulations_eagerly(graph)
         passes.eliminate_dead_code(graph)
         gm = fx.GraphModule(self.tracer.root, graph, f"CompiledAutograd{self.id}")
@@ -345,7 +364,19 @@ class Capture:
         compiled = compile_graph(gm, self.session.compiler_fn)
         self._record()
         self.finished = True
-        return CompiledBackward(gm, self.session.compiler_fn, compiled, to_cuda), compiled
+        return CompiledBackward(gm, self.session, compiled, to_cuda), compiled
+
+    def _follow_eager_order(self, graph: fx.Graph) -> None:
+        """Put the recorded calls in eager's node order. See Note [Eager node order]."""
+        ranks = engine_order.eager_ranks(self.eager_order, self.call_names)
+        if ranks is None:
+            counters.record(
+                "hook_order", "compiled_autograd",
+                f"{self.name}: could not match the engine's capture order to eager's node order "
+                "(several backward roots depending on each other?); hooks on independent "
+                "branches run in the capture's order", logger=log)
+            return
+        passes.follow_node_order(graph, ranks)
 
     def _plan_cuda_scalars(self, graph: fx.Graph) -> list[int]:
         if not config.compiled_autograd_cudagraphs:

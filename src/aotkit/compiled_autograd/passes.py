@@ -1,8 +1,11 @@
-"""Graph passes over a captured backward: dead-code elimination and the CUDA-graph scalar move."""
+"""Graph passes over a captured backward: eager's node order, accumulation placement, dead-code
+elimination and the CUDA-graph scalar move."""
 
 from __future__ import annotations
 
+import heapq
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +80,44 @@ def _move_after_inputs(node: fx.Node, placed: dict[fx.Node, fx.Node]) -> None:
         if read > node:
             node.prepend(read)
     placed[target] = node
+
+
+def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
+    """Reorder the calls recorded for each autograd node by that node's rank in ``ranks`` (a
+    NodeCall index -> eager position; see Note [Eager node order] in engine_order), keeping each
+    node's calls in their order and every value after the values it reads.
+
+    A value recorded without a node of its own (a getitem, a size computation) belongs to the
+    node being recorded when it was made; a value is due as early as its earliest reader. A
+    pre-hook (``nodecall`` None: engines differ on whether they name the node before or after
+    running its pre-hooks) belongs to the node reading its result."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    own: dict[fx.Node, float] = {}
+    current = -1.0
+    for node in nodes:
+        if node.meta.get("nodecall") is not None:
+            current = ranks.get(node.meta["nodecall"], current)
+        own[node] = current
+    due: dict[fx.Node, float] = {}
+    for node in reversed(nodes):
+        readers = [due[u] for u in node.users if u in due]
+        if "nodecall" in node.meta and node.meta["nodecall"] is None and readers:
+            due[node] = min(readers)
+        else:
+            due[node] = min([own[node], *readers])
+    position = {node: i for i, node in enumerate(nodes)}
+    waiting = {n: sum(a in position for a in n.all_input_nodes) for n in nodes}
+    ready = [(due[n], position[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    output = graph.output_node()
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        output.prepend(node)
+        for user in node.users:
+            if user in waiting:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    heapq.heappush(ready, (due[user], position[user], user))
 
 
 @dataclass

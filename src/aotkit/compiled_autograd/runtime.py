@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from aotkit import compat
-from aotkit.errors import UnsupportedError
+from aotkit.errors import HookResultError, HookResultTypeError, UnsupportedError
 
 
 class Op:
@@ -84,14 +84,61 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
             "a post-accumulate-grad hook returned a value; such hooks must return None "
             "(modify param.grad in place instead)."
         )
+    if hook_type == "tensor_pre_hook":
+        _check_grad(hook, result, args[0])
+    elif hook_type in ("pre_hook", "post_hook"):
+        _check_grads(hook, result, args[0])
     return result
 
 
+def _hook_name(hook: Callable[..., Any]) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _check_grad(hook: Callable[..., Any], new: Any, old: Any) -> None:
+    """Eager's checks on a gradient a hook returned: a tensor (or None) of the same size."""
+    if new is None:
+        return
+    if not isinstance(new, torch.Tensor):
+        raise HookResultTypeError(
+            f"backward hook {_hook_name(hook)!r} returned {type(new).__name__}; a tensor hook "
+            "must return a Tensor of the gradient's size, or None to keep the gradient."
+        )
+    if old is not None and new.shape != old.shape:
+        raise HookResultError(
+            f"backward hook {_hook_name(hook)!r} changed the size of a gradient from "
+            f"{tuple(old.shape)} to {tuple(new.shape)}; return a gradient of the same size."
+        )
+
+
+def _check_grads(hook: Callable[..., Any], new: Any, old: Sequence[Any]) -> None:
+    """Eager's checks on the gradients a node pre/post-hook returned: a tuple, one per gradient."""
+    if not isinstance(new, tuple):
+        raise HookResultTypeError(
+            f"backward hook {_hook_name(hook)!r} returned {type(new).__name__}; a node hook must "
+            "return a tuple of gradients (or None to keep them)."
+        )
+    if len(new) != len(old):
+        raise HookResultError(
+            f"backward hook {_hook_name(hook)!r} returned {len(new)} gradients, expected "
+            f"{len(old)}; return one gradient (or None) per gradient it received."
+        )
+    for n, o in zip(new, old, strict=True):
+        _check_grad(hook, n, o)
+
+
+# Note [Accumulate into the current .grad]
+# The engine lifts each leaf's .grad as a graph input, read when the backward starts. Eager
+# accumulates into whatever .grad holds when AccumulateGrad runs, and hooks that run earlier in
+# the same backward may have replaced or cleared it (an optimizer step with zero_grad in a
+# post-accumulate-grad hook). So accumulation reads variable.grad itself, and the graph does not
+# take the engine's snapshot.
 def call_accumulate_grad(
-    variable: torch.Tensor, variable_grad: Any, grad: torch.Tensor, has_post_hooks: bool
+    variable: torch.Tensor, grad: torch.Tensor, has_post_hooks: bool
 ) -> torch.Tensor:
-    """Accumulate ``grad`` into ``variable.grad`` with the engine's own AccumulateGrad rules."""
-    updated = lookup("AccumulateGrad")([grad], variable, variable_grad, has_post_hooks)
+    """Accumulate ``grad`` into ``variable.grad`` with the engine's own AccumulateGrad rules.
+    See Note [Accumulate into the current .grad]."""
+    updated = lookup("AccumulateGrad")([grad], variable, variable.grad, has_post_hooks)
     variable.grad = updated[0]
     return variable.grad
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,11 @@ class Session:
     compiler_fn: Callable[..., Any]
     dynamic: bool
     captures: int = 0
+    #: See Note [Compiler identity].
+    identity: tuple[Any, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.identity = compiler_identity(self.compiler_fn)
 
 
 _active: Session | None = None
@@ -64,27 +69,59 @@ def set_active(session: Session | None) -> None:
     _active = session
 
 
-def same_compiler(a: Callable[..., Any] | None, b: Callable[..., Any] | None) -> bool:
-    """Whether two compiler objects compile alike: the same object, or two Python functions made
-    from one definition with the same defaults, globals and closed-over objects (``enable(lambda
-    gm: gm)`` in a training loop makes a new, identical lambda every step)."""
-    if a is b:
-        return True
-    if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)):
-        return False
-    kwdefaults_a, kwdefaults_b = a.__kwdefaults__ or {}, b.__kwdefaults__ or {}
+# Note [Compiler identity]
+# Two enable() blocks share captured graphs only when their compilers compile alike: the same
+# object, or two Python functions made from one definition with the same defaults, globals,
+# closed-over objects and values of the globals they read (``enable(lambda gm: gm)`` in a
+# training loop makes a new, identical lambda every step; a lambda reading a global that changed
+# between blocks compiles differently). Those values are read when the block starts, so a
+# compiler is compared as it was when its block began.
+def compiler_identity(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """What decides how ``fn`` compiles, compared object by object by :func:`same_compiler`.
+    See Note [Compiler identity]."""
+    if not isinstance(fn, types.FunctionType):
+        return (fn,)
+    kwdefaults = fn.__kwdefaults__ or {}
     return (
-        a.__code__ is b.__code__
-        and a.__globals__ is b.__globals__
-        and kwdefaults_a.keys() == kwdefaults_b.keys()
-        and _identical(a.__defaults__ or (), b.__defaults__ or ())
-        and _identical([kwdefaults_a[k] for k in kwdefaults_a], [kwdefaults_b[k] for k in kwdefaults_a])
-        and _identical(_cells(a), _cells(b))
+        fn.__code__,
+        fn.__globals__,
+        *_sized(fn.__defaults__ or ()),
+        *_sized(tuple(sorted(kwdefaults))),
+        *_sized(tuple(kwdefaults[k] for k in sorted(kwdefaults))),
+        *_sized(_cells(fn)),
+        *_globals_read(fn),
     )
+
+
+def same_compiler(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two :func:`compiler_identity` results name compilers that compile alike."""
+    return _identical(a, b)
+
+
+def _sized(xs: Sequence[Any]) -> list[Any]:
+    """``xs`` preceded by its length, so neighbouring parts of an identity cannot run together."""
+    return [len(xs), *xs]
 
 
 def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
     return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))
+
+
+def _globals_read(fn: types.FunctionType) -> list[Any]:
+    """The names of the globals ``fn``'s code reads (nested functions included), each followed by
+    its current value; a name not defined in the module's globals (a builtin) by itself."""
+    names: set[str] = set()
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    found = []
+    for name in sorted(names):
+        found.append(name)
+        if name in fn.__globals__:
+            found.append(fn.__globals__[name])
+    return found
 
 
 def _cells(fn: types.FunctionType) -> list[Any]:
@@ -125,11 +162,11 @@ class CompiledBackward:
     built by a previous compiler is never run.
     """
 
-    def __init__(self, gm: fx.GraphModule, compiler_fn: Callable[..., Any], compiled: Any,
+    def __init__(self, gm: fx.GraphModule, session: Session, compiled: Any,
                  to_cuda: list[int]) -> None:
         self.gm = gm
         self.to_cuda = to_cuda
-        self._compiler_fn = compiler_fn
+        self._identity = session.identity
         self._compiled = compiled
 
     def compiled_for(self, session: Session | None) -> Callable[..., Any]:
@@ -140,12 +177,12 @@ class CompiledBackward:
                 "aotkit.compiled_autograd.enable(); call aotkit.compiled_autograd.reset() after "
                 "switching between compiled-autograd implementations."
             )
-        if not same_compiler(session.compiler_fn, self._compiler_fn):
+        if not same_compiler(session.identity, self._identity):
             counters.record("recompile", "compiled_autograd",
                             f"compiler changed to {session.compiler_fn!r}; compiling the captured "
                             "graph again", logger=log)
             self._compiled = compile_graph(self.gm, session.compiler_fn)
-            self._compiler_fn = session.compiler_fn
+            self._identity = session.identity
         return self._compiled
 
     def __call__(self, _engine_fn: Any, inputs: list[Any], sizes: Any, scalars: Any,
