@@ -71,6 +71,17 @@ def test_demo_rejects_too_few_steps() -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_demo_rejects_fewer_than_one_thread(threads: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--threads", threads])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: aotkit demo ")
+    assert f"--threads must be at least 1, got {threads}" in err
+
+
 def test_graphs_console_script_prints_sizes_and_code() -> None:
     script = Path(sys.executable).with_name("aotkit")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "aotkit"]
@@ -110,7 +121,9 @@ def test_graphs_budget_errors_are_usage_errors(args: list[str], message: str,
     with pytest.raises(SystemExit) as info:
         cli.main(["graphs", "--model", "mlp", *args])
     assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("usage: aotkit graphs "), err  # the subcommand's usage, not the top's
 
 
 def test_capture_graphs_match_the_model() -> None:
@@ -123,3 +136,36 @@ def test_capture_graphs_match_the_model() -> None:
     assert inference.kind == "inference"
     assert inference.op_counts["aten.addmm.default"] == 4
     assert aotkit.counters.counters["aot"]["inference_compiles"] == 1
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_graphs_draw_into_a_file_is_a_clear_error(under: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    assert cli.main(["graphs", "--model", "mlp", "--draw", str(a_file / under)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aotkit graphs: error: draw_graph cannot write "), err
+    assert "Fix:" in err and "Traceback" not in err
+
+
+def test_graphs_draw_in_a_subprocess_exits_1_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("")
+    proc = run_command(sys.executable, "-m", "aotkit", "graphs", "--model", "mlp",
+                       "--draw", str(tmp_path / "a_file"))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "draw_graph cannot write" in proc.stderr
+
+
+def test_graphs_without_graphviz_say_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str],
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-graphviz-here"))
+    assert cli.main(["graphs", "--model", "mlp", "--draw", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    said = captured.out + captured.err + caplog.text
+    assert said.count("not on PATH") == 1, said
+    assert "apt-get install graphviz" in captured.out
+    for kind in ("forward", "backward"):
+        assert f"drew the {kind} graph: {tmp_path / 'out' / (kind + '.dot')}" in captured.out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["backward.dot", "forward.dot"]

@@ -11,8 +11,13 @@ reports what aotkit did; ``aotkit graphs`` prints the graphs aotkit captures for
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aotkit.errors import AotkitError
 
 __all__ = ["main"]
 
@@ -34,8 +39,6 @@ _PARTITIONERS = ("default", "min_cut")
 
 
 def _graphs(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from aotkit import config, partition
     from aotkit.demo import capture_graphs
 
@@ -50,16 +53,29 @@ def _graphs(args: argparse.Namespace) -> int:
         if "partition" in graph.gm.meta:
             print(f"    {graph.gm.meta['partition']}")
     if args.draw:
-        for graph in graphs:
-            drawn = partition.draw_graph(graph.gm, Path(args.draw) / f"{graph.kind}.svg")
-            print(f"  drew the {graph.kind} graph: {drawn.path}")
-            if drawn.fallback:
-                print(f"    {drawn.fallback}")
+        _draw(graphs, Path(args.draw))
     if args.code:
         for graph in graphs:
             print(f"\n# ---- {graph.kind} graph ----")
             print(graph.gm.code.strip())
     return 0
+
+
+def _draw(graphs: Sequence[Any], folder: Path) -> None:
+    """Draw each graph to ``folder``: SVG, or DOT where Graphviz is missing (said once here,
+    rather than by draw_graph's fallback warning for every graph)."""
+    from aotkit.partition import draw_graph
+
+    suffix = ".svg"
+    if shutil.which("dot") is None:
+        suffix = ".dot"
+        print("  Graphviz's `dot` program is not on PATH, so the graphs are written as DOT "
+              "files. To get images, install Graphviz (apt-get install graphviz, brew install "
+              "graphviz or conda install graphviz) or render them elsewhere: dot -Tsvg "
+              "FILE.dot -o FILE.svg")
+    for graph in graphs:
+        drawn = draw_graph(graph.gm, folder / f"{graph.kind}{suffix}")
+        print(f"  drew the {graph.kind} graph: {drawn.path}")
 
 
 def _budget(text: str) -> float:
@@ -91,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "thread keeps the timings steady on a busy machine)")
     demo.add_argument("--seed", type=int, default=0, help="model and dropout seed")
     demo.add_argument("--no-dropout", action="store_true", help="train with dropout off")
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, usage_error=demo.error)
 
     graphs = sub.add_parser("graphs", help="print the forward/backward graphs aotkit captures")
     graphs.add_argument("--model", choices=["transformer", "mlp"], default="transformer")
@@ -103,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     graphs.add_argument("--budget", type=_budget, default=None,
                         help="activation_memory_budget for --partition min_cut (0..1, default 1)")
     graphs.add_argument("--draw", metavar="DIR",
-                        help="also draw each graph to DIR/<kind>.svg (needs Graphviz)")
-    graphs.set_defaults(func=_graphs)
+                        help="also draw each graph to DIR/<kind>.svg (without Graphviz: "
+                             "DIR/<kind>.dot)")
+    graphs.set_defaults(func=_graphs, usage_error=graphs.error)
     return parser
 
 
@@ -116,13 +133,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["graphs", "--model", "mlp"])  # doctest: +SKIP
         0
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    _check(args)
+    try:
+        return int(args.func(args))
+    except AotkitError as exc:  # a deliberate error already says what failed and how to fix it
+        print(f"aotkit {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Usage errors argparse cannot see alone, reported with the subcommand's usage (exit 2)."""
     if args.command == "demo" and args.steps < 2:
-        parser.error("--steps must be at least 2 (the first step includes compiling)")
+        args.usage_error("--steps must be at least 2 (the first step includes compiling)")
+    if args.command == "demo" and args.threads < 1:
+        args.usage_error(f"--threads must be at least 1, got {args.threads}")
     if args.command == "graphs" and args.budget is not None and args.partition != "min_cut":
-        parser.error("--budget applies to --partition min_cut")
-    return int(args.func(args))
+        args.usage_error("--budget applies to --partition min_cut")
 
 
 if __name__ == "__main__":

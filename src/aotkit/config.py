@@ -16,6 +16,7 @@ a persistent cache can key on them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import types
@@ -50,7 +51,7 @@ def _define(name: str, type_: type, default: Any, help: str, *, in_cache_key: bo
 
 _define("recompile_limit", int, 8,
         "Most input signatures one aot_function/aot_module keeps before raising "
-        "RecompileLimitError; use dynamic=True when shapes vary.")
+        "RecompileLimitError; use dynamic=True when shapes vary.", bounds=(0, math.inf))
 _define("debug_graphs", bool, False,
         "Run graph.lint() after every pass and log every graph at DEBUG level.")
 _define("log_graphs", bool, False,
@@ -60,7 +61,8 @@ _define("record_stack_traces", bool, False,
         "first call by ~20%). Plain functions need torch >= 2.13 (older releases keep only "
         "module forward frames). Graphs from torch.compile keep Dynamo's stack traces regardless.")
 _define("max_decisions", int, 1000,
-        "How many decisions (recompiles, fallbacks) aotkit.explain() keeps; older ones are dropped.")
+        "How many decisions (recompiles, fallbacks) aotkit.explain() keeps; older ones are dropped.",
+        bounds=(0, math.inf))
 _define("debug_dir", str, "aotkit_debug",
         "Folder where aotkit.compilers.debug_compile writes each graph and its runnable "
         "repro.py (a relative path is relative to the current directory).")
@@ -101,7 +103,8 @@ def _check(option: Option, value: Any) -> Any:
         )
     if option.bounds is not None and not option.bounds[0] <= value <= option.bounds[1]:
         low, high = option.bounds
-        raise ConfigError(f"aotkit.config.{option.name} must lie in [{low}, {high}], got {value!r}.")
+        allowed = f"be at least {low}" if high == math.inf else f"lie in [{low}, {high}]"
+        raise ConfigError(f"aotkit.config.{option.name} must {allowed}, got {value!r}.")
     return value
 
 
@@ -125,14 +128,18 @@ def _from_environment(option: Option, text: str) -> Any:
 
 @contextlib.contextmanager
 def patch(**changes: Any) -> Iterator[None]:
-    """Set options for the duration of a ``with`` block, restoring them afterwards."""
-    saved = dict(_values)
+    """Set options for the duration of a ``with`` block and restore them afterwards. Only
+    the options named here are restored: others assigned inside the block keep their values."""
+    saved: dict[str, Any] = {}
     try:
         for name, value in changes.items():
-            setattr(sys.modules[__name__], name, value)
+            if name not in _OPTIONS:
+                raise ConfigError(_unknown(name))
+            previous = _values[name]
+            _values[name] = _check(_OPTIONS[name], value)
+            saved[name] = previous
         yield
     finally:
-        _values.clear()
         _values.update(saved)
 
 

@@ -41,11 +41,50 @@ def test_patch_restores_after_an_exception():
     assert config.recompile_limit == before
 
 
-def test_patch_restores_values_set_inside_the_block():
-    before = config.max_decisions
-    with config.patch(recompile_limit=3):
-        config.max_decisions = 7
-    assert config.max_decisions == before
+def test_patch_restores_only_what_it_patched():
+    before = (config.recompile_limit, config.max_decisions)
+    try:
+        with config.patch(recompile_limit=3):
+            config.max_decisions = 7  # set directly, not patched: kept after the block
+            config.recompile_limit = 4  # patched: restored
+        assert (config.recompile_limit, config.max_decisions) == (before[0], 7)
+    finally:
+        config.max_decisions = before[1]
+
+
+def test_patch_with_a_bad_value_restores_what_it_had_set():
+    before = config.recompile_limit
+    with pytest.raises(ConfigError, match="must be bool"), config.patch(
+        recompile_limit=2, log_graphs="yes"
+    ):
+        pass
+    assert config.recompile_limit == before and config.log_graphs is False
+
+
+def test_patch_refuses_names_that_are_not_options():
+    before = config.recompile_limit
+    with pytest.raises(ConfigError, match="has no option '_values'"), config.patch(_values={}):
+        pass
+    assert config.recompile_limit == before
+
+
+@pytest.mark.parametrize("name", ["recompile_limit", "max_decisions"])
+def test_negative_counts_are_refused(name):
+    before = getattr(config, name)
+    with pytest.raises(ConfigError, match=rf"aotkit.config.{name} must be at least 0, got -1"):
+        setattr(config, name, -1)
+    with pytest.raises(ConfigError, match="must be at least 0"), config.patch(**{name: -3}):
+        pass
+    assert getattr(config, name) == before
+    with config.patch(**{name: 0}):
+        assert getattr(config, name) == 0
+
+
+def test_negative_env_counts_name_the_variable():
+    for variable in ("AOTKIT_RECOMPILE_LIMIT", "AOTKIT_MAX_DECISIONS"):
+        out = _python("import aotkit", **{variable: "-2"})
+        assert out.returncode != 0
+        assert f"ConfigError: {variable}='-2': " in out.stderr and "at least 0" in out.stderr
 
 
 def test_unknown_option_suggests_a_close_name():

@@ -214,3 +214,77 @@ def test_debug_nop_trains_a_transformer_with_dropout_like_eager_through_torch_co
         torch.testing.assert_close(got, want)
         for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+# --- what a compiler's callable returns ------------------------------------------------------
+
+
+def returning(result: Callable[[Sequence[Any], fx.GraphModule], Any]) -> Callable[..., Any]:
+    """A compiler whose boxed callable returns ``result(args, gm)`` instead of the graph's
+    outputs."""
+    def compiler(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        return aotkit.make_boxed_func(lambda *args: result(args, gm))
+    return compiler
+
+
+def _scaled_sine(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * 2
+
+
+_WRONG_RESULTS = {
+    "None": (lambda args, gm: None, r"returned NoneType, not a list or tuple"),
+    "a tensor": (lambda args, gm: gm(*args)[0], r"returned Tensor, not a list or tuple"),
+    "too few": (lambda args, gm: list(gm(*args))[1:], r"returned (\d+) value\(s\)"),
+    "too many": (lambda args, gm: [*gm(*args), args[0]], r"returned (\d+) value\(s\)"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(_WRONG_RESULTS))
+@pytest.mark.parametrize("graph", ["forward", "backward", "inference"])
+def test_a_callable_returning_the_wrong_outputs_is_a_compiler_error(graph: str,
+                                                                   wrong: str) -> None:
+    result, said = _WRONG_RESULTS[wrong]
+    bad = returning(result)
+    nop = aotkit.compilers.nop
+    compilers = {"forward": (bad, nop), "backward": (nop, bad), "inference": (nop, nop)}[graph]
+    f = aotkit.aot_function(_scaled_sine, *compilers,
+                            inference_compiler=bad if graph == "inference" else None)
+    x = torch.randn(3, requires_grad=graph != "inference")
+    with pytest.raises(CompilerError) as caught:
+        f(x).sum().backward() if graph != "inference" else f(x)
+    message = str(caught.value)
+    shape = rf"the callable compiler 'compiler' made for the {graph} graph {said}; the {graph} "
+    match = re.match(shape + r"graph has (\d+) output\(s\)\.\nFix: ", message)
+    assert match, message
+    if wrong.startswith("too"):
+        got, expected = int(match[1]), int(match[2])
+        assert got == (expected - 1 if wrong == "too few" else expected + 1)
+
+
+def test_make_boxed_compiler_of_a_compiler_returning_none_is_named() -> None:
+    def gives_none(gm: fx.GraphModule, example_inputs: Any) -> None:
+        return None
+
+    f = aotkit.aot_function(_scaled_sine, aotkit.make_boxed_compiler(gives_none))
+    with pytest.raises(CompilerError, match="compiler 'gives_none' returned NoneType for the "
+                                            "forward graph"):
+        f(torch.randn(3, requires_grad=True))
+
+
+def test_not_callable_compilers_and_functions_are_argument_errors() -> None:
+    with pytest.raises(aotkit.errors.ArgumentError, match="fw_compiler must be callable"):
+        aotkit.aot_function(_scaled_sine, None)  # type: ignore[arg-type]
+    with pytest.raises(aotkit.errors.ArgumentError, match="fw_compiler must be callable"):
+        aotkit.aot_module(torch.nn.Linear(2, 2), None)  # type: ignore[arg-type]
+    with pytest.raises(aotkit.errors.ArgumentError, match="make_boxed_func wraps a callable"):
+        aotkit.make_boxed_func(3)  # type: ignore[arg-type]
+    with pytest.raises(aotkit.errors.ArgumentError, match="make_boxed_compiler wraps a callable"):
+        aotkit.make_boxed_compiler(3)  # type: ignore[arg-type]
+
+
+def test_right_outputs_pass_the_check_as_lists_or_tuples() -> None:
+    as_tuple = returning(lambda args, gm: tuple(gm(*args)))
+    f = aotkit.aot_function(_scaled_sine, as_tuple, as_tuple)
+    x = torch.randn(3, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.cos())

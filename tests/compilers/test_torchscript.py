@@ -177,3 +177,17 @@ def test_torchscript_failure_is_a_compiler_error() -> None:
     for compiler in COMPILERS.values():
         with pytest.raises(CompilerError, match=r"(?s)TorchScript could not compile.*inductor"):
             compiler(gm, [torch.randn(2)])
+
+
+def test_ts_compile_keeps_the_device_index() -> None:
+    # Scripting needs no GPU: the device only has to reach the scripted code intact.
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(3)
+    moved = graph.call_function(torch.ops.aten._to_copy.default, (x,),
+                                {"device": torch.device("cuda", 1)})
+    graph.output([moved])
+    gm = fx.GraphModule({}, graph)
+    code = ts_compile(gm, [torch.empty(3)]).scripted.code
+    assert 'device=torch.device("cuda:1")' in code, code
+    assert moved.kwargs["device"] == torch.device("cuda", 1)  # the given graph is left alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,67 @@ def test_missing_folders_are_created_and_graphs_accepted(tmp_path: Path) -> None
 def test_a_function_is_refused_with_a_fix(tmp_path: Path) -> None:
     with pytest.raises(ArgumentError, match="symbolic_trace"):
         draw_graph(lambda x: x, tmp_path / "f.svg")  # type: ignore[arg-type]
+
+
+def _graph_with_source_line(line: str) -> fx.GraphModule:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.add, (x, 1))
+    y.meta["stack_trace"] = f'  File "f.py", line 3, in f\n    {line}\n'
+    graph.output(y)
+    return fx.GraphModule({}, graph)
+
+
+_AWKWARD_LINES = ["y = x + \\", 'y = f("\\n")', 'y = x  # \\"', 'y = x  # "quoted"',
+                  "y = x  # a\\\\b \\l \\N"]
+
+
+@pytest.mark.parametrize(("line", "in_dot"), list(zip(_AWKWARD_LINES, [
+    r"y = x + \\", r'y = f(\"\\n\")', r'y = x  # \\\"', r'y = x  # \"quoted\"',
+    r"y = x  # a\\\\b \\l \\N"], strict=True)))
+def test_dot_labels_escape_backslashes_and_quotes(tmp_path: Path, line: str, in_dot: str) -> None:
+    text = draw_graph(_graph_with_source_line(line), tmp_path / "g.dot",
+                      clear_meta=False).path.read_text()
+    assert f'label="add\\nadd\\n{in_dot}"' in text
+
+
+@needs_graphviz
+@pytest.mark.parametrize("line", _AWKWARD_LINES)
+def test_source_lines_with_backslashes_render_as_written(tmp_path: Path, line: str) -> None:
+    import html
+
+    svg = draw_graph(_graph_with_source_line(line), tmp_path / "g.svg",
+                     clear_meta=False).path.read_text()
+    texts = [html.unescape(t).replace("\xa0", " ")  # Graphviz keeps runs of spaces as nbsp
+             for t in re.findall(r"<text[^>]*>([^<]*)</text>", svg)]
+    assert line in texts, texts
+
+
+def _continued(x: torch.Tensor) -> torch.Tensor:
+    y = torch.sin(x) + \
+        1
+    return y
+
+
+@needs_graphviz
+def test_a_recorded_line_continuation_draws_as_svg(tmp_path: Path) -> None:
+    graphs: list[fx.GraphModule] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    with aotkit.config.patch(record_stack_traces=True):
+        aotkit.aot_function(_continued, keep)(torch.randn(3))
+    svg = draw_graph(graphs[0], tmp_path / "g.svg", clear_meta=False).path.read_text()
+    assert "y = torch.sin(x) + \\<" in svg
+
+
+@pytest.mark.parametrize("name", ["g.dot", "g.svg"])
+def test_unwritable_paths_are_argument_errors(tmp_path: Path, name: str) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    for path in (a_file / name, a_file / "sub" / name):
+        with pytest.raises(ArgumentError, match=r"(?s)draw_graph cannot write .*a_file.*Fix:"):
+            draw_graph(forward_graph(), path)
+    assert a_file.read_text() == "not a folder"

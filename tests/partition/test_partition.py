@@ -318,3 +318,31 @@ def test_attention_without_dropout_is_recomputable_at_budget_zero() -> None:
 
     assert any("scaled_dot_product" in op for op in recomputed(0.0))
     assert not any("scaled_dot_product" in op for op in recomputed(0.5))  # it draws the mask
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
+def test_lstm_kernels_are_never_recomputed(budget: float) -> None:
+    torch.manual_seed(0)
+    eager = nn.LSTM(6, 8, batch_first=True)
+    model = __import__("copy").deepcopy(eager)
+    captured = Captured(min_cut_rematerialization_partition)
+    compiled = aotkit.aot_module(model, aotkit.compilers.nop, partition_fn=captured)
+    x = torch.randn(3, 5, 6)
+    with aotkit.config.patch(activation_memory_budget=budget):
+        if torch.backends.mkldnn.is_available():
+            # mkldnn's kernel leaves its workspace undefined: refused at every budget, never
+            # recomputed in the backward (where it would fail with an untyped RuntimeError)
+            with pytest.raises(aotkit.errors.UnsupportedError, match=r"mkldnn\.flags"):
+                compiled(x)
+            fw, bw = captured.graphs[-1]
+            assert "aten.mkldnn_rnn_layer.default" in targets(fw)
+            assert "aten.mkldnn_rnn_layer.default" not in targets(bw)
+            assert "aten.mkldnn_rnn_layer.default" not in captured.report.recomputed
+        with torch.backends.mkldnn.flags(enabled=False):
+            out, (h, c) = compiled(x)
+            (out.sum() + h.sum() + c.sum()).backward()
+            out_e, (h_e, c_e) = eager(x)
+            (out_e.sum() + h_e.sum() + c_e.sum()).backward()
+    torch.testing.assert_close((out, h, c), (out_e, h_e, c_e))
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

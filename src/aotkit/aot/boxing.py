@@ -22,6 +22,7 @@ def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
         >>> g([1, 2]), g._boxed_call
         (3, True)
     """
+    _require_callable("make_boxed_func", f, "the function a compiler returns, e.g. gm.forward")
     if getattr(f, "_boxed_call", False):
         return f
 
@@ -47,16 +48,30 @@ def make_boxed_compiler(compiler: Compiler) -> Compiler:
         >>> import aotkit
         >>> boxed = aotkit.make_boxed_compiler(lambda gm, inputs: gm.forward)
     """
+    _require_callable("make_boxed_compiler", compiler,
+                      "a compiler, compiler(gm, example_inputs) -> callable")
 
     def boxed_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return make_boxed_func(compiler(gm, example_inputs))
+        compiled = compiler(gm, example_inputs)
+        # Not callable: returned as is, for compile_boxed to name the compiler and the graph.
+        return make_boxed_func(compiled) if callable(compiled) else compiled
 
     boxed_compiler.__name__ = getattr(compiler, "__name__", "boxed_compiler")
     return boxed_compiler
 
 
-def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequence[Any], what: str) -> Callable[[list[Any]], Any]:
-    """Run a compiler and return its result as a boxed callable, with a clear error on failure."""
+def _require_callable(who: str, value: Any, what: str) -> None:
+    if not callable(value):
+        raise ArgumentError(
+            f"{who} wraps a callable, got {type(value).__name__} {value!r}.\nFix: pass {what}."
+        )
+
+
+def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                  what: str) -> Callable[[list[Any]], Any]:
+    """Run a compiler and return its result as a boxed callable, with a clear error on failure,
+    and on every call a check that it returned one value per graph output
+    (Note [Checking what compiled graphs return])."""
     name = getattr(compiler, "__name__", type(compiler).__name__)
     try:
         compiled = compiler(gm, list(example_inputs))
@@ -72,4 +87,35 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
             f"compiler {name!r} returned {type(compiled).__name__} for the {what} graph; "
             "a compiler must return a callable (gm.forward, or make_boxed_func(...))."
         )
-    return make_boxed_func(compiled)
+    outputs = gm.graph.output_node().args[0]
+    if not isinstance(outputs, (list, tuple)):
+        return make_boxed_func(compiled)
+    return _checked(make_boxed_func(compiled), len(outputs), name, what)
+
+
+# Note [Checking what compiled graphs return]
+# The runtime slices a compiled graph's result by position (user outputs, saved tensors, saved
+# SymInts; one grad per input), so a callable that returns None, a single tensor or too few
+# values would fail far away with an untyped error, or silently return wrong values. Every call
+# therefore checks the result's type and length, which costs one function call and a len();
+# the values themselves (shapes, dtypes) are not checked here: that is debug_nop's job.
+def _checked(boxed: Callable[[list[Any]], Any], expected: int, name: str,
+             what: str) -> Callable[[list[Any]], Any]:
+    def run(args: list[Any]) -> Any:
+        outs = boxed(args)
+        if not isinstance(outs, (list, tuple)) or len(outs) != expected:
+            _refuse_outputs(outs, expected, name, what)
+        return outs
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _refuse_outputs(outs: Any, expected: int, name: str, what: str) -> None:
+    got = (f"{len(outs)} value(s)" if isinstance(outs, (list, tuple))
+           else f"{type(outs).__name__}, not a list or tuple")
+    raise CompilerError(
+        f"the callable compiler {name!r} made for the {what} graph returned {got}; the "
+        f"{what} graph has {expected} output(s).\nFix: return a list or tuple with one value "
+        "per output of the graph, in order, as gm.forward does (make_boxed_func(gm.forward))."
+    )

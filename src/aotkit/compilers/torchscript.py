@@ -108,7 +108,8 @@ def _strip_overloads(gm: fx.GraphModule) -> None:
 
 def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
     """Rewrite what TorchScript cannot take: typed placeholders (a SymInt input is an ``int``,
-    not a Tensor), ``torch.device`` keyword values as strings, a tuple output (TorchScript
+    not a Tensor), ``torch.device`` keyword values as strings with their index (``"cuda:1"``:
+    a bare ``"cuda"`` would run on whichever device is current), a tuple output (TorchScript
     lists hold one type; outputs mix tensors, ints and None), and dtype-changing ``_to_copy``
     as ``to`` (which TorchScript's fusers understand)."""
     graph = gm.graph
@@ -120,7 +121,7 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
             node.args, node.kwargs = (node.args[0], node.kwargs["dtype"]), {}
     for node in graph.nodes:
         if any(isinstance(v, torch.device) for v in node.kwargs.values()):
-            node.kwargs = {k: v.type if isinstance(v, torch.device) else v
+            node.kwargs = {k: str(v) if isinstance(v, torch.device) else v
                            for k, v in node.kwargs.items()}
     output = graph.output_node()
     output.args = (tuple(output.args[0]),)

@@ -41,7 +41,8 @@ def draw_graph(gm: fx.GraphModule | fx.Graph, path: str | os.PathLike[str], *,
     ``clear_meta=False`` adds the user's source line where ``node.meta`` records one. The graph
     itself is not changed. Images are rendered by Graphviz's ``dot``; without it the DOT source
     is written next to ``path`` (``path`` with a ``.dot`` extension), a warning says how to get
-    images, and the result's ``fallback`` holds that reason.
+    images, and the result's ``fallback`` holds that reason. A path that cannot be written
+    (a read-only folder, a file where a folder should be) raises ``ArgumentError``.
 
     Example::
 
@@ -69,6 +70,17 @@ def draw_graph(gm: fx.GraphModule | fx.Graph, path: str | os.PathLike[str], *,
             f"Fix: end the path with one of {', '.join(_FORMATS)} (no extension writes SVG)."
         )
     dot = _to_dot(gm, name, clear_meta)
+    try:
+        return _write(dot, path, fmt)
+    except OSError as exc:
+        raise ArgumentError(
+            f"draw_graph cannot write {path}: {type(exc).__name__}: {exc}\nFix: pass a path in "
+            "a folder that exists or can be created, and that you may write to (no part of it "
+            "may be an existing file)."
+        ) from exc
+
+
+def _write(dot: Any, path: Path, fmt: str) -> DrawnGraph:
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "dot":
         path.write_text(dot.to_string())
@@ -99,16 +111,22 @@ def _to_dot(gm: fx.GraphModule, name: str, clear_meta: bool) -> Any:
 
     dot = pydot.Dot(_quote(name), graph_type="digraph", rankdir="TB")
     for node in gm.graph.nodes:
-        dot.add_node(pydot.Node(_quote(node.name), label=_label(node, clear_meta), shape="box",
-                                style="filled", fillcolor=_FILL.get(node.op, "white")))
+        label = _quote(_label(node, clear_meta))
+        dot.add_node(pydot.Node(_quote(node.name), label=label, shape="box", style="filled",
+                                fillcolor=_FILL.get(node.op, "white")))
         for source in node.all_input_nodes:
             dot.add_edge(pydot.Edge(_quote(source.name), _quote(node.name)))
     return dot
 
 
-def _quote(name: str) -> str:
-    # Quoted, so that FX names such as ``graph`` or ``node`` are not read as DOT keywords.
-    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def _quote(text: str) -> str:
+    # Names and labels are written as double-quoted DOT strings, so that FX
+    # names such as ``graph`` or ``node`` are not read as keywords, and pydot passes them through
+    # untouched (its own quoting leaves backslashes as they are, so a source line ending in a
+    # backslash would escape the closing quote). Graphviz reads ``\\`` in a label as one
+    # backslash and ``\n`` as a line break; backslashes are doubled first.
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + escaped.replace("\n", "\\n") + '"'
 
 
 def _label(node: fx.Node, clear_meta: bool) -> str:

@@ -6,7 +6,7 @@ Every forward value the backward reads must reach it: saved by the forward, or r
 the backward from values that reach it. As a flow network, each forward tensor node n is an
 edge n_in -> n_out whose capacity is the cost of saving n; data edges u_out -> v_in are
 unbounded; the source feeds n_in of every node the backward may not recompute (graph inputs,
-random and side-effecting ops, and expensive ops: matmul, convolution, attention, large
+random, side-effecting and RNN ops, and expensive ops: matmul, convolution, attention, large
 reductions), and n_out of every forward node the backward reads feeds the sink. A minimum cut
 crosses exactly the nodes to save; a node whose n_in lies on the sink side is recomputed.
 Costs are bytes (symbolic sizes through their hints); graph inputs cost no bytes (the caller
@@ -47,6 +47,13 @@ _CHEAP_OPS = frozenset({
     aten.lift_fresh_copy, aten.copy,
 })
 
+#: RNN kernels: their workspace/reserve outputs belong to the very call that made them (the
+#: mkldnn one on CPU even returns an undefined tensor), so a backward that recomputed the
+#: kernel would hand its backward op a workspace that is missing or from another call. They
+#: are never recomputed, whatever the budget; where the workspace is undefined the runtime
+#: then refuses the function with an UnsupportedError (aotkit.aot.runtime).
+_RNN_KERNELS = frozenset({aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn})
+
 #: A reduction whose input is this many times larger than its output is never recomputed.
 _LARGE_REDUCTION = 4
 
@@ -65,7 +72,8 @@ def min_cut_rematerialization_partition(
     ``activation_memory_budget`` (default ``aotkit.config.activation_memory_budget``, 1.0)
     trades compute for memory: below 1 the backward may also recompute expensive ops, until the
     saved bytes are at most ``least + budget * (default - least)``, where ``least`` is what
-    recomputing everything but random ops saves. Saved bytes never grow as the budget falls.
+    recomputing everything but random ops and RNN kernels saves. Saved bytes never grow as the
+    budget falls.
 
     What was saved and recomputed is in ``fw_gm.meta["partition"]`` and ``aotkit.explain()``.
 
@@ -205,10 +213,12 @@ def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
 
 
 def _pinned(node: fx.Node) -> bool:
-    """Never recomputed, whatever the budget: inputs, random and side-effecting ops."""
+    """Never recomputed, whatever the budget: inputs, random, side-effecting and RNN ops."""
     if node.op == "placeholder":
         return True
     target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _RNN_KERNELS:
+        return True
     random = isinstance(target, torch._ops.OpOverload) and \
         torch.Tag.nondeterministic_seeded in target.tags
     if random and _dropout_p(node) == 0:
