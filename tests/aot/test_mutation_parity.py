@@ -304,6 +304,19 @@ def test_visible_mutation_of_leaf_still_raises_like_eager():
             run(rand(3, grad=True))
 
 
+def test_view_of_a_mutated_input_with_gaps_is_refused():
+    def fn(x):
+        x.add_(1)
+        return x[:, 0]
+
+    x = torch.arange(24.0).reshape(4, 6)[:, ::2]  # strides (6, 2): gaps between elements
+    with pytest.raises(UnsupportedError, match="gaps between elements"):
+        aotkit.aot_function(fn, compilers.nop)(x)
+    for dense in (x.contiguous(), torch.arange(24.0).reshape(6, 4).t()):  # transposed is fine
+        result = check_against_eager(fn, dense, backward=False)
+        assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+
+
 # --- views of mutated inputs under dynamic shapes ---------------------------------------------
 
 

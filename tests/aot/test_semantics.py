@@ -655,6 +655,18 @@ def test_recompile_limit():
         f(torch.zeros(2))  # compiled signatures still run
 
 
+def test_dynamic_value_read_from_a_scalar_tensor_is_not_baked_in():
+    """Only Dynamo's graphs get their float reads rewritten (Note [Float arguments from Dynamo])."""
+
+    def f(x, t):
+        return x + torch.full((4,), t.item())
+
+    compiled = aotkit.aot_function(f, compilers.nop, dynamic=True)
+    for value in (0.7, 0.9, 2.0):
+        t = torch.tensor(value, dtype=torch.float64)
+        torch.testing.assert_close(compiled(torch.ones(4), t), f(torch.ones(4), t))
+
+
 # --- RNG -----------------------------------------------------------------------------------------
 
 
@@ -797,6 +809,18 @@ def test_tensor_kept_in_a_memo_between_passes_is_refused():
 
     with pytest.raises(UnsupportedError, match=r"kept in an earlier tracing pass \(aten.mul"):
         aotkit.aot_function(f, compilers.nop)(rand(3, grad=True))
+
+
+def test_tensor_kept_between_passes_and_returned_is_refused():
+    memo: dict[str, torch.Tensor] = {}
+
+    def f(x):
+        if "c" not in memo:
+            memo["c"] = x.sum() * 0 + 5
+        return x * 2, memo["c"]
+
+    with pytest.raises(UnsupportedError, match=r"kept in an earlier tracing pass \(the function"):
+        aotkit.aot_function(f, compilers.nop)(torch.ones(2))
 
 
 # --- boxed calling convention ---------------------------------------------------------------

@@ -264,6 +264,29 @@ def test_hooks_on_independent_branches_run_in_eager_order() -> None:
     torch.testing.assert_close(actual, expected)
 
 
+def test_roots_alike_in_structure_keep_eager_order() -> None:
+    """Several backward roots of the same structure: node names cannot tell which root order the
+    engine took, so calls keep the capture's order (which is eager's here) and say so."""
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def step(log: list[str]) -> Any:
+        for m in (a, b, c):
+            m.weight.grad = None
+        hooks = [m.weight.register_post_accumulate_grad_hook(lambda p, n=n: log.append(n))
+                 for n, m in (("a", a), ("b", b), ("c", c))]
+        h = a(torch.randn(2, 4))
+        torch.autograd.backward([b(h).sum(), c(h).sum()])
+        for hook in hooks:
+            hook.remove()
+        return a.weight.grad.clone(), b.weight.grad.clone(), c.weight.grad.clone()
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log == ["c", "b", "a"]
+    torch.testing.assert_close(actual, expected)
+    assert aotkit.explain().of_kind("hook_order")
+
+
 def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Tensor) -> None:
     if kind == "leaf":
         w.register_hook(hook)

@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import current_user_line
+from aotkit.aot.simplify import known_equal
 from aotkit.compat import (
     FakeTensor,
     FunctionalTensor,
@@ -163,6 +164,7 @@ def analyze(
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
         outputs, bases = _output_infos(f_args, f_outs)
+        _refuse_views_of_relaid_inputs(args, f_args, inputs, outputs)
         meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases])
         fw_outs = [
             *(f_args[i] for i in meta.mutated_inputs),
@@ -170,6 +172,29 @@ def analyze(
             *bases,
         ]
         return meta, [from_fun(o) for o in fw_outs]
+
+
+def _refuse_views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
+                                   inputs: Sequence[InputInfo], outputs: Sequence[OutputInfo]) -> None:
+    """An input with gaps in its strides (``x[:, ::2]``) that the function mutates in place gets
+    a dense new value from functionalization, and views taken after the mutation take their
+    strides from it; a returned view would be placed by those strides in the caller's memory,
+    reading other elements.
+    Eager's view keeps the input's strides; we cannot recover them, so such views are refused."""
+    for out in outputs:
+        if out.alias is not Alias.OF_INPUT:
+            continue
+        i = out.base
+        info = inputs[i]
+        if info.mutates_data and not info.mutates_metadata and not (
+            known_equal(args[i].stride(), from_fun(f_args[i]).stride())
+        ):
+            raise UnsupportedError(
+                f"the function mutates input {i} (strides {tuple(args[i].stride())}, with gaps "
+                "between elements) in place and returns a view of it; aotkit cannot place that "
+                "view in the input's memory as eager does.\nFix: pass a contiguous input "
+                "(x.contiguous()), or return a clone of the view."
+            )
 
 
 @contextlib.contextmanager

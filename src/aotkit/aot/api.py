@@ -21,7 +21,14 @@ from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import ShapeGuard, describe_change, leaf_names, signature
 from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
-from aotkit.aot.trace import FlatFn, make_fake, trace_inference, trace_joint, tracing
+from aotkit.aot.trace import (
+    FlatFn,
+    make_fake,
+    refuse_kept_outputs,
+    trace_inference,
+    trace_joint,
+    tracing,
+)
 from aotkit.compat import FakeTensorMode, keep_stack_traces_of
 from aotkit.errors import (
     AotkitError,
@@ -71,8 +78,10 @@ class AotOptions:
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
-                   mode: FakeTensorMode) -> CompiledGraphs:
-    """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point."""
+                   mode: FakeTensorMode, from_dynamo: bool = False) -> CompiledGraphs:
+    """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point.
+    ``from_dynamo``: the graph is Dynamo's, whose float arguments are rewritten into tensor ops
+    (Note [Float arguments from Dynamo])."""
     counters.bump("aot", "traces")
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -87,7 +96,8 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
             _refuse_grad_without_inputs(meta, name)
             gm = trace_inference(flat_fn, args, meta, options.decompositions,
                                  options.keep_inference_input_mutations)
-    tensorify_float_inputs(gm, mode, name)
+    if from_dynamo:
+        tensorify_float_inputs(gm, mode, name)
     drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
     if not training:
         return _compile_inference(gm, meta, options, name, len(args))
@@ -269,6 +279,11 @@ class AotFunction:
         """How many input signatures have been traced and compiled."""
         return sum(len(v) for v in self._entries.values())
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> AotFunction:
+        """The same function and options, compiled anew on its first call (compiled graphs
+        hold compiler state that cannot be copied)."""
+        return AotFunction(self.fn, self.options, self.name, self._leaf_names)
+
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...]) -> _Entry:
         self._check_arguments(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -346,6 +361,7 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
         out = fn(*args, **kwargs)
         flat, out_spec = pytree.tree_flatten(out)
         check_outputs(out, flat, name)
+        refuse_kept_outputs(flat)
         return flat, out_spec
 
     return flat_fn
@@ -441,7 +457,7 @@ def aot_module_simplified(
         return pytree.tree_flatten(out)
 
     name = f"aot_module_simplified({_region(mod)})"
-    graphs = compile_graphs(flat_fn, fakes, options, name, mode)
+    graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
     unflatten = graphs.meta.unflatten
 
     def forward(*runtime_args: Any) -> Any:

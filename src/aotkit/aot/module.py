@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +59,7 @@ class _Layout:
 class _Compiled:
     fn: AotFunction
     layout: _Layout
+    watchers: list[weakref.ref[nn.Module]] = dataclasses.field(default_factory=list)
 
 
 class AotModule(nn.Module):
@@ -108,7 +111,24 @@ class AotModule(nn.Module):
         options = dataclasses.replace(self._options, num_params_buffers=len(names))
         compiled = _Compiled(AotFunction(call, options, name, leaf_namer), layout)
         self._compiled[key] = compiled
+        # The key names submodules by id, which Python reuses once a module is freed: an entry
+        # dies with any of its modules, so a new module never finds an old module's graph.
+        forget = _forgetter(weakref.ref(self), key)
+        compiled.watchers = [weakref.ref(m, forget) for m in module.modules()]
         return compiled
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AotModule:
+        """A copy of the original module, compiled anew on its first call."""
+        return AotModule(copy.deepcopy(self.orig_module, memo), self._options)
+
+
+def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], None]:
+    def forget(_: Any) -> None:
+        module = owner()
+        if module is not None:
+            module._compiled.pop(key, None)
+
+    return forget
 
 
 def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
@@ -121,19 +141,27 @@ def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
         key.append((id(m), m.training, *p, None, *b))
         params.extend(p.values())
         buffers.extend(b.values())
-    params, buffers = _unique(params), _unique(buffers)
-    return (tuple(key), len(params), len(buffers)), [*params, *buffers]
+    params, param_ties = _unique(params)
+    buffers, buffer_ties = _unique(buffers)
+    return (tuple(key), param_ties, buffer_ties), [*params, *buffers]
 
 
-def _unique(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Drop Nones and repeats (tied weights), keeping first occurrences, as named_parameters does."""
-    seen: set[int] = set()
-    out = []
+def _unique(tensors: Iterable[torch.Tensor | None]) -> tuple[list[torch.Tensor], Hashable]:
+    """Drop Nones and repeats (tied weights), keeping first occurrences, as named_parameters
+    does. Also returns how the slots share tensors: their count, and with ties which unique
+    tensor each slot holds."""
+    index: dict[int, int] = {}
+    out: list[torch.Tensor] = []
+    slots: list[int] = []
     for t in tensors:
-        if t is not None and id(t) not in seen:
-            seen.add(id(t))
+        if t is None:
+            continue
+        i = index.get(id(t))
+        if i is None:
+            i = index[id(t)] = len(out)
             out.append(t)
-    return out
+        slots.append(i)
+    return out, (tuple(slots) if len(slots) > len(out) else len(slots))
 
 
 def _layout(root: nn.Module) -> _Layout:

@@ -12,7 +12,7 @@ import contextvars
 import inspect
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,6 +74,13 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
         raise _data_dependent(what, exc) from exc
     finally:
         _GUARD.reset(token)
+
+
+def refuse_kept_outputs(outputs: Sequence[Any]) -> None:
+    """The guard's check of Note [Closed-over tensors] for tensors the function returns."""
+    guard = _GUARD.get()
+    if guard is not None:
+        guard.check_kept("the function returns it", [o for o in outputs if isinstance(o, torch.Tensor)])
 
 
 def _begin_graph_pass() -> None:
@@ -141,7 +148,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
             return func(*args, **kwargs)
         self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
-        self._check_kept(func, args, kwargs)
+        self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
         out = self._run(func, args, kwargs)
         for t in _tensors(out):
             if isinstance(t, FunctionalTensor):
@@ -200,13 +207,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.first_pass_generators = list(self.generators)
         self.pass_id = next(_PASS_IDS)
 
-    def _check_kept(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+    def check_kept(self, how: str, tensors: Iterable[Any]) -> None:
         """A functional tensor made by another tracing pass was kept by the function."""
-        for t in _tensors((args, kwargs)):
+        for t in tensors:
             if getattr(t, "_aotkit_pass", self.pass_id) != self.pass_id:
                 raise UnsupportedError(
-                    f"{self.what} reads a tensor of shape {tuple(t.shape)} that it computed and "
-                    f"kept in an earlier tracing pass ({func} reads it): an attribute or cache set "
+                    f"{self.what} uses a tensor of shape {tuple(t.shape)} that it computed and "
+                    f"kept in an earlier tracing pass ({how}): an attribute or cache set "
                     "inside the function (self.cache = ..., a memo dict, "
                     "torch.nn.utils.parametrize.cached()). aotkit traces the function on fake "
                     "tensors, so the kept tensor holds no data.\n"

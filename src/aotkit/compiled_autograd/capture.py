@@ -373,8 +373,8 @@ class Capture:
             counters.record(
                 "hook_order", "compiled_autograd",
                 f"{self.name}: could not match the engine's capture order to eager's node order "
-                "(several backward roots depending on each other?); hooks on independent "
-                "branches run in the capture's order", logger=log)
+                "(several backward roots alike in structure, or depending on each other); hooks "
+                "on independent branches run in the capture's order", logger=log)
             return
         passes.follow_node_order(graph, ranks)
 

@@ -31,17 +31,23 @@ def execution_order() -> list[Any]:
 
 def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> dict[int, int] | None:
     """NodeCall index -> position in ``eager_order`` (the graph root first), or ``None`` when no
-    replay of the engine's order gives the node names it reported in ``call_names``."""
+    replay of the engine's order gives the node names it reported in ``call_names``, or several
+    replays that place nodes differently do (backward roots alike in structure)."""
     rank = {node: r for r, node in enumerate(eager_order)}
     incoming: Counter[Any] = Counter()
     for node in eager_order:
         incoming.update(fn for fn, _ in node.next_functions if fn in rank)
     roots = [node for node in eager_order if incoming[node] == 0]
+    found: dict[int, int] | None = None
     for ordered_roots in itertools.islice(itertools.permutations(roots), MAX_ROOT_ORDERS):
         calls = _capture_order(ordered_roots, incoming, rank)
-        if _same_names(calls, call_names):
-            return {0: -1} | {i: rank[node] for i, node in enumerate(calls, start=1)}
-    return None
+        if not _same_names(calls, call_names):
+            continue
+        ranks = {0: -1} | {i: rank[node] for i, node in enumerate(calls, start=1)}
+        if found is not None and ranks != found:
+            return None  # roots alike in structure: names cannot tell which order the engine took
+        found = ranks
+    return found
 
 
 def _capture_order(roots: Sequence[Any], incoming: Counter[Any],
