@@ -150,3 +150,23 @@ def test_backend_is_registered_with_dynamo() -> None:
     from aotkit.backends import aotkit_inductor as backend
 
     assert torch._dynamo.lookup_backend("aotkit_inductor") is backend
+
+
+def test_max_pool_in_a_fresh_process() -> None:
+    """Inductor's max_pool decomposition reads torch._inductor.lowering, which nothing has
+    imported when aotkit is the first to trace with Inductor's table in a process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, aotkit\n"
+        "f = lambda x: torch.nn.functional.max_pool2d(x, 2).sum()\n"
+        "x = torch.randn(1, 2, 4, 4, requires_grad=True)\n"
+        "out = torch.compile(f, backend='aotkit_inductor')(x)\n"
+        "out.backward()\n"
+        "g = x.grad.clone(); x.grad = None; f(x).backward()\n"
+        "torch.testing.assert_close(g, x.grad)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

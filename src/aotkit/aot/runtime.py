@@ -361,15 +361,32 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_no_aliased_mutation(name: str, meta: AotMeta, args: Sequence[Any]) -> None:
-    """Refuse inputs that share memory when one of them is mutated (results would differ)."""
-    seen: dict[int, int] = {}
+    """Refuse inputs whose memory overlaps when one of them is mutated (results would differ).
+    Views of one storage that do not overlap (``kv[0]``, ``kv[1]``; parameters in a flat buffer)
+    are fine."""
+    by_storage: dict[int, list[int]] = {}
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            ptr = a.untyped_storage().data_ptr()
-            j = seen.setdefault(ptr, i)
-            if j != i and ptr != 0 and (meta.inputs[i].mutated or meta.inputs[j].mutated):
+        if not isinstance(a, torch.Tensor) or (ptr := a.untyped_storage().data_ptr()) == 0:
+            continue
+        sharing = by_storage.setdefault(ptr, [])
+        for j in sharing:
+            if (meta.inputs[i].mutated or meta.inputs[j].mutated) and _may_overlap(args[j], a):
                 raise UnsupportedError(
-                    f"{name}: inputs {j} and {i} share memory and one of them is mutated in "
+                    f"{name}: inputs {j} and {i} overlap in memory and one of them is mutated in "
                     "place; aotkit cannot yet replay such mutations exactly.\nFix: pass "
                     "separate tensors (e.g. .clone() one of them)."
                 )
+        sharing.append(i)
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges two tensors of one storage span intersect."""
+    spans = []
+    for t in (a, b):
+        if t.numel() == 0:
+            return False
+        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+        start = t.storage_offset() * t.element_size()
+        spans.append((start, start + extent * t.element_size()))
+    (a0, a1), (b0, b1) = spans
+    return a0 < b1 and b0 < a1

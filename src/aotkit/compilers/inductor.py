@@ -72,6 +72,9 @@ class Inductor:
     def decompositions(self) -> dict[Any, Callable[..., Any]]:
         """The decompositions to trace with for this compiler: Inductor's own table
         (``select_decomp_table()``, which follows ``torch._inductor.config``)."""
+        # Some of them (max_pool's) ask Inductor's lowerings whether to decompose, and reach
+        # them as an attribute of torch._inductor, which only an import of the module sets.
+        import torch._inductor.lowering  # noqa: F401
         from torch._inductor.decomposition import select_decomp_table
 
         return select_decomp_table()
