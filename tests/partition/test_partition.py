@@ -346,3 +346,31 @@ def test_lstm_kernels_are_never_recomputed(budget: float) -> None:
     torch.testing.assert_close((out, h, c), (out_e, h_e, c_e))
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_min_cut_keeps_higher_order_op_bodies_in_the_backward() -> None:
+    """torch.cond branches and nested compile regions are get_attr subgraphs: never saved."""
+
+    @torch.compiler.nested_compile_region
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sin()
+
+    def regions(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return block(block(x, w), w).sum(0)
+
+    def cond(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda a, b: (a @ b).sin(), lambda a, b: (a @ b).cos(),
+                          (x, w)).sum(0)
+
+    for fn in (regions, cond):
+        torch._dynamo.reset()
+        x, w = torch.rand(3, 4), torch.randn(4, 4)
+        a = [t.clone().requires_grad_() for t in (x, w)]
+        e = [t.clone().requires_grad_() for t in (x, w)]
+        compiled = torch.compile(fn, backend="aotkit", options={"partition": "min_cut"})
+        out, expected = compiled(*a), fn(*e)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for got, want in zip(a, e, strict=True):
+            torch.testing.assert_close(got.grad, want.grad)

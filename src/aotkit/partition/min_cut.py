@@ -119,7 +119,9 @@ class _Network:
         self.index = {n: i for i, n in enumerate(nodes)}
         forward = [n for n in nodes if n not in tangent_side]
         self.fw_syms = {n for n in forward if is_sym(n)}
-        self.fw_tensors = [n for n in forward if n not in self.fw_syms]
+        # get_attr nodes are the bodies of higher-order ops (torch.cond branches): the backward
+        # reads them as its own attributes, never as saved values.
+        self.fw_tensors = [n for n in forward if n not in self.fw_syms and n.op != "get_attr"]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
         self.expensive = [n for n in self.fw_tensors if n not in pinned and not _cheap(n)]
