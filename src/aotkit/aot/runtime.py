@@ -310,10 +310,12 @@ def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info:
     if source.new_value is not None and _same_storage(source.new_value, out):
         return _view_of_new_value(source, out, name)
     raise CompilerError(
-        f"{name}: an output that views another tensor came back from the compiled graph as a "
-        "copy with symbolic sizes, so it cannot be made a view again.\nFix: use a compiler that "
-        "keeps the graph's views (e.g. aotkit.compilers.nop), compile with dynamic=False, or "
-        "clone the output in the function."
+        f"{name}: an output that views another tensor came back from the compiled graph in "
+        "memory of its own, and with symbolic sizes aotkit cannot find its place in the tensor it "
+        "views. This happens with keep_inference_input_mutations=True for a view that changes "
+        "the dtype (x.view(torch.int32), view_as_real) of a mutated input, or with a compiler "
+        "that copies its outputs.\nFix: compile with dynamic=False or without "
+        "keep_inference_input_mutations, or clone the output in the function."
     )
 
 
