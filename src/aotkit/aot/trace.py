@@ -67,6 +67,14 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
             yield
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
+    except NotImplementedError as exc:
+        if "Generator" not in str(exc):
+            raise
+        raise UnsupportedError(  # torch < 2.13: FX cannot make a graph constant of a generator
+            f"{what} draws random numbers from a torch.Generator made outside it; this torch's "
+            f"make_fx cannot record a generator in a graph ({exc}).\nFix: draw from the default "
+            "generator (seeded with torch.manual_seed), or use torch >= 2.13."
+        ) from exc
     except RuntimeError as exc:
         # A kernel without a fake implementation read the (absent) data of a fake tensor.
         if "data is not allocated yet" not in str(exc):
