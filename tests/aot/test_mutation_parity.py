@@ -312,6 +312,9 @@ def test_view_of_a_mutated_input_with_gaps_is_refused():
     x = torch.arange(24.0).reshape(4, 6)[:, ::2]  # strides (6, 2): gaps between elements
     with pytest.raises(UnsupportedError, match="gaps between elements"):
         aotkit.aot_function(fn, compilers.nop)(x)
+    row = torch.zeros(1, 8)[:, :4]  # strides (8, 1): dense, the size-1 dim steps nowhere
+    result = check_against_eager(lambda r: (r.add_(1), r[0])[1], row, backward=False)
+    assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
     for dense in (x.contiguous(), torch.arange(24.0).reshape(6, 4).t()):  # transposed is fine
         result = check_against_eager(fn, dense, backward=False)
         assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import current_user_line
@@ -186,8 +187,8 @@ def _refuse_views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
             continue
         i = out.base
         info = inputs[i]
-        if info.mutates_data and not info.mutates_metadata and not (
-            known_equal(args[i].stride(), from_fun(f_args[i]).stride())
+        if info.mutates_data and not info.mutates_metadata and not _laid_out_alike(
+            args[i], from_fun(f_args[i])
         ):
             raise UnsupportedError(
                 f"the function mutates input {i} (strides {tuple(args[i].stride())}, with gaps "
@@ -195,6 +196,12 @@ def _refuse_views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
                 "view in the input's memory as eager does.\nFix: pass a contiguous input "
                 "(x.contiguous()), or return a clone of the view."
             )
+
+
+def _laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides wherever a stride matters (dims of size 1 step nowhere)."""
+    keep = [d for d, n in enumerate(a.shape) if not statically_known_true(n <= 1)]
+    return known_equal([a.stride(d) for d in keep], [b.stride(d) for d in keep])
 
 
 @contextlib.contextmanager

@@ -138,30 +138,30 @@ def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
     buffers: list[Any] = []
     for m in root.modules():
         p, b = m._parameters, m._buffers
-        key.append((id(m), m.training, *p, None, *b))
+        key.append((id(m), m.training, *p, None, *b, None, *m._modules))
         params.extend(p.values())
         buffers.extend(b.values())
-    params, param_ties = _unique(params)
-    buffers, buffer_ties = _unique(buffers)
-    return (tuple(key), param_ties, buffer_ties), [*params, *buffers]
+    state, slots = _unique([*params, *buffers])
+    return (tuple(key), slots), state
 
 
 def _unique(tensors: Iterable[torch.Tensor | None]) -> tuple[list[torch.Tensor], Hashable]:
-    """Drop Nones and repeats (tied weights), keeping first occurrences, as named_parameters
-    does. Also returns how the slots share tensors: their count, and with ties which unique
-    tensor each slot holds."""
+    """Drop Nones and repeats (tied weights; a tensor that is a parameter and a buffer), keeping
+    first occurrences, as named_parameters/named_buffers do. Also returns which unique tensor
+    each slot holds (-1: None), which tells ties and unset slots apart."""
     index: dict[int, int] = {}
     out: list[torch.Tensor] = []
     slots: list[int] = []
     for t in tensors:
         if t is None:
+            slots.append(-1)
             continue
         i = index.get(id(t))
         if i is None:
             i = index[id(t)] = len(out)
             out.append(t)
         slots.append(i)
-    return out, (tuple(slots) if len(slots) > len(out) else len(slots))
+    return out, tuple(slots)
 
 
 def _layout(root: nn.Module) -> _Layout:

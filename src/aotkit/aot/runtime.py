@@ -374,7 +374,8 @@ def check_no_aliased_mutation(name: str, meta: AotMeta, args: Sequence[Any]) -> 
         for j in sharing:
             if (meta.inputs[i].mutated or meta.inputs[j].mutated) and _may_overlap(args[j], a):
                 raise UnsupportedError(
-                    f"{name}: inputs {j} and {i} overlap in memory and one of them is mutated in "
+                    f"{name}: inputs {j} and {i} overlap in memory (or their memory ranges "
+                    "interleave, as x[:, :2] and x[:, 2:] do) and one of them is mutated in "
                     "place; aotkit cannot yet replay such mutations exactly.\nFix: pass "
                     "separate tensors (e.g. .clone() one of them)."
                 )

@@ -223,12 +223,14 @@ class _OutsideTensorGuard(TorchDispatchMode):
                     f"{self.what} uses a tensor of shape {tuple(t.shape)} that it computed and "
                     f"kept in an earlier tracing pass ({how}): an attribute or cache set "
                     "inside the function (self.cache = ..., a memo dict, "
-                    "torch.nn.utils.parametrize.cached()). aotkit traces the function on fake "
-                    "tensors, so the kept tensor holds no data.\n"
+                    "torch.nn.utils.parametrize.cached(); also an aot_function first called "
+                    "inside another's trace). aotkit traces the function on fake tensors, so "
+                    "the kept tensor holds no data.\n"
                     f"  at {current_user_line()}\n"
                     "Fix: compute it outside the compiled function and pass it in (or register "
-                    "it as a buffer in __init__ for aot_module), or use "
-                    "torch.compile(..., backend='aotkit'), which replays such side effects."
+                    "it as a buffer in __init__ for aot_module); call a nested compiled "
+                    "function once outside first; or use torch.compile(..., backend='aotkit'), "
+                    "which replays such side effects."
                 )
 
     def _check_generators(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:

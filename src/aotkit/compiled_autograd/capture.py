@@ -374,7 +374,9 @@ class Capture:
                 "hook_order", "compiled_autograd",
                 f"{self.name}: could not match the engine's capture order to eager's node order "
                 "(several backward roots alike in structure, or depending on each other); hooks "
-                "on independent branches run in the capture's order", logger=log)
+                "on independent branches run in the capture's order, for this backward and "
+                "every later one this graph replays (roots passed in another order included)",
+                logger=log)
             return
         passes.follow_node_order(graph, ranks)
 
