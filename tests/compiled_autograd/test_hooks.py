@@ -306,8 +306,11 @@ def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Ten
     ("pre", lambda gos: (gos[0][:2],), RuntimeError, "size"),
     ("post", lambda gis, gos: (gis[0],), RuntimeError, "1 gradients, expected 2"),
     ("post", lambda gis, gos: [gis[0], gis[1]], TypeError, "tuple"),
+    ("leaf", lambda g: g.double(), RuntimeError, "float64"),
+    ("tensor", lambda g: g.double(), RuntimeError, "float64"),
+    ("post", lambda gis, gos: (gis[0].double(), None), RuntimeError, "float64"),
 ], ids=["leaf-size", "tensor-size", "tensor-float", "pre-count", "pre-size", "post-count",
-        "post-list"])
+        "post-list", "leaf-dtype", "tensor-dtype", "post-dtype"])
 def test_hook_results_are_checked_like_eager(kind: str, hook: Callable[..., Any],
                                              error: type[Exception], match: str) -> None:
     def step() -> None:

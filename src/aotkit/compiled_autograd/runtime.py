@@ -96,7 +96,8 @@ def _hook_name(hook: Callable[..., Any]) -> str:
 
 
 def _check_grad(hook: Callable[..., Any], new: Any, old: Any) -> None:
-    """Eager's checks on a gradient a hook returned: a tensor (or None) of the same size."""
+    """Eager's checks on a gradient a hook returned: a tensor (or None) of the same size, dtype
+    and device."""
     if new is None:
         return
     if not isinstance(new, torch.Tensor):
@@ -104,10 +105,18 @@ def _check_grad(hook: Callable[..., Any], new: Any, old: Any) -> None:
             f"backward hook {_hook_name(hook)!r} returned {type(new).__name__}; a tensor hook "
             "must return a Tensor of the gradient's size, or None to keep the gradient."
         )
-    if old is not None and new.shape != old.shape:
+    if old is None:
+        return
+    if new.shape != old.shape:
         raise HookResultError(
             f"backward hook {_hook_name(hook)!r} changed the size of a gradient from "
             f"{tuple(old.shape)} to {tuple(new.shape)}; return a gradient of the same size."
+        )
+    if new.dtype != old.dtype or new.device != old.device:
+        raise HookResultError(
+            f"backward hook {_hook_name(hook)!r} changed a gradient from {old.dtype} on "
+            f"{old.device} to {new.dtype} on {new.device}; return one of the same dtype and "
+            "device (cast inside the hook's own computation, then back)."
         )
 
 
