@@ -841,6 +841,18 @@ def test_tensor_kept_between_passes_and_returned_is_refused():
         aotkit.aot_function(f, compilers.nop)(torch.ones(2))
 
 
+@pytest.mark.parametrize("inner_compiled_first", [False, True])
+def test_compiled_function_called_inside_another_is_traced_into_it(inner_compiled_first):
+    inner = aotkit.aot_function(lambda x: x.sin() * 2, compilers.nop)
+
+    def outer(x):
+        return inner(x).cos() + inner(x * 2)
+
+    if inner_compiled_first:
+        inner(rand(2, 3, grad=True))
+    check_against_eager(outer, rand(2, 3, grad=True), compiler=compilers.nop)
+
+
 # --- boxed calling convention ---------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from aotkit.aot.trace import (
     trace_inference,
     trace_joint,
     tracing,
+    tracing_active,
 )
 from aotkit.compat import FakeTensorMode, keep_stack_traces_of
 from aotkit.errors import (
@@ -260,6 +261,8 @@ class AotFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise _under_transform(self.name)
+        if tracing_active():  # inside another aotkit trace: become part of its graph
+            return self.fn(*args, **kwargs)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:

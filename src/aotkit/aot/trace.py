@@ -84,6 +84,12 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
         _GUARD.reset(token)
 
 
+def tracing_active() -> bool:
+    """Whether an aotkit trace is running (a compiled function called inside another's trace
+    is traced as part of it: its own graphs would see the outer trace's tensors)."""
+    return _GUARD.get() is not None
+
+
 def refuse_kept_outputs(outputs: Sequence[Any]) -> None:
     """The guard's check of Note [Closed-over tensors] for tensors the function returns."""
     guard = _GUARD.get()
