@@ -195,8 +195,9 @@ def test_aot_module_wants_a_module():
         aotkit.aot_module(lambda x: x, compilers.nop)
 
 
-def test_tensor_kept_by_forward_between_passes_is_refused():
-    """A rotary-style cache computed in forward is a tracing value (Note [Closed-over tensors])."""
+def test_tensor_attributes_set_in_forward_are_set_after_each_call():
+    """A rotary-style cache (and old-style weight_norm's ``module.weight``) set in forward is
+    returned by the graph and set on the module as eager sets it, never a tracing value."""
 
     class Cached(nn.Module):
         def __init__(self) -> None:
@@ -209,12 +210,19 @@ def test_tensor_kept_by_forward_between_passes_is_refused():
                 self.cache = torch.arange(4.0).cos()
             return self.lin(x) * self.cache
 
-    with pytest.raises(UnsupportedError, match=r"computed and kept in an earlier tracing pass"):
-        aotkit.aot_module(Cached(), compilers.nop)(torch.randn(2, 4))
-    model = Cached()
-    model.cache = torch.arange(4.0).cos()  # computed outside: a constant, as eager reads it
-    x = torch.randn(2, 4)
-    torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x), model(x))
+    for make in (Cached, lambda: torch.nn.utils.weight_norm(nn.Linear(4, 4))):
+        torch.manual_seed(0)
+        eager = make()
+        torch.manual_seed(0)
+        twin = make()  # weight_norm's module cannot be deep-copied
+        compiled = aotkit.aot_module(twin, compilers.nop)
+        for n in (2, 2, 3):  # the second size traces again, reading the cache set by the first
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+            _assert_same_state(twin, eager)
+        attribute = "cache" if isinstance(twin, Cached) else "weight"
+        assert type(getattr(twin, attribute)) is torch.Tensor
+        torch.testing.assert_close(getattr(twin, attribute), getattr(eager, attribute))
 
 
 def test_a_new_submodule_never_gets_a_freed_ones_graph():

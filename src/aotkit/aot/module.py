@@ -35,8 +35,10 @@ log = logging.getLogger("aotkit.aot")
 # While tracing, each slot (a module's ``_parameters`` or ``_buffers`` entry) is pointed at its
 # fake input and restored afterwards. Slots, not names: a submodule registered under two names
 # (``self.head = self.body[-1]``) has one slot per tensor, and tied weights fill every slot
-# they occupy. A buffer that forward assigns anew (``self.ema = 0.9 * self.ema + x``) is
-# returned by the graph and assigned to the module after each call, as eager assigns it.
+# they occupy. A buffer or plain tensor attribute that forward assigns anew (``self.ema = 0.9 *
+# self.ema + x``, ``self.cache = ...``) is put back after tracing (a tracing value must not stay
+# on the module), returned by the graph, and assigned to the module after each call, as eager
+# assigns it.
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
@@ -53,6 +55,7 @@ class _Layout:
     names: list[str]                # state tensor names, in input order
     slots: list[_Slot]
     tables: list[dict[str, Any]]    # every module's _parameters and _buffers
+    attributes: list[tuple[str, dict[str, Any]]]  # every module's name and __dict__
 
 
 @dataclasses.dataclass
@@ -88,7 +91,7 @@ class AotModule(nn.Module):
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
         for name, value in assigned.items():
-            _assign_buffer(self.orig_module, name, value)
+            _assign(self.orig_module, name, value)
         return out
 
     def _compile_for(self, key: Hashable) -> _Compiled:
@@ -182,7 +185,7 @@ def _layout(root: nn.Module) -> _Layout:
                     names.append(qualified)
                 slots.append(_Slot(table, key, index[id(t)], qualified, is_buffer))
     tables = [t for _, m in modules for t in (m._parameters, m._buffers)]
-    return _Layout(modes, names, slots, tables)
+    return _Layout(modes, names, slots, tables, [(n, m.__dict__) for n, m in modules])
 
 
 @contextlib.contextmanager
@@ -192,18 +195,44 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
     slots = layout.slots
     originals = [s.table[s.key] for s in slots]
     keys = [(table, dict.fromkeys(table)) for table in layout.tables]
+    attributes = [(prefix, d, dict(d)) for prefix, d in layout.attributes]
     for s in slots:
         s.table[s.key] = state[s.index]
     assigned: dict[str, torch.Tensor] = {}
     try:
         yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
+        assigned.update(_attributes_assigned(attributes))
     finally:
         for table, before in keys:
             for key in [k for k in table if k not in before]:
                 del table[key]  # registered by forward: a tracing value
         for s, t in zip(slots, originals, strict=True):
             s.table[s.key] = t
+        for _, d, before in attributes:
+            _restore_attributes(d, before)
+
+
+def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]]
+                         ) -> dict[str, torch.Tensor]:
+    """Plain tensor attributes forward set (``self.cache = ...``, old-style weight_norm's
+    ``module.weight``): returned by the graph and set after each call, as eager sets them."""
+    assigned = {}
+    for prefix, d, before in attributes:
+        for key, value in d.items():
+            if isinstance(value, torch.Tensor) and before.get(key) is not value:
+                assigned[f"{prefix}.{key}" if prefix else key] = value
+    return assigned
+
+
+def _restore_attributes(d: dict[str, Any], before: dict[str, Any]) -> None:
+    """Tracing values must not stay on the module: put back what forward replaced."""
+    for key, value in list(d.items()):
+        if isinstance(value, torch.Tensor) and before.get(key) is not value:
+            if key in before:
+                d[key] = before[key]
+            else:
+                del d[key]
 
 
 def _assigned_in_forward(slots: Sequence[_Slot], state: Sequence[torch.Tensor],
@@ -235,9 +264,11 @@ def _assigned_in_forward(slots: Sequence[_Slot], state: Sequence[torch.Tensor],
     return assigned
 
 
-def _assign_buffer(root: nn.Module, name: str, value: torch.Tensor) -> None:
+def _assign(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set a buffer or plain tensor attribute that forward assigned while it was traced."""
     prefix, _, key = name.rpartition(".")
-    root.get_submodule(prefix)._buffers[key] = value
+    module = root.get_submodule(prefix)
+    (module._buffers if key in module._buffers else module.__dict__)[key] = value
 
 
 def _refuse_uninitialized(root: nn.Module) -> None:
