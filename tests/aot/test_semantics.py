@@ -328,8 +328,17 @@ def test_mutated_views_of_one_buffer_that_do_not_overlap():
                                write(kv_eager[0], kv_eager[1], x))
     torch.testing.assert_close(kv, kv_eager)
     flat = torch.zeros(6)
-    aotkit.aot_function(lambda a, b: (a.add_(1), b.sub_(1)), compilers.nop)(flat[:3], flat[3:])
+    both = aotkit.aot_function(lambda a, b: (a.add_(1), b.sub_(1)), compilers.nop)
+    both(flat[:3], flat[3:])
     torch.testing.assert_close(flat, torch.tensor([1.0, 1, 1, -1, -1, -1]))
+    # Interleaved: the byte ranges intersect, the elements do not.
+    for split in (lambda t: (t[:, 0], t[:, 1]), lambda t: (t[:, :2], t[:, 2:])):
+        buf, expected = torch.zeros(3, 2, 4), torch.zeros(3, 2, 4)
+        a, b = split(expected)
+        a.add_(1)
+        b.sub_(1)
+        both(*split(buf))
+        torch.testing.assert_close(buf, expected)
 
 
 def test_batchnorm_running_stats_through_aot_module():

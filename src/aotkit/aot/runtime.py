@@ -4,6 +4,7 @@ that writes input mutations back and regenerates aliased outputs (Note [Aliased 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -364,8 +365,8 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_no_aliased_mutation(name: str, meta: AotMeta, args: Sequence[Any]) -> None:
     """Refuse inputs whose memory overlaps when one of them is mutated (results would differ).
-    Views of one storage that do not overlap (``kv[0]``, ``kv[1]``; parameters in a flat buffer)
-    are fine."""
+    Views of one storage that share no element (``kv[0]``, ``kv[1]``, ``kv[:, 0]``; parameters
+    in a flat buffer) are fine."""
     by_storage: dict[int, list[int]] = {}
     for i, a in enumerate(args):
         if not isinstance(a, torch.Tensor) or (ptr := a.untyped_storage().data_ptr()) == 0:
@@ -374,16 +375,19 @@ def check_no_aliased_mutation(name: str, meta: AotMeta, args: Sequence[Any]) -> 
         for j in sharing:
             if (meta.inputs[i].mutated or meta.inputs[j].mutated) and _may_overlap(args[j], a):
                 raise UnsupportedError(
-                    f"{name}: inputs {j} and {i} overlap in memory (or their memory ranges "
-                    "interleave, as x[:, :2] and x[:, 2:] do) and one of them is mutated in "
-                    "place; aotkit cannot yet replay such mutations exactly.\nFix: pass "
-                    "separate tensors (e.g. .clone() one of them)."
+                    f"{name}: inputs {j} and {i} overlap in memory (or may: their memory ranges "
+                    "interleave and they differ in element size or have more than "
+                    f"{_EXACT_LIMIT} elements) and one of them is mutated in place; aotkit "
+                    "cannot yet replay such mutations exactly.\nFix: pass separate tensors "
+                    "(e.g. .clone() one of them)."
                 )
         sharing.append(i)
 
 
 def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges two tensors of one storage span intersect."""
+    """Whether two tensors of one storage share an element: first by the byte ranges they span,
+    then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
+    for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
     spans = []
     for t in (a, b):
         if t.numel() == 0:
@@ -392,4 +396,28 @@ def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         start = t.storage_offset() * t.element_size()
         spans.append((start, start + extent * t.element_size()))
     (a0, a1), (b0, b1) = spans
-    return a0 < b1 and b0 < a1
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
+        return True
+    return _share_elements(_geometry(a), _geometry(b))
+
+
+_EXACT_LIMIT = 1 << 22
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+@functools.lru_cache(maxsize=256)
+def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two strided layouts in one storage (same element size) address a common element;
+    computed once per pair of layouts."""
+    offsets = []
+    for size, stride, offset in (a, b):
+        index = torch.zeros((), dtype=torch.long)
+        for n, st in zip(size, stride, strict=True):
+            index = index.unsqueeze(-1) + torch.arange(n) * st
+        offsets.append(index.flatten() + offset)
+    return bool(torch.isin(offsets[0], offsets[1]).any())
