@@ -335,3 +335,18 @@ def test_renamed_submodules_write_assigned_buffers_to_their_new_names():
     for _ in range(2):
         torch.testing.assert_close(compiled(x), eager(x))
     _assert_same_state(twin, eager)
+
+
+def test_forward_hook_keeping_a_feature_on_its_module():
+    def keep(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        module.feature = out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[1].register_forward_hook(keep)
+    eager, twin, compiled = _pair(model)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        assert type(twin[1].feature) is torch.Tensor
+        torch.testing.assert_close(twin[1].feature, eager[1].feature)
