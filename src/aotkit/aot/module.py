@@ -54,8 +54,12 @@ class _Layout:
     modes: list[tuple[str, bool]]   # (module name, training)
     names: list[str]                # state tensor names, in input order
     slots: list[_Slot]
-    tables: list[dict[str, Any]]    # every module's _parameters and _buffers
     attributes: list[tuple[str, dict[str, Any]]]  # every module's name and __dict__
+
+    @property
+    def tables(self) -> list[dict[str, Any]]:
+        """Every module's ``_parameters`` and ``_buffers``."""
+        return [d[k] for _, d in self.attributes for k in ("_parameters", "_buffers")]
 
 
 @dataclasses.dataclass
@@ -184,8 +188,7 @@ def _layout(root: nn.Module) -> _Layout:
                     index[id(t)] = len(names)
                     names.append(qualified)
                 slots.append(_Slot(table, key, index[id(t)], qualified, is_buffer))
-    tables = [t for _, m in modules for t in (m._parameters, m._buffers)]
-    return _Layout(modes, names, slots, tables, [(n, m.__dict__) for n, m in modules])
+    return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules])
 
 
 @contextlib.contextmanager
