@@ -56,6 +56,12 @@ _define("debug_graphs", bool, False,
         "Run graph.lint() after every pass and log every graph at DEBUG level.")
 _define("log_graphs", bool, False,
         "Log the forward, backward and inference graphs at INFO level under aotkit.aot.")
+_define("bind_aten_calls", bool, True,
+        "nop and the compilers that run a graph as Python call each ATen op through PyTorch's "
+        "Python binding for it (torch.mm, Tensor.view) where that binding makes exactly the "
+        "traced dispatcher call, instead of through torch.ops (about 1 us less per op); off, "
+        "they run the torch.ops calls as traced. See Note [Binding ATen calls].",
+        in_cache_key=True)
 _define("record_stack_traces", bool, False,
         "Record the Python stack of every traced op in node.meta['stack_trace'] (slows the "
         "first call by ~20%). Plain functions need torch >= 2.13 (older releases keep only "

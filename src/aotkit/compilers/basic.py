@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import make_boxed_func
+from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import MetadataMismatchError
 from aotkit.partition.draw import draw_graph
 
@@ -22,7 +23,9 @@ log = logging.getLogger("aotkit.compilers")
 
 
 def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
-    """Run the graph as it is (through its generated Python code).
+    """Run the graph as it is, through its generated Python code, calling each ATen op through
+    PyTorch's Python binding for it where that binding makes the same dispatcher call
+    (:func:`aotkit.compilers.bind.bind_aten_calls`; ``aotkit.config.bind_aten_calls``).
 
     Example::
 
@@ -31,7 +34,7 @@ def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any
         >>> f(torch.zeros(1))
         tensor([0.])
     """
-    return make_boxed_func(gm.forward)
+    return make_boxed_func(bind_aten_calls(gm).forward)
 
 
 def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
@@ -51,7 +54,7 @@ def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
         tensor([0.])
     """
     print(gm.print_readable(print_output=False))
-    return make_boxed_func(gm.forward)
+    return nop(gm, example_inputs)
 
 
 def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
@@ -82,7 +85,7 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         log.info("draw_graph_compile: drew the graph to %s", result.path)
         if result.fallback:  # See Note [draw_graph fallback]
             counters.record("fallback", f"draw_graph_compile({name})", result.fallback, logger=log)
-        return make_boxed_func(gm.forward)
+        return nop(gm, example_inputs)
 
     draw_and_run.__name__ = f"draw_graph_compile({name!r})"
     return draw_and_run

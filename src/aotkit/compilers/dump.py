@@ -28,6 +28,7 @@ from aotkit import config
 from aotkit.aot import aot_function, aot_module, aot_module_simplified
 from aotkit.aot.boxing import make_boxed_func
 from aotkit.compat import FakeTensor, size_hint
+from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.partition.default import default_partition
 
@@ -346,8 +347,9 @@ def _save(gm: fx.GraphModule, example_inputs: Sequence[Any], folder: Path, stem:
 
 def _run_saving_inputs(gm: fx.GraphModule, values_path: Path | None) -> Callable[[list[Any]], Any]:
     """Run ``gm`` like ``nop``; with ``values_path``, first save the inputs of the first call."""
+    run_graph = bind_aten_calls(gm).forward
     if values_path is None:
-        return make_boxed_func(gm.forward)
+        return make_boxed_func(run_graph)
     pending = True
 
     def run(*args: Any) -> Any:
@@ -356,7 +358,7 @@ def _run_saving_inputs(gm: fx.GraphModule, values_path: Path | None) -> Callable
             pending = False
             write_tensors(values_path, {str(i): a for i, a in enumerate(args)
                                         if isinstance(a, torch.Tensor)})
-        return gm.forward(*args)
+        return run_graph(*args)
 
     return make_boxed_func(run)
 

@@ -1,0 +1,230 @@
+"""Run a graph's ATen calls through PyTorch's Python bindings when they dispatch the same call.
+
+Note [Binding ATen calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A traced graph calls ATen overloads: ``torch.ops.aten.mm.default(a, b)``. From Python, an
+``OpOverload`` call takes the boxed path: a Python ``__call__``, then pybind11 converting each
+argument through the schema. ``torch.mm(a, b)`` reaches the same dispatcher entry through
+PyTorch's generated argument parser, 1-1.5 us sooner per call on this project's CPU machine.
+Eager PyTorch runs a backward's ops from C++; a graph running a small Transformer's backward op
+by op from Python paid about a tenth of a training step for the boxed path alone.
+
+So the compilers that run a graph as Python (``nop`` and the inspection compilers built on it)
+call :func:`bind_aten_calls` first, which rewrites a call to its binding (a function of
+``torch``/``torch._C._nn``/..., or a ``Tensor`` method) only when the binding is shown to make
+the very same dispatcher call: both are called once on stand-in arguments of the node's
+argument types under a dispatch mode that stops at the first ATen call, and the two calls must
+agree on overload and arguments. PyTorch's argument parser picks an overload from the
+arguments' Python types alone, so the answer is cached per (overload, argument types).
+
+Left as written: a binding that resolves to another overload (``torch.mul(x, 2.0)`` dispatches
+``mul.Tensor``, not ``mul.Scalar``); bindings written in Python (``torch.split``); ops without a
+binding (most ``*_backward`` ops); ops that mutate an argument; ops without a tensor argument or
+with a ``device`` argument (factories, which the default device's ``TorchFunctionMode`` may
+rewrite); nodes whose argument values were not traced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import _get_qualified_name
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from aotkit import config
+
+log = logging.getLogger("aotkit.compilers")
+
+_FUNCTION_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg,
+                        torch._C._special, torch._C._fft)
+
+Binding = tuple[str, Any]  # (fx node op, target): ("call_function", torch.mm), ("call_method", "view")
+
+
+def bind_aten_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose ATen calls go through PyTorch's Python bindings where those dispatch
+    exactly the traced call (Note [Binding ATen calls]); ``gm`` itself is not changed. With
+    ``aotkit.config.bind_aten_calls`` off, ``gm`` is returned as it is.
+
+    Example::
+
+        >>> import torch, torch.fx as fx
+        >>> from aotkit.compilers.bind import bind_aten_calls
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> gm = make_fx(lambda a, b: (a @ b).sum(0) * 2.0)(torch.ones(2, 3), torch.ones(3, 4))
+        >>> print(bind_aten_calls(gm).code.strip())  # doctest: +NORMALIZE_WHITESPACE
+        def forward(self, a_1, b_1):
+            mm = torch.mm(a_1, b_1);  a_1 = b_1 = None
+            sum_1 = torch.sum(mm, [0]);  mm = None
+            mul = torch.mul(sum_1, 2.0);  sum_1 = None
+            return mul
+    """
+    if not config.bind_aten_calls:
+        return gm
+    graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
+    graph.set_codegen(gm.graph._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    kept: Counter[str] = Counter()
+    for n in gm.graph.nodes:
+        binding = _binding_for(n)
+        if binding is None:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            if isinstance(n.target, torch._ops.OpOverload):
+                kept[str(n.target)] += 1
+            continue
+        op, target = binding
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+        env[n] = graph.create_node(op, target, args, kwargs, name=n.name)
+        env[n].meta = n.meta.copy()
+    if kept:
+        log.debug("bind_aten_calls: kept as traced (no binding makes the same call): %s",
+                  ", ".join(f"{op} x{count}" for op, count in sorted(kept.items())))
+    return fx.GraphModule(gm, graph)
+
+
+def _binding_for(n: fx.Node) -> Binding | None:
+    """The binding to call instead of ``n``'s ATen overload, or None to keep the overload."""
+    if n.op != "call_function" or not _bindable(n.target):
+        return None
+    stand_ins = _stand_ins((n.args, n.kwargs))
+    if stand_ins is None:
+        return None
+    (args, kwargs), kinds = stand_ins
+    if not any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves((args, kwargs))):
+        return None
+    key = (n.target, kinds)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _verified_binding(n.target, args, kwargs)
+    return _VERIFIED[key]
+
+
+def _bindable(target: Any) -> bool:
+    """An ATen overload that mutates nothing and takes no device (see the Note)."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    schema = target._schema
+    return not schema.is_mutable and all(a.name != "device" for a in schema.arguments)
+
+
+# What a node's traced value stands for when the graph runs: (traced types, stand-in).
+_NUMBER_STAND_INS = (((torch.SymBool, bool), True), ((torch.SymInt, int), 1),
+                     ((torch.SymFloat, float), 1.0))
+
+
+def _stand_ins(value: Any) -> tuple[Any, Any] | None:
+    """``value`` with each node replaced by a stand-in of the type it has when the graph runs (a
+    fresh meta tensor for a tensor, of no dimension if it has none, since a 0-dim tensor may also
+    pass for a number; a Python number for a symbolic or constant number), and a hashable key of
+    those types; None when a node's traced value is not one of these."""
+    if isinstance(value, fx.Node):
+        traced = value.meta.get("val")
+        if isinstance(traced, torch.Tensor):
+            if traced.dim() == 0:
+                return torch.empty((), device="meta"), "Tensor0"
+            return torch.empty(0, device="meta"), "Tensor"
+        for types, stand_in in _NUMBER_STAND_INS:
+            if isinstance(traced, types):
+                return stand_in, type(stand_in).__name__
+        return None
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        parts = {k: _stand_ins(v) for k, v in items}
+        if any(p is None for p in parts.values()):
+            return None
+        kinds = (type(value).__name__, *((k, p[1]) for k, p in parts.items()))
+        if isinstance(value, dict):
+            return {k: p[0] for k, p in parts.items()}, kinds
+        return (tuple if isinstance(value, tuple) else list)(p[0] for p in parts.values()), kinds
+    return value, type(value).__name__
+
+
+_VERIFIED: dict[tuple[torch._ops.OpOverload, Any], Binding | None] = {}
+
+
+def _verified_binding(op: torch._ops.OpOverload, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Binding | None:
+    """The first candidate binding of ``op`` that makes the same dispatcher call as ``op`` itself
+    on these stand-in arguments."""
+    expected = _first_dispatch(lambda: op(*args, **kwargs))
+    if expected is None or expected[0] is not op:
+        return None
+    for binding in _candidates(op):
+        got = _first_dispatch(lambda b=binding: _call(b, args, kwargs))
+        if got is not None and got[0] is op and _same(got[1:], expected[1:]):
+            return binding
+    return None
+
+
+def _call(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    kind, target = binding
+    if kind == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    return target(*args, **kwargs)
+
+
+def _candidates(op: torch._ops.OpOverload) -> list[Binding]:
+    """C-level bindings named like ``op``: a function reachable by its qualified name (what FX
+    writes into the code), then a ``Tensor`` method not overridden in Python."""
+    name = op._schema.name.split("::", 1)[1]
+    found: list[Binding] = []
+    for namespace in _FUNCTION_NAMESPACES:
+        fn = getattr(namespace, name, None)
+        if fn is not None and _resolves_to(_get_qualified_name(fn), fn):
+            found.append(("call_function", fn))
+    method = getattr(torch._C.TensorBase, name, None)
+    schema_args = op._schema.arguments
+    if (method is not None and getattr(torch.Tensor, name, None) is method and schema_args
+            and schema_args[0].name == "self" and not schema_args[0].kwarg_only):
+        found.append(("call_method", name))
+    return found
+
+
+def _resolves_to(qualified_name: str, fn: Any) -> bool:
+    """Whether ``torch.a.b`` (as FX will write it) names ``fn`` itself and not, say, a Python
+    wrapper of the same name (``torch.split``)."""
+    head, *path = qualified_name.split(".")
+    if head != "torch":
+        return False
+    obj: Any = torch
+    for part in path:
+        obj = getattr(obj, part, None)
+    return obj is fn
+
+
+class _Dispatched(Exception):
+    """Raised by :class:`_FirstDispatch` to stop a call at its first ATen op."""
+
+
+class _FirstDispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise _Dispatched(func, args, kwargs or {})
+
+
+def _first_dispatch(call: Callable[[], Any]) -> tuple[Any, Any, Any] | None:
+    """``(overload, args, kwargs)`` of the first ATen call ``call`` makes, or None if it makes none
+    or fails before making one."""
+    try:
+        with _FirstDispatch():
+            call()
+    except _Dispatched as dispatched:
+        return dispatched.args
+    except Exception:  # the binding does not accept these arguments: not a candidate
+        return None
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal dispatcher arguments: the same tensor objects, equal values of the same types."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
