@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.node import _get_qualified_name
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit import config
@@ -92,14 +91,14 @@ def _binding_for(n: fx.Node) -> Binding | None:
     """The binding to call instead of ``n``'s ATen overload, or None to keep the overload."""
     if n.op != "call_function" or not _bindable(n.target):
         return None
-    stand_ins = _stand_ins((n.args, n.kwargs))
-    if stand_ins is None:
+    if not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
         return None
-    (args, kwargs), kinds = stand_ins
-    if not any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves((args, kwargs))):
+    kinds = _kinds((n.args, n.kwargs))
+    if kinds is None:
         return None
     key = (n.target, kinds)
     if key not in _VERIFIED:
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), _stand_in)
         _VERIFIED[key] = _verified_binding(n.target, args, kwargs)
     return _VERIFIED[key]
 
@@ -112,36 +111,45 @@ def _bindable(target: Any) -> bool:
     return not schema.is_mutable and all(a.name != "device" for a in schema.arguments)
 
 
-# What a node's traced value stands for when the graph runs: (traced types, stand-in).
-_NUMBER_STAND_INS = (((torch.SymBool, bool), True), ((torch.SymInt, int), 1),
-                     ((torch.SymFloat, float), 1.0))
+# The type a node's value has when the graph runs, by its traced value: a tensor (of no dimension,
+# since a 0-dim tensor may also pass for a number), or a Python number for a symbolic one.
+_NUMBER_KINDS = (((torch.SymBool, bool), "bool"), ((torch.SymInt, int), "int"),
+                 ((torch.SymFloat, float), "float"))
+_STAND_INS: dict[str, Callable[[], Any]] = {
+    "Tensor": lambda: torch.empty(0, device="meta"),
+    "Tensor0": lambda: torch.empty((), device="meta"),
+    "bool": lambda: True, "int": lambda: 1, "float": lambda: 1.0,
+}
 
 
-def _stand_ins(value: Any) -> tuple[Any, Any] | None:
-    """``value`` with each node replaced by a stand-in of the type it has when the graph runs (a
-    fresh meta tensor for a tensor, of no dimension if it has none, since a 0-dim tensor may also
-    pass for a number; a Python number for a symbolic or constant number), and a hashable key of
-    those types; None when a node's traced value is not one of these."""
+def _node_kind(n: fx.Node) -> str | None:
+    traced = n.meta.get("val")
+    if isinstance(traced, torch.Tensor):
+        return "Tensor0" if traced.dim() == 0 else "Tensor"
+    for types, kind in _NUMBER_KINDS:
+        if isinstance(traced, types):
+            return kind
+    return None  # unknown (no traced value, or an opaque object): keep the call as traced
+
+
+def _kinds(value: Any) -> Any:
+    """A hashable key of the Python types of a node's arguments when the graph runs; None when a
+    node's type is unknown."""
     if isinstance(value, fx.Node):
-        traced = value.meta.get("val")
-        if isinstance(traced, torch.Tensor):
-            if traced.dim() == 0:
-                return torch.empty((), device="meta"), "Tensor0"
-            return torch.empty(0, device="meta"), "Tensor"
-        for types, stand_in in _NUMBER_STAND_INS:
-            if isinstance(traced, types):
-                return stand_in, type(stand_in).__name__
-        return None
+        return _node_kind(value)
     if isinstance(value, (list, tuple, dict)):
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        parts = {k: _stand_ins(v) for k, v in items}
-        if any(p is None for p in parts.values()):
+        parts = tuple((k, _kinds(v)) for k, v in items)
+        if any(kind is None for _, kind in parts):
             return None
-        kinds = (type(value).__name__, *((k, p[1]) for k, p in parts.items()))
-        if isinstance(value, dict):
-            return {k: p[0] for k, p in parts.items()}, kinds
-        return (tuple if isinstance(value, tuple) else list)(p[0] for p in parts.values()), kinds
-    return value, type(value).__name__
+        return ("dict" if isinstance(value, dict) else "list" if isinstance(value, list)
+                else "tuple", *parts)
+    return type(value).__name__
+
+
+def _stand_in(n: fx.Node) -> Any:
+    """A fresh value of ``n``'s kind to call a binding with."""
+    return _STAND_INS[_node_kind(n)]()
 
 
 _VERIFIED: dict[tuple[torch._ops.OpOverload, Any], Binding | None] = {}
