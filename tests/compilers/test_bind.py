@@ -18,8 +18,8 @@ aten = torch.ops.aten
 
 
 def _calls(gm: fx.GraphModule) -> dict[str, Any]:
-    """Each call node's name -> its target (a method name for call_method)."""
-    return {n.name: n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    """Each call node's name -> its target."""
+    return {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
 def _bound_and_traced(fn: Any, *inputs: Any, **trace_kwargs: Any) -> tuple[fx.GraphModule, ...]:
@@ -31,7 +31,7 @@ def test_calls_go_through_bindings_and_compute_the_same() -> None:
     a, b = torch.randn(4, 3), torch.randn(3, 5)
     gm, bound = _bound_and_traced(lambda a, b: (a @ b).sum(0, keepdim=True).view(5, 1).t() + 1.5,
                                   a, b)
-    assert _calls(bound) == {"mm": torch.mm, "sum_1": torch.sum, "view": "view", "t": torch.t,
+    assert _calls(bound) == {"mm": torch.mm, "sum_1": torch.sum, "view": torch.Tensor.view, "t": torch.t,
                              "add": torch.add}
     assert all(isinstance(t, torch._ops.OpOverload) for t in _calls(gm).values())  # untouched
     torch.testing.assert_close(bound(a, b), gm(a, b), rtol=0, atol=0)
@@ -54,6 +54,20 @@ def test_a_binding_that_dispatches_another_overload_is_not_used() -> None:
     assert calls["mul"] is aten.mul.Scalar and calls["split"] is aten.split.Tensor
     assert calls["gelu_backward"] is aten.gelu_backward.default and calls["add_"] is aten.add_.Tensor
     assert calls["clone"] is torch.clone and calls["sum_1"] is torch.sum
+    torch.testing.assert_close(bound(x), gm(x), rtol=0, atol=0)
+
+
+def test_tensor_methods_are_called_as_torch_tensor_functions() -> None:
+    """A subclass overriding a method is not picked up: the bound call, like the traced one,
+    runs the ATen op."""
+
+    class Overrides(torch.Tensor):
+        def view(self, *size: Any) -> torch.Tensor:
+            raise AssertionError("the subclass's view ran")
+
+    gm, bound = _bound_and_traced(lambda x: x.view(2, 3) * 2, torch.ones(6))
+    assert _calls(bound)["view"] is torch.Tensor.view
+    x = torch.arange(6.0).as_subclass(Overrides)
     torch.testing.assert_close(bound(x), gm(x), rtol=0, atol=0)
 
 
@@ -86,7 +100,7 @@ def test_symbolic_sizes_become_plain_ints_when_the_graph_runs() -> None:
     x = torch.randn(4, 6)
     _, bound = _bound_and_traced(lambda x: x.view(x.shape[0] * 2, -1).sum(1), x,
                                  tracing_mode="symbolic")
-    assert _calls(bound)["view"] == "view"
+    assert _calls(bound)["view"] is torch.Tensor.view
     for rows in (4, 7):
         y = torch.randn(rows, 6)
         torch.testing.assert_close(bound(y), y.view(rows * 2, -1).sum(1))

@@ -10,8 +10,9 @@ Eager PyTorch runs a backward's ops from C++; a graph running a small Transforme
 by op from Python paid about a tenth of a training step for the boxed path alone.
 
 So the compilers that run a graph as Python (``nop`` and the inspection compilers built on it)
-call :func:`bind_aten_calls` first, which rewrites a call to its binding (a function of
-``torch``/``torch._C._nn``/..., or a ``Tensor`` method) only when the binding is shown to make
+call :func:`bind_aten_calls` first, which rewrites a call to its binding (a C function of
+``torch``/``torch._C._nn``/..., or a ``Tensor`` method called as ``torch.Tensor.view(x, ...)``
+so that no subclass override runs) only when the binding is shown to make
 the very same dispatcher call: both are called once on stand-in arguments of the node's
 argument types under a dispatch mode that stops at the first ATen call, and the two calls must
 agree on overload and arguments. PyTorch's argument parser picks an overload from the
@@ -43,7 +44,7 @@ log = logging.getLogger("aotkit.compilers")
 _FUNCTION_NAMESPACES = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg,
                         torch._C._special, torch._C._fft)
 
-Binding = tuple[str, Any]  # (fx node op, target): ("call_function", torch.mm), ("call_method", "view")
+Binding = Callable[..., Any]  # a C function or Tensor method: torch.mm, torch.Tensor.view
 
 
 def bind_aten_calls(gm: fx.GraphModule) -> fx.GraphModule:
@@ -71,16 +72,12 @@ def bind_aten_calls(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     kept: Counter[str] = Counter()
     for n in gm.graph.nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
         binding = _binding_for(n)
-        if binding is None:
-            env[n] = graph.node_copy(n, env.__getitem__)
-            if isinstance(n.target, torch._ops.OpOverload):
-                kept[str(n.target)] += 1
-            continue
-        op, target = binding
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-        env[n] = graph.create_node(op, target, args, kwargs, name=n.name)
-        env[n].meta = n.meta.copy()
+        if binding is not None:
+            env[n].target = binding
+        elif isinstance(n.target, torch._ops.OpOverload):
+            kept[str(n.target)] += 1
     if kept:
         log.debug("bind_aten_calls: kept as traced (no binding makes the same call): %s",
                   ", ".join(f"{op} x{count}" for op, count in sorted(kept.items())))
@@ -163,43 +160,30 @@ def _verified_binding(op: torch._ops.OpOverload, args: tuple[Any, ...],
     if expected is None or expected[0] is not op:
         return None
     for binding in _candidates(op):
-        got = _first_dispatch(lambda b=binding: _call(b, args, kwargs))
+        got = _first_dispatch(lambda b=binding: b(*args, **kwargs))
         if got is not None and got[0] is op and _same(got[1:], expected[1:]):
             return binding
     return None
 
 
-def _call(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    kind, target = binding
-    if kind == "call_method":
-        return getattr(args[0], target)(*args[1:], **kwargs)
-    return target(*args, **kwargs)
-
-
 def _candidates(op: torch._ops.OpOverload) -> list[Binding]:
-    """C-level bindings named like ``op``: a function reachable by its qualified name (what FX
-    writes into the code), then a ``Tensor`` method not overridden in Python."""
+    """C-level bindings named like ``op``: a function, then a ``Tensor`` method (called as
+    ``torch.Tensor.view(x, ...)``, so a subclass's override is not picked up), each reachable by
+    the qualified name FX writes into the code."""
     name = op._schema.name.split("::", 1)[1]
-    found: list[Binding] = []
-    for namespace in _FUNCTION_NAMESPACES:
-        fn = getattr(namespace, name, None)
-        if fn is not None and _resolves_to(_get_qualified_name(fn), fn):
-            found.append(("call_function", fn))
-    method = getattr(torch._C.TensorBase, name, None)
-    schema_args = op._schema.arguments
-    if (method is not None and getattr(torch.Tensor, name, None) is method and schema_args
-            and schema_args[0].name == "self" and not schema_args[0].kwarg_only):
-        found.append(("call_method", name))
-    return found
+    found = [getattr(namespace, name, None) for namespace in _FUNCTION_NAMESPACES]
+    found.append(getattr(torch._C.TensorBase, name, None))
+    return [fn for fn in found if fn is not None and _named_by_fx(fn)]
 
 
-def _resolves_to(qualified_name: str, fn: Any) -> bool:
-    """Whether ``torch.a.b`` (as FX will write it) names ``fn`` itself and not, say, a Python
-    wrapper of the same name (``torch.split``)."""
-    head, *path = qualified_name.split(".")
-    if head != "torch":
+def _named_by_fx(fn: Any) -> bool:
+    """Whether the name FX writes for ``fn`` (``torch.mm``, ``torch.Tensor.view``) names ``fn``
+    itself and not, say, a Python wrapper of the same name (``torch.split``)."""
+    try:
+        head, *path = _get_qualified_name(fn).split(".")
+    except (AttributeError, RuntimeError):  # FX cannot name it (a method torch.Tensor overrides)
         return False
-    obj: Any = torch
+    obj: Any = torch if head == "torch" else None
     for part in path:
         obj = getattr(obj, part, None)
     return obj is fn
