@@ -145,6 +145,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        # Part of the tracing machinery, like the fake and proxy modes. Eager torch.cond runs
+        # itself through torch.compile; Dynamo skips a frame under any other mode and keeps
+        # skipping that code afterwards, which broke every later eager torch.cond.
+        return True
+
     def __init__(self, what: str, dynamic: bool) -> None:
         super().__init__()
         self.what = what
