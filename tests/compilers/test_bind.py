@@ -135,3 +135,30 @@ def test_nop_runs_the_bound_graph_and_matches_eager() -> None:
     with aotkit.config.patch(bind_aten_calls=False):
         torch.testing.assert_close(compiled(x), model(x))
     assert any("bind_aten_calls changed" in d.why for d in aotkit.explain().of_kind("recompile"))
+
+
+def test_multi_output_ops_returned_whole_keep_their_container() -> None:
+    """``unbind`` returns a list and ``max.dim`` a plain tuple; their bindings would return a tuple
+    and a named tuple, so they are bound only where the graph takes items of them."""
+    x = torch.randn(3, 4)
+    traced_val = make_fx(lambda a: a)(x).graph.find_nodes(op="placeholder")[0].meta["val"]
+    for op, args in ((aten.unbind.int, (0,)), (aten.max.dim, (1,))):
+        graph = fx.Graph()
+        a = graph.placeholder("a")
+        a.meta["val"] = traced_val
+        graph.output(graph.call_function(op, (a, *args)))
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        assert type(bind_aten_calls(gm)(x)) is type(gm(x))
+    _, bound = _bound_and_traced(lambda a: a.max(1).values + a.unbind(1)[1], x)
+    assert _calls(bound)["max_1"] is torch.max and _calls(bound)["unbind"] is torch.unbind
+
+
+def test_integers_beyond_int64_are_never_bound() -> None:
+    """Such a constant fails differently through the binding, whatever was verified before."""
+    x = torch.randn(3, 4)
+    bind_aten_calls(make_fx(lambda a: a.view(12))(x))  # verifies view with an int list
+    gm = make_fx(lambda a: a.view(12))(x)
+    view = next(n for n in gm.graph.nodes if n.target is aten.view.default)
+    view.args = (view.args[0], [2**64])
+    gm.recompile()
+    assert _calls(bind_aten_calls(gm))["view"] is aten.view.default

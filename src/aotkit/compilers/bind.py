@@ -28,6 +28,7 @@ rewrite); nodes whose argument values were not traced.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +51,8 @@ Binding = Callable[..., Any]  # a C function or Tensor method: torch.mm, torch.T
 def bind_aten_calls(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose ATen calls go through PyTorch's Python bindings where those dispatch
     exactly the traced call (Note [Binding ATen calls]); ``gm`` itself is not changed. With
-    ``aotkit.config.bind_aten_calls`` off, ``gm`` is returned as it is.
+    ``aotkit.config.bind_aten_calls`` off, ``gm`` is returned as it is. The copy is for running:
+    FX cannot pickle a graph calling ``torch.Tensor`` methods, so serialize ``gm`` instead.
 
     Example::
 
@@ -90,6 +92,10 @@ def _binding_for(n: fx.Node) -> Binding | None:
         return None
     if not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
         return None
+    returns = n.target._schema.returns
+    if (len(returns) != 1 or isinstance(returns[0].type, torch.ListType)) and any(
+            u.op != "call_function" or u.target is not operator.getitem for u in n.users):
+        return None  # a binding returns a tuple or named tuple where the op returns a list/tuple
     kinds = _kinds((n.args, n.kwargs))
     if kinds is None:
         return None
@@ -141,6 +147,8 @@ def _kinds(value: Any) -> Any:
             return None
         return ("dict" if isinstance(value, dict) else "list" if isinstance(value, list)
                 else "tuple", *parts)
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        return "int beyond int64"  # the two calls fail differently: never reuse a verdict
     return type(value).__name__
 
 
