@@ -12,6 +12,7 @@ import contextvars
 import inspect
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -506,9 +507,21 @@ def _tangent_like(out: Any) -> Any:
     return torch.empty(out.shape, dtype=out.dtype, device=out.device)
 
 
+def _inlining_compiled_functions() -> contextlib.AbstractContextManager[Any]:
+    """A ``torch.compile``'d function called by the traced one is traced into our graph, as
+    Dynamo inlines one compiled function called by another (under make_fx Dynamo refuses by
+    default: ``error_on_nested_fx_trace``). A higher-order op's own compile (eager
+    ``torch.cond``) still goes through Dynamo, which turns the flag off for it."""
+    dynamo = sys.modules.get("torch._dynamo")  # not loaded: nothing can be compiled by it
+    if dynamo is None:
+        return contextlib.nullcontext()
+    return dynamo.config.patch(error_on_nested_fx_trace=False)
+
+
 def _make_fx(fn: Callable[..., Any], args: list[Any], decompositions: Mapping[Any, Any] | None) -> fx.GraphModule:
-    gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
-                 record_stack_traces=config.record_stack_traces)(*args)
+    with _inlining_compiled_functions():
+        gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
+                     record_stack_traces=config.record_stack_traces)(*args)
     # Flat placeholders and a plain list output: every graph is ``forward(primals_1, ...)``.
     gm.graph._codegen = fx.graph.CodeGen()
     _drop_unused_tokens(gm.graph)
