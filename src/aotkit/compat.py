@@ -174,3 +174,24 @@ def keep_stack_traces_of(fn: Any) -> None:
     register = getattr(proxy, "_register_stack_trace_anchor", None)
     if register is not None:  # absent in older releases: module forwards only
         register(getattr(fn, "__func__", fn))
+
+
+@contextlib.contextmanager
+def fx_tracing() -> Iterator[None]:
+    """Mark a pass as an FX trace, as make_fx marks its own (``torch.fx._symbolic_trace``'s
+    module flag): code that asks (Dynamo's ``torch.compile`` wrapper, nn fast paths) then acts
+    in the metadata pass as it will in the traced one."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    before = symbolic_trace._is_fx_tracing_flag
+    symbolic_trace._is_fx_tracing_flag = True
+    try:
+        yield
+    finally:
+        symbolic_trace._is_fx_tracing_flag = before
+
+
+def is_nested_compile_refusal(error: BaseException) -> bool:
+    """Dynamo's RuntimeError for a ``torch.compile``'d function called under an FX trace
+    (``torch._dynamo.eval_frame``; same words in torch 2.11 and 2.13)."""
+    return isinstance(error, RuntimeError) and "a dynamo-optimized function" in str(error)

@@ -862,32 +862,28 @@ def test_compiled_function_called_inside_another_is_traced_into_it(inner_compile
     check_against_eager(outer, rand(2, 3, grad=True), compiler=compilers.nop)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aotkit"])
-def test_torch_compiled_function_called_inside_is_traced_into_it(backend):
-    """A torch.compile'd function or module called by the traced one (Dynamo refuses to run
-    under an FX trace by default) is inlined, as Dynamo inlines nested compiled functions."""
-    inner = torch.compile(lambda x: x.sin() * 2, backend=backend)
-    check_against_eager(lambda x: inner(x).cos() + inner(x * 2), rand(2, 3, grad=True),
-                        compiler=compilers.nop)
-    x = rand(2, 3)
-    torch.testing.assert_close(inner(x), x.sin() * 2)  # still usable on its own afterwards
+def test_torch_compiled_function_called_inside_is_refused_before_dynamo_compiles_it():
+    """Dynamo will not run under a trace, and inlining the function would change what
+    torch.compiler.is_compiling() tells it (eager runs the compiled branch): refused, without
+    compiling it for our tracing tensors or spending its recompile budget."""
+    backend_inputs = []
 
-    class UsesCompiledChild(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(3, 3)
-            self.compiled = torch.compile(self.linear, backend=backend)
+    def backend(gm, example_inputs):
+        backend_inputs.append([type(x).__name__ for x in example_inputs])
+        return gm.forward
 
-        def forward(self, x):
-            return self.compiled(x).relu()
-
-    model = UsesCompiledChild()
-    aotkit.aot_module(model, compilers.nop)(x).sum().backward()
-    grads = [p.grad.clone() for p in model.linear.parameters()]
-    model.zero_grad()
-    model.linear(x).relu().sum().backward()
-    for got, want in zip(grads, (p.grad for p in model.linear.parameters()), strict=True):
-        torch.testing.assert_close(got, want)
+    inner = torch.compile(lambda x: x.sin() if torch.compiler.is_compiling() else x.cos(),
+                          backend=backend)
+    with pytest.raises(UnsupportedError, match="_torchdynamo_orig_callable"):
+        aotkit.aot_function(lambda x: inner(x) + 1, compilers.nop)(rand(3))
+    linear = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(torch.compile(linear, backend=backend), torch.nn.ReLU())
+    with pytest.raises(UnsupportedError, match="_orig_mod"):
+        aotkit.aot_module(model, compilers.nop)(rand(2, 3))
+    assert backend_inputs == []
+    x = rand(3)
+    torch.testing.assert_close(inner(x), x.sin())  # compiled as usual afterwards
+    assert backend_inputs == [["Tensor"]]
 
 
 # --- boxed calling convention ---------------------------------------------------------------

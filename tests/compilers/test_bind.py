@@ -162,3 +162,17 @@ def test_integers_beyond_int64_are_never_bound() -> None:
     view.args = (view.args[0], [2**64])
     gm.recompile()
     assert _calls(bind_aten_calls(gm))["view"] is aten.view.default
+
+
+def test_verification_is_not_seen_by_a_users_torch_function_mode() -> None:
+    seen: list[Any] = []
+
+    class Recording(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    gm = make_fx(lambda a: aten.addcmul.default(a, a, a, value=0.5))(torch.ones(2))
+    with Recording():
+        bound = bind_aten_calls(gm)
+    assert _calls(bound)["addcmul"] is torch.addcmul and seen == []

@@ -25,6 +25,7 @@ from aotkit.compat import (
     FunctionalTensor,
     FunctionalTensorMode,
     StorageWeakRef,
+    fx_tracing,
     treespec_children,
 )
 from aotkit.errors import UnsupportedError
@@ -160,7 +161,7 @@ def analyze(
         f_args = [to_fun(a) for a in args]
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
-        with _RefuseStorageChanges(args, f_args):
+        with _RefuseStorageChanges(args, f_args), fx_tracing():  # as the traced pass will be
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]

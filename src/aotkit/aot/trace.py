@@ -12,7 +12,6 @@ import contextvars
 import inspect
 import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from aotkit.compat import (
     data_dependent_errors,
     effect_tokens,
     effect_types,
+    is_nested_compile_refusal,
 )
 from aotkit.errors import TraceError, UnsupportedError
 from aotkit.partition.graph import is_impure
@@ -77,6 +77,14 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
             "generator (seeded with torch.manual_seed), or use torch >= 2.13."
         ) from exc
     except RuntimeError as exc:
+        if is_nested_compile_refusal(exc):
+            raise UnsupportedError(
+                f"{what} calls a function or module compiled with torch.compile; aotkit cannot "
+                "trace through it (Dynamo refuses to run under a trace, and inlining it would "
+                "change what torch.compiler.is_compiling() tells it).\nFix: call the original "
+                "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
+                "or compile the whole function with torch.compile(backend=\"aotkit\")."
+            ) from exc
         # A kernel without a fake implementation read the (absent) data of a fake tensor.
         if "data is not allocated yet" not in str(exc):
             raise
@@ -507,21 +515,9 @@ def _tangent_like(out: Any) -> Any:
     return torch.empty(out.shape, dtype=out.dtype, device=out.device)
 
 
-def _inlining_compiled_functions() -> contextlib.AbstractContextManager[Any]:
-    """A ``torch.compile``'d function called by the traced one is traced into our graph, as
-    Dynamo inlines one compiled function called by another (under make_fx Dynamo refuses by
-    default: ``error_on_nested_fx_trace``). A higher-order op's own compile (eager
-    ``torch.cond``) still goes through Dynamo, which turns the flag off for it."""
-    dynamo = sys.modules.get("torch._dynamo")  # not loaded: nothing can be compiled by it
-    if dynamo is None:
-        return contextlib.nullcontext()
-    return dynamo.config.patch(error_on_nested_fx_trace=False)
-
-
 def _make_fx(fn: Callable[..., Any], args: list[Any], decompositions: Mapping[Any, Any] | None) -> fx.GraphModule:
-    with _inlining_compiled_functions():
-        gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
-                     record_stack_traces=config.record_stack_traces)(*args)
+    gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
+                 record_stack_traces=config.record_stack_traces)(*args)
     # Flat placeholders and a plain list output: every graph is ``forward(primals_1, ...)``.
     gm.graph._codegen = fx.graph.CodeGen()
     _drop_unused_tokens(gm.graph)

@@ -23,6 +23,11 @@ Left as written: a binding that resolves to another overload (``torch.mul(x, 2.0
 binding (most ``*_backward`` ops); ops that mutate an argument; ops without a tensor argument or
 with a ``device`` argument (factories, which the default device's ``TorchFunctionMode`` may
 rewrite); nodes whose argument values were not traced.
+
+A ``TorchFunctionMode`` active while a bound graph runs sees the binding (``torch.mm``) where it
+saw the overload (``torch.ops.aten.mm.default``); a mode that changes what an op computes may
+then act on a call it let through before. Such a mode can set
+``aotkit.config.bind_aten_calls = False``.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def bind_aten_calls(gm: fx.GraphModule) -> fx.GraphModule:
     kept: Counter[str] = Counter()
     for n in gm.graph.nodes:
         env[n] = graph.node_copy(n, env.__getitem__)
-        binding = _binding_for(n)
+        with torch._C.DisableTorchFunction():  # a user's mode must not see our checks
+            binding = _binding_for(n)
         if binding is not None:
             env[n].target = binding
         elif isinstance(n.target, torch._ops.OpOverload):
