@@ -316,6 +316,23 @@ def test_checkpoint_leaves_the_rng_where_eager_does(dynamic):
     torch.testing.assert_close(after[1], after[0])
 
 
+def test_selective_checkpoint_matches_eager_and_leaves_no_node_meta_behind():
+    """Selective checkpointing tags its ops in torch.fx.traceback's current node meta when it
+    sees a trace; left there, the tags broke a later torch.compile's partitioner."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        save = op is torch.ops.aten.mm.default
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def sac(x):
+        return checkpoint(lambda a: (a @ a.T).sin(), x, use_reentrant=False,
+                          context_fn=lambda: create_selective_checkpoint_contexts(policy)) + 1
+
+    check_against_eager(sac, rand(4, 3, grad=True))
+    assert "recompute" not in torch.fx.traceback.current_meta
+
+
 def test_a_view_of_a_detached_closed_over_tensor_stays_detached():
     w = torch.randn(3, requires_grad=True)
     out = aotkit.aot_function(lambda x: (x * 2, w.detach()[1:]), compilers.nop)(rand(3, grad=True))

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -63,6 +64,9 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     dispatcher = enable_python_dispatcher() if mode.shape_env is not None else _EagerDropout()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     token = _GUARD.set(guard)
+    # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
+    # its ops there when it sees a trace); what it writes must not outlive our trace.
+    node_meta = dict(fx_traceback.current_meta)
     try:
         with mode, dispatcher, compiled_autograd_off(), _saved_tensor_hooks_deferred(), guard:
             yield
@@ -91,6 +95,8 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
         raise _data_dependent(what, exc) from exc
     finally:
         _GUARD.reset(token)
+        fx_traceback.current_meta.clear()
+        fx_traceback.current_meta.update(node_meta)
 
 
 def tracing_active() -> bool:
