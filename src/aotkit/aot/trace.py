@@ -72,6 +72,15 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
             yield
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
+    except AttributeError as exc:
+        # Some higher-order ops (torch.while_loop) trace their body with a ShapeEnv, which a
+        # static trace's fake mode does not have.
+        if mode.shape_env is not None or "ignore_fresh_unbacked_symbols" not in str(exc):
+            raise
+        raise UnsupportedError(
+            f"{what} calls a higher-order op (such as torch.while_loop) that can only be traced "
+            f"with symbolic shapes ({exc}).\nFix: pass dynamic=True."
+        ) from exc
     except NotImplementedError as exc:
         if "Generator" not in str(exc):
             raise
