@@ -333,6 +333,12 @@ def test_selective_checkpoint_matches_eager_and_leaves_no_node_meta_behind():
     assert "recompute" not in torch.fx.traceback.current_meta
 
 
+def test_reentrant_checkpoint_is_refused_with_the_fix():
+    f = lambda x: checkpoint(lambda a: a.sin() * 2, x, use_reentrant=True).sum()  # noqa: E731
+    with pytest.raises(UnsupportedError, match="use_reentrant=False"):
+        aotkit.aot_function(f, compilers.nop)(rand(3, grad=True))
+
+
 def test_a_view_of_a_detached_closed_over_tensor_stays_detached():
     w = torch.randn(3, requires_grad=True)
     out = aotkit.aot_function(lambda x: (x * 2, w.detach()[1:]), compilers.nop)(rand(3, grad=True))

@@ -98,6 +98,12 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
                 "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
                 "or compile the whole function with torch.compile(backend=\"aotkit\")."
             ) from exc
+        if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
+            raise UnsupportedError(
+                f"{what} uses torch.utils.checkpoint with use_reentrant=True, which cannot be "
+                "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
+                "use_reentrant=False (PyTorch's recommended setting)."
+            ) from exc
         # A kernel without a fake implementation read the (absent) data of a fake tensor.
         if "data is not allocated yet" not in str(exc):
             raise
