@@ -195,3 +195,11 @@ def is_nested_compile_refusal(error: BaseException) -> bool:
     """Dynamo's RuntimeError for a ``torch.compile``'d function called under an FX trace
     (``torch._dynamo.eval_frame``; same words in torch 2.11 and 2.13)."""
     return isinstance(error, RuntimeError) and "a dynamo-optimized function" in str(error)
+
+
+def rename_unbacked_symbol(shape_env: Any, old: Any, new: Any) -> None:
+    """Tell the ShapeEnv that unbacked symbol ``old`` is ``new`` (its private rename, the one
+    PyTorch uses when re-tracing gives a data-dependent size a fresh symbol); one already
+    replaced is left as it is."""
+    if old not in shape_env.replacements:
+        shape_env._rename_unbacked_to(old, new)

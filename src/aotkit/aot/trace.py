@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,6 +38,7 @@ from aotkit.compat import (
     effect_tokens,
     effect_types,
     is_nested_compile_refusal,
+    rename_unbacked_symbol,
 )
 from aotkit.errors import TraceError, UnsupportedError
 from aotkit.partition.graph import is_impure
@@ -414,7 +416,42 @@ def trace_joint(
             grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
         return [from_fun(x) for x in [*fw_outs, *grads]]
 
-    return _make_fx(joint, [list(primals), tangents], decompositions)
+    gm = _make_fx(joint, [list(primals), tangents], decompositions)
+    _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
+    return gm
+
+
+# Note [Tangents of data-dependent sizes]
+# A tangent is shaped like the metadata pass's output: a size read from data there is that pass's
+# unbacked symbol (u1), while the joint's forward makes its own (u2), see
+# _discarding_unbacked_symbols. Where the size is the symbol itself (``nonzero``'s count) the
+# backward binds it from the tangent; where it is an expression (``cat`` of a ``masked_select``
+# and 5 elements: u1 + 5) nothing binds u1, and Inductor's code for the backward fails. The two
+# sizes are one value, so the ShapeEnv is told u1 is u2, which the forward binds and saves.
+def _name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
+                                      differentiable: list[bool]) -> None:
+    if num_tangents == 0:
+        return
+    tangents = gm.graph.find_nodes(op="placeholder")[-num_tangents:]
+    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    fw_outs = [o for o, d in zip(outputs, differentiable, strict=False) if d]
+    for tangent, out in zip(tangents, fw_outs, strict=True):
+        t_val, o_val = tangent.meta.get("val"), getattr(out, "meta", {}).get("val")
+        if not (isinstance(t_val, FakeTensor) and isinstance(o_val, torch.Tensor)):
+            continue
+        shape_env = t_val.fake_mode.shape_env
+        for t_size, o_size in zip(t_val.shape, o_val.shape, strict=True):
+            if isinstance(t_size, torch.SymInt) and isinstance(o_size, torch.SymInt):
+                _rename_if_same_but_symbol(shape_env, t_size.node.expr, o_size.node.expr)
+
+
+def _rename_if_same_but_symbol(shape_env: Any, t_expr: Any, o_expr: Any) -> None:
+    only_t = free_unbacked_symbols(t_expr) - free_unbacked_symbols(o_expr)
+    only_o = free_unbacked_symbols(o_expr) - free_unbacked_symbols(t_expr)
+    if len(only_t) == 1 and len(only_o) == 1:
+        (old,), (new,) = only_t, only_o
+        if t_expr.xreplace({old: new}) == o_expr:
+            rename_unbacked_symbol(shape_env, old, new)
 
 
 def trace_inference(
