@@ -6,8 +6,10 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from aotkit.errors import ArgumentError
 
@@ -104,6 +106,49 @@ def with_getitems(nodes: set[fx.Node]) -> set[fx.Node]:
     """
     items = {u for n in nodes for u in n.users if u.op == "call_function" and u.target is operator.getitem}
     return nodes | items
+
+
+# Note [Binding data-dependent sizes in the backward]
+# A code generator for the backward (Inductor) learns each symbol of its inputs' sizes from an
+# input: a SymInt input that is the symbol, or a tensor input with a size that is the symbol. A
+# size read from data in the forward (u2 = masked_select's count) may reach the backward only
+# inside expressions (a tangent of size u2 + 5, a saved 5 + u2 for a slice), from which it
+# cannot be learnt. The forward then also saves the SymInt that is the symbol itself.
+def syms_binding_backward(fw_syms: Iterable[fx.Node], bw_inputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """Forward SymInt nodes, in ``fw_syms``' order, to save as well so that every unbacked
+    symbol in the backward inputs' sizes is bound by one of its inputs."""
+    bound: set[sympy.Symbol] = set()
+    needed: set[sympy.Symbol] = set()
+    for node in bw_inputs:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            binding, other = [val], []
+        elif isinstance(val, torch.Tensor):
+            binding, other = list(val.shape), [*val.stride(), val.storage_offset()]
+        else:
+            continue
+        for size in (*binding, *other):
+            if isinstance(size, torch.SymInt):
+                needed |= free_unbacked_symbols(_resolved(size))
+        bound |= {e for e in map(_resolved, binding) if isinstance(e, sympy.Symbol)}
+    missing = needed - bound
+    extra = []
+    for node in fw_syms:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.SymInt):
+            continue
+        expr = _resolved(val)
+        if expr in missing:
+            extra.append(node)
+            missing.discard(expr)
+    return extra
+
+
+def _resolved(size: int | torch.SymInt) -> sympy.Expr:
+    """A size's expression after the ShapeEnv's renamings (Note [Tangents of data-dependent sizes])."""
+    if not isinstance(size, torch.SymInt):
+        return sympy.Integer(size)
+    return size.node.shape_env.replace(size.node.expr)
 
 
 def is_sym(node: fx.Node) -> bool:

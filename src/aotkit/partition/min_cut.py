@@ -34,6 +34,7 @@ from aotkit.partition.graph import (
     has_effects,
     is_sym,
     split_joint,
+    syms_binding_backward,
 )
 from aotkit.partition.report import nbytes, report
 
@@ -184,6 +185,9 @@ class _Network:
         region = ancestors([*parts.bw_outputs, *self.bw_effects], stop=stop)
         saved = [n for n in cut.saved if n in region]
         saved_syms = [n for n in self.index if n in self.fw_syms and n in region]
+        saved_syms += syms_binding_backward(  # Note [Binding data-dependent sizes in the backward]
+            [n for n in self.index if n in self.fw_syms and n not in saved_syms],
+            [*saved_syms, *saved, *parts.tangents])
         forward = ancestors([*parts.fw_outputs, *self.fw_effects, *saved, *saved_syms])
         recomputed = [n for n in self.fw_tensors if n in region and n in forward
                       and n not in stop and n.target is not operator.getitem]
