@@ -179,7 +179,7 @@ def keep_stack_traces_of(fn: Any) -> None:
 @contextlib.contextmanager
 def fx_tracing() -> Iterator[None]:
     """Mark a pass as an FX trace, as make_fx marks its own (``torch.fx._symbolic_trace``'s
-    module flag): code that asks (Dynamo's ``torch.compile`` wrapper, nn fast paths) then acts
+    module flag): code that asks (Dynamo's ``torch.compile`` wrapper, torch.nested) then acts
     in the metadata pass as it will in the traced one."""
     import torch.fx._symbolic_trace as symbolic_trace
 
