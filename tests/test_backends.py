@@ -260,13 +260,16 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
     def pad(x: torch.Tensor) -> torch.Tensor:  # Note [Binding data-dependent sizes in the backward]
         return torch.cat([x[:2], torch.nn.functional.pad(x[x > 0], (2, 3))]) * 2
 
+    def two_sizes(x: torch.Tensor) -> torch.Tensor:  # a tangent of size u0 + u1
+        return torch.cat([x[x > 0], (x * 2)[x <= 0]])
+
     x = torch.randn(5)
     x[1] = 0.0
     with torch._dynamo.config.patch(capture_scalar_outputs=True,
                                     capture_dynamic_output_shape_ops=True):
         with torch.no_grad():
             torch.testing.assert_close(torch.compile(count, backend=backend)(x), count(x))
-        for fn in (scale, count, select, pad):  # all but scale: the output's size is data's
+        for fn in (scale, count, select, pad, two_sizes):  # all but scale: the output's size is data's
             a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
             out = torch.compile(fn, backend=backend, fullgraph=True)(a)
             expected = fn(b)

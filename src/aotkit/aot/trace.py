@@ -427,7 +427,8 @@ def trace_joint(
 # _discarding_unbacked_symbols. Where the size is the symbol itself (``nonzero``'s count) the
 # backward binds it from the tangent; where it is an expression (``cat`` of a ``masked_select``
 # and 5 elements: u1 + 5) nothing binds u1, and Inductor's code for the backward fails. The two
-# sizes are one value, so the ShapeEnv is told u1 is u2, which the forward binds and saves.
+# sizes are one value, so the ShapeEnv is told u1 is u2, which the forward binds and saves
+# (Note [Binding data-dependent sizes in the backward]); several symbols pair by creation order.
 def _name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
                                       differentiable: list[bool]) -> None:
     if num_tangents == 0:
@@ -446,12 +447,20 @@ def _name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
 
 
 def _rename_if_same_but_symbol(shape_env: Any, t_expr: Any, o_expr: Any) -> None:
-    only_t = free_unbacked_symbols(t_expr) - free_unbacked_symbols(o_expr)
-    only_o = free_unbacked_symbols(o_expr) - free_unbacked_symbols(t_expr)
-    if len(only_t) == 1 and len(only_o) == 1:
-        (old,), (new,) = only_t, only_o
-        if t_expr.xreplace({old: new}) == o_expr:
+    """Both passes make their data-dependent sizes in the same order (the same ops run), so the
+    metadata pass's symbols pair with the forward's by creation order (u0, u1 -> u2, u3)."""
+    only_t = sorted(free_unbacked_symbols(t_expr) - free_unbacked_symbols(o_expr), key=_made)
+    only_o = sorted(free_unbacked_symbols(o_expr) - free_unbacked_symbols(t_expr), key=_made)
+    renames = dict(zip(only_t, only_o, strict=False))
+    if only_t and len(only_t) == len(only_o) and t_expr.xreplace(renames) == o_expr:
+        for old, new in renames.items():
             rename_unbacked_symbol(shape_env, old, new)
+
+
+def _made(symbol: Any) -> int:
+    """Creation index of an unbacked symbol (u12 -> 12; the equality check guards the rest)."""
+    digits = symbol.name.lstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(digits) if digits.isdigit() else -1
 
 
 def trace_inference(
