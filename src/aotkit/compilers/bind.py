@@ -78,14 +78,14 @@ def bind_aten_calls(gm: fx.GraphModule) -> fx.GraphModule:
     graph.set_codegen(gm.graph._codegen)
     env: dict[fx.Node, fx.Node] = {}
     kept: Counter[str] = Counter()
-    for n in gm.graph.nodes:
-        env[n] = graph.node_copy(n, env.__getitem__)
-        with torch._C.DisableTorchFunction():  # a user's mode must not see our checks
+    with torch._C.DisableTorchFunction():  # a user's TorchFunctionMode must not see our checks
+        for n in gm.graph.nodes:
+            env[n] = graph.node_copy(n, env.__getitem__)
             binding = _binding_for(n)
-        if binding is not None:
-            env[n].target = binding
-        elif isinstance(n.target, torch._ops.OpOverload):
-            kept[str(n.target)] += 1
+            if binding is not None:
+                env[n].target = binding
+            elif isinstance(n.target, torch._ops.OpOverload):
+                kept[str(n.target)] += 1
     if kept:
         log.debug("bind_aten_calls: kept as traced (no binding makes the same call): %s",
                   ", ".join(f"{op} x{count}" for op, count in sorted(kept.items())))
