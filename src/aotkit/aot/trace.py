@@ -434,7 +434,7 @@ def _name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
     if num_tangents == 0:
         return
     tangents = gm.graph.find_nodes(op="placeholder")[-num_tangents:]
-    outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    outputs = gm.graph.output_node().args[0]
     fw_outs = [o for o, d in zip(outputs, differentiable, strict=False) if d]
     for tangent, out in zip(tangents, fw_outs, strict=True):
         t_val, o_val = tangent.meta.get("val"), getattr(out, "meta", {}).get("val")
