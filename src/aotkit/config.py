@@ -77,6 +77,12 @@ _define("compiled_autograd_cudagraphs", bool, False,
         "that only feed ATen ops or built-in backward formulas move to the GPU, so the graph has "
         "no CPU inputs. Only applies when the graph already has CUDA inputs.",
         in_cache_key=True)
+_define("compiled_autograd_lower", bool, True,
+        "Compiled autograd lowers each captured backward to the ATen ops of its formulas (hooks "
+        "and custom Function backwards stay calls) before compiling it, guarded by the sizes it "
+        "was lowered for; off, the compiler gets the captured graph of opaque formula calls. See "
+        "Note [Lowering captured backwards].",
+        in_cache_key=True)
 _define("activation_memory_budget", float, 1.0,
         "For min_cut_rematerialization_partition: the share (0..1) of saved-activation memory to "
         "keep between the least the partitioner can save (0: recompute everything but random "

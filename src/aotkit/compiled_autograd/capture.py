@@ -10,7 +10,6 @@ hold it at run time, and the graph's placeholders are the engine's five lists
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -21,38 +20,25 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import (
-    ProxyTorchDispatchMode,
-    PythonKeyTracer,
-    _ProxyTensor,
     disable_proxy_modes_tracing,
-    fetch_object_proxy,
-    fetch_sym_proxy,
-    track_tensor_tree,
 )
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, _suppress_guards
+from torch.fx.experimental.symbolic_shapes import _suppress_guards
 
 from aotkit import compat, config, counters
 from aotkit.compiled_autograd import engine_order, passes, runtime
 from aotkit.compiled_autograd import session as session_state
+from aotkit.compiled_autograd.builder import GraphBuilder
+from aotkit.compiled_autograd.lower import Example
 from aotkit.compiled_autograd.session import (
     CREATE_GRAPH_MESSAGE,
     CompiledBackward,
     Session,
-    compile_graph,
     log,
+    make_variant,
 )
-from aotkit.errors import TraceError, UnsupportedError
+from aotkit.errors import UnsupportedError
 
-PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_data")
 _ids = itertools.count()
-
-
-def _source(name: str, index: int) -> Any:
-    # Imported here: torch._dynamo.source loads all of Dynamo (~1 s), which `import aotkit`
-    # must not pay.
-    from torch._dynamo.source import GetItemSource, LocalSource
-
-    return GetItemSource(LocalSource(name), index)
 
 
 def reset_ids() -> None:
@@ -60,22 +46,14 @@ def reset_ids() -> None:
     _ids = itertools.count()
 
 
-class Capture:
+class Capture(GraphBuilder):
     """Records one backward as an FX graph; a fresh one is made for every capture."""
 
     def __init__(self, session: Session) -> None:
+        super().__init__()
         self.session = session
-        self.stack = contextlib.ExitStack()
-        self.shape_env = ShapeEnv()
-        self.fake_mode = compat.FakeTensorMode(
-            allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=self.shape_env
-        )
-        self.tracer = PythonKeyTracer()
-        self.proxy_mode = ProxyTorchDispatchMode(self.tracer, "symbolic")
-        self.sym_proxies: dict[Any, fx.Proxy] = {}
         self.reasons: list[str] = []
         self.origins: list[str] = []
-        self.origin = ""
         self.call_names: dict[int, str] = {}  # NodeCall index -> autograd node name
         self.nodecall = 0
         self.eager_order: list[Any] = []
@@ -108,77 +86,19 @@ class Capture:
         self.eager_order = engine_order.execution_order()
         self.name = f"aotkit_compiled_autograd_{self.id}"
         self.input_shapes = [tuple(x.shape) for x in inputs]
-        self.tracer.root = torch.nn.Module()
-        self.tracer.graph = fx.Graph(tracer_cls=PythonKeyTracer)
-        self.tracer.tensor_attrs = {}
-        proxies = [self.tracer.create_proxy("placeholder", n, (), {}) for n in PLACEHOLDERS]
-        inputs_p, self.sizes_p, self.scalars_p, self.hooks_p, self.packed_p = proxies
+        self.example = Example(list(inputs), list(sizes), list(scalars))
+        inputs_p, self.sizes_p, self.scalars_p, self.hooks_p, self.packed_p = self.start_graph()
         self.stack.enter_context(enable_python_dispatcher())  # SymInts must not be hashed
         for i, x in enumerate(inputs):
-            inputs[i] = self._fake(x, i)
-        self._bind(inputs, inputs_p)
-        sym_sizes = [self._symbol(v, "sizes", i, self.sizes_p) for i, v in enumerate(sizes)]
-        sym_scalars = [self._symbol(v, "scalars", i, self.scalars_p) for i, v in enumerate(scalars)]
+            inputs[i] = self.fake(x, i)
+        self.bind(inputs, inputs_p)
+        sym_sizes = [self.symbol(v, "sizes", i, self.sizes_p) for i, v in enumerate(sizes)]
+        sym_scalars = [self.symbol(v, "scalars", i, self.scalars_p) for i, v in enumerate(scalars)]
         self.stack.enter_context(self.fake_mode)
         self.stack.enter_context(self.proxy_mode)
         # Capture must not add shape guards: the engine's cache decides when to capture again.
         self.stack.enter_context(_suppress_guards(self.shape_env))
         return self.name, inputs, sym_sizes, sym_scalars
-
-    def _fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        try:
-            return self.fake_mode.from_tensor(x, source=_source("inputs", index))
-        except Exception as exc:
-            raise UnsupportedError(
-                f"compiled autograd cannot fake backward input {index} of type {type(x).__name__}"
-                f": {exc}. Workaround: run this backward under aotkit.compiled_autograd.disable()."
-            ) from exc
-
-    def _symbol(self, value: Any, name: str, index: int, placeholder: fx.Proxy) -> Any:
-        """A SymInt/SymFloat standing for ``placeholder[index]``, so replays read the new value."""
-        source = _source(name, index)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TraceError(f"compiled autograd: unexpected {name}[{index}] = {value!r}")
-        if isinstance(value, int):
-            sym = self.shape_env.create_unspecified_symint_and_symbol(
-                value, source, DimDynamic.DYNAMIC)
-        else:
-            symbol = self.shape_env.create_unspecified_symbol(
-                value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
-            sym = self.shape_env.create_symfloatnode(symbol, hint=value, source=source)
-        if isinstance(sym, (torch.SymInt, torch.SymFloat)):
-            proxy = placeholder[index]
-            self.sym_proxies[sym.node] = proxy
-            # The engine's C++ code may run ATen ops on these sizes; the proxy mode must know them.
-            track_tensor_tree(sym, proxy, constant=None, tracer=self.tracer)
-        return sym
-
-    # ---- binding fakes to graph values ---------------------------------------------------------
-
-    def to_proxy(self, value: Any) -> Any:
-        """The graph value holding ``value`` (tensors, symbols; constants pass through)."""
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.to_proxy(v) for v in value)
-        if isinstance(value, (torch.SymInt, torch.SymFloat)):
-            if value.node in self.sym_proxies:
-                return self.sym_proxies[value.node]
-            try:  # a size of a fake input, or arithmetic on symbols: the proxy mode tracks those
-                return fetch_sym_proxy(self.tracer)(value)
-            except Exception as exc:
-                raise TraceError(f"compiled autograd: symbol {value} has no graph value "
-                                 f"(in {self.origin or 'the engine'})") from exc
-        if not isinstance(value, torch.Tensor):
-            return value
-        tracked = fetch_object_proxy(self.tracer, value)
-        if not isinstance(tracked, _ProxyTensor):
-            raise TraceError(f"compiled autograd: a tensor of the backward has no graph value "
-                             f"(in {self.origin or 'the engine'})")
-        return tracked.proxy
-
-    def _bind(self, objects: Sequence[Any], proxies: Any) -> None:
-        if isinstance(proxies, fx.Proxy):
-            proxies = [proxies[i] for i in range(len(objects))]
-        track_tensor_tree(list(objects), list(proxies), constant=None, tracer=self.tracer)
 
     def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any = None) -> fx.Proxy:
         proxy = self.tracer.create_proxy("call_function", fn, self.to_proxy(args), kwargs or {})
@@ -230,14 +150,14 @@ class Capture:
         """Record ``fn(*args)`` with one output per entry of ``output_metadata``."""
         proxy = self._call(fn, tuple(pytree.tree_map(lambda x: x, args)))
         results = self._dummies(len(output_metadata))
-        self._bind(results, proxy)
+        self.bind(results, proxy)
         return results
 
     def validate_outputs(self, fn_name: str, outputs: list[Any], args: Any,
                          output_metadata: Sequence[Any]) -> list[Any]:
         """Record the engine's shape/dtype/device fix-up of a node's gradients."""
         proxy = self._call(runtime.lookup(fn_name), (outputs, *args))
-        self._bind(outputs, proxy)
+        self.bind(outputs, proxy)
         return outputs
 
     def proxy_call_backward(self, inputs: Sequence[Any], output_metadatas: Sequence[Any],
@@ -257,7 +177,7 @@ class Capture:
             grads = [None if meta is None else
                      torch.empty(meta[3], layout=meta[0], device=meta[1], dtype=meta[2])
                      for meta in output_metadatas]
-        self._bind(grads, proxy)
+        self.bind(grads, proxy)
         return tuple(grads)
 
     def call_copy_slices_prologue(self, inputs: Sequence[Any], *geometry: Any) -> list[Any]:
@@ -275,7 +195,7 @@ class Capture:
         """Record the sum of two gradients flowing into one node input."""
         proxy = self._call(torch.add, (old_var, new_var))
         (result,) = self._dummies(1)
-        self._bind([result], [proxy])
+        self.bind([result], [proxy])
         return result
 
     def accumulate_grad(self, variable: torch.Tensor, variable_grad: Any, grad: Any,
@@ -288,7 +208,7 @@ class Capture:
         proxy = self._call(runtime.call_accumulate_grad, (variable, grad, has_post_hooks))
         with disable_proxy_modes_tracing():
             result = torch.empty_like(variable)
-        self._bind([result], [proxy])
+        self.bind([result], [proxy])
         variable.grad = result
         return None if old_protocol else result
 
@@ -301,7 +221,7 @@ class Capture:
         proxy = self._hook(hook_id, inputs[i], hook_type="tensor_pre_hook")
         proxy.node.meta["nodecall"] = None  # see passes.follow_node_order
         inputs[i] = self._fresh(inputs[i])
-        self._bind([inputs[i]], [proxy])
+        self.bind([inputs[i]], [proxy])
         return inputs
 
     def cpp_tensor_pre_hook(self, inputs: list[Any], hook_id: int, i: int) -> list[Any]:
@@ -309,7 +229,7 @@ class Capture:
         proxy = self._call(runtime.call_cpp_tensor_pre_hooks, (hook_id, inputs[i]))
         proxy.node.meta["nodecall"] = None  # see passes.follow_node_order
         inputs[i] = self._fresh(inputs[i])
-        self._bind([inputs[i]], [proxy])
+        self.bind([inputs[i]], [proxy])
         return inputs
 
     def pre_hook(self, inputs: Sequence[Any], hook_id: int) -> list[Any]:
@@ -317,28 +237,28 @@ class Capture:
         proxy = self._hook(hook_id, list(inputs), hook_type="pre_hook")
         proxy.node.meta["nodecall"] = None  # see passes.follow_node_order
         fresh = [self._fresh(x) for x in inputs]
-        self._bind(fresh, proxy)
+        self.bind(fresh, proxy)
         return fresh
 
     def post_hook(self, outputs: list[Any], inputs: Sequence[Any], hook_id: int) -> list[Any]:
         """Record a node post-hook (``grad_fn.register_hook``, module full backward hooks)."""
         proxy = self._hook(hook_id, list(outputs), list(inputs), hook_type="post_hook")
         fresh = [self._fresh(x) for x in outputs]
-        self._bind(fresh, proxy)
+        self.bind(fresh, proxy)
         return fresh
 
     def post_acc_grad_hook(self, input: torch.Tensor, hook_id: int) -> list[Any]:
         """Record a ``register_post_accumulate_grad_hook`` hook."""
         proxy = self._hook(hook_id, input, hook_type="post_acc_grad_hook")
         result = [self._fresh(input)]
-        self._bind(result, [proxy])
+        self.bind(result, [proxy])
         return result
 
     def unpack_hook(self, hook_id: int, data_id: int) -> torch.Tensor:
         """Record a saved-tensor unpack hook on packed value ``data_id``."""
         proxy = self._hook(hook_id, self.packed_p[data_id], hook_type="unpack_hook")
         (result,) = self._dummies(1)
-        self._bind([result], [proxy])
+        self.bind([result], [proxy])
         return result
 
     # ---- end ----------------------------------------------------------------------------------
@@ -361,10 +281,12 @@ class Capture:
         if log.isEnabledFor(logging.INFO):
             log.info("captured backward graph %d:\n%s", self.id,
                      gm.print_readable(print_output=False))
-        compiled = compile_graph(gm, self.session.compiler_fn)
+        variant = make_variant(gm, self.example, self.session, lowerable=(
+            f"inputs {to_cuda} move to CUDA for CUDA graphs" if to_cuda else None))
+        self.example = None  # the backward's real tensors: not kept past the capture
         self._record()
         self.finished = True
-        return CompiledBackward(gm, self.session, compiled, to_cuda), compiled
+        return CompiledBackward(gm, self.session, variant, to_cuda), variant.compiled
 
     def _follow_eager_order(self, graph: fx.Graph) -> None:
         """Put the recorded calls in eager's node order. See Note [Eager node order]."""

@@ -19,9 +19,11 @@ from aotkit.errors import HookResultError, HookResultTypeError, UnsupportedError
 class Op:
     """A C++ backward formula the engine bound by name; calls it unchanged."""
 
-    def __init__(self, name: str, fn: Callable[..., Any], is_custom_function: bool) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], is_custom_function: bool,
+                 is_traceable: bool) -> None:
         self.fn = fn
         self.is_custom_function = is_custom_function
+        self.is_traceable = is_traceable  # runs on fake tensors: see aotkit.compiled_autograd.lower
         self.__name__ = name
         self.__qualname__ = name
         self.__module__ = "aotkit.compiled_autograd.ops"
@@ -49,7 +51,7 @@ def bind(name: str, fn: Callable[..., Any], is_custom_function: bool, is_traceab
         base = "CppNode" + name
         name = f"{base}{_custom_counts[base]}"
         _custom_counts[base] += 1
-    op = Op(name, fn, is_custom_function)
+    op = Op(name, fn, is_custom_function, is_traceable)
     _ops[name] = torch._dynamo.allow_in_graph(op) if is_traceable else torch._dynamo.disable(op)
     return name
 
@@ -143,10 +145,17 @@ def _check_grads(hook: Callable[..., Any], new: Any, old: Sequence[Any]) -> None
 # post-accumulate-grad hook). So accumulation reads variable.grad itself, and the graph does not
 # take the engine's snapshot.
 def call_accumulate_grad(
-    variable: torch.Tensor, grad: torch.Tensor, has_post_hooks: bool
+    variable: torch.Tensor, grad: torch.Tensor, has_post_hooks: bool, stealable: bool = False
 ) -> torch.Tensor:
     """Accumulate ``grad`` into ``variable.grad`` with the engine's own AccumulateGrad rules.
-    See Note [Accumulate into the current .grad]."""
+    See Note [Accumulate into the current .grad].
+
+    ``stealable``: the graph proved that nothing else holds ``grad`` and that it has ``.grad``'s
+    layout (Note [Lowering captured backwards]), so an empty ``.grad`` takes it without a copy.
+    """
+    if stealable and variable.grad is None:
+        variable.grad = grad.detach()
+        return variable.grad
     updated = lookup("AccumulateGrad")([grad], variable, variable.grad, has_post_hooks)
     variable.grad = updated[0]
     return variable.grad

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from aotkit import compat, counters
+from aotkit import compat, config, counters
+from aotkit.compiled_autograd.lower import Example, Lowered, lower
 from aotkit.errors import CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.compiled_autograd")
@@ -153,24 +154,58 @@ def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callab
     return compiled
 
 
+@dataclass
+class Variant:
+    """One compiled graph of a captured backward: lowered to ATen for the values its guard
+    accepts, or the captured graph itself (``lowered`` is None) for any values."""
+
+    gm: fx.GraphModule
+    lowered: Lowered | None
+    compiled: Callable[..., Any]
+
+
+def make_variant(captured: fx.GraphModule, example: Example, session: Session,
+                 lowerable: str | None = None) -> Variant:
+    """Lower ``captured`` for ``example`` and compile it with the session's compiler; the
+    captured graph itself when lowering is off (``lowerable`` says why) or fails, recorded.
+    See Note [Lowering captured backwards]."""
+    if lowerable is None and not config.compiled_autograd_lower:
+        lowerable = "aotkit.config.compiled_autograd_lower is off"
+    if lowerable is None:
+        try:
+            lowered = lower(captured, example)
+        except Exception as exc:  # any failure keeps the captured graph, recorded
+            lowerable = f"lowering to ATen failed: {type(exc).__name__}: {exc}"
+        else:
+            if log.isEnabledFor(logging.INFO):
+                log.info("lowered %s to ATen:\n%s", captured.__class__.__name__,
+                         lowered.gm.print_readable(print_output=False))
+            return Variant(lowered.gm, lowered, compile_graph(lowered.gm, session.compiler_fn))
+    if config.compiled_autograd_lower:
+        counters.record("fallback", "compiled_autograd",
+                        f"{captured.__class__.__name__} runs its formulas opaquely: {lowerable}",
+                        logger=log)
+    return Variant(captured, None, compile_graph(captured, session.compiler_fn))
+
+
 class CompiledBackward:
     """What the engine caches per autograd-graph structure and calls on each replay.
 
     Note [Stale compiled backward]: the engine keeps calling a cached entry until its cache is
     cleared, whichever compiler is active. So the entry remembers which compiler built its
-    callable and compiles the captured graph again when another compiler is active; a graph
-    built by a previous compiler is never run.
+    callables and compiles its graphs again when another compiler is active; a graph built by a
+    previous compiler is never run.
     """
 
-    def __init__(self, gm: fx.GraphModule, session: Session, compiled: Any,
+    def __init__(self, captured: fx.GraphModule, session: Session, first: Variant,
                  to_cuda: list[int]) -> None:
-        self.gm = gm
+        self.captured = captured
+        self.variants = [first]
         self.to_cuda = to_cuda
         self._identity = session.identity
-        self._compiled = compiled
 
-    def compiled_for(self, session: Session | None) -> Callable[..., Any]:
-        """The callable compiled by the active compiler, compiling it on a switch."""
+    def _check_compiler(self, session: Session | None) -> Session:
+        """The active session, its compiler's graphs compiled again after a switch."""
         if session is None:
             raise UnsupportedError(
                 "the autograd engine replayed an aotkit compiled backward outside "
@@ -181,20 +216,43 @@ class CompiledBackward:
             counters.record("recompile", "compiled_autograd",
                             f"compiler changed to {session.compiler_fn!r}; compiling the captured "
                             "graph again", logger=log)
-            self._compiled = compile_graph(self.gm, session.compiler_fn)
+            for variant in self.variants:
+                variant.compiled = compile_graph(variant.gm, session.compiler_fn)
             self._identity = session.identity
-        return self._compiled
+        return session
+
+    def compiled_for(self, session: Session | None, example: Example) -> Callable[..., Any]:
+        """The callable to run ``example`` with: the first graph whose guard accepts it, else a
+        graph lowered for it (past the recompile limit, the captured graph)."""
+        session = self._check_compiler(session)
+        for variant in self.variants:
+            if variant.lowered is None or variant.lowered.guard.accepts(example):
+                return variant.compiled
+        lowered = [v.lowered for v in self.variants if v.lowered is not None]
+        why = lowered[-1].guard.why_not(example)
+        if len(lowered) >= config.recompile_limit:
+            variant = make_variant(self.captured, example, session, lowerable=(
+                f"{why}, and aotkit.config.recompile_limit={config.recompile_limit} graphs "
+                "were lowered already"))
+        else:
+            counters.record("recompile", "compiled_autograd",
+                            f"{self.captured.__class__.__name__}: {why}; lowering it again",
+                            logger=log)
+            variant = make_variant(self.captured, example, session)
+        self.variants.append(variant)
+        return variant.compiled
 
     def __call__(self, _engine_fn: Any, inputs: list[Any], sizes: Any, scalars: Any,
                  hooks: Any, packed_data: Any) -> Any:
         if torch.is_grad_enabled():
             raise UnsupportedError(CREATE_GRAPH_MESSAGE)
-        fn = self.compiled_for(active())
+        example = Example(inputs, list(sizes), list(scalars))
+        fn = self.compiled_for(active(), example)
         for i in self.to_cuda:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
         # A hook inside the graph may run its own backward: that one runs eagerly.
         prior = compat.set_autograd_compiler(None, False)
         try:
-            return fn(inputs, list(sizes), list(scalars), hooks, packed_data)
+            return fn(inputs, example.sizes, example.scalars, hooks, packed_data)
         finally:
             compat.set_autograd_compiler(*prior)

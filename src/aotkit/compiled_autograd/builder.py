@@ -1,0 +1,115 @@
+"""What capture and lowering share: a graph under construction whose values are fake tensors and
+symbols, each bound to the FX value that holds it at run time.
+
+The graph's placeholders are the engine's five lists ``inputs, sizes, scalars, hooks,
+packed_data``; a size or scalar becomes a symbol whose source is its place in its list, so the
+ShapeEnv can state guards on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    PythonKeyTracer,
+    _ProxyTensor,
+    fetch_object_proxy,
+    fetch_sym_proxy,
+    track_tensor_tree,
+)
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from aotkit import compat
+from aotkit.errors import TraceError, UnsupportedError
+
+PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_data")
+
+
+def _source(name: str, index: int) -> Any:
+    # Imported here: torch._dynamo.source loads all of Dynamo (~1 s), which `import aotkit`
+    # must not pay.
+    from torch._dynamo.source import GetItemSource, LocalSource
+
+    return GetItemSource(LocalSource(name), index)
+
+
+class GraphBuilder:
+    """A new FX graph with the engine's placeholders, a ShapeEnv, and fake and proxy modes."""
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.shape_env = ShapeEnv()
+        self.fake_mode = compat.FakeTensorMode(
+            allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=self.shape_env
+        )
+        self.tracer = PythonKeyTracer()
+        self.proxy_mode = ProxyTorchDispatchMode(self.tracer, "symbolic")
+        self.sym_proxies: dict[Any, fx.Proxy] = {}
+        self.origin = ""  # the autograd node being recorded, for error messages
+
+    def start_graph(self) -> list[fx.Proxy]:
+        """A fresh graph; returns the proxies of its placeholders, in ``PLACEHOLDERS`` order."""
+        self.tracer.root = torch.nn.Module()
+        self.tracer.graph = fx.Graph(tracer_cls=PythonKeyTracer)
+        self.tracer.tensor_attrs = {}
+        return [self.tracer.create_proxy("placeholder", n, (), {}) for n in PLACEHOLDERS]
+
+    def fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """A fake of backward input ``index``, its sizes symbolic."""
+        try:
+            return self.fake_mode.from_tensor(x, source=_source("inputs", index))
+        except Exception as exc:
+            raise UnsupportedError(
+                f"compiled autograd cannot fake backward input {index} of type {type(x).__name__}"
+                f": {exc}. Workaround: run this backward under aotkit.compiled_autograd.disable()."
+            ) from exc
+
+    def symbol(self, value: Any, name: str, index: int, placeholder: fx.Proxy) -> Any:
+        """A SymInt/SymFloat standing for ``placeholder[index]``, so replays read the new value."""
+        source = _source(name, index)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TraceError(f"compiled autograd: unexpected {name}[{index}] = {value!r}")
+        if isinstance(value, int):
+            sym = self.shape_env.create_unspecified_symint_and_symbol(
+                value, source, DimDynamic.DYNAMIC)
+        else:
+            symbol = self.shape_env.create_unspecified_symbol(
+                value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+            sym = self.shape_env.create_symfloatnode(symbol, hint=value, source=source)
+        if isinstance(sym, (torch.SymInt, torch.SymFloat)):
+            proxy = placeholder[index]
+            self.sym_proxies[sym.node] = proxy
+            # C++ code may run ATen ops on these sizes; the proxy mode must know them.
+            track_tensor_tree(sym, proxy, constant=None, tracer=self.tracer)
+        return sym
+
+    def to_proxy(self, value: Any) -> Any:
+        """The graph value holding ``value`` (tensors, symbols; constants pass through)."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.to_proxy(v) for v in value)
+        if isinstance(value, (torch.SymInt, torch.SymFloat)):
+            if value.node in self.sym_proxies:
+                return self.sym_proxies[value.node]
+            try:  # a size of a fake input, or arithmetic on symbols: the proxy mode tracks those
+                return fetch_sym_proxy(self.tracer)(value)
+            except Exception as exc:
+                raise TraceError(f"compiled autograd: symbol {value} has no graph value "
+                                 f"(in {self.origin or 'the engine'})") from exc
+        if not isinstance(value, torch.Tensor):
+            return value
+        tracked = fetch_object_proxy(self.tracer, value)
+        if not isinstance(tracked, _ProxyTensor):
+            raise TraceError(f"compiled autograd: a tensor of the backward has no graph value "
+                             f"(in {self.origin or 'the engine'})")
+        return tracked.proxy
+
+    def bind(self, objects: Sequence[Any], proxies: Any) -> None:
+        """Make ``objects[i]`` the value of ``proxies[i]`` (a list proxy is indexed)."""
+        if isinstance(proxies, fx.Proxy):
+            proxies = [proxies[i] for i in range(len(objects))]
+        track_tensor_tree(list(objects), list(proxies), constant=None, tracer=self.tracer)
