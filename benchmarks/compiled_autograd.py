@@ -9,7 +9,8 @@ Two models, one ``loss.backward()`` timed per call (the forward is run, untimed,
 Each runs under ``aotkit.compiled_autograd.enable(compiler_fn)`` with
 
 - ``eager``: no compiled autograd (eager against eager: the noise floor);
-- ``nop``: ``lambda gm: gm``, the captured graph replayed op by op from Python;
+- ``nop``: ``aotkit.compiled_autograd.nop``, the captured graph (lowered to ATen) run op by op
+  from Python, its ATen calls bound to PyTorch's Python bindings;
 - ``inductor``: ``torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)``.
 
 "first" is the first backward after ``aotkit.compiled_autograd.reset()`` (capture and compile
@@ -60,16 +61,12 @@ INDUCTOR_TARGET = 1.0   # inductor compiled backward / eager backward, strictly 
 LossFn = Callable[[nn.Module], torch.Tensor]
 
 
-def nop(gm: torch.fx.GraphModule) -> Callable[..., object]:
-    return gm
-
-
 def inductor(gm: torch.fx.GraphModule) -> Callable[..., object]:
     return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
 
 
 COMPILERS: dict[str, Callable[[torch.fx.GraphModule], Callable[..., object]] | None] = {
-    "eager": None, "nop": nop, "inductor": inductor,
+    "eager": None, "nop": aotkit.compiled_autograd.nop, "inductor": inductor,
 }
 
 
@@ -189,7 +186,7 @@ def measure(model_name: str, compiler: str, steps: int, warmup: int) -> Timing:
 def warm_up_machinery() -> None:
     """Compiled autograd on a tiny Linear, and one tiny Inductor compile (imports, C++ headers)."""
     layer = nn.Linear(4, 4)
-    with aotkit.compiled_autograd.enable(nop):
+    with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
         layer(torch.randn(2, 4)).sum().backward()
     torch.compile(lambda x: torch.sin(x) + 1, backend="inductor", fullgraph=True)(torch.randn(4))
     reset_all()
@@ -201,7 +198,7 @@ def profile_nop(model_name: str, calls: int, top: int = 15) -> str:
     model, loss_fn = MODELS[model_name]()
     params = list(model.parameters())
     profiler = cProfile.Profile()
-    with aotkit.compiled_autograd.enable(nop):
+    with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
         for i in range(calls + 5):
             for p in params:
                 p.grad = None

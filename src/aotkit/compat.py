@@ -9,7 +9,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -53,11 +52,6 @@ def guard_globals() -> dict[str, Any]:
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
     return dict(SYMPY_INTERP)
-
-
-def implied_by_ranges(shape_env: Any, expr: Any) -> bool:
-    """Whether the symbols' value ranges alone make ``expr`` true (no other guard assumed)."""
-    return shape_env._maybe_evaluate_static(expr, axioms=()) == sympy.true
 
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:

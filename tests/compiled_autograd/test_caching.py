@@ -26,7 +26,9 @@ def test_batch_size_change_recaptures_with_reason_then_is_dynamic() -> None:
         _step(w, 2)
         _step(w, 4)
         _step(w, 7)
-    assert counts() == (2, 2)
+    # Batch 4 is captured again; the engine replays that capture for batch 7, which its lowered
+    # graph was not traced for: lowered again (Note [Lowering captured backwards]).
+    assert counts() == (2, 3)
     (recapture,) = aotkit.explain().of_kind("recapture")
     assert "(4, 3)" in recapture.why
     # The dynamic replay (batch 7 was not captured) still computes eager's gradients.
@@ -47,7 +49,9 @@ def test_dynamic_true_replays_new_batch_sizes() -> None:
     with aotkit.compiled_autograd.enable(nop):
         for batch in (2, 4, 9):
             _step(w, batch)
-    assert counts() == (1, 1)
+    # One capture; batches 4 and 9 run the captured graph, compiled once besides the graph
+    # lowered for batch 2.
+    assert counts() == (1, 2)
 
 
 class Counting:

@@ -1,9 +1,9 @@
-"""What capture and lowering share: a graph under construction whose values are fake tensors and
-symbols, each bound to the FX value that holds it at run time.
+"""What capture and lowering share: a graph under construction whose values are fake tensors
+(and, when capturing, symbols), each bound to the FX value that holds it at run time.
 
 The graph's placeholders are the engine's five lists ``inputs, sizes, scalars, hooks,
-packed_data``; a size or scalar becomes a symbol whose source is its place in its list, so the
-ShapeEnv can state guards on them.
+packed_data``; when capturing, a size or scalar becomes a symbol whose source is its place in
+its list, so replays read the new value.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def _source(name: str, index: int) -> Any:
 
 
 class GraphBuilder:
-    """A new FX graph with the engine's placeholders, a ShapeEnv, and fake and proxy modes."""
+    """A new FX graph with the engine's placeholders, and fake and proxy modes; ``static``: fakes
+    have the sizes of the tensors they stand for, no symbols."""
 
-    def __init__(self) -> None:
+    def __init__(self, static: bool = False) -> None:
         self.stack = contextlib.ExitStack()
-        self.shape_env = ShapeEnv()
+        self.shape_env = None if static else ShapeEnv()
         self.fake_mode = compat.FakeTensorMode(
             allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=self.shape_env
         )
@@ -60,7 +61,7 @@ class GraphBuilder:
         return [self.tracer.create_proxy("placeholder", n, (), {}) for n in PLACEHOLDERS]
 
     def fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """A fake of backward input ``index``, its sizes symbolic."""
+        """A fake of backward input ``index``, its sizes symbolic unless ``static``."""
         try:
             return self.fake_mode.from_tensor(x, source=_source("inputs", index))
         except Exception as exc:
@@ -71,6 +72,7 @@ class GraphBuilder:
 
     def symbol(self, value: Any, name: str, index: int, placeholder: fx.Proxy) -> Any:
         """A SymInt/SymFloat standing for ``placeholder[index]``, so replays read the new value."""
+        assert self.shape_env is not None, "symbols need a ShapeEnv"
         source = _source(name, index)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TraceError(f"compiled autograd: unexpected {name}[{index}] = {value!r}")

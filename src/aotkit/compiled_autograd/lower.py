@@ -24,21 +24,15 @@ gradient no one else holds (see ``runtime.call_accumulate_grad``).
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 from torch import fx
-from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.utils._sympy.printers import PythonPrinter
 
-from aotkit import compat
 from aotkit.compiled_autograd import passes, runtime
 from aotkit.compiled_autograd.builder import GraphBuilder
-from aotkit.errors import TraceError
 
 
 @dataclass
@@ -51,84 +45,45 @@ class Example:
 
 
 class SizeGuard:
-    """The sizes, strides and values a lowered graph assumes, checked by one generated function.
+    """The inputs' sizes, strides, dtypes and devices, and the ``sizes`` and ``scalars`` lists, a
+    lowered graph was traced with; checked by one generated function, a few microseconds a
+    replay (one comparison per tensor property, none through sympy)."""
 
-    Each tensor input is compared whole with what the trace assumed (``inputs[3]`` has sizes
-    ``(s0, s1)`` and strides ``(s1, 1)``), and ``sizes`` and ``scalars`` each as one list, every
-    symbol read where it first appears; then the symbols' ranges and the ShapeEnv's guards that
-    the ranges do not already imply. A replay's check is one comparison per tensor, a few
-    microseconds, where one guard per size (``produce_guards``) took ~0.3 us each.
-    """
-
-    def __init__(self, shape_env: Any, example: Example, fakes: Example) -> None:
-        printer = PythonPrinter()
-        defined: dict[sympy.Symbol, str] = {}  # symbol -> where it is read, readable
-        reads: list[str] = []
-        self.checks: list[tuple[str, str]] = []  # (code, readable)
-
-        def expected(read: str, readable: str, value: Any) -> str:
-            expr = (shape_env.replace(value.node.expr)
-                    if isinstance(value, (torch.SymInt, torch.SymFloat)) else sympy.sympify(value))
-            if isinstance(expr, sympy.Symbol) and expr not in defined:
-                defined[expr] = readable
-                reads.append(f"{expr} = {read}")
-            return printer.doprint(expr)
-
-        for i, fake in enumerate(fakes.inputs):
-            reads.append(f"z{i} = inputs[{i}].size(); d{i} = inputs[{i}].stride()")
-            for what, got, dims in (("size", f"z{i}", fake.shape), ("stride", f"d{i}", fake.stride())):
-                wants = [expected(f"{got}[{k}]", f"inputs[{i}].{what}()[{k}]", d)
-                         for k, d in enumerate(dims)]
-                want = f"({', '.join(wants)}{',' if len(wants) == 1 else ''})"
-                self.checks.append((f"{got} == {want}", f"inputs[{i}].{what}() == {want}"))
-        for name in ("sizes", "scalars"):
-            wants = [expected(f"{name}[{k}]", f"{name}[{k}]", v)
-                     for k, v in enumerate(getattr(fakes, name))]
-            self.checks.append((f"{name} == [{', '.join(wants)}]", ""))
-            self.checks.extend((f"{name}[{k}] == {w}", f"{name}[{k}] == {w}")
-                               for k, w in enumerate(wants))  # readable; implied by the list
-        finite = (sympy.Integer, sympy.Float)  # not the infinities of an open range
-        for symbol in defined:
-            bounds = shape_env.var_to_range.get(symbol)
-            if bounds is not None and isinstance(bounds.lower, finite):
-                self.checks.append((f"{bounds.lower} <= {symbol}",) * 2)
-            if bounds is not None and isinstance(bounds.upper, finite):
-                self.checks.append((f"{symbol} <= {bounds.upper}",) * 2)
-        seen = set()
-        for guard in shape_env.guards:
-            expr = shape_env.simplify(guard.expr)
-            if expr in seen or compat.implied_by_ranges(shape_env, expr):
-                continue
-            seen.add(expr)
-            self.checks.append((printer.doprint(expr),) * 2)
-        self.symbols = {str(k): v for k, v in defined.items()}
-        body = "\n    ".join(reads) or "pass"
-        fast = [c for c, readable in self.checks if not readable.startswith(("sizes[", "scalars["))]
-        source = (f"def read(inputs, sizes, scalars):\n    {body}\n    return locals()\n"
-                  f"def accepts(inputs, sizes, scalars):\n    {body}\n    return "
-                  + " and ".join(f"({c})" for c in fast) + "\n")
-        namespace = compat.guard_globals()
+    def __init__(self, example: Example) -> None:
+        self.expected = {"sizes": list(example.sizes), "scalars": list(example.scalars)}
+        checks = ["sizes == want['sizes']", "scalars == want['scalars']"]
+        for i, x in enumerate(example.inputs):
+            for what, value in (("shape", x.shape), ("stride()", x.stride()),
+                                ("dtype", x.dtype), ("device", x.device)):
+                key = f"inputs[{i}].{what}"
+                self.expected[key] = value
+                checks.append(f"inputs[{i}].{what} == want[{key!r}]")
+        source = ("def accepts(inputs, sizes, scalars):\n    return "
+                  + " and ".join(checks) + "\n")
+        namespace: dict[str, Any] = {"want": self.expected}
         exec(compile(source, "<aotkit compiled-autograd size guard>", "exec"), namespace)
-        self._accepts, self._read = namespace["accepts"], namespace["read"]
-        if not self.accepts(example):  # a guard this class cannot state faithfully
-            raise TraceError("the lowered graph's size guard rejects the values it was lowered "
-                             f"for ({self.why_not(example)})")
+        self._accepts = namespace["accepts"]
 
     def accepts(self, example: Example) -> bool:
         return bool(self._accepts(example.inputs, example.sizes, example.scalars))
 
     def why_not(self, example: Example) -> str:
-        """The first assumption ``example`` breaks, readable: ``inputs[3].size() == (s0, 4) with
-        s0 = inputs[1].size()[0] = 6``."""
-        env = {**compat.guard_globals(),
-               **self._read(example.inputs, example.sizes, example.scalars)}
-        for code, readable in self.checks:
-            if readable and not eval(code, env):
-                where = ", ".join(f"{k} = {self.symbols[k]} = {env[k]}" for k in sorted(self.symbols)
-                                  if re.search(rf"\b{k}\b", readable))
-                return ("this backward breaks an assumption of its lowered graph: "
-                        f"{readable}" + (f" with {where}" if where else ""))
-        return "this backward fails the size guard of its lowered graph"
+        """What differs from the values the graph was lowered for, e.g. ``inputs[1].shape is
+        (6, 8), lowered for (4, 8)``."""
+        env = {"inputs": example.inputs, "sizes": example.sizes, "scalars": example.scalars}
+        for key, want in self.expected.items():
+            got = eval(key, {}, env)
+            if got == want:
+                continue
+            if isinstance(want, list) and len(got) == len(want):
+                k = next(k for k, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+                key, got, want = f"{key}[{k}]", got[k], want[k]
+            return f"{key} is {_show(got)}, lowered for {_show(want)}"
+        return "its values differ from those it was lowered for"
+
+
+def _show(value: Any) -> Any:
+    return tuple(value) if isinstance(value, torch.Size) else value
 
 
 @dataclass
@@ -160,15 +115,12 @@ def _traceable(target: Any) -> bool:
 
 class _Lowering(GraphBuilder):
     def __init__(self, example: Example) -> None:
-        super().__init__()
-        inputs_p, sizes_p, scalars_p, hooks_p, packed_p = self.start_graph()
-        self.stack.enter_context(enable_python_dispatcher())  # SymInts must not be hashed
-        self.inputs = [self.fake(x, i) for i, x in enumerate(example.inputs)]
-        self.bind(self.inputs, inputs_p)
-        self.sizes = [self.symbol(v, "sizes", i, sizes_p) for i, v in enumerate(example.sizes)]
-        self.scalars = [self.symbol(v, "scalars", i, scalars_p)
-                        for i, v in enumerate(example.scalars)]
-        self.placeholders = {"inputs": self.inputs, "sizes": self.sizes, "scalars": self.scalars,
+        super().__init__(static=True)
+        inputs_p, _, _, hooks_p, packed_p = self.start_graph()
+        inputs = [self.fake(x, i) for i, x in enumerate(example.inputs)]
+        self.bind(inputs, inputs_p)
+        # Sizes and scalars become constants of the graph; the guard checks them.
+        self.placeholders = {"inputs": inputs, "sizes": example.sizes, "scalars": example.scalars,
                              "hooks": _Opaque(hooks_p), "packed_data": _Opaque(packed_p)}
 
     def to_proxy(self, value: Any) -> Any:
@@ -220,10 +172,7 @@ def _any_opaque(tree: Any) -> bool:
 
 def lower(captured: fx.GraphModule, example: Example) -> Lowered:
     """Lower ``captured`` for values like ``example``. See Note [Lowering captured backwards]."""
-    lowering = _Lowering(example)
-    gm = lowering.run(captured)
-    fakes = Example(lowering.inputs, lowering.sizes, lowering.scalars)
-    return Lowered(gm, SizeGuard(lowering.shape_env, example, fakes))
+    return Lowered(_Lowering(example).run(captured), SizeGuard(example))
 
 
 # ---- stealing gradients into .grad ----------------------------------------------------------

@@ -223,20 +223,24 @@ class CompiledBackward:
 
     def compiled_for(self, session: Session | None, example: Example) -> Callable[..., Any]:
         """The callable to run ``example`` with: the first graph whose guard accepts it, else a
-        graph lowered for it (past the recompile limit, the captured graph)."""
+        new one. See Note [Lowering captured backwards]."""
         session = self._check_compiler(session)
         for variant in self.variants:
             if variant.lowered is None or variant.lowered.guard.accepts(example):
                 return variant.compiled
         lowered = [v.lowered for v in self.variants if v.lowered is not None]
         why = lowered[-1].guard.why_not(example)
-        if len(lowered) >= config.recompile_limit:
+        name = self.captured.__class__.__name__
+        if session.dynamic:
+            variant = make_variant(self.captured, example, session, lowerable=(
+                f"{why}, and under enable(dynamic=True) the captured graph serves every size its "
+                "lowered graphs do not accept"))
+        elif len(lowered) >= config.recompile_limit:
             variant = make_variant(self.captured, example, session, lowerable=(
                 f"{why}, and aotkit.config.recompile_limit={config.recompile_limit} graphs "
                 "were lowered already"))
         else:
-            counters.record("recompile", "compiled_autograd",
-                            f"{self.captured.__class__.__name__}: {why}; lowering it again",
+            counters.record("recompile", "compiled_autograd", f"{name}: {why}; lowering it again",
                             logger=log)
             variant = make_variant(self.captured, example, session)
         self.variants.append(variant)

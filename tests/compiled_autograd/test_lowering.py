@@ -1,0 +1,185 @@
+"""Lowering captured backwards to ATen: what the compiler sees, the size guard, and fallbacks.
+
+See Note [Lowering captured backwards]."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tests.compiled_autograd.helpers import assert_same_grads, check_module, counts, grads
+from torch import fx, nn
+
+import aotkit
+from aotkit.compiled_autograd import runtime, session
+
+
+class Keep:
+    """A compiler that keeps every graph it is given and runs it unchanged."""
+
+    def __init__(self) -> None:
+        self.graphs: list[fx.GraphModule] = []
+
+    def __call__(self, gm: fx.GraphModule) -> Callable[..., Any]:
+        self.graphs.append(gm)
+        return gm
+
+
+def _formula_calls(gm: fx.GraphModule) -> list[str]:
+    return [n.target.__name__ for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, runtime.Op)]
+
+
+def _aten_calls(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes
+            if isinstance(n.target, torch._ops.OpOverload)]
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, compiler: Callable[..., Any] | None,
+                dynamic: bool = True) -> None:
+    model.zero_grad(set_to_none=True)
+    if compiler is None:
+        model(x).pow(2).mean().backward()
+        return
+    with aotkit.compiled_autograd.enable(compiler, dynamic=dynamic):
+        model(x).pow(2).mean().backward()
+
+
+def _compare(model: nn.Module, batches: tuple[int, ...], compiler: Callable[..., Any],
+             dynamic: bool = True) -> None:
+    eager = copy.deepcopy(model)
+    for b in batches:
+        x = torch.randn(b, in_features(model))
+        _train_step(eager, x, None)
+        _train_step(model, x, compiler, dynamic)
+        assert_same_grads(grads(eager), grads(model))
+
+
+def in_features(model: nn.Module) -> int:
+    return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+
+
+def test_compiler_gets_the_formulas_aten_ops() -> None:
+    keep = Keep()
+    _compare(_mlp(), (5,), keep)
+    (gm,) = keep.graphs
+    assert _formula_calls(gm) == []  # AddmmBackward0, validate_outputs... are all lowered
+    assert "aten.mm.default" in _aten_calls(gm)
+    assert "aten.gelu_backward.default" in _aten_calls(gm)
+    assert not aotkit.explain().of_kind("fallback")
+
+
+def test_option_off_gives_the_captured_graph() -> None:
+    keep = Keep()
+    with aotkit.config.patch(compiled_autograd_lower=False):
+        _compare(_mlp(), (5, 7), keep)
+    (gm,) = keep.graphs
+    assert "AddmmBackward0" in _formula_calls(gm)
+    assert _aten_calls(gm) == []
+    assert not aotkit.explain().of_kind("fallback")  # the user asked for it: not a fallback
+
+
+def test_nop_compiler_binds_the_lowered_graph() -> None:
+    _compare(_mlp(), (5, 5), aotkit.compiled_autograd.nop)
+    assert counts() == (1, 1)
+
+
+def test_dynamic_sizes_outside_the_guard_run_the_captured_graph() -> None:
+    keep = Keep()
+    _compare(_mlp(), (5, 6, 9, 5), keep)
+    assert counts() == (1, 2)  # the lowered graph for batch 5, the captured one for the others
+    assert _formula_calls(keep.graphs[0]) == []
+    assert "AddmmBackward0" in _formula_calls(keep.graphs[1])
+    (fallback,) = aotkit.explain().of_kind("fallback")
+    assert "sizes[0] is 24, lowered for 20" in fallback.why  # 6 x 4 outputs, not 5 x 4
+    assert "dynamic=True" in fallback.why
+
+
+def test_static_sizes_outside_the_guard_are_lowered_again_with_the_reason() -> None:
+    keep = Keep()
+    # Batch 6 makes the engine capture again and treat the batch size as dynamic; the engine
+    # then replays that capture for batches 9 and 11, each lowered for its sizes.
+    _compare(_mlp(), (5, 6, 9, 11), keep, dynamic=False)
+    assert counts() == (2, 4)
+    recompiles = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert len(recompiles) == 2
+    assert "is 36, lowered for 24" in recompiles[0] and "lowering it again" in recompiles[0]
+    assert all(_formula_calls(gm) == [] for gm in keep.graphs)
+
+
+def test_past_the_recompile_limit_the_captured_graph_runs() -> None:
+    keep = Keep()
+    with aotkit.config.patch(recompile_limit=1):
+        _compare(_mlp(), (5, 6, 9), keep, dynamic=False)
+    assert len(keep.graphs) == 3
+    assert "AddmmBackward0" in _formula_calls(keep.graphs[2])
+    (fallback,) = aotkit.explain().of_kind("fallback")
+    assert "recompile_limit=1" in fallback.why and "opaquely" in fallback.why
+
+
+def test_a_lowering_failure_is_recorded_and_the_captured_graph_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any) -> Any:
+        raise RuntimeError("no fake kernel for this formula")
+
+    monkeypatch.setattr(session, "lower", fail)
+    keep = Keep()
+    _compare(_mlp(), (5,), keep)
+    assert "AddmmBackward0" in _formula_calls(keep.graphs[0])
+    (fallback,) = aotkit.explain().of_kind("fallback")
+    assert "no fake kernel for this formula" in fallback.why
+
+
+class TransposeGrad(nn.Module):
+    """A module whose output gradient a hook replaces by one of other strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(lambda g: g.t().contiguous().t() * 2)  # same sizes, column-major
+        return self.b(h.relu()).view(-1)
+
+
+def test_formulas_after_a_hook_stay_calls_and_match_eager() -> None:
+    keep = Keep()
+    torch.manual_seed(0)
+    check_module(TransposeGrad(), [torch.randn(6, 6)], steps=2, compiler=keep)
+    assert keep.graphs
+    for gm in keep.graphs:
+        # Before the hook: lowered; after it (Linear a's formulas): called as captured.
+        assert "aten.mm.default" in _aten_calls(gm)
+        assert "AddmmBackward0" in _formula_calls(gm)
+
+
+@pytest.mark.parametrize("keep_grad", [False, True], ids=["plain", "hook-keeps-grad"])
+def test_grad_aliasing_matches_eager(keep_grad: bool) -> None:
+    """Accumulation steals a gradient into an empty .grad exactly where eager does: a gradient
+    a hook kept is copied, not aliased."""
+
+    def run(compiler: Callable[..., Any] | None) -> tuple[bool, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        kept: list[torch.Tensor] = []
+        if keep_grad:
+            model.weight.register_hook(kept.append)
+        x = torch.randn(5, 4)
+        _train_step(model, x, compiler)
+        shares = bool(kept) and kept[0].data_ptr() == model.weight.grad.data_ptr()
+        return shares, model.weight.grad
+
+    eager_shares, eager_grad = run(None)
+    compiled_shares, compiled_grad = run(aotkit.compiled_autograd.nop)
+    assert compiled_shares == eager_shares
+    torch.testing.assert_close(compiled_grad, eager_grad)
