@@ -4,17 +4,20 @@ Note [Lowering captured backwards]
 A captured graph calls each C++ backward formula (``AddmmBackward0``) and the engine's
 ``validate_outputs`` as opaque functions: correct for any sizes, but each call costs ~10 us of
 argument conversion, and no compiler can see into it. Lowering runs the captured graph once on
-fake tensors of the backward's real inputs, its sizes and scalars symbolic, and records what each
-formula does as ATen ops (``mm``, ``t``, ``sum``). Calls with effects stay opaque (hooks, custom
-Function backwards, ``.grad`` accumulation), and so does every formula fed by one of them: a
-hook may return a gradient of other strides than the one it received, and a formula traced on the
-wrong strides would bake in the wrong view/copy decisions.
+fake tensors of one backward's real inputs and records what each formula does as ATen ops
+(``mm``, ``t``, ``sum``). Calls with effects stay calls (hooks, custom Function backwards,
+``.grad`` accumulation), and so does every formula fed by one of them: a hook may return a
+gradient of other strides than the one it received, and a formula traced on the wrong strides
+would bake in the wrong view/copy decisions.
 
-Tracing on symbolic sizes still bakes in decisions (a broadcast summed away, sizes 0 and 1
-specialized), which the ShapeEnv states as guards over the engine's lists. The engine replays
-its cached graph for any sizes, so a lowered graph is only run for values that pass its guards;
-others get a graph lowered for them (a recompile, recorded) and, past
-``aotkit.config.recompile_limit``, the captured graph itself (a fallback, recorded).
+The fakes have static sizes: tracing on symbolic ones took seconds per capture in sympy (a
+Transformer layer's ~250 distinct sizes), and its guards, one per size, cost more per replay
+than lowering saved. So a lowered graph holds for the exact sizes, strides, dtypes and devices of
+its inputs and the exact ``sizes``/``scalars`` lists it was traced with; a ``SizeGuard`` checks
+them on every replay (the engine replays its cached graph for any sizes). Values it rejects run
+the captured graph under ``enable(dynamic=True)``, which is meant to serve every size with one
+graph (a fallback, recorded once), or get a graph lowered for them under ``dynamic=False`` (a
+recompile, recorded), up to ``aotkit.config.recompile_limit``.
 
 A gradient that only ``.grad`` accumulation reads, made by an ATen op that writes nothing, may
 become ``.grad`` without a copy when ``.grad`` is empty, as eager's AccumulateGrad steals a
