@@ -125,15 +125,9 @@ def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
 def _static_sizes(shape_env: Any, fakes: Sequence[Any]) -> list[str]:
     """Guards for the sizes and strides the graph bakes in: traced as plain ints (sizes 0 and 1
     are specialized) or made constant while tracing (``int(x.shape[0])``, a size compared with a
-    literal), which the ShapeEnv records as a replacement but not always as a guard. A symbol
-    placeholder made constant the same way is guarded likewise."""
+    literal), which the ShapeEnv records as a replacement but not always as a guard."""
     guards = []
     for i, fake in enumerate(fakes):
-        if not isinstance(fake, torch.Tensor):
-            constant = _constant(shape_env, fake)
-            if constant is not None:
-                guards.append(f"L['t{i}'] == {constant!r}")
-            continue
         for what, values in (("size", fake.shape), ("stride", fake.stride())):
             for d, v in enumerate(values):
                 constant = v if isinstance(v, int) else _constant(shape_env, v)
@@ -142,14 +136,9 @@ def _static_sizes(shape_env: Any, fakes: Sequence[Any]) -> list[str]:
     return guards
 
 
-def _constant(shape_env: Any, value: Any) -> Any:
-    """The number a size or symbol placeholder was fixed to, or None if it stays symbolic."""
-    if isinstance(value, (int, float)):
-        return value
+def _constant(shape_env: Any, value: torch.SymInt) -> int | None:
     expr = shape_env.replace(value.node.expr)
-    if not expr.is_number:
-        return None
-    return int(expr) if isinstance(value, torch.SymInt) else float(expr)
+    return int(expr) if expr.is_number else None
 
 
 class ShapeGuard:
@@ -166,10 +155,9 @@ class ShapeGuard:
         # Compiled once: evaluating the source string would parse it again on every call.
         self._compiled = compile(self.code or "True", "<aotkit shape guard>", "eval")
         self._globals = guard_globals()
-        self._read = sorted({int(i) for i in re.findall(r"L\['t(\d+)'\]", self.code)})
 
-    def __call__(self, values: Sequence[Any]) -> bool:
-        env = {"L": {f"t{i}": values[i] for i in self._read}}
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> bool:
+        env = {"L": {f"t{i}": t for i, t in enumerate(tensors)}}
         return bool(eval(self._compiled, self._globals, env))
 
     def explain(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> str:

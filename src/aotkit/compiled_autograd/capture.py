@@ -281,7 +281,7 @@ class Capture(GraphBuilder):
         if log.isEnabledFor(logging.INFO):
             log.info("captured backward graph %d:\n%s", self.id,
                      gm.print_readable(print_output=False))
-        variant = make_variant(gm, self.example, self.session, lowerable=(
+        variant = make_variant(gm, self.example, self.session, why_captured=(
             f"inputs {to_cuda} move to CUDA for CUDA graphs" if to_cuda else None))
         self.example = None  # the backward's real tensors: not kept past the capture
         self._record()

@@ -165,17 +165,17 @@ class Variant:
 
 
 def make_variant(captured: fx.GraphModule, example: Example, session: Session,
-                 lowerable: str | None = None) -> Variant:
+                 why_captured: str | None = None) -> Variant:
     """Lower ``captured`` for ``example`` and compile it with the session's compiler; the
-    captured graph itself when lowering is off (``lowerable`` says why) or fails, recorded.
+    captured graph itself when lowering is off, fails, or is not wanted (``why_captured``), recorded.
     See Note [Lowering captured backwards]."""
-    if lowerable is None and not config.compiled_autograd_lower:
-        lowerable = "aotkit.config.compiled_autograd_lower is off"
-    if lowerable is None:
+    if why_captured is None and not config.compiled_autograd_lower:
+        why_captured = "aotkit.config.compiled_autograd_lower is off"
+    if why_captured is None:
         try:
             lowered = lower(captured, example)
         except Exception as exc:  # any failure keeps the captured graph, recorded
-            lowerable = f"lowering to ATen failed: {type(exc).__name__}: {exc}"
+            why_captured = f"lowering to ATen failed: {type(exc).__name__}: {exc}"
         else:
             if log.isEnabledFor(logging.INFO):
                 log.info("lowered %s to ATen:\n%s", captured.__class__.__name__,
@@ -183,7 +183,7 @@ def make_variant(captured: fx.GraphModule, example: Example, session: Session,
             return Variant(lowered.gm, lowered, compile_graph(lowered.gm, session.compiler_fn))
     if config.compiled_autograd_lower:
         counters.record("fallback", "compiled_autograd",
-                        f"{captured.__class__.__name__} runs its formulas opaquely: {lowerable}",
+                        f"{captured.__class__.__name__} runs its formulas opaquely: {why_captured}",
                         logger=log)
     return Variant(captured, None, compile_graph(captured, session.compiler_fn))
 
@@ -232,11 +232,11 @@ class CompiledBackward:
         why = lowered[-1].guard.why_not(example)
         name = self.captured.__class__.__name__
         if session.dynamic:
-            variant = make_variant(self.captured, example, session, lowerable=(
+            variant = make_variant(self.captured, example, session, why_captured=(
                 f"{why}, and under enable(dynamic=True) the captured graph serves every size its "
                 "lowered graphs do not accept"))
         elif len(lowered) >= config.recompile_limit:
-            variant = make_variant(self.captured, example, session, lowerable=(
+            variant = make_variant(self.captured, example, session, why_captured=(
                 f"{why}, and aotkit.config.recompile_limit={config.recompile_limit} graphs "
                 "were lowered already"))
         else:
