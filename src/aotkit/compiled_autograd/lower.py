@@ -49,23 +49,26 @@ class Example:
 
 class SizeGuard:
     """The inputs' sizes, strides, dtypes and devices, and the ``sizes`` and ``scalars`` lists, a
-    lowered graph was traced with; checked by one generated function, a few microseconds a
-    replay (one comparison per tensor property, none through sympy)."""
+    lowered graph was traced with; checked on every replay as six list comparisons (no sympy)."""
 
     def __init__(self, example: Example) -> None:
-        self.expected = {"sizes": list(example.sizes), "scalars": list(example.scalars)}
-        checks = ["sizes == want['sizes']", "scalars == want['scalars']"]
-        for i, x in enumerate(example.inputs):
-            for what, value in (("shape", x.shape), ("stride()", x.stride()),
-                                ("dtype", x.dtype), ("device", x.device)):
-                key = f"inputs[{i}].{what}"
-                self.expected[key] = value
-                checks.append(f"inputs[{i}].{what} == want[{key!r}]")
-        source = ("def accepts(inputs, sizes, scalars):\n    return "
-                  + " and ".join(checks) + "\n")
-        namespace: dict[str, Any] = {"want": self.expected}
-        exec(compile(source, "<aotkit compiled-autograd size guard>", "exec"), namespace)
-        self._accepts = namespace["accepts"]
+        self.expected: dict[str, Any] = {"sizes": list(example.sizes),
+                                         "scalars": list(example.scalars)}
+        for what, read in (("shape", lambda x: x.shape), ("stride()", lambda x: x.stride()),
+                           ("dtype", lambda x: x.dtype), ("device", lambda x: x.device)):
+            self.expected[what] = [read(x) for x in example.inputs]
+        want = self.expected
+        sizes, scalars = want["sizes"], want["scalars"]
+        shapes, strides, dtypes, devices = (want[k] for k in ("shape", "stride()", "dtype", "device"))
+
+        def accepts(inputs: list[Any], got_sizes: list[Any], got_scalars: list[Any]) -> bool:
+            return (got_sizes == sizes and got_scalars == scalars
+                    and [x.shape for x in inputs] == shapes
+                    and [x.stride() for x in inputs] == strides
+                    and [x.dtype for x in inputs] == dtypes
+                    and [x.device for x in inputs] == devices)
+
+        self._accepts = accepts
 
     def accepts(self, example: Example) -> bool:
         return bool(self._accepts(example.inputs, example.sizes, example.scalars))
@@ -73,15 +76,19 @@ class SizeGuard:
     def why_not(self, example: Example) -> str:
         """What differs from the values the graph was lowered for, e.g. ``inputs[1].shape is
         (6, 8), lowered for (4, 8)``."""
-        env = {"inputs": example.inputs, "sizes": example.sizes, "scalars": example.scalars}
         for key, want in self.expected.items():
-            got = eval(key, {}, env)
+            if key in ("sizes", "scalars"):
+                got = getattr(example, key)
+            else:
+                got = [eval(f"x.{key}", {}, {"x": x}) for x in example.inputs]
             if got == want:
                 continue
-            if isinstance(want, list) and len(got) == len(want):
-                k = next(k for k, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-                key, got, want = f"{key}[{k}]", got[k], want[k]
-            return f"{key} is {_show(got)}, lowered for {_show(want)}"
+            name = key if key in ("sizes", "scalars") else "inputs"
+            if len(got) != len(want):
+                return f"{name} has {len(got)} values, lowered for {len(want)}"
+            k = next(k for k, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+            where = f"{name}[{k}]" if name != "inputs" else f"inputs[{k}].{key}"
+            return f"{where} is {_show(got[k])}, lowered for {_show(want[k])}"
         return "its values differ from those it was lowered for"
 
 
