@@ -57,13 +57,13 @@ def _compare(model: nn.Module, batches: tuple[int, ...], compiler: Callable[...,
              dynamic: bool = True) -> None:
     eager = copy.deepcopy(model)
     for b in batches:
-        x = torch.randn(b, in_features(model))
+        x = torch.randn(b, _in_features(model))
         _train_step(eager, x, None)
         _train_step(model, x, compiler, dynamic)
         assert_same_grads(grads(eager), grads(model))
 
 
-def in_features(model: nn.Module) -> int:
+def _in_features(model: nn.Module) -> int:
     return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
 
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from aotkit.compiled_autograd import passes, runtime
 from aotkit.compiled_autograd.builder import GraphBuilder
@@ -47,48 +47,40 @@ class Example:
     scalars: list[Any]
 
 
+#: What a lowered graph assumes of each tensor input, by name.
+_READS = {"shape": lambda x: x.shape, "stride()": lambda x: x.stride(),
+          "dtype": lambda x: x.dtype, "device": lambda x: x.device}
+
+
 class SizeGuard:
     """The inputs' sizes, strides, dtypes and devices, and the ``sizes`` and ``scalars`` lists, a
     lowered graph was traced with; checked on every replay as six list comparisons (no sympy)."""
 
     def __init__(self, example: Example) -> None:
-        self.expected: dict[str, Any] = {"sizes": list(example.sizes),
-                                         "scalars": list(example.scalars)}
-        for what, read in (("shape", lambda x: x.shape), ("stride()", lambda x: x.stride()),
-                           ("dtype", lambda x: x.dtype), ("device", lambda x: x.device)):
-            self.expected[what] = [read(x) for x in example.inputs]
-        want = self.expected
-        sizes, scalars = want["sizes"], want["scalars"]
-        shapes, strides, dtypes, devices = (want[k] for k in ("shape", "stride()", "dtype", "device"))
-
-        def accepts(inputs: list[Any], got_sizes: list[Any], got_scalars: list[Any]) -> bool:
-            return (got_sizes == sizes and got_scalars == scalars
-                    and [x.shape for x in inputs] == shapes
-                    and [x.stride() for x in inputs] == strides
-                    and [x.dtype for x in inputs] == dtypes
-                    and [x.device for x in inputs] == devices)
-
-        self._accepts = accepts
+        self.sizes, self.scalars = list(example.sizes), list(example.scalars)
+        self.inputs = {what: [read(x) for x in example.inputs] for what, read in _READS.items()}
 
     def accepts(self, example: Example) -> bool:
-        return bool(self._accepts(example.inputs, example.sizes, example.scalars))
+        inputs, want = example.inputs, self.inputs  # the reads inlined: this runs every replay
+        return (example.sizes == self.sizes and example.scalars == self.scalars
+                and [x.shape for x in inputs] == want["shape"]
+                and [x.stride() for x in inputs] == want["stride()"]
+                and [x.dtype for x in inputs] == want["dtype"]
+                and [x.device for x in inputs] == want["device"])
 
     def why_not(self, example: Example) -> str:
         """What differs from the values the graph was lowered for, e.g. ``inputs[1].shape is
         (6, 8), lowered for (4, 8)``."""
-        for key, want in self.expected.items():
-            if key in ("sizes", "scalars"):
-                got = getattr(example, key)
-            else:
-                got = [eval(f"x.{key}", {}, {"x": x}) for x in example.inputs]
-            if got == want:
-                continue
-            name = key if key in ("sizes", "scalars") else "inputs"
+        lists = [("sizes[{}]", example.sizes, self.sizes),
+                 ("scalars[{}]", example.scalars, self.scalars),
+                 *((f"inputs[{{}}].{what}", [read(x) for x in example.inputs], self.inputs[what])
+                   for what, read in _READS.items())]
+        for name, got, want in lists:
             if len(got) != len(want):
-                return f"{name} has {len(got)} values, lowered for {len(want)}"
-            k = next(k for k, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-            where = f"{name}[{k}]" if name != "inputs" else f"inputs[{k}].{key}"
-            return f"{where} is {_show(got[k])}, lowered for {_show(want[k])}"
+                return f"{name.split('[')[0]} has {len(got)} values, lowered for {len(want)}"
+            for k, (g, w) in enumerate(zip(got, want, strict=True)):
+                if g != w:
+                    return f"{name.format(k)} is {_show(g)}, lowered for {_show(w)}"
         return "its values differ from those it was lowered for"
 
 
@@ -160,7 +152,7 @@ class _Lowering(GraphBuilder):
         target = node.target
         if target is operator.getitem and not isinstance(args[0], _Opaque):
             return args[0][args[1]]
-        if _traceable(target) and not _any_opaque((args, kwargs)):
+        if _traceable(target) and not pytree.tree_any(_is_opaque, (args, kwargs)):
             fn = target.fn if isinstance(target, runtime.Op) else target
             return fn(*args, **kwargs)
         proxy = self.tracer.create_proxy("call_function", target, self.to_proxy(args),
@@ -170,14 +162,8 @@ class _Lowering(GraphBuilder):
         return _Opaque(proxy)
 
 
-def _any_opaque(tree: Any) -> bool:
-    if isinstance(tree, _Opaque):
-        return True
-    if isinstance(tree, (list, tuple)):
-        return any(_any_opaque(x) for x in tree)
-    if isinstance(tree, dict):
-        return any(_any_opaque(x) for x in tree.values())
-    return False
+def _is_opaque(value: Any) -> bool:
+    return isinstance(value, _Opaque)
 
 
 def lower(captured: fx.GraphModule, example: Example) -> Lowered:
@@ -201,34 +187,15 @@ def _mark_stealable(graph: fx.Graph) -> None:
             acc.update_kwarg("stealable", True)
 
 
-def _surely(condition: Any) -> bool:
-    return statically_known_true(condition)
-
-
 def _obeys_layout(grad: Any, variable: Any) -> bool:
-    """Whether ``grad`` surely has the strides eager's gradient layout contract asks of a
-    gradient of ``variable`` (a contiguous variable: its strides, ignoring size-1 dims that
-    are not broadcast)."""
+    """Whether ``grad`` has the strides eager's gradient layout contract asks of a gradient of
+    ``variable`` (here, a contiguous variable: its strides, where a dim of size 1 may have any
+    stride but 0)."""
     if not (isinstance(grad, torch.Tensor) and isinstance(variable, torch.Tensor)):
         return False
     if grad.layout != torch.strided or variable.layout != torch.strided:
         return False
-    if grad.dim() != variable.dim() or not _surely_contiguous(variable):
+    if grad.dim() != variable.dim() or not variable.is_contiguous():
         return False
-    for size, g, v in zip(grad.shape, grad.stride(), variable.stride(), strict=True):
-        if _surely(size == 1):
-            if not _surely(g != 0):
-                return False
-        elif not _surely(g == v):
-            return False
-    return True
-
-
-def _surely_contiguous(x: torch.Tensor) -> bool:
-    expected: Any = 1
-    for size, stride in zip(reversed(x.shape), reversed(x.stride()), strict=True):
-        if not (_surely(size == 1) or _surely(stride == expected)):
-            return False
-        expected = expected * size
-    return True
-
+    return all(g != 0 if size == 1 else g == v
+               for size, g, v in zip(grad.shape, grad.stride(), variable.stride(), strict=True))
