@@ -183,3 +183,73 @@ def test_grad_aliasing_matches_eager(keep_grad: bool) -> None:
     compiled_shares, compiled_grad = run(aotkit.compiled_autograd.nop)
     assert compiled_shares == eager_shares
     torch.testing.assert_close(compiled_grad, eager_grad)
+
+
+def _accumulations(gm: fx.GraphModule) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=runtime.call_accumulate_grad))
+
+
+def test_outputs_of_multi_output_formulas_are_stolen_like_eager() -> None:
+    """LayerNorm's backward returns three gradients; its weight and bias gradients become
+    .grad without a copy, as in eager (which never copies a gradient only it holds)."""
+
+    def run(compiler: Callable[..., Any] | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
+        _train_step(model, torch.randn(4, 6), compiler)
+        return [p.grad for p in model.parameters()]
+
+    keep = Keep()
+    eager = run(None)
+    compiled = run(lambda gm: keep(aotkit.compiled_autograd.nop(gm)))
+    (gm,) = keep.graphs
+    assert [n.kwargs.get("stealable", False) for n in _accumulations(gm)] == [True] * 4
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class _Branches(nn.Module):
+    """One activation read by three nodes: the engine sums three gradients for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h.sin() * h.cos() + h
+
+
+def test_gradient_sums_run_in_place_and_match_eager() -> None:
+    keep = Keep()
+    _compare_module(_Branches(), torch.randn(5, 6), keep)
+    (gm,) = keep.graphs
+    sums = [str(n.target) for n in gm.graph.nodes if "aten.add" in str(n.target)]
+    assert sums == ["aten.add_.Tensor", "aten.add_.Tensor"]
+
+
+def test_gradient_sums_never_write_into_the_callers_gradients() -> None:
+    """Gradients the caller passes to backward() are graph inputs: a sum of views of them
+    makes a new tensor, and the caller's tensors keep their values."""
+    keep = Keep()
+    x = torch.randn(4, requires_grad=True)
+    g1, g2 = torch.randn(4), torch.randn(2, 2)
+    before = (g1.clone(), g2.clone())
+    with aotkit.compiled_autograd.enable(keep):
+        torch.autograd.backward([x.view(4), x.view(2, 2)], [g1, g2])
+    (gm,) = keep.graphs
+    assert "aten.add.Tensor" in _aten_calls(gm)
+    torch.testing.assert_close((g1, g2), before)
+    torch.testing.assert_close(x.grad, g1 + g2.view(4))
+
+
+def _compare_module(model: nn.Module, x: torch.Tensor, compiler: Callable[..., Any]) -> None:
+    eager = copy.deepcopy(model)
+    for m, c in ((eager, None), (model, compiler)):
+        m.zero_grad(set_to_none=True)
+        if c is None:
+            m(x).pow(2).mean().backward()
+        else:
+            with aotkit.compiled_autograd.enable(c):
+                m(x).pow(2).mean().backward()
+    assert_same_grads(grads(eager), grads(model))

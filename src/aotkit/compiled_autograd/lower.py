@@ -19,9 +19,16 @@ the captured graph under ``enable(dynamic=True)``, which is meant to serve every
 graph (a fallback, recorded once), or get a graph lowered for them under ``dynamic=False`` (a
 recompile, recorded), up to ``aotkit.config.recompile_limit``.
 
-A gradient that only ``.grad`` accumulation reads, made by an ATen op that writes nothing, may
-become ``.grad`` without a copy when ``.grad`` is empty, as eager's AccumulateGrad steals a
-gradient no one else holds (see ``runtime.call_accumulate_grad``).
+A gradient that only ``.grad`` accumulation reads, made by an ATen op that writes nothing (or
+an output of one that returns several), may become ``.grad`` without a copy when ``.grad`` is
+empty, as eager's AccumulateGrad steals a gradient no one else holds (see
+``runtime.call_accumulate_grad``).
+
+Gradients summed for a tensor that several nodes use (the engine's input buffers, captured as
+``torch.add``) are summed in place when one addend is owned by the sum: made by a traced ATen op,
+read by nothing else, sharing its memory with no other value of the graph (the fake values
+show which share memory), and laid out as the sum would be. Eager's input buffers do the same;
+an out-of-place sum allocates a gradient-sized tensor each time.
 """
 
 from __future__ import annotations
@@ -145,6 +152,7 @@ class _Lowering(GraphBuilder):
                     env[node] = self._call(node, args, kwargs)
         graph = self.tracer.graph
         passes.eliminate_dead_code(graph)
+        _sum_in_place(graph)
         _mark_stealable(graph)
         return fx.GraphModule(self.tracer.root, graph, captured.__class__.__name__ + "Lowered")
 
@@ -171,17 +179,73 @@ def lower(captured: fx.GraphModule, example: Example) -> Lowered:
     return Lowered(_Lowering(example).run(captured), SizeGuard(example))
 
 
-# ---- stealing gradients into .grad ----------------------------------------------------------
+# ---- gradient sums in place, stealing gradients into .grad -----------------------------------
+
+_ADD, _ADD_ = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+
+
+def _made_by_traced_op(node: fx.Node) -> bool:
+    """``node`` is the result of an ATen op that writes nothing, or one output of such an op
+    (not an input of the graph, not what an opaque call returned)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.is_mutable
+
+
+def _sum_in_place(graph: fx.Graph) -> None:
+    """``add(a, b)`` -> ``add_(a, b)`` where the sum owns ``a`` (or ``b``).
+    See Note [Lowering captured backwards]."""
+    holders: dict[int, set[int]] = {}  # storage -> the tensor values that use it
+    for node in graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor):
+                holders.setdefault(value.untyped_storage()._cdata, set()).add(id(value))
+
+    def owned(addend: Any, total: torch.Tensor) -> bool:
+        if not isinstance(addend, fx.Node) or len(addend.users) != 1:
+            return False
+        value = addend.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return False
+        chain = _views_read_once(addend)
+        root = chain[-1]
+        return ((_made_by_traced_op(root) or root.meta.get("summed_in_place", False))
+                and holders[value.untyped_storage()._cdata] == {id(n.meta["val"]) for n in chain}
+                and (value.shape, value.stride(), value.dtype, value.device)
+                == (total.shape, total.stride(), total.dtype, total.device))
+
+    for node in graph.find_nodes(op="call_function", target=_ADD):
+        total = node.meta.get("val")
+        if node.kwargs or len(node.args) != 2 or not isinstance(total, torch.Tensor):
+            continue
+        a, b = node.args
+        for into, other in ((a, b), (b, a)):
+            if owned(into, total):
+                node.target, node.args = _ADD_, (into, other)
+                node.meta["summed_in_place"] = True  # owns into's memory, as into did
+                break
+
+
+def _views_read_once(node: fx.Node) -> list[fx.Node]:
+    """``node``, then the value it views, and so on while that value feeds only the next view
+    (``view(mm(...))``: [view, mm])."""
+    chain = [node]
+    while (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+           and isinstance(node.args[0], fx.Node) and len(node.args[0].users) == 1
+           and isinstance(node.args[0].meta.get("val"), torch.Tensor)):
+        node = node.args[0]
+        chain.append(node)
+    return chain
 
 
 def _mark_stealable(graph: fx.Graph) -> None:
-    """Let accumulation take a gradient only it reads, fresh from a non-writing ATen op and in
-    ``.grad``'s layout, without a copy. See Note [Lowering captured backwards]."""
+    """Let accumulation take a gradient only it reads, fresh from a non-writing ATen op (or
+    summed in place) and in ``.grad``'s layout, without a copy. See Note [Lowering captured
+    backwards]."""
     for acc in graph.find_nodes(op="call_function", target=runtime.call_accumulate_grad):
         variable, grad = acc.args[0], acc.args[1]
         if (isinstance(grad, fx.Node) and len(grad.users) == 1
-                and isinstance(grad.target, torch._ops.OpOverload)
-                and not grad.target._schema.is_mutable
+                and (_made_by_traced_op(grad) or grad.meta.get("summed_in_place", False))
                 and isinstance(variable, fx.Node)
                 and _obeys_layout(grad.meta.get("val"), variable.meta.get("val"))):
             acc.update_kwarg("stealable", True)
