@@ -54,6 +54,16 @@ def guard_globals() -> dict[str, Any]:
     return dict(SYMPY_INTERP)
 
 
+def tensor_layout_check(tensors: list[torch.Tensor]) -> Any:
+    """A C++ check that tensors have exactly these tensors' sizes, strides, dtypes, devices
+    (dispatch keys) and requires_grad: ``.check(*ts)`` -> bool, ``.check_verbose(*ts,
+    tensor_check_names=[...])`` -> True or what differs first (Dynamo's tensor guard)."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                        dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """Exceptions fake-tensor tracing raises when Python control flow reads tensor data."""
     from torch._subclasses.fake_tensor import (

@@ -253,3 +253,23 @@ def _compare_module(model: nn.Module, x: torch.Tensor, compiler: Callable[..., A
             with aotkit.compiled_autograd.enable(c):
                 m(x).pow(2).mean().backward()
     assert_same_grads(grads(eager), grads(model))
+
+
+def test_size_guard_names_the_first_input_that_differs() -> None:
+    from aotkit.compiled_autograd.lower import Example, SizeGuard
+
+    inputs = [torch.randn(4, 3), torch.randn(3, 4).t()]
+    guard = SizeGuard(Example(inputs, [4, 3], []))
+    assert guard.accepts(Example([torch.randn(4, 3), torch.randn(3, 4).t()], [4, 3], []))
+    cases = {
+        "inputs[1]' stride mismatch": [inputs[0], torch.randn(4, 3)],
+        "inputs[0]' size mismatch": [torch.randn(5, 3), inputs[1]],
+        "inputs[0]' dtype mismatch": [inputs[0].double(), inputs[1]],
+        "inputs[1]' requires_grad mismatch": [inputs[0], inputs[1].requires_grad_()],
+        "inputs has 1 values, lowered for 2": inputs[:1],
+    }
+    for why, changed in cases.items():
+        example = Example(changed, [4, 3], [])
+        assert not guard.accepts(example)
+        assert why in guard.why_not(example)
+    assert guard.why_not(Example(inputs, [4, 2], [])) == "sizes[1] is 2, lowered for 3"
