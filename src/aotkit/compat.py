@@ -54,6 +54,11 @@ def guard_globals() -> dict[str, Any]:
     return dict(SYMPY_INTERP)
 
 
+def has_symbols(shape_env: Any) -> bool:
+    """Whether ``shape_env`` has made a symbol yet: a symbolic size or a value read from data."""
+    return bool(shape_env.var_to_range)
+
+
 def tensor_layout_check(tensors: list[torch.Tensor]) -> Any:
     """A C++ check that tensors have exactly these tensors' sizes, strides, dtypes, devices
     (dispatch keys) and requires_grad: ``.check(*ts)`` -> bool, ``.check_verbose(*ts,

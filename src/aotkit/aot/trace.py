@@ -37,6 +37,7 @@ from aotkit.compat import (
     data_dependent_errors,
     effect_tokens,
     effect_types,
+    has_symbols,
     is_nested_compile_refusal,
     rename_unbacked_symbol,
 )
@@ -60,10 +61,13 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) 
 @contextlib.contextmanager
 def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     """Enter the fake mode and turn tracing failures into errors that say what to change."""
-    # The Python dispatcher is what lets composite ops decompose with symbolic sizes; with static
-    # shapes we leave it off so composites run their C++ kernels like eager, aliasing included
-    # (its Python decomposition of eval-mode dropout copies where eager returns the input).
-    dispatcher = enable_python_dispatcher() if mode.shape_env is not None else _EagerDropout()
+    # The Python dispatcher is what lets composite ops decompose with symbolic sizes. Where no
+    # size is symbolic (no ShapeEnv, or a static Dynamo graph's ShapeEnv that holds no symbol) we
+    # leave it off: composites run their C++ kernels like eager, aliasing included (its Python
+    # decomposition of eval-mode dropout copies where eager returns the input), and fast (its
+    # Python ``matmul`` took a fifth of a TinyTransformer's trace).
+    symbolic = mode.shape_env is not None and has_symbols(mode.shape_env)
+    dispatcher = enable_python_dispatcher() if symbolic else _EagerDropout()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
