@@ -4,6 +4,7 @@ See Note [Lowering captured backwards]."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -273,3 +274,32 @@ def test_size_guard_names_the_first_input_that_differs() -> None:
         assert not guard.accepts(example)
         assert why in guard.why_not(example)
     assert guard.why_not(Example(inputs, [4, 2], [])) == "sizes[1] is 2, lowered for 3"
+
+
+@pytest.mark.parametrize("first_inside", [False, True])
+def test_backward_under_autocast_is_not_replayed_outside_it(first_inside: bool) -> None:
+    """Autocast around backward() changes eager's gradients (the formulas' ops are cast). A
+    graph lowered under autocast has those casts in it, one lowered outside has none: the guard
+    tells the two apart (dispatch keys), and each backward matches eager's in its context."""
+
+    def step(model: nn.Module, inside: bool, compiler: Callable[..., Any] | None) -> list[Any]:
+        model.zero_grad(set_to_none=True)
+        loss = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(0))).sum()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if inside else contextlib.nullcontext()
+        with autocast:
+            if compiler is None:
+                loss.backward()
+            else:
+                with aotkit.compiled_autograd.enable(compiler):
+                    loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+    eager = copy.deepcopy(model)
+    for inside in (first_inside, not first_inside, first_inside):
+        want = step(eager, inside, None)
+        got = step(model, inside, aotkit.compiled_autograd.nop)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert "dispatch key set mismatch" in aotkit.explain().of_kind("fallback")[0].why

@@ -12,10 +12,13 @@ would bake in the wrong view/copy decisions.
 
 The fakes have static sizes: tracing on symbolic ones took seconds per capture in sympy (a
 Transformer layer's ~250 distinct sizes), and its guards, one per size, cost more per replay
-than lowering saved. So a lowered graph holds for the exact sizes, strides, dtypes, devices and
-requires_grad of its inputs and the exact ``sizes``/``scalars`` lists it was traced with; a
-``SizeGuard`` checks them on every replay, the inputs with one C++ check (the engine replays its
-cached graph for any sizes). Values it rejects run the captured graph under
+than lowering saved. So a lowered graph holds for the exact sizes, strides, dtypes, devices,
+requires_grad and dispatch keys of its inputs and the exact ``sizes``/``scalars`` lists it was
+traced with; a ``SizeGuard`` checks them on every replay, the inputs with one C++ check (the
+engine replays its cached graph for any sizes). Dispatch keys include the thread's autocast
+state: a backward run under ``torch.autocast`` records the casts autocast makes, and must not
+replay outside it (nor one lowered outside replay inside). Values it rejects run the captured
+graph under
 ``enable(dynamic=True)``, which is meant to serve every size with one graph (a fallback,
 recorded once), or get a graph lowered for them under ``dynamic=False`` (a recompile,
 recorded), up to ``aotkit.config.recompile_limit``.
@@ -57,9 +60,10 @@ class Example:
 
 
 class SizeGuard:
-    """The inputs' sizes, strides, dtypes, devices and requires_grad, and the ``sizes`` and
-    ``scalars`` lists, a lowered graph was traced with; checked on every replay by two list
-    comparisons and one C++ check of the inputs (no sympy, ~3 us for 34 inputs)."""
+    """The inputs' sizes, strides, dtypes, devices, requires_grad and dispatch keys (autocast
+    included), and the ``sizes`` and ``scalars`` lists, a lowered graph was traced with; checked
+    on every replay by two list comparisons and one C++ check of the inputs (no sympy, ~3 us for
+    34 inputs)."""
 
     def __init__(self, example: Example) -> None:
         self.sizes, self.scalars = list(example.sizes), list(example.scalars)
