@@ -1073,6 +1073,54 @@ def test_num_params_buffers_reaches_the_compilers():
     assert seen == [1, None, 2]
 
 
+class _FullPrecisionRegion(nn.Module):
+    """A Linear under the caller's autocast, then a matmul with autocast turned off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.autocast("cpu", enabled=False):
+            return torch.mm(h.float(), self.w)
+
+
+def _autocast_step(model: nn.Module, run, backward_under_autocast: bool) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = run(x).float().pow(2).sum()
+    if backward_under_autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()
+    else:
+        loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_backward_runs_under_the_autocast_state_of_the_backward_call(via, backward_under_autocast):
+    """Eager's backward runs under the autocast state of backward(), not the forward's: outside
+    autocast (as PyTorch recommends) the full-precision region's backward stays in float32.
+    See Note [Autocast around backward]."""
+    eager = _FullPrecisionRegion()
+    want = _autocast_step(eager, eager, backward_under_autocast)
+    model = _FullPrecisionRegion()
+    run = (aotkit.aot_module(model, compilers.nop) if via == "aot_module"
+           else torch.compile(model, backend="aotkit"))
+    for _ in range(2):  # the second backward reuses the compiled one
+        got = _autocast_step(model, run, backward_under_autocast)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    traced_again = [d.why for d in aotkit.explain().of_kind("recompile")
+                    if "backward() runs under torch.autocast" in d.why]
+    assert len(traced_again) == (1 if backward_under_autocast else 0)
+
+
 def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
     """Graphs carry the casts traced under autocast; running them under the caller's
     autocast again would override regions the function itself disabled or changed."""

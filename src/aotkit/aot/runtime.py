@@ -17,9 +17,17 @@ import torch.fx as fx
 from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.trace import (
+    AUTOCAST_DEVICES,
+    AutocastState,
+    autocast_state,
+    trace_under_autocast,
+)
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
+
+NO_AUTOCAST: AutocastState = (False,) * len(AUTOCAST_DEVICES)
 
 
 @dataclass
@@ -36,7 +44,8 @@ class CompiledGraphs:
     bw_compiler: Compiler | None = None
     num_saved_tensors: int = 0
     differentiable: list[bool] = field(default_factory=list)
-    _bw: Callable[[list[Any]], Any] | None = None
+    # The compiled backward per autocast state of backward() (Note [Autocast around backward]).
+    _bw: dict[AutocastState, Callable[[list[Any]], Any]] = field(default_factory=dict)
     _bw_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -53,17 +62,32 @@ class CompiledGraphs:
             o.alias is Alias.NONE for o in self.meta.outputs
         ) and len(graph_outputs) == self.num_fw_outputs
 
-    def backward_fn(self) -> Callable[[list[Any]], Any]:
-        """The compiled backward, compiled on first use (the forward may never be differentiated)."""
-        if self._bw is None:
+    def backward_fn(self, autocast: AutocastState = NO_AUTOCAST) -> Callable[[list[Any]], Any]:
+        """The compiled backward for backward() under ``autocast``, compiled on first use (the
+        forward may never be differentiated). See Note [Autocast around backward]."""
+        compiled = self._bw.get(autocast)
+        if compiled is None:
             with self._bw_lock:
-                if self._bw is None:
-                    assert self.bw_gm is not None and self.bw_compiler is not None
-                    inputs = [n.meta.get("val") for n in self.bw_gm.graph.find_nodes(op="placeholder")]
-                    self._bw = compile_boxed(self.bw_compiler, self.bw_gm, inputs, "backward")
-                    counters.bump("aot", "bw_compiles")
-                    log.debug("compiled backward of %s", self.name)
-        return self._bw
+                compiled = self._bw.get(autocast) or self._compile_backward(autocast)
+                self._bw[autocast] = compiled
+        return compiled
+
+    def _compile_backward(self, autocast: AutocastState) -> Callable[[list[Any]], Any]:
+        assert self.bw_gm is not None and self.bw_compiler is not None
+        gm = self.bw_gm
+        if autocast != NO_AUTOCAST:
+            on = ", ".join(f"{d}: {dtype}" for d, dtype in zip(AUTOCAST_DEVICES, autocast,
+                                                                strict=True) if dtype)
+            counters.record("recompile", "aot", (
+                f"{self.name}: backward() runs under torch.autocast ({on}); its backward graph "
+                "is traced again with autocast's casts, as eager casts its backward's ops"),
+                logger=log)
+            gm = trace_under_autocast(gm, autocast, f"the backward of {self.name}")
+        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        compiled = compile_boxed(self.bw_compiler, gm, inputs, "backward")
+        counters.bump("aot", "bw_compiles")
+        log.debug("compiled backward of %s", self.name)
+        return compiled
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -103,7 +127,7 @@ class CompiledFunction(torch.autograd.Function):
         ]
         *saved, anchor = ctx.saved_tensors
         args = [*ctx.saved_syms, *saved, *tangents]
-        backward = graphs.backward_fn()
+        backward = graphs.backward_fn(autocast_state())
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
             with torch.no_grad(), torch._C._DisableAutocast():
                 input_grads = backward(args)

@@ -417,7 +417,8 @@ def trace_joint(
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True)
-            grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
+            with autocast_as_in_backward():
+                grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
         return [from_fun(x) for x in [*fw_outs, *grads]]
 
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
@@ -465,6 +466,54 @@ def _made(symbol: Any) -> int:
     """Creation index of an unbacked symbol (u12 -> 12; the equality check guards the rest)."""
     digits = symbol.name.lstrip("abcdefghijklmnopqrstuvwxyz")
     return int(digits) if digits.isdigit() else -1
+
+
+# Note [Autocast around backward]
+# Eager's backward formulas run under the autocast state of the backward() call, not of the
+# forward (a custom Function with custom_bwd restores its forward's state itself): in a forward
+# under autocast with a region that turns it off, that region's backward runs in full precision
+# when backward() is called outside autocast, as PyTorch recommends. So the joint traces its
+# backward part with autocast off, and a backward() called under autocast runs the backward
+# graph traced again under that autocast state (``trace_under_autocast``), which casts its ATen
+# ops as eager's formulas' ops are cast. The runtime keeps one compiled backward per state.
+AutocastState = tuple[Any, ...]  # per device in AUTOCAST_DEVICES: its dtype, or False when off
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> AutocastState:
+    """The autocast dtype of each device in ``AUTOCAST_DEVICES`` now, ``False`` where off."""
+    return tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
+                 for d in AUTOCAST_DEVICES)
+
+
+@contextlib.contextmanager
+def autocast_as_in_backward(state: AutocastState | None = None) -> Iterator[None]:
+    """Autocast as ``state`` has it (off everywhere by default). See Note [Autocast around
+    backward]."""
+    state = state or (False,) * len(AUTOCAST_DEVICES)
+    with contextlib.ExitStack() as stack:
+        for device, dtype in zip(AUTOCAST_DEVICES, state, strict=True):
+            if dtype:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def trace_under_autocast(gm: fx.GraphModule, state: AutocastState, what: str) -> fx.GraphModule:
+    """``gm`` (a backward graph traced with autocast off) traced again under autocast ``state``:
+    every op autocast casts gets its casts. See Note [Autocast around backward]."""
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    mode = next((v.fake_mode for v in pytree.tree_leaves(inputs) if isinstance(v, FakeTensor)),
+                None) or FakeTensorMode(allow_non_fake_inputs=True)
+
+    def backward(args: list[Any]) -> list[Any]:
+        with autocast_as_in_backward(state):
+            return list(gm(*args))
+
+    with tracing(mode, what):
+        _begin_graph_pass()
+        return _make_fx(backward, [inputs], None)
 
 
 def trace_inference(
