@@ -19,6 +19,7 @@ from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.trace import (
     AUTOCAST_DEVICES,
+    NO_AUTOCAST,
     AutocastState,
     autocast_state,
     trace_under_autocast,
@@ -26,8 +27,6 @@ from aotkit.aot.trace import (
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
-
-NO_AUTOCAST: AutocastState = (False,) * len(AUTOCAST_DEVICES)
 
 
 @dataclass

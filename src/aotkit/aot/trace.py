@@ -478,6 +478,7 @@ def _made(symbol: Any) -> int:
 # ops as eager's formulas' ops are cast. The runtime keeps one compiled backward per state.
 AutocastState = tuple[Any, ...]  # per device in AUTOCAST_DEVICES: its dtype, or False when off
 AUTOCAST_DEVICES = ("cpu", "cuda")
+NO_AUTOCAST: AutocastState = (False,) * len(AUTOCAST_DEVICES)
 
 
 def autocast_state() -> AutocastState:
@@ -487,10 +488,9 @@ def autocast_state() -> AutocastState:
 
 
 @contextlib.contextmanager
-def autocast_as_in_backward(state: AutocastState | None = None) -> Iterator[None]:
+def autocast_as_in_backward(state: AutocastState = NO_AUTOCAST) -> Iterator[None]:
     """Autocast as ``state`` has it (off everywhere by default). See Note [Autocast around
     backward]."""
-    state = state or (False,) * len(AUTOCAST_DEVICES)
     with contextlib.ExitStack() as stack:
         for device, dtype in zip(AUTOCAST_DEVICES, state, strict=True):
             if dtype:
