@@ -17,13 +17,8 @@ import torch.fx as fx
 from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.boxing import Compiler, compile_boxed
-from aotkit.aot.trace import (
-    AUTOCAST_DEVICES,
-    NO_AUTOCAST,
-    AutocastState,
-    autocast_state,
-    trace_under_autocast,
-)
+from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
+from aotkit.aot.trace import trace_under_autocast
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")

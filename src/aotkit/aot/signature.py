@@ -49,8 +49,7 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         tuple(leaf_key(x, dynamic) for x in leaves),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        _autocast("cpu"),
-        _autocast("cuda"),
+        *autocast_state(),  # CPU, CUDA
         # Backend switches decide which kernels a composite op traces to (e.g. LSTM on CPU).
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
@@ -59,10 +58,16 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
     )
 
 
-def _autocast(device_type: str) -> torch.dtype | bool:
-    """The dtype autocast casts to on ``device_type``, or ``False`` when it is off: graphs
-    traced under autocast carry its casts, so a new dtype needs a new graph."""
-    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+AutocastState = tuple[Any, ...]  # per device in AUTOCAST_DEVICES: its dtype, or False when off
+AUTOCAST_DEVICES = ("cpu", "cuda")
+NO_AUTOCAST: AutocastState = (False,) * len(AUTOCAST_DEVICES)
+
+
+def autocast_state() -> AutocastState:
+    """The dtype autocast casts to on each device of ``AUTOCAST_DEVICES``, ``False`` where it is
+    off: graphs traced under autocast carry its casts, so a new dtype needs a new graph."""
+    return tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
+                 for d in AUTOCAST_DEVICES)
 
 
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride")

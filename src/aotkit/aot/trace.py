@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from aotkit import config
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
+from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.compat import (
     FakeTensor,
@@ -476,17 +477,6 @@ def _made(symbol: Any) -> int:
 # backward part with autocast off, and a backward() called under autocast runs the backward
 # graph traced again under that autocast state (``trace_under_autocast``), which casts its ATen
 # ops as eager's formulas' ops are cast. The runtime keeps one compiled backward per state.
-AutocastState = tuple[Any, ...]  # per device in AUTOCAST_DEVICES: its dtype, or False when off
-AUTOCAST_DEVICES = ("cpu", "cuda")
-NO_AUTOCAST: AutocastState = (False,) * len(AUTOCAST_DEVICES)
-
-
-def autocast_state() -> AutocastState:
-    """The autocast dtype of each device in ``AUTOCAST_DEVICES`` now, ``False`` where off."""
-    return tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
-                 for d in AUTOCAST_DEVICES)
-
-
 @contextlib.contextmanager
 def autocast_as_in_backward(state: AutocastState = NO_AUTOCAST) -> Iterator[None]:
     """Autocast as ``state`` has it (off everywhere by default). See Note [Autocast around
@@ -503,9 +493,10 @@ def autocast_as_in_backward(state: AutocastState = NO_AUTOCAST) -> Iterator[None
 def trace_under_autocast(gm: fx.GraphModule, state: AutocastState, what: str) -> fx.GraphModule:
     """``gm`` (a backward graph traced with autocast off) traced again under autocast ``state``:
     every op autocast casts gets its casts. See Note [Autocast around backward]."""
+    from torch._guards import detect_fake_mode
+
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-    mode = next((v.fake_mode for v in pytree.tree_leaves(inputs) if isinstance(v, FakeTensor)),
-                None) or FakeTensorMode(allow_non_fake_inputs=True)
+    mode = detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
 
     def backward(args: list[Any]) -> list[Any]:
         with autocast_as_in_backward(state):
