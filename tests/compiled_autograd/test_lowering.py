@@ -186,6 +186,20 @@ def test_grad_aliasing_matches_eager(keep_grad: bool) -> None:
     torch.testing.assert_close(compiled_grad, eager_grad)
 
 
+def test_view_chains_that_undo_themselves_are_dropped() -> None:
+    """A Linear weight's gradient is traced as ``t(t(mm))`` (the formula's transpose, then
+    TBackward0's): the lowered graph accumulates the ``mm`` itself, stolen like eager's."""
+    keep = Keep()
+    _compare(_mlp(), (5,), keep)
+    (gm,) = keep.graphs
+    transposed_twice = [n for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.t.default)
+                        if getattr(n.args[0], "target", None) is torch.ops.aten.t.default]
+    assert transposed_twice == []
+    weight_grads = [n.args[1] for n in _accumulations(gm) if n.args[1].meta["val"].dim() == 2]
+    assert [g.target for g in weight_grads] == [torch.ops.aten.mm.default] * 2
+    assert all(n.kwargs.get("stealable", False) for n in _accumulations(gm))
+
+
 def _accumulations(gm: fx.GraphModule) -> list[fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=runtime.call_accumulate_grad))
 

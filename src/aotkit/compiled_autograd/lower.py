@@ -28,6 +28,11 @@ an output of one that returns several), may become ``.grad`` without a copy when
 empty, as eager's AccumulateGrad steals a gradient no one else holds (see
 ``runtime.call_accumulate_grad``).
 
+View chains that end where they started (the ``t(t(mm))`` of a Linear weight's gradient, its
+formula's transpose undone by ``TBackward0``) are dropped as in AOT graphs (Note [Views that
+undo themselves] in ``aotkit.aot.simplify``): eager pays for them in C++, a graph run from
+Python ~1 us per call.
+
 Gradients summed for a tensor that several nodes use (the engine's input buffers, captured as
 ``torch.add``) are summed in place when one addend is owned by the sum: made by a traced ATen op,
 read by nothing else, sharing its memory with no other value of the graph (the fake values
@@ -46,6 +51,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from aotkit import compat
+from aotkit.aot.simplify import drop_noop_views
 from aotkit.compiled_autograd import passes, runtime
 from aotkit.compiled_autograd.builder import GraphBuilder
 
@@ -149,9 +155,12 @@ class _Lowering(GraphBuilder):
                     env[node] = self._call(node, args, kwargs)
         graph = self.tracer.graph
         passes.eliminate_dead_code(graph)
+        gm = fx.GraphModule(self.tracer.root, graph, captured.__class__.__name__ + "Lowered")
+        drop_noop_views(gm)
         _sum_in_place(graph)
         _mark_stealable(graph)
-        return fx.GraphModule(self.tracer.root, graph, captured.__class__.__name__ + "Lowered")
+        gm.recompile()
+        return gm
 
     def _call(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         target = node.target
