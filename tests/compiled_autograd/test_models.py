@@ -1,5 +1,6 @@
 """Whole models: gradients equal eager; one capture per autograd-graph structure."""
 
+import copy
 import functools
 
 import pytest
@@ -80,3 +81,37 @@ def test_captured_graph_compiles_with_torch_compile_fullgraph() -> None:
     compiler = functools.partial(torch.compile, backend="aotkit", fullgraph=True)
     check_module(mlp, [torch.randn(5, 8)], steps=2, compiler=compiler)
     assert counts() == (2, 2)
+
+
+class _ParallelBranches(torch.nn.Module):
+    """Three gradients for ``h`` (two branches and the residual), summed in ``order`` in the
+    forward; a tied weight gets two more (as a language model's shared embedding does)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.order = order
+        self.pre, self.a, self.b = (torch.nn.Linear(16, 16) for _ in range(3))
+        self.norm_a, self.norm_b = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        terms = {"a": self.a(self.norm_a(h)).sin(), "b": self.b(self.norm_b(h)).cos(), "h": h}
+        first, second, third = (terms[k] for k in self.order)
+        return (first + second + third).pow(2)
+
+
+@pytest.mark.parametrize("lower", [True, False], ids=["lowered", "captured"])
+@pytest.mark.parametrize("order", ["abh", "bah", "hba"])
+def test_gradient_sums_add_in_eager_order_bit_for_bit(order: str, lower: bool) -> None:
+    """See Note [Gradient sums in eager's order]: float sums depend on their grouping."""
+    torch.manual_seed(0)
+    model = _ParallelBranches(order)
+    eager = copy.deepcopy(model)
+    x = torch.randn(64, 16)
+    eager(x).sum().backward()
+    with aotkit.config.patch(compiled_autograd_lower=lower), \
+            aotkit.compiled_autograd.enable(lambda gm: gm):
+        model(x).sum().backward()
+    for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad), name

@@ -194,6 +194,7 @@ class Capture(GraphBuilder):
     def accumulate(self, old_var: Any, new_var: Any) -> torch.Tensor:
         """Record the sum of two gradients flowing into one node input."""
         proxy = self._call(torch.add, (old_var, new_var))
+        proxy.node.meta["buffer_sum"] = True  # see passes.sum_in_eager_order
         (result,) = self._dummies(1)
         self.bind([result], [proxy])
         return result
@@ -300,6 +301,7 @@ class Capture(GraphBuilder):
                 "every later one this graph replays (roots passed in another order included)",
                 logger=log)
             return
+        passes.sum_in_eager_order(graph, ranks)
         passes.follow_node_order(graph, ranks)
 
     def _plan_cuda_scalars(self, graph: fx.Graph) -> list[int]:

@@ -90,14 +90,10 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
     A value recorded without a node of its own (a getitem, a size computation) belongs to the
     node being recorded when it was made; a value is due as early as its earliest reader. A
     pre-hook (``nodecall`` None: engines differ on whether they name the node before or after
-    running its pre-hooks) belongs to the node reading its result."""
+    running its pre-hooks) belongs to the node reading its result. The graph's nodes need not
+    be in a valid order beforehand (``sum_in_eager_order`` leaves them out of it)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    own: dict[fx.Node, float] = {}
-    current = -1.0
-    for node in nodes:
-        if node.meta.get("nodecall") is not None:
-            current = ranks.get(node.meta["nodecall"], current)
-        own[node] = current
+    own = _recorded_ranks(nodes, ranks)
     due: dict[fx.Node, float] = {}
     for node in reversed(nodes):
         readers = [due[u] for u in node.users if u in due]
@@ -118,6 +114,52 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
                 waiting[user] -= 1
                 if waiting[user] == 0:
                     heapq.heappush(ready, (due[user], position[user], user))
+
+
+def _recorded_ranks(nodes: list[fx.Node], ranks: Mapping[int, int]) -> dict[fx.Node, float]:
+    """The eager rank of the autograd node being recorded when each of ``nodes`` was made."""
+    own: dict[fx.Node, float] = {}
+    current = -1.0
+    for node in nodes:
+        if node.meta.get("nodecall") is not None:
+            current = ranks.get(node.meta["nodecall"], current)
+        own[node] = current
+    return own
+
+
+# Note [Gradient sums in eager's order]
+# When several nodes send a gradient to one input of a node, the engine sums them in its input
+# buffer as they arrive: ``(g1 + g2) + g3`` in the order their producers run. Float addition is
+# not associative, and the engine captures nodes in another order than eager runs them, so the
+# captured chain may group the same gradients differently (a parallel residual,
+# ``mlp(x) + attn(x) + x``, differed from eager by 1e-8..1e-5). Each chain's addends are put back
+# in the order eager's producers run before the calls are reordered.
+def sum_in_eager_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
+    """Regroup each input buffer's chain of captured sums so the gradients are added in the
+    order eager produces them. See Note [Gradient sums in eager's order]. The nodes may end up
+    out of order: ``follow_node_order`` must run next."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    made_at = _recorded_ranks(nodes, ranks)
+    for head in [n for n in nodes if _is_buffer_sum(n) and not _continues_a_sum(n)]:
+        chain = [head]
+        while _is_buffer_sum(chain[-1].args[0]) and len(chain[-1].args[0].users) == 1:
+            chain.append(chain[-1].args[0])  # type: ignore[arg-type]
+        chain.reverse()
+        addends = [chain[0].args[0], *(add.args[1] for add in chain)]
+        ordered = sorted(addends, key=lambda a: made_at.get(a, -1.0))  # type: ignore[arg-type]
+        if ordered[2:] == addends[2:]:
+            continue  # the first two may swap: a + b == b + a
+        for k, add in enumerate(chain):
+            add.args = (chain[k - 1] if k else ordered[0], ordered[k + 1])
+
+
+def _is_buffer_sum(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.meta.get("buffer_sum", False)
+
+
+def _continues_a_sum(node: fx.Node) -> bool:
+    """``node`` is the running total of a longer chain: its one reader adds the next gradient."""
+    return len(node.users) == 1 and all(_is_buffer_sum(u) and u.args[0] is node for u in node.users)
 
 
 @dataclass
