@@ -1121,6 +1121,45 @@ def test_backward_runs_under_the_autocast_state_of_the_backward_call(via, backwa
     assert len(traced_again) == (1 if backward_under_autocast else 0)
 
 
+class _AttentionWithDropout(nn.Module):
+    """Scores in bfloat16, softmax in float32 (autocast's policy), dropout, then a bfloat16
+    matmul again: the engine casts gradients between formulas of different dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probs = F.dropout(torch.softmax(q @ k.transpose(-1, -2), dim=-1), 0.1, training=True)
+        return self.out(probs @ v)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize(("forward_autocast", "backward_autocast"),
+                         [(True, False), (True, True), (False, True)],
+                         ids=["forward", "both", "backward"])
+def test_dropout_and_autocast_match_eager_bit_for_bit(dynamic, forward_autocast,
+                                                      backward_autocast):
+    """Eager's CPU dropout scales by a noise tensor rounded to bfloat16, and a backward() under
+    autocast casts each formula's ops and, between formulas, gradients to their input's dtype:
+    all as in eager. See Note [Autocast around backward]."""
+    eager, model = _AttentionWithDropout(), _AttentionWithDropout()
+    run = torch.compile(model, backend="aotkit", dynamic=dynamic)
+    for batch in (2, 3):
+        x = torch.randn(batch, 8, 16, generator=torch.Generator().manual_seed(batch))
+        for m, f in ((eager, eager), (model, run)):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forward_autocast):
+                loss = f(x).float().pow(2).mean()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward_autocast):
+                loss.backward()
+        for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+            assert torch.equal(got.grad, want.grad), name
+
+
 def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
     """Graphs carry the casts traced under autocast; running them under the caller's
     autocast again would override regions the function itself disabled or changed."""

@@ -19,10 +19,18 @@ from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, analyze
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
-from aotkit.aot.signature import ShapeGuard, describe_change, leaf_names, signature
+from aotkit.aot.signature import (
+    AutocastState,
+    ShapeGuard,
+    autocast_state,
+    describe_change,
+    leaf_names,
+    signature,
+)
 from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
 from aotkit.aot.trace import (
     FlatFn,
+    autocast_as,
     make_fake,
     refuse_kept_outputs,
     trace_inference,
@@ -84,6 +92,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     ``from_dynamo``: the graph is Dynamo's, whose float arguments are rewritten into tensor ops
     (Note [Float arguments from Dynamo])."""
     counters.bump("aot", "traces")
+    forward_autocast = autocast_state()
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
@@ -97,12 +106,16 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
             _refuse_grad_without_inputs(meta, name)
             gm = trace_inference(flat_fn, args, meta, options.decompositions,
                                  options.keep_inference_input_mutations)
-    if from_dynamo:
-        tensorify_float_inputs(gm, mode, name)
-    drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
+
+    def simplify(gm: fx.GraphModule) -> fx.GraphModule:
+        if from_dynamo:
+            tensorify_float_inputs(gm, mode, name)
+        drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
+        return gm
+
     if not training:
-        return _compile_inference(gm, meta, options, name, len(args))
-    fw_gm, bw_gm = _partition(options.partition_fn, gm, args, meta.num_fw_outputs, name)
+        return _compile_inference(simplify(gm), meta, options, name, len(args))
+    fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
     _log_graph(name, "forward", fw_gm)
@@ -112,11 +125,33 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     counters.bump("aot", "fw_compiles")
     num_saved = sum(1 for v in _graph_outputs(fw_gm)[meta.num_fw_outputs:]
                     if isinstance(v, torch.Tensor))
+
+    def backward_under(autocast: AutocastState) -> fx.GraphModule:
+        """See Note [Autocast around backward]. Runs inside backward(): the forward part is
+        traced again in the forward's grad mode and autocast state, not the caller's."""
+        with tracing(mode, name), torch.enable_grad(), autocast_as(forward_autocast):
+            joint = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
+                                autocast)
+        new_fw_gm, new_bw_gm = _partition(options.partition_fn, simplify(joint), args,
+                                          meta.num_fw_outputs, name)
+        if new_fw_gm.code != fw_gm.code:
+            who = getattr(options.partition_fn, "__name__", "partition_fn")
+            raise UnsupportedError(
+                f"{name}: backward() runs under torch.autocast, and with its backward traced "
+                f"under autocast the partitioner {who} saves other tensors in the forward, which "
+                "has already run.\nFix: call backward() outside torch.autocast (as PyTorch "
+                "recommends); aotkit.default_partition, which saves what the backward reads, "
+                "does not hit this."
+            )
+        _log_graph(name, "backward (autocast)", new_bw_gm)
+        return new_bw_gm
+
     return CompiledGraphs(
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
+        backward_under=backward_under,
     )
 
 

@@ -18,7 +18,6 @@ from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
-from aotkit.aot.trace import trace_under_autocast
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -38,6 +37,8 @@ class CompiledGraphs:
     bw_compiler: Compiler | None = None
     num_saved_tensors: int = 0
     differentiable: list[bool] = field(default_factory=list)
+    # The backward graph with backward() under an autocast state (Note [Autocast around backward]).
+    backward_under: Callable[[AutocastState], fx.GraphModule] | None = None
     # The compiled backward per autocast state of backward() (Note [Autocast around backward]).
     _bw: dict[AutocastState, Callable[[list[Any]], Any]] = field(default_factory=dict)
     _bw_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -73,10 +74,10 @@ class CompiledGraphs:
             on = ", ".join(f"{d}: {dtype}" for d, dtype in zip(AUTOCAST_DEVICES, autocast,
                                                                 strict=True) if dtype)
             counters.record("recompile", "aot", (
-                f"{self.name}: backward() runs under torch.autocast ({on}); its backward graph "
-                "is traced again with autocast's casts, as eager casts its backward's ops"),
-                logger=log)
-            gm = trace_under_autocast(gm, autocast, f"the backward of {self.name}")
+                f"{self.name}: backward() runs under torch.autocast ({on}); its backward is "
+                "traced again under autocast, as eager runs its backward's ops"), logger=log)
+            assert self.backward_under is not None
+            gm = self.backward_under(autocast)
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         compiled = compile_boxed(self.bw_compiler, gm, inputs, "backward")
         counters.bump("aot", "bw_compiles")

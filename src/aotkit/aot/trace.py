@@ -68,14 +68,15 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     # decomposition of eval-mode dropout copies where eager returns the input), and fast (its
     # Python ``matmul`` took a fifth of a TinyTransformer's trace).
     symbolic = mode.shape_env is not None and has_symbols(mode.shape_env)
-    dispatcher = enable_python_dispatcher() if symbolic else _EagerDropout()
+    dispatcher = enable_python_dispatcher() if symbolic else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
     # its ops there when it sees a trace); what it writes must not outlive our trace.
     node_meta = dict(fx_traceback.current_meta)
     try:
-        with mode, dispatcher, compiled_autograd_off(), _saved_tensor_hooks_deferred(), guard:
+        with mode, dispatcher, _EagerDropout(), compiled_autograd_off(), \
+                _saved_tensor_hooks_deferred(), guard:
             yield
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
@@ -350,21 +351,29 @@ def _written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.
 
 
 class _EagerDropout(torch.overrides.TorchFunctionMode):
-    """Training-mode dropout traced as ``aten.native_dropout``, the kernel eager runs.
+    """Training-mode dropout traced to give eager's values and gradients.
 
-    Without the Python dispatcher ``aten.dropout`` traces through its C++ composite, which draws
-    the mask with a functional ``bernoulli`` laid out like the input: for a non-contiguous input
-    (a transposed attention output) the same random numbers land on other elements than in
-    eager. Eval mode and p in {0, 1} keep the composite (eager returns the input itself).
+    ``aten.native_dropout`` draws the same random numbers as eager's dropout, on a mask laid out
+    like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would
+    draw them with a functional ``bernoulli`` laid out contiguously: for a non-contiguous input
+    (a transposed attention output) they would land on other elements than in eager. Eager's
+    CPU dropout multiplies the input by a noise tensor of the input's dtype (``1 / (1 - p)``
+    rounded to it) and its backward multiplies the gradient by that noise; native_dropout's
+    backward scales in float, which rounds differently in bfloat16 and float16, so there the
+    noise is traced as eager makes it. Eval mode and p in {0, 1} keep the composite (eager
+    returns the input itself).
     """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.dropout or func is torch.dropout:
             call = _DROPOUT_SIGNATURES[func].bind(*args, **kwargs).arguments
-            p, train = call["p"], call.get("training", call.get("train"))
+            p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
             if train and not call.get("inplace") and 0 < p < 1:
-                return torch.ops.aten.native_dropout.default(call["input"], p, True)[0]
+                out, mask = torch.ops.aten.native_dropout.default(x, p, True)
+                if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+                    return x * mask.to(x.dtype).div(1 - p)
+                return out
         return func(*args, **kwargs)
 
 
@@ -399,8 +408,10 @@ def trace_joint(
     meta: AotMeta,
     fw_out_fakes: Sequence[Any],
     decompositions: Mapping[Any, Callable[..., Any]] | None,
+    backward_autocast: AutocastState = NO_AUTOCAST,
 ) -> fx.GraphModule:
-    """Trace ``(primals, tangents) -> (forward outputs, grads)`` to one ATen graph.
+    """Trace ``(primals, tangents) -> (forward outputs, grads)`` to one ATen graph, the grads
+    under autocast as ``backward_autocast`` has it (Note [Autocast around backward]).
 
     ``fw_out_fakes`` (from :func:`aotkit.aot.analysis.analyze`) give the tangents their shapes.
     """
@@ -418,7 +429,7 @@ def trace_joint(
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True)
-            with autocast_as_in_backward():
+            with autocast_as(backward_autocast):
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
         return [from_fun(x) for x in [*fw_outs, *grads]]
 
@@ -474,13 +485,18 @@ def _made(symbol: Any) -> int:
 # forward (a custom Function with custom_bwd restores its forward's state itself): in a forward
 # under autocast with a region that turns it off, that region's backward runs in full precision
 # when backward() is called outside autocast, as PyTorch recommends. So the joint traces its
-# backward part with autocast off, and a backward() called under autocast runs the backward
-# graph traced again under that autocast state (``trace_under_autocast``), which casts its ATen
-# ops as eager's formulas' ops are cast. The runtime keeps one compiled backward per state.
+# backward part with autocast off. A backward() called under autocast gets a backward graph from
+# the joint traced again with its backward part under that state: the engine's own casts
+# between formulas (a gradient cast to its input's dtype) are then traced as eager runs them,
+# which a cast-by-cast retrace of the finished backward graph cannot know about. The forward has
+# already run and saved its tensors by then, so the new partition must give the very same
+# forward graph (it does: the formulas read the same saved tensors under any autocast state);
+# if a partitioner decides otherwise, the backward() raises instead of running a graph that
+# reads other tensors. The runtime keeps one compiled backward per state.
 @contextlib.contextmanager
-def autocast_as_in_backward(state: AutocastState = NO_AUTOCAST) -> Iterator[None]:
-    """Autocast as ``state`` has it (off everywhere by default). See Note [Autocast around
-    backward]."""
+def autocast_as(state: AutocastState = NO_AUTOCAST) -> Iterator[None]:
+    """Autocast as ``state`` has it (off everywhere by default), whatever the caller's is. See
+    Note [Autocast around backward]."""
     with contextlib.ExitStack() as stack:
         for device, dtype in zip(AUTOCAST_DEVICES, state, strict=True):
             if dtype:
@@ -488,23 +504,6 @@ def autocast_as_in_backward(state: AutocastState = NO_AUTOCAST) -> Iterator[None
             elif torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
-
-
-def trace_under_autocast(gm: fx.GraphModule, state: AutocastState, what: str) -> fx.GraphModule:
-    """``gm`` (a backward graph traced with autocast off) traced again under autocast ``state``:
-    every op autocast casts gets its casts. See Note [Autocast around backward]."""
-    from torch._guards import detect_fake_mode
-
-    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-    mode = detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-
-    def backward(args: list[Any]) -> list[Any]:
-        with autocast_as_in_backward(state):
-            return list(gm(*args))
-
-    with tracing(mode, what):
-        _begin_graph_pass()
-        return _make_fx(backward, [inputs], None)
 
 
 def trace_inference(
