@@ -486,7 +486,8 @@ def _made(symbol: Any) -> int:
 # under autocast with a region that turns it off, that region's backward runs in full precision
 # when backward() is called outside autocast, as PyTorch recommends. So the joint traces its
 # backward part with autocast off. A backward() called under autocast gets a backward graph from
-# the joint traced again with its backward part under that state: the engine's own casts
+# the joint traced again, its forward part in the forward's grad mode and autocast state and its
+# backward part under the backward()'s: the engine's own casts
 # between formulas (a gradient cast to its input's dtype) are then traced as eager runs them,
 # which a cast-by-cast retrace of the finished backward graph cannot know about. The forward has
 # already run and saved its tensors by then, so the new partition must give the very same
