@@ -1160,6 +1160,26 @@ def test_dropout_and_autocast_match_eager_bit_for_bit(dynamic, forward_autocast,
             assert torch.equal(got.grad, want.grad), name
 
 
+def test_backward_under_autocast_keeps_a_generator_made_outside_the_function():
+    """The joint traced again for backward() under autocast draws from the same outside
+    generator as the first trace; it is not taken for one the function creates, and tracing
+    does not advance it."""
+    gen = torch.Generator()
+
+    def fn(x):
+        return (x @ x.t() + torch.rand(x.shape[0], generator=gen)).sin()
+
+    grads = []
+    for f in (fn, aotkit.aot_function(fn, compilers.nop)):
+        gen.manual_seed(3)
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            f(x).float().sum().backward()
+        grads.append((x.grad, torch.rand(2, generator=gen)))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+
+
 def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
     """Graphs carry the casts traced under autocast; running them under the caller's
     autocast again would override regions the function itself disabled or changed."""

@@ -96,7 +96,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
-    with tracing(mode, name):
+    with tracing(mode, name) as generators:
         meta, fw_out_fakes = analyze(flat_fn, args)
         if training:
             _refuse_leaf_metadata_mutation(meta, args, name)
@@ -129,7 +129,7 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
         traced again in the forward's grad mode and autocast state, not the caller's."""
-        with tracing(mode, name), torch.enable_grad(), autocast_as(forward_autocast):
+        with tracing(mode, name, generators), torch.enable_grad(), autocast_as(forward_autocast):
             joint = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
                                 autocast)
         new_fw_gm, new_bw_gm = _partition(options.partition_fn, simplify(joint), args,

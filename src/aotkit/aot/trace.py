@@ -60,8 +60,11 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) 
 
 
 @contextlib.contextmanager
-def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
-    """Enter the fake mode and turn tracing failures into errors that say what to change."""
+def tracing(mode: FakeTensorMode, what: str,
+            generators: Sequence[torch.Generator] = ()) -> Iterator[list[torch.Generator]]:
+    """Enter the fake mode and turn tracing failures into errors that say what to change.
+    Yields the generators the function draws from (made outside it); a later trace of the same
+    function passes them back as ``generators``, so they are not taken for ones it creates."""
     # The Python dispatcher is what lets composite ops decompose with symbolic sizes. Where no
     # size is symbolic (no ShapeEnv, or a static Dynamo graph's ShapeEnv that holds no symbol) we
     # leave it off: composites run their C++ kernels like eager, aliasing included (its Python
@@ -70,6 +73,7 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     symbolic = mode.shape_env is not None and has_symbols(mode.shape_env)
     dispatcher = enable_python_dispatcher() if symbolic else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
+    guard.generators.extend(generators)
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
     # its ops there when it sees a trace); what it writes must not outlive our trace.
@@ -77,7 +81,7 @@ def tracing(mode: FakeTensorMode, what: str) -> Iterator[None]:
     try:
         with mode, dispatcher, _EagerDropout(), compiled_autograd_off(), \
                 _saved_tensor_hooks_deferred(), guard:
-            yield
+            yield guard.generators
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
     except AttributeError as exc:
