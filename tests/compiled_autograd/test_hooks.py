@@ -137,6 +137,35 @@ def test_custom_function_saved_tensors_non_tensor_input_multiple_outputs() -> No
     assert counts() == (1, 1)
 
 
+def test_custom_function_returning_no_gradient_at_run_time() -> None:
+    """A backward that returns ``None`` for an input on some calls only: the captured sum of that
+    input's gradients must add nothing for it, as eager's input buffer does, on every replay."""
+
+    class MaybeGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, give: bool) -> torch.Tensor:
+            ctx.give = give
+            return x * 1
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            return (grad * 3 if ctx.give else None), None
+
+    for give in (True, False, True):
+        def step(log: list[str], give: bool = give) -> Any:
+            w = torch.randn(3, requires_grad=True)
+            w.register_post_accumulate_grad_hook(lambda p: log.append(f"acc {p.grad.tolist()}"))
+            h = w.sin()
+            h.register_hook(lambda g: log.append(f"h {g}"))
+            (MaybeGrad.apply(h, give) + h * 2).sum().backward()
+            return w.grad
+
+        eager_log, compiled_log, expected, actual = both(step)
+        assert compiled_log == eager_log
+        assert torch.equal(actual, expected)
+    assert counts() == (1, 1)  # one structure: the replays served give=False and give=True
+
+
 def test_accumulate_into_existing_grads_and_retain_graph() -> None:
     def step(log: list[str]) -> Any:
         w = torch.randn(3, requires_grad=True)
@@ -285,6 +314,24 @@ def test_roots_alike_in_structure_keep_eager_order() -> None:
     assert compiled_log == eager_log == ["c", "b", "a"]
     torch.testing.assert_close(actual, expected)
     assert aotkit.explain().of_kind("hook_order")
+
+
+def test_roots_from_one_node_match_eager_and_say_why_order_is_unknown() -> None:
+    """Backward roots that are outputs of one node (``list(x.chunk(2))``): autograd cannot list
+    eager's node order for them; the backward is still captured and exact, and says so."""
+
+    def step(log: list[str]) -> Any:
+        w = torch.randn(4, requires_grad=True)
+        w.register_hook(lambda g: log.append("w"))
+        a, b = (w * 2).chunk(2)
+        torch.autograd.backward([a, b], [torch.ones(2), torch.full((2,), 3.0)])
+        return w.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log == ["w"]
+    assert torch.equal(actual, expected)
+    (decision,) = aotkit.explain().of_kind("hook_order")
+    assert "outputs of one autograd node" in decision.why
 
 
 def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Tensor) -> None:

@@ -56,7 +56,7 @@ class Capture(GraphBuilder):
         self.origins: list[str] = []
         self.call_names: dict[int, str] = {}  # NodeCall index -> autograd node name
         self.nodecall = 0
-        self.eager_order: list[Any] = []
+        self.eager_order: list[Any] | None = []
         self.finished = False
 
     def close(self) -> None:
@@ -193,7 +193,7 @@ class Capture(GraphBuilder):
 
     def accumulate(self, old_var: Any, new_var: Any) -> torch.Tensor:
         """Record the sum of two gradients flowing into one node input."""
-        proxy = self._call(torch.add, (old_var, new_var))
+        proxy = self._call(runtime.add_gradients, (old_var, new_var))
         proxy.node.meta["buffer_sum"] = True  # see passes.sum_in_eager_order
         (result,) = self._dummies(1)
         self.bind([result], [proxy])
@@ -291,15 +291,21 @@ class Capture(GraphBuilder):
 
     def _follow_eager_order(self, graph: fx.Graph) -> None:
         """Put the recorded calls in eager's node order. See Note [Eager node order]."""
-        ranks = engine_order.eager_ranks(self.eager_order, self.call_names)
+        if self.eager_order is None:
+            why = ("autograd cannot list eager's node order when several backward roots are "
+                   "outputs of one autograd node (e.g. backward(list(x.chunk(2))))")
+            ranks = None
+        else:
+            why = ("could not match the engine's capture order to eager's node order (several "
+                   "backward roots alike in structure, or depending on each other)")
+            ranks = engine_order.eager_ranks(self.eager_order, self.call_names)
         if ranks is None:
             counters.record(
                 "hook_order", "compiled_autograd",
-                f"{self.name}: could not match the engine's capture order to eager's node order "
-                "(several backward roots alike in structure, or depending on each other); hooks "
-                "on independent branches run in the capture's order, for this backward and "
-                "every later one this graph replays (roots passed in another order included)",
-                logger=log)
+                f"{self.name}: {why}; hooks on independent branches run in the capture's order "
+                "and gradients summed over several branches may round differently from eager, "
+                "for this backward and every later one this graph replays (roots passed in "
+                "another order included)", logger=log)
             return
         passes.sum_in_eager_order(graph, ranks)
         passes.follow_node_order(graph, ranks)

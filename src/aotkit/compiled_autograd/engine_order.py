@@ -24,9 +24,17 @@ import torch
 MAX_ROOT_ORDERS = 24
 
 
-def execution_order() -> list[Any]:
-    """The autograd nodes of the running backward, in the order eager would run them."""
-    return list(torch._C._current_graph_task_execution_order())
+def execution_order() -> list[Any] | None:
+    """The autograd nodes of the running backward, in the order eager would run them, or
+    ``None`` where autograd cannot list them: when several backward roots are outputs of one
+    node (``backward(list(x.chunk(2)))``), autograd's listing visits that node once per root
+    and fails an internal assert."""
+    try:
+        return list(torch._C._current_graph_task_execution_order())
+    except RuntimeError as exc:
+        if "INTERNAL ASSERT" not in str(exc):
+            raise
+        return None
 
 
 def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> dict[int, int] | None:

@@ -34,7 +34,7 @@ undo themselves] in ``aotkit.aot.simplify``): eager pays for them in C++, a grap
 Python ~1 us per call.
 
 Gradients summed for a tensor that several nodes use (the engine's input buffers, captured as
-``torch.add``) are summed in place when one addend is owned by the sum: made by a traced ATen op,
+``runtime.add_gradients``, traced as ``aten.add``) are summed in place when one addend is owned by the sum: made by a traced ATen op,
 read by nothing else, sharing its memory with no other value of the graph (the fake values
 show which share memory), and laid out as the sum would be. Eager's input buffers do the same;
 an out-of-place sum allocates a gradient-sized tensor each time.
@@ -116,7 +116,8 @@ class _Opaque:
 
 
 #: Python-level calls of the captured graph that are plain tensor code, safe to trace.
-_TRACEABLE = frozenset({torch.add, runtime.copy_slices_prologue, runtime.copy_slices_epilogue})
+_TRACEABLE = frozenset({runtime.add_gradients, runtime.copy_slices_prologue,
+                        runtime.copy_slices_epilogue})
 
 
 def _traceable(target: Any) -> bool:

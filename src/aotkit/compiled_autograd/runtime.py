@@ -76,6 +76,17 @@ def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any) 
     return out if isinstance(out, tuple) else (out,)
 
 
+def add_gradients(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+    """Sum two gradients flowing into one input of a node, as the engine's input buffer does:
+    an undefined gradient (``None``) adds nothing. A formula's output is undefined only at run
+    time for some arguments (``LinalgVectorNormBackward0`` with ``ord=0``)."""
+    if old is None:
+        return new
+    if new is None:
+        return old
+    return torch.add(old, new)
+
+
 def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     """Run a user hook; a hook returning ``None`` leaves its first argument unchanged."""
     result = hook(*args)
