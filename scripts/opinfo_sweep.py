@@ -4,8 +4,13 @@ Writes a markdown table (op, samples passed/total, first error) and checks the r
 ``tests/aot/opinfo_expectations.py``: an op listed in EXPECTED_FAILURES must also fail with
 PyTorch's own ``aot_function``. Exits 1 when one does not.
 
+With ``--compiled-autograd`` each sample's forward runs eagerly and its backward under aotkit's
+compiled autograd (nop compiler): input gradients must equal eager's bit for bit (close, for
+COMPILED_AUTOGRAD_NOT_BIT_EXACT); failing samples are also run under PyTorch's compiled autograd.
+
     .venv/bin/python scripts/opinfo_sweep.py --max-samples 1 --out /tmp/x.md
     .venv/bin/python scripts/opinfo_sweep.py --partition min_cut   # docs/opinfo_sweep_min_cut.md
+    .venv/bin/python scripts/opinfo_sweep.py --compiled-autograd   # docs/opinfo_sweep_compiled_autograd.md
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "aot"))
 
 import opinfo_harness as harness  # noqa: E402
-from opinfo_expectations import AOTKIT_BUGS, EXPECTED_FAILURES, SKIP  # noqa: E402
+from opinfo_expectations import (  # noqa: E402
+    AOTKIT_BUGS,
+    COMPILED_AUTOGRAD_NOT_BIT_EXACT,
+    EXPECTED_FAILURES,
+    SKIP,
+)
 
 
 @dataclass
@@ -48,16 +59,33 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:240]
 
 
-COMPILERS = {"default": harness.aotkit_compile, "min_cut": harness.aotkit_min_cut_compile}
+Check = Callable[[Any, Any], None]  # (op, sample) -> None, or raises
 
 
-def sweep_op(op: Any, max_samples: int | None, compile_fn: Any = harness.aotkit_compile) -> OpResult:
+def aot_check(compile_fn: Any) -> Check:
+    return lambda op, sample: harness.check_sample(op, sample, compile_fn)
+
+
+def compiled_autograd_check(enable: Any) -> Check:
+    return lambda op, sample: harness.check_backward_sample(
+        op, sample, enable, exact=op.full_name not in COMPILED_AUTOGRAD_NOT_BIT_EXACT)
+
+
+CHECKS = {"default": aot_check(harness.aotkit_compile),
+          "min_cut": aot_check(harness.aotkit_min_cut_compile),
+          "compiled_autograd": compiled_autograd_check(harness.aotkit_compiled_autograd)}
+REFERENCES = {"default": aot_check(harness.pytorch_compile),
+              "min_cut": aot_check(harness.pytorch_compile),
+              "compiled_autograd": compiled_autograd_check(harness.pytorch_compiled_autograd)}
+
+
+def sweep_op(op: Any, max_samples: int | None, check: Check = CHECKS["default"]) -> OpResult:
     result = OpResult(op.full_name)
     start = time.perf_counter()
     try:
         for sample in harness.samples(op, max_samples):
             try:
-                harness.check_sample(op, sample, compile_fn)
+                check(op, sample)
             except harness.EagerError:
                 result.eager_fails += 1
                 continue
@@ -73,12 +101,13 @@ def sweep_op(op: Any, max_samples: int | None, compile_fn: Any = harness.aotkit_
     return result
 
 
-def check_reference(op: Any, result: OpResult, limit: int | None) -> None:
-    """Run PyTorch's ``aot_function`` on (the first ``limit`` of) the samples aotkit fails."""
+def check_reference(op: Any, result: OpResult, limit: int | None,
+                    reference: Check = REFERENCES["default"]) -> None:
+    """Run PyTorch's counterpart on (the first ``limit`` of) the samples aotkit fails."""
     for sample in result.failing[:limit]:
         result.pytorch_checked += 1
         try:
-            harness.check_sample(op, sample, harness.pytorch_compile)
+            reference(op, sample)
         except Exception as exc:
             result.pytorch_error = result.pytorch_error or describe(exc)
         else:
@@ -105,22 +134,34 @@ def reference_cell(r: OpResult) -> str:
     return f"passes {r.pytorch_passes}/{r.pytorch_checked}"
 
 
+TITLES = {  # mode -> (what is checked, the command's flag, PyTorch's counterpart)
+    "default": ("aotkit.aot_function(op, nop) against eager (default partition)",
+                "--partition default", "torch._functorch.aot_autograd.aot_function"),
+    "min_cut": ("aotkit.aot_function(op, nop) against eager (min_cut partition)",
+                "--partition min_cut", "torch._functorch.aot_autograd.aot_function"),
+    "compiled_autograd": ("the backward under aotkit.compiled_autograd.enable(nop) against "
+                          "eager, bit for bit", "--compiled-autograd",
+                          "torch._dynamo.compiled_autograd (its graph run as captured)"),
+}
+
+
 def write_table(results: list[OpResult], path: Path, max_samples: int | None,
-                partition: str) -> None:
+                mode: str) -> None:
     passed_ops = sum(1 for r in results if r.total and not r.failed)
+    what, flag, reference = TITLES[mode]
     lines = [
-        f"# OpInfo sweep: aotkit.aot_function(op, nop) against eager ({partition} partition)",
+        f"# OpInfo sweep: {what}",
         "",
-        f"Generated by `scripts/opinfo_sweep.py --partition {partition}` (samples per op: "
+        f"Generated by `scripts/opinfo_sweep.py {flag}` (samples per op: "
         f"{'all' if max_samples is None else max_samples}). {len(results)} ops, "
-        f"{passed_ops} pass every sample. 'PyTorch' is torch._functorch.aot_autograd."
-        "aot_function on the samples aotkit fails.",
+        f"{passed_ops} pass every sample. 'PyTorch' is {reference} on the samples aotkit fails.",
         "",
         "| op | passed/total | listed as | PyTorch | first error |",
         "|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r.name} | {r.passed}/{r.total} | {listed_as(r.name)} | "
+        listed = listed_as(r.name) if mode in ("default", "min_cut") else ""
+        lines.append(f"| {r.name} | {r.passed}/{r.total} | {listed} | "
                      f"{reference_cell(r)} | {cell(r.first_error)} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -137,8 +178,12 @@ class Verdicts:
     unlisted: list[str]  # failing ops in neither list
 
 
-def judge(results: list[OpResult]) -> Verdicts:
+def judge(results: list[OpResult], mode: str) -> Verdicts:
+    """The verdicts on the lists of ``opinfo_expectations.py``, which are about ``aot_function``;
+    under compiled autograd every failing op is unlisted."""
     ran = {r.name: r for r in results}
+    if mode == "compiled_autograd":
+        return Verdicts([], [], [], [], sorted(r.name for r in results if r.failed))
 
     def failing(names: Any) -> list[str]:
         return sorted(n for n in names if n in ran and ran[n].failed)
@@ -180,22 +225,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-samples", type=int, default=None,
                         help="samples per op (default: all)")
-    parser.add_argument("--partition", choices=list(COMPILERS), default="default",
+    parser.add_argument("--partition", choices=["default", "min_cut"], default="default",
                         help="the partitioner aotkit uses (default: default)")
+    parser.add_argument("--compiled-autograd", action="store_true",
+                        help="check backwards under aotkit's compiled autograd instead")
     parser.add_argument("--out", type=Path, default=None,
-                        help="markdown table to write (default: docs/opinfo_sweep.md, or "
-                             "docs/opinfo_sweep_min_cut.md for --partition min_cut)")
+                        help="markdown table to write (default: docs/opinfo_sweep.md, "
+                             "docs/opinfo_sweep_min_cut.md for --partition min_cut, "
+                             "docs/opinfo_sweep_compiled_autograd.md for --compiled-autograd)")
     parser.add_argument("--ops", nargs="*", default=None,
                         help="only these ops (full names such as max.reduction_with_dim)")
     parser.add_argument("--max-reference-samples", type=int, default=10,
                         help="per failing op, how many of its failing samples to run through "
-                             "PyTorch's aot_function (default: 10; 0 for all)")
+                             "PyTorch's counterpart (default: 10; 0 for all)")
     parser.add_argument("--strict", action="store_true",
                         help="also exit 1 on unlisted failures and on listed ops that pass")
     args = parser.parse_args(argv)
+    mode = "compiled_autograd" if args.compiled_autograd else args.partition
     if args.out is None:
-        suffix = "" if args.partition == "default" else f"_{args.partition}"
-        args.out = ROOT / "docs" / f"opinfo_sweep{suffix}.md"
+        args.out = ROOT / "docs" / ("opinfo_sweep.md" if mode == "default"
+                                    else f"opinfo_sweep_{mode}.md")
     warnings.filterwarnings("ignore")
 
     ops = [op for op in harness.supported_ops() if op.full_name not in SKIP]
@@ -203,16 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         ops = [op for op in ops if op.full_name in set(args.ops)]
     results = []
     for op in ops:
-        result = sweep_op(op, args.max_samples, COMPILERS[args.partition])
+        result = sweep_op(op, args.max_samples, CHECKS[mode])
         if result.failed:
-            check_reference(op, result, args.max_reference_samples or None)
+            check_reference(op, result, args.max_reference_samples or None, REFERENCES[mode])
         result.failing.clear()
         results.append(result)
         print(f"{result.name}: {result.passed}/{result.total} ({result.seconds:.1f}s)"
               + (f"  {result.first_error}" if result.failed else ""), flush=True)
-    write_table(results, args.out, args.max_samples, args.partition)
+    write_table(results, args.out, args.max_samples, mode)
     print(f"wrote {args.out}")
-    verdicts = judge(results)
+    verdicts = judge(results, mode)
     report(results, verdicts)
     if verdicts.bad or (args.strict and (verdicts.unlisted or verdicts.stale)):
         return 1

@@ -7,6 +7,8 @@
   runs, as a strict xfail), the error aotkit must raise. Listed ops missing here fail only on
   later samples, which only the sweep runs.
 - SKIP: ops that cannot be compared at all (none so far).
+- COMPILED_AUTOGRAD_NOT_BIT_EXACT: ops whose gradients under aotkit's compiled autograd are close
+  to eager's but not bit for bit (``tests/compiled_autograd/test_opinfo.py`` says why).
 """
 
 from __future__ import annotations
@@ -66,3 +68,7 @@ FIRST_SAMPLE_RAISES: dict[str, type[BaseException]] = {
 }
 
 SKIP: dict[str, str] = {}
+
+COMPILED_AUTOGRAD_NOT_BIT_EXACT = frozenset(
+    {"prod", "masked.prod", "masked_fill", "gradient", "sparse.mm.reduce"}
+)

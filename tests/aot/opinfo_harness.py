@@ -1,12 +1,15 @@
-"""Eager-parity checks shared by ``test_opinfo.py`` and ``scripts/opinfo_sweep.py``.
+"""Eager-parity checks shared by the OpInfo tests and ``scripts/opinfo_sweep.py``.
 
-A check runs a function eagerly and compiled on independent copies of the same inputs and
+:func:`check` runs a function eagerly and compiled on independent copies of the same inputs and
 compares, against eager: the outputs (values, dtypes, which require grad), the inputs after the
 call (in-place ops), and the gradients of every input that requires grad for random cotangents.
+:func:`check_backward` runs the forward eagerly twice and compares the gradients of a backward
+run under compiled autograd with eager's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -180,6 +183,53 @@ def check(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     if actual_mask != mask:
         raise ParityError(f"outputs requiring grad differ: {actual_mask} (compiled) vs {mask} (eager)")
     same("gradients", backward(process(actual), compiled_inputs, mask), expected_grads)
+
+
+def aotkit_compiled_autograd() -> contextlib.AbstractContextManager[None]:
+    """aotkit's compiled autograd with its nop compiler."""
+    import aotkit
+
+    return aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop)
+
+
+def pytorch_compiled_autograd() -> contextlib.AbstractContextManager[Any]:
+    """PyTorch's own compiled autograd running its captured graph as it is (the reference)."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._enable(lambda gm: gm)
+
+
+def check_backward_sample(op: Any, sample: Any,
+                          enable: Callable[[], Any] = aotkit_compiled_autograd,
+                          exact: bool = True) -> None:
+    """Raise if a backward of ``op`` on ``sample`` run under ``enable()`` gives other input
+    gradients than eager's (other bits when ``exact``: NaNs where eager has them, every other
+    value equal). The forward runs eagerly, once for each backward, with the same seed."""
+    process = sample.output_process_fn_grad or (lambda out: out)
+
+    def grads(under: Callable[[], Any]) -> list[Any] | None:
+        inputs = copy_inputs(sample_call(sample))
+        out = process(forward(op.op, *inputs))
+        with under():
+            return backward(out, inputs, requires_grad_mask(out))
+
+    try:
+        expected = grads(contextlib.nullcontext)
+    except Exception as exc:
+        raise EagerError(f"eager PyTorch fails on this sample: {type(exc).__name__}: {exc}") from exc
+    actual = grads(enable)
+    same("gradients", actual, expected)
+    if exact and not all(_same_bits(a, e) for a, e in zip(
+            pytree.tree_leaves(actual), pytree.tree_leaves(expected), strict=True)):
+        raise ParityError("gradients are close to eager's but not equal bit for bit")
+
+
+def _same_bits(a: torch.Tensor | None, e: torch.Tensor | None) -> bool:
+    if a is None or e is None:
+        return a is e
+    if a.layout != torch.strided:
+        a, e = a.to_dense(), e.to_dense()
+    return torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num())
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
