@@ -71,4 +71,5 @@ SKIP: dict[str, str] = {}
 
 COMPILED_AUTOGRAD_NOT_BIT_EXACT = frozenset(
     {"prod", "masked.prod", "masked_fill", "gradient", "sparse.mm.reduce"}
+    | ({"cumprod"} if torch.__version__ < "2.13" else set())  # its formula's traced path
 )

@@ -803,6 +803,52 @@ def test_data_dependence_inside_a_library_call_names_both_lines():
     assert "called from" in message and "return F.gaussian_nll_loss(x * 2, x, var)" in message
 
 
+def test_op_without_a_fake_kernel_for_symbolic_sizes_names_the_fix():
+    def to_sparse_and_back(x):
+        return x.to_sparse().to_dense() * 2  # aten._to_sparse: no fake kernel for SymInts
+
+    x = rand(3, 4, grad=True)
+    f = aotkit.aot_function(to_sparse_and_back, compilers.nop, dynamic=True)
+    with pytest.raises(UnsupportedError, match=r"calls aten\._to_sparse\.default") as info:
+        f(x)
+    assert "dynamic=False" in str(info.value)
+    static = aotkit.aot_function(to_sparse_and_back, compilers.nop)
+    if torch.__version__ < "2.13":  # its fake tensors run to_sparse outside the trace
+        with pytest.raises(UnsupportedError, match="lost track of"):
+            static(x)
+        return
+    assert torch.equal(static(x), to_sparse_and_back(x))  # as the message says
+    assert torch.equal(static(x * 3), to_sparse_and_back(x * 3))
+
+
+def test_a_value_the_trace_loses_track_of_is_refused():
+    """A graph constant holding a fake tensor would be returned on every call: refused."""
+    stash = []
+
+    def fn(x):
+        y = x * 2
+        with torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
+            stash.append(y + 1)  # computed on the fake value, unseen by the trace
+        return stash[-1] * 3
+
+    f = aotkit.aot_function(fn, compilers.nop)
+    if torch.__version__ < "2.13":  # make_fx itself refuses the untracked value
+        with pytest.raises(RuntimeError, match="tensor_tracker"):
+            f(rand(2))
+        return
+    with pytest.raises(UnsupportedError, match="lost track of"):
+        f(rand(2))
+
+
+def test_op_without_any_fake_kernel_names_register_fake():
+    lib = torch.library.Library("aotkit_semantics", "DEF")
+    lib.define("thrice(Tensor x) -> Tensor")
+    lib.impl("thrice", lambda x: x * 3, "CPU")
+    f = aotkit.aot_function(lambda x: torch.ops.aotkit_semantics.thrice(x) + 1, compilers.nop)
+    with pytest.raises(UnsupportedError, match="register_fake"):
+        f(rand(3))
+
+
 def test_wrong_number_of_arguments():
     def add(x, y):
         return x + y

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import UnsupportedOperatorException
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
@@ -101,6 +102,8 @@ def tracing(mode: FakeTensorMode, what: str,
             f"make_fx cannot record a generator in a graph ({exc}).\nFix: draw from the default "
             "generator (seeded with torch.manual_seed), or use torch >= 2.13."
         ) from exc
+    except UnsupportedOperatorException as exc:
+        raise _no_fake_kernel(what, exc, symbolic) from exc
     except RuntimeError as exc:
         if is_nested_compile_refusal(exc):
             raise UnsupportedError(
@@ -124,6 +127,24 @@ def tracing(mode: FakeTensorMode, what: str,
         _GUARD.reset(token)
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(node_meta)
+
+
+def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
+                    symbolic: bool) -> UnsupportedError:
+    op = getattr(exc, "func", None) or str(exc)
+    if symbolic and getattr(op, "namespace", None) == "aten":
+        return UnsupportedError(
+            f"{what} calls {op}, which has no fake-tensor kernel for symbolic sizes, so it cannot "
+            "be traced with dynamic shapes (with static sizes, fake tensors run its real kernel "
+            "instead).\nFix: trace with static sizes: dynamic=False for "
+            "aot_function/aot_module, torch.compile(..., dynamic=False) or "
+            "torch._dynamo.mark_static for the inputs this op sees."
+        )
+    return UnsupportedError(
+        f"{what} calls {op}, which has no fake-tensor kernel, so it cannot be traced.\nFix: "
+        "register one with torch.library.register_fake, or call the op outside the compiled "
+        "function."
+    )
 
 
 def tracing_active() -> bool:
@@ -630,9 +651,31 @@ def _tangent_like(out: Any) -> Any:
     return torch.empty(out.shape, dtype=out.dtype, device=out.device)
 
 
+def _refuse_traced_constants(gm: fx.GraphModule) -> None:
+    """A graph constant holding a fake or functional tensor is a value the trace lost track of
+    (an op that ran outside it, as sparse conversions do under torch 2.11's fake tensors): the
+    graph would hand that trace-time value to every call."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(value):
+            guard = _GUARD.get()
+            what = guard.what if guard is not None else "the function"
+            readers = ", ".join(sorted({str(u.target) for u in node.users}))
+            raise UnsupportedError(
+                f"{what} computes a tensor of shape {tuple(value.shape)} that the trace lost "
+                f"track of (read by {readers}): the graph would return its trace-time value on "
+                "every call. This torch's fake tensors run some ops (such as sparse "
+                "conversions on torch < 2.13) outside the trace.\nFix: move that computation "
+                "out of the compiled function, or use torch >= 2.13."
+            )
+
+
 def _make_fx(fn: Callable[..., Any], args: list[Any], decompositions: Mapping[Any, Any] | None) -> fx.GraphModule:
     gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
                  record_stack_traces=config.record_stack_traces)(*args)
+    _refuse_traced_constants(gm)
     # Flat placeholders and a plain list output: every graph is ``forward(primals_1, ...)``.
     gm.graph._codegen = fx.graph.CodeGen()
     _drop_unused_tokens(gm.graph)
