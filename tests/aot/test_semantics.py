@@ -377,6 +377,29 @@ def test_output_is_view_of_input(view):
     torch.testing.assert_close(result.aot_args[0][0], result.eager_args[0][0])
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x: x.expand(5, 4, 6).transpose(0, 1),
+    lambda x: ((a := x * 2), a.expand(3, 5, 4, 6)),
+    lambda x: ((a := x * 2)[0], a[1:].expand(2, 4, 4, 6)),
+], ids=["of_input", "of_output", "of_intermediate"])
+def test_output_views_get_eager_view_nodes_and_exact_grads(fn):
+    """Views are replayed with the graph's own view ops (Note [Replaying views]): eager's
+    backward nodes, so an expand's gradient is summed as eager sums it, bit for bit."""
+    x0 = torch.randn(5, 1, 6, generator=torch.Generator().manual_seed(0))
+    results = []
+    for f in (fn, aotkit.aot_function(fn, compilers.nop)):
+        x = x0.clone().requires_grad_()
+        outs = f(x)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        gen = torch.Generator().manual_seed(1)
+        torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen) for o in outs])
+        views = [type(o.grad_fn).__name__ for o in outs if o._is_view()]
+        results.append((views, x.grad))
+    (eager_views, eager_grad), (views, grad) = results
+    assert views == eager_views and "AsStridedBackward0" not in views
+    assert torch.equal(grad, eager_grad)
+
+
 def test_output_is_view_of_input_without_grad():
     result = check_against_eager(lambda x, w: (x[1], x.sum() * w), rand(3, 4), rand(1, grad=True))
     assert_write_through(result.aot_out[0], result.aot_args[0][0])

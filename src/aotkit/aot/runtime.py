@@ -56,6 +56,17 @@ class CompiledGraphs:
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
             o.alias is Alias.NONE for o in self.meta.outputs
         ) and len(graph_outputs) == self.num_fw_outputs
+        # See Note [Replaying views]: only graphs returning views need view functions recorded.
+        self.returns_views = any(o.alias in _VIEW_ALIASES for o in self.meta.outputs)
+
+    def run_forward(self, args: list[Any]) -> Any:
+        """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
+        when it returns views, their view functions recorded (Note [Replaying views])."""
+        with torch._C._DisableAutocast():
+            if not self.returns_views:
+                return self.fw(args)
+            with torch.autograd._force_original_view_tracking(True):
+                return self.fw(args)
 
     def backward_fn(self, autocast: AutocastState = NO_AUTOCAST) -> Callable[[list[Any]], Any]:
         """The compiled backward for backward() under ``autocast``, compiled on first use (the
@@ -96,8 +107,7 @@ class CompiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        with torch._C._DisableAutocast():  # See Note [Autocast is traced]
-            outs = graphs.fw(list(args))
+        outs = graphs.run_forward(list(args))
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.num_saved_tensors]
         if graphs.returned_mutations:
@@ -212,8 +222,8 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if graphs.training:
         fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
     else:
-        with torch.no_grad(), torch._C._DisableAutocast():
-            fw_outs = graphs.fw(list(args))
+        with torch.no_grad():
+            fw_outs = graphs.run_forward(list(args))
     return epilogue(graphs, args, fw_outs)
 
 
@@ -222,6 +232,9 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
 # function records its own dtype, or none where it is disabled). Running the graph under the
 # caller's autocast would cast again and override those regions, so graphs run with autocast
 # off, and the autocast dtype is part of the signature (aotkit.aot.signature).
+
+
+_VIEW_ALIASES = (Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
 
 
 def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]) -> list[Any]:
@@ -304,6 +317,8 @@ def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, na
 # So the view is regenerated from the base with its bits cleared (the storage's own values, still
 # through views autograd follows) and eager's bits, recorded by the analysis, are set again.
 def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
+    if _replayable(out, source, info):
+        return out._view_func_unsafe(source.base)
     base = _plain(source.base)
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
@@ -311,6 +326,23 @@ def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str
     if info.is_neg:
         view = torch._neg_view(view)
     return view.conj() if info.is_conj else view
+
+
+# Note [Replaying views]
+# A view regenerated with as_strided gets AsStridedBackward0, whose gradient scatters into a
+# zero-filled copy of the whole base: slower than eager's view backward (a transpose, a sum for
+# an expand), and for an overlapping view (expand) summed in another order than eager's. When the
+# compiled graph made the output with view ops straight from the very tensor it views (the nop
+# compiler runs ATen's view ops), the forward runs with view functions recorded, and the
+# epilogue replays that chain on the base outside the Function: the caller gets eager's own view
+# nodes (ExpandBackward0, TransposeBackward0). Anything else (a view of a view input, of an input
+# the function mutates, dtype or conj/neg views, compilers whose outputs carry no view function)
+# keeps as_strided.
+def _replayable(out: torch.Tensor, source: _ViewSource, info: OutputInfo) -> bool:
+    base = source.base
+    return (source.new_value is None and out._is_view() and out._base is base
+            and out.dtype == base.dtype
+            and not (info.is_neg or info.is_conj or base.is_conj() or base.is_neg()))
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
