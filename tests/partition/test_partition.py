@@ -374,3 +374,73 @@ def test_min_cut_keeps_higher_order_op_bodies_in_the_backward() -> None:
         expected.sum().backward()
         for got, want in zip(a, e, strict=True):
             torch.testing.assert_close(got.grad, want.grad)
+
+
+# --- activation checkpointing (Note [Activation checkpointing]) --------------------------------
+
+
+def _checkpointed(fn: Callable[..., Any], *args: torch.Tensor, partition: str,
+                  context_fn: Callable[..., Any] | None = None) -> Captured:
+    """``fn`` with each of its blocks under torch.utils.checkpoint, through torch.compile and
+    aotkit; outputs and grads must equal eager's (checkpointed too) bit for bit."""
+    captured = Captured(PARTITIONERS[partition])
+
+    def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        return aotkit.aot_module_simplified(gm, example_inputs, aotkit.compilers.nop,
+                                            partition_fn=captured)
+
+    results = []
+    for run in (fn, torch.compile(fn, backend=backend, fullgraph=True)):
+        inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+        torch.manual_seed(0)
+        out = run(*inputs, context_fn)
+        out.backward(torch.ones_like(out))
+        results.append((out, [a.grad for a in inputs]))
+    (expected, expected_grads), (actual, grads) = results
+    assert torch.equal(actual, expected)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    return captured
+
+
+def _block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.dropout((h @ w).relu().sin(), 0.3) @ w
+
+
+def _two_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
+    kwargs = {} if context_fn is None else {"context_fn": context_fn}
+    h = torch.utils.checkpoint.checkpoint(_block, x, w, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(_block, h.tanh(), w, use_reentrant=False, **kwargs)
+
+
+def _two_plain_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
+    return _block(_block(x, w).tanh(), w)
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_checkpointed_regions_are_recomputed_with_eager_values(partition: str) -> None:
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    report = _checkpointed(_two_blocks, x, w, partition=partition).report
+    # Each block's first matmul and relu run again in the backward (the sin's gradient reads
+    # the relu), once per block; dropout (random) is saved, and so are the blocks' outputs that
+    # code outside them reads (eager holds those).
+    recomputed = [op for op in report.recomputed if "mm" in op or "relu" in op or "sin" in op]
+    assert sorted(recomputed) == sorted(["aten.mm.default", "aten.relu.default"] * 2)
+    assert not any("dropout" in op for op in report.recomputed)
+    assert report.partitioner.startswith(
+        "default_partition (checkpointed" if partition == "default" else "min_cut")
+    plain = _checkpointed(_two_plain_blocks, x, w, partition=partition)
+    assert report.saved_bytes < plain.report.saved_bytes
+
+
+def test_selective_checkpointing_policy_saves_what_it_names() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    report = _checkpointed(_two_blocks, x, w, partition="default", context_fn=context_fn).report
+    assert "aten.mm.default" not in report.recomputed
+    assert "aten.relu.default" in report.recomputed

@@ -1,8 +1,10 @@
 """The default partitioner: the forward computes its outputs; whatever the backward needs from
-the forward is saved, and nothing is recomputed except forward-only nodes the outputs don't need."""
+the forward is saved, and nothing is recomputed except forward-only nodes the outputs don't need
+(and, in graphs with activation-checkpointed regions, those regions' values)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch.fx as fx
@@ -15,6 +17,7 @@ from aotkit.partition.graph import (
     syms_binding_backward,
     with_getitems,
 )
+from aotkit.partition.min_cut import has_checkpointed_regions, min_cut_rematerialization_partition
 
 
 def default_partition(
@@ -31,7 +34,19 @@ def default_partition(
         >>> f = aotkit.aot_function(lambda x: x.sin().sin(), aotkit.compilers.nop,
         ...                         partition_fn=aotkit.default_partition)
         >>> f(torch.ones(2, requires_grad=True)).sum().backward()
+
+    A joint graph with activation-checkpointed regions (``torch.utils.checkpoint`` under
+    ``torch.compile``) is partitioned by :func:`min_cut_rematerialization_partition`, which
+    recomputes those regions as eager's checkpoint does (Note [Activation checkpointing]); the
+    partition report says so.
     """
+    if has_checkpointed_regions(joint_gm):
+        fw_gm, bw_gm = min_cut_rematerialization_partition(
+            joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        fw_gm.meta["partition"] = dataclasses.replace(
+            fw_gm.meta["partition"], partitioner="default_partition (checkpointed regions are "
+            "recomputed: partitioned by min_cut_rematerialization_partition)")
+        return fw_gm, bw_gm
     parts = split_joint(joint_gm, num_fwd_outputs)
     fw_effects, bw_effects = parts.fw_effects, parts.bw_effects
     forward = with_getitems(ancestors([*parts.fw_outputs, *fw_effects]) | set(parts.primals))

@@ -12,6 +12,15 @@ crosses exactly the nodes to save; a node whose n_in lies on the sink side is re
 Costs are bytes (symbolic sizes through their hints); graph inputs cost no bytes (the caller
 holds them anyway). Ties go to later nodes, which leaves fewer ops to recompute.
 SymInts stay out of the network: every forward SymInt the backward needs is saved.
+
+Note [Activation checkpointing]
+``torch.utils.checkpoint`` under ``torch.compile`` reaches us as nodes tagged with a
+``CheckpointPolicy`` (``node.meta["recompute"]``) and the id of their checkpointed region
+(``ac_graph_id``). As eager's checkpoint does, a region's values are recomputed by the
+backward, expensive ones included: a node tagged MUST/PREFER_RECOMPUTE cannot be saved, except
+the region's outputs (values read by forward code outside the region, which eager holds as
+ordinary tensors) and random ops (never recomputed: a second draw would differ). A node tagged
+MUST/PREFER_SAVE (a selective-checkpointing policy) is never recomputed.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from aotkit import config
 from aotkit.errors import ConfigError, UnsupportedError
@@ -125,7 +135,12 @@ class _Network:
         self.fw_tensors = [n for n in forward if n not in self.fw_syms and n.op != "get_attr"]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
-        self.expensive = [n for n in self.fw_tensors if n not in pinned and not _cheap(n)]
+        # See Note [Activation checkpointing].
+        forward_code = ancestors([*self.parts.fw_outputs, *self.fw_effects])
+        self.checkpointed = _recomputed_regions(self.fw_tensors, pinned, forward_code)
+        self.must_save = [n for n in self.fw_tensors if n.meta.get("recompute") in _SAVE]
+        self.expensive = [n for n in self.fw_tensors
+                          if n not in pinned and n not in self.checkpointed and not _cheap(n)]
         self.read_by_bw = self._read_by_backward(tangent_side)
 
     def _read_by_backward(self, tangent_side: set[fx.Node]) -> set[fx.Node]:
@@ -139,7 +154,7 @@ class _Network:
         recomputed."""
         if not self.read_by_bw:
             return _Cut([], 0)
-        graph = self._flow_graph({*self.pinned, *banned})
+        graph = self._flow_graph({*self.pinned, *self.must_save, *banned})
         try:
             _, (source_side, _) = nx.minimum_cut(graph, "source", "sink")
         except nx.NetworkXUnbounded as exc:
@@ -174,7 +189,7 @@ class _Network:
 
     def _capacity(self, node: fx.Node, scale: int) -> int | None:
         """Bytes (scaled) plus a tie-break for later nodes; None where a node cannot be saved."""
-        if isinstance(node.meta.get("val"), (list, tuple)):
+        if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed:
             return None
         size = 0 if node.op == "placeholder" else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
@@ -198,6 +213,34 @@ class _Network:
         fw_gm.meta["partition"] = report(
             "min_cut_rematerialization_partition", [*saved, *saved_syms], recomputed)
         return fw_gm, bw_gm
+
+
+_RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+def has_checkpointed_regions(joint: fx.GraphModule) -> bool:
+    """Whether ``joint`` holds values ``torch.utils.checkpoint`` asks to recompute."""
+    return any(n.meta.get("recompute") in _RECOMPUTE for n in joint.graph.nodes)
+
+
+def _recomputed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
+                        forward_code: set[fx.Node]) -> set[fx.Node]:
+    """The forward values checkpointed regions recompute: tagged for recomputation, not random
+    (nor an output of a random op), not read by forward code (what computes the forward's
+    outputs, not the backward's formulas) outside their region. See Note [Activation
+    checkpointing]."""
+    def region(node: fx.Node) -> Any:
+        return node.meta.get("ac_graph_id") if node.meta.get("recompute") in _RECOMPUTE else None
+
+    def random(node: fx.Node) -> bool:
+        return node in pinned or (node.target is operator.getitem and node.args[0] in pinned)
+
+    return {
+        n for n in fw_tensors
+        if region(n) is not None and not random(n)
+        and all(region(u) == region(n) for u in n.users if u in forward_code)
+    }
 
 
 def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
