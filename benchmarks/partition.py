@@ -18,7 +18,11 @@ Models (fixed seeds, training mode, on CPU):
 - ``cnn``: Conv(3->16)-BN-ReLU-MaxPool-Conv(16->32)-BN-ReLU-MaxPool-Linear(2048->10),
   input (16, 3, 32, 32);
 - ``gpt``: a GPT-2 style decoder block (LayerNorm, causal ``scaled_dot_product_attention``,
-  LayerNorm, GELU MLP, residuals), d_model 128, 4 heads, input (8, 64, 128).
+  LayerNorm, GELU MLP, residuals), d_model 128, 4 heads, input (8, 64, 128);
+- ``gpt_checkpointed``: two such blocks, each under ``torch.utils.checkpoint`` (non-reentrant).
+  Only Dynamo turns a checkpoint into the recompute marks partitioners honour, so this model
+  goes through ``torch.compile`` with a backend calling ``aotkit.aot_module_simplified``
+  (capture and grads alike) instead of ``aot_module``.
 
 The block inputs (transformer, gpt) require grad, as inside a stack of blocks; the data
 inputs of the MLP and the CNN do not.
@@ -101,6 +105,35 @@ class GPTBlock(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class CheckpointedGPT(nn.Module):
+    """Two GPT blocks, each under torch.utils.checkpoint; compiled through Dynamo."""
+
+    through_dynamo = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([GPTBlock(), GPTBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def compiled(model: nn.Module, partition_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``model`` through aotkit with ``partition_fn``: ``aot_module``, or for a model marked
+    ``through_dynamo``, ``torch.compile`` with a backend calling ``aot_module_simplified``."""
+    if not getattr(model, "through_dynamo", False):
+        return aotkit.aot_module(model, aotkit.compilers.nop, partition_fn=partition_fn)
+    torch._dynamo.reset()
+
+    def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        return aotkit.aot_module_simplified(gm, example_inputs, aotkit.compilers.nop,
+                                            partition_fn=partition_fn)
+
+    return torch.compile(model, backend=backend, fullgraph=True)
+
+
 def small_cnn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
@@ -133,6 +166,8 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]] = {
     "transformer": _transformer,
     "cnn": lambda: (_seeded(small_cnn), (_input(16, 3, 32, 32, requires_grad=False),)),
     "gpt": lambda: (_seeded(GPTBlock), (_input(8, 64, 128, requires_grad=True),)),
+    "gpt_checkpointed": lambda: (_seeded(CheckpointedGPT),
+                                 (_input(8, 64, 128, requires_grad=True),)),
 }
 
 
@@ -158,8 +193,7 @@ def capture(model: nn.Module, inputs: tuple[Any, ...]) -> Joint:
                           list(joint_inputs), num_fwd_outputs))
         return default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
-    compiled = aotkit.aot_module(copy.deepcopy(model), aotkit.compilers.nop, partition_fn=record)
-    compiled(*inputs)
+    compiled(copy.deepcopy(model), record)(*inputs)
     assert len(seen) == 1, f"expected one joint graph, got {len(seen)}"
     return seen[0]
 
@@ -170,8 +204,13 @@ def torch_min_cut(joint_gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_output
 
     primals = [n for n in joint_gm.graph.find_nodes(op="placeholder")
                if "tangents" not in str(n.target)]
-    return theirs(joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
-                  static_lifetime_input_indices=list(range(len(primals))))
+    # It reads the fake mode from the tracing context (for checkpointed random ops).
+    fake_mode = torch._guards.detect_fake_mode(
+        [n.meta.get("val") for n in joint_gm.graph.find_nodes(op="placeholder")])
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return theirs(joint_gm, joint_inputs, compiler="inductor",
+                      num_fwd_outputs=num_fwd_outputs,
+                      static_lifetime_input_indices=list(range(len(primals))))
 
 
 def ours_with_budget(budget: float) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
@@ -274,8 +313,7 @@ class References:
         model, inputs = self.make()
         if partition_fn is None:
             return _step(model, model, inputs)
-        compiled = aotkit.aot_module(model, aotkit.compilers.nop, partition_fn=partition_fn)
-        return _step(compiled, model, inputs)
+        return _step(compiled(model, partition_fn), model, inputs)
 
 
 def check_grads(refs: References, partition_fn: Callable[..., Any]) -> str:

@@ -403,32 +403,35 @@ def _checkpointed(fn: Callable[..., Any], *args: torch.Tensor, partition: str,
 
 
 def _block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.dropout((h @ w).relu().sin(), 0.3) @ w
+    return h + F.dropout((h @ w).relu().sin(), 0.3) @ w  # a residual block: ends in a cheap op
 
 
-def _two_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
+def _three_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
+    """Three checkpointed blocks, the second reading the first's output directly."""
     kwargs = {} if context_fn is None else {"context_fn": context_fn}
-    h = torch.utils.checkpoint.checkpoint(_block, x, w, use_reentrant=False, **kwargs)
-    return torch.utils.checkpoint.checkpoint(_block, h.tanh(), w, use_reentrant=False, **kwargs)
+    for k in range(3):
+        x = torch.utils.checkpoint.checkpoint(_block, x.tanh() if k == 2 else x, w,
+                                              use_reentrant=False, **kwargs)
+    return x
 
 
-def _two_plain_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
-    return _block(_block(x, w).tanh(), w)
+def _three_plain_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> torch.Tensor:
+    return _block(_block(_block(x, w), w).tanh(), w)
 
 
 @pytest.mark.parametrize("partition", list(PARTITIONERS))
 def test_checkpointed_regions_are_recomputed_with_eager_values(partition: str) -> None:
     x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
-    report = _checkpointed(_two_blocks, x, w, partition=partition).report
+    report = _checkpointed(_three_blocks, x, w, partition=partition).report
     # Each block's first matmul and relu run again in the backward (the sin's gradient reads
-    # the relu), once per block; dropout (random) is saved, and so are the blocks' outputs that
-    # code outside them reads (eager holds those).
+    # the relu), once per block; dropout (random) is saved, and so are the blocks' outputs
+    # (eager holds those; recomputing one would rerun the block before it).
     recomputed = [op for op in report.recomputed if "mm" in op or "relu" in op or "sin" in op]
-    assert sorted(recomputed) == sorted(["aten.mm.default", "aten.relu.default"] * 2)
+    assert sorted(recomputed) == sorted(["aten.mm.default", "aten.relu.default"] * 3)
     assert not any("dropout" in op for op in report.recomputed)
     assert report.partitioner.startswith(
         "default_partition (checkpointed" if partition == "default" else "min_cut")
-    plain = _checkpointed(_two_plain_blocks, x, w, partition=partition)
+    plain = _checkpointed(_three_plain_blocks, x, w, partition=partition)
     assert report.saved_bytes < plain.report.saved_bytes
 
 
@@ -441,6 +444,7 @@ def test_selective_checkpointing_policy_saves_what_it_names() -> None:
 
     x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    report = _checkpointed(_two_blocks, x, w, partition="default", context_fn=context_fn).report
+    report = _checkpointed(_three_blocks, x, w, partition="default",
+                           context_fn=context_fn).report
     assert "aten.mm.default" not in report.recomputed
     assert "aten.relu.default" in report.recomputed

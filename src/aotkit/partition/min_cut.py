@@ -18,9 +18,11 @@ Note [Activation checkpointing]
 ``CheckpointPolicy`` (``node.meta["recompute"]``) and the id of their checkpointed region
 (``ac_graph_id``). As eager's checkpoint does, a region's values are recomputed by the
 backward, expensive ones included: a node tagged MUST/PREFER_RECOMPUTE cannot be saved, except
-the region's outputs (values read by forward code outside the region, which eager holds as
-ordinary tensors) and random ops (never recomputed: a second draw would differ). A node tagged
-MUST/PREFER_SAVE (a selective-checkpointing policy) is never recomputed.
+random ops (never recomputed: a second draw would differ) and the region's outputs (values read
+by forward code outside the region), which are never recomputed: eager holds them as ordinary
+tensors, and recomputing one would rerun its whole region for the next one, quadratic in the
+number of layers. A node tagged MUST/PREFER_SAVE (a selective-checkpointing policy) is never
+recomputed.
 """
 
 from __future__ import annotations
@@ -137,8 +139,10 @@ class _Network:
         pinned = set(self.pinned)
         # See Note [Activation checkpointing].
         forward_code = ancestors([*self.parts.fw_outputs, *self.fw_effects])
-        self.checkpointed = _recomputed_regions(self.fw_tensors, pinned, forward_code)
-        self.must_save = [n for n in self.fw_tensors if n.meta.get("recompute") in _SAVE]
+        self.checkpointed, region_outputs = _checkpointed_regions(self.fw_tensors, pinned,
+                                                                  forward_code)
+        self.must_save = [n for n in self.fw_tensors
+                          if n.meta.get("recompute") in _SAVE or n in region_outputs]
         self.expensive = [n for n in self.fw_tensors
                           if n not in pinned and n not in self.checkpointed and not _cheap(n)]
         self.read_by_bw = self._read_by_backward(tangent_side)
@@ -224,23 +228,21 @@ def has_checkpointed_regions(joint: fx.GraphModule) -> bool:
     return any(n.meta.get("recompute") in _RECOMPUTE for n in joint.graph.nodes)
 
 
-def _recomputed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
-                        forward_code: set[fx.Node]) -> set[fx.Node]:
-    """The forward values checkpointed regions recompute: tagged for recomputation, not random
-    (nor an output of a random op), not read by forward code (what computes the forward's
-    outputs, not the backward's formulas) outside their region. See Note [Activation
-    checkpointing]."""
+def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
+                          forward_code: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The forward values checkpointed regions recompute, and the regions' outputs (values
+    read by forward code, not the backward's formulas, outside their region), which are saved.
+    Random ops and their outputs are neither. See Note [Activation checkpointing]."""
     def region(node: fx.Node) -> Any:
         return node.meta.get("ac_graph_id") if node.meta.get("recompute") in _RECOMPUTE else None
 
     def random(node: fx.Node) -> bool:
         return node in pinned or (node.target is operator.getitem and node.args[0] in pinned)
 
-    return {
-        n for n in fw_tensors
-        if region(n) is not None and not random(n)
-        and all(region(u) == region(n) for u in n.users if u in forward_code)
-    }
+    tagged = [n for n in fw_tensors if region(n) is not None and not random(n)]
+    outputs = {n for n in tagged
+               if any(region(u) != region(n) for u in n.users if u in forward_code)}
+    return set(tagged) - outputs, outputs
 
 
 def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
