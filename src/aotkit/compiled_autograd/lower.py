@@ -34,10 +34,11 @@ undo themselves] in ``aotkit.aot.simplify``): eager pays for them in C++, a grap
 Python ~1 us per call.
 
 Gradients summed for a tensor that several nodes use (the engine's input buffers, captured as
-``runtime.add_gradients``, traced as ``aten.add``) are summed in place when one addend is owned by the sum: made by a traced ATen op,
-read by nothing else, sharing its memory with no other value of the graph (the fake values
-show which share memory), and laid out as the sum would be. Eager's input buffers do the same;
-an out-of-place sum allocates a gradient-sized tensor each time.
+``runtime.add_gradients``, traced as ``aten.add``) are summed in place when one addend is owned
+by the sum: made by a traced ATen op, read by nothing else, sharing its memory with no other
+value of the graph (the fake values show which share memory), and laid out as the sum would
+be. Eager's input buffers do the same; an out-of-place sum allocates a gradient-sized tensor
+each time.
 """
 
 from __future__ import annotations

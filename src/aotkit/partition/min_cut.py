@@ -88,6 +88,9 @@ def min_cut_rematerialization_partition(
     recomputing everything but random ops and RNN kernels saves. Saved bytes never grow as the
     budget falls.
 
+    Regions under ``torch.utils.checkpoint`` (traced through ``torch.compile``) are recomputed
+    whatever their cost, as eager's checkpoint does (Note [Activation checkpointing]).
+
     What was saved and recomputed is in ``fw_gm.meta["partition"]`` and ``aotkit.explain()``.
 
     Example::
