@@ -69,7 +69,4 @@ FIRST_SAMPLE_RAISES: dict[str, type[BaseException]] = {
 
 SKIP: dict[str, str] = {}
 
-COMPILED_AUTOGRAD_NOT_BIT_EXACT = frozenset(
-    {"prod", "masked.prod", "masked_fill", "gradient", "sparse.mm.reduce"}
-    | ({"cumprod"} if torch.__version__ < "2.13" else set())  # its formula's traced path
-)
+COMPILED_AUTOGRAD_NOT_BIT_EXACT = frozenset({"gradient"})

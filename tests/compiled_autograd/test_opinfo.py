@@ -8,12 +8,10 @@ eager's bit for bit: the nop compiler runs eager's own formulas, or the ATen ops
 ``scripts/opinfo_sweep.py --compiled-autograd`` runs every sample.
 
 COMPILED_AUTOGRAD_NOT_BIT_EXACT (``opinfo_expectations.py``) lists the ops whose gradients are
-only close to eager's: formulas that compute another way for traced tensors than for real ones
-(PyTorch's formulas take a path that works for tensor subclasses: ``masked_fill``'s value
-gradient sums ``where(mask, grad, 0)`` instead of ``grad.masked_select(mask)``, ``prod``'s uses
-cumulative products instead of ``result / input``), or several outputs of the op that are
-backward roots alike in structure, whose sums follow the engine's order (the ``hook_order``
-decision).
+only close to eager's: several outputs of the op that are backward roots alike in structure,
+whose sums follow the engine's order (the ``hook_order`` decision). Formulas whose traced ops
+round differently from eager's kernel stay opaque calls (``_EAGER_PATH_FORMULAS`` in
+``aotkit.compiled_autograd.lower``), so those ops are exact.
 """
 
 from __future__ import annotations

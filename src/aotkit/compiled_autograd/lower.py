@@ -8,7 +8,8 @@ fake tensors of one backward's real inputs and records what each formula does as
 (``mm``, ``t``, ``sum``). Calls with effects stay calls (hooks, custom Function backwards,
 ``.grad`` accumulation), and so does every formula fed by one of them: a hook may return a
 gradient of other strides than the one it received, and a formula traced on the wrong strides
-would bake in the wrong view/copy decisions.
+would bake in the wrong view/copy decisions. So do the few formulas whose traced ops round
+differently from eager's kernel (``_EAGER_PATH_FORMULAS``), and the formulas they feed.
 
 The fakes have static sizes: tracing on symbolic ones took seconds per capture in sympy (a
 Transformer layer's ~250 distinct sizes), and its guards, one per size, cost more per replay
@@ -116,6 +117,17 @@ class _Opaque:
         self.proxy = proxy
 
 
+#: Formulas whose traced ops round differently from the kernel eager runs, found by
+#: ``scripts/opinfo_sweep.py --compiled-autograd``; they stay calls. Most take another path for
+#: traced tensors (which they must treat as tensor subclasses): ``prod``'s gradient through
+#: cumulative products instead of ``result / input``, ``masked_fill``'s value gradient through
+#: ``where`` instead of ``masked_select``, ``cumprod``'s on torch < 2.13; the gradient of
+#: ``torch.sparse.mm(..., reduce)`` traces to other ops than its fused kernel.
+_EAGER_PATH_FORMULAS = frozenset({
+    "ProdBackward0", "ProdBackward1", "MaskedFillBackward1", "CumprodBackward0",
+    "SparseMmReduceImplBackward0",
+})
+
 #: Python-level calls of the captured graph that are plain tensor code, safe to trace.
 _TRACEABLE = frozenset({runtime.add_gradients, runtime.copy_slices_prologue,
                         runtime.copy_slices_epilogue})
@@ -123,7 +135,8 @@ _TRACEABLE = frozenset({runtime.add_gradients, runtime.copy_slices_prologue,
 
 def _traceable(target: Any) -> bool:
     if isinstance(target, runtime.Op):
-        return target.is_traceable and not target.is_custom_function
+        return (target.is_traceable and not target.is_custom_function
+                and target.__name__ not in _EAGER_PATH_FORMULAS)
     return target in _TRACEABLE
 
 
