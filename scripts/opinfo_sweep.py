@@ -205,10 +205,14 @@ def _print_failures(ran: dict[str, OpResult], names: list[str]) -> None:
               f"{r.first_error}")
 
 
-def report(results: list[OpResult], v: Verdicts) -> None:
+def report(results: list[OpResult], v: Verdicts, mode: str) -> None:
     ran = {r.name: r for r in results}
     clean = sum(1 for r in results if r.total and not r.failed)
     print(f"ops: {len(results)}, passing every sample: {clean}, skipped: {sorted(SKIP)}")
+    if mode == "compiled_autograd":  # the lists are about aot_function
+        print(f"failing ops: {v.unlisted}")
+        _print_failures(ran, v.unlisted)
+        return
     print(f"aotkit bugs (PyTorch's aot_function passes), still failing: {v.bugs}")
     _print_failures(ran, v.bugs)
     print(f"aotkit bugs that PyTorch's aot_function fails too (move to EXPECTED_FAILURES): "
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     write_table(results, args.out, args.max_samples, mode)
     print(f"wrote {args.out}")
     verdicts = judge(results, mode)
-    report(results, verdicts)
+    report(results, verdicts, mode)
     if verdicts.bad or (args.strict and (verdicts.unlisted or verdicts.stale)):
         return 1
     return 0
