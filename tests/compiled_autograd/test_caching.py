@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import threading
 from contextlib import nullcontext
 from typing import Any
 
@@ -90,6 +91,38 @@ def test_nested_enable_raises() -> None:
           pytest.raises(aotkit.errors.UnsupportedError, match="nested"),
           aotkit.compiled_autograd.enable(nop)):
         pass
+
+
+def test_enable_in_a_second_thread_raises_and_its_backward_is_captured_exactly() -> None:
+    """The engine's compiler slot is one per process (Note [Backwards in other threads]): a
+    block in another thread is refused (not called nested), and that thread's backward is
+    captured by the active block, with eager's gradient and decisions saying so."""
+    first_counts, w = Counting(), torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)  # both steps accumulate into an existing .grad: one structure
+    v = torch.randn(3, requires_grad=True)
+    seen: dict[str, Any] = {}
+
+    def other_thread() -> None:
+        try:
+            with aotkit.compiled_autograd.enable(nop):
+                pass
+        except aotkit.errors.UnsupportedError as exc:
+            seen["error"] = str(exc)
+        (v * v).sum().backward()
+
+    with aotkit.compiled_autograd.enable(first_counts):
+        _step(w, 2)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        _step(w, 2)
+    assert "another thread" in seen["error"] and "nested" not in seen["error"]
+    assert torch.equal(v.grad, 2 * v.detach())
+    assert (first_counts.compiles, first_counts.calls) == (2, 3)
+    assert aotkit.counters.counters["compiled_autograd"]["captures"] == 2
+    [thread] = aotkit.explain().of_kind("thread")
+    assert "Thread" in thread.why and "MainThread" in thread.why
+    assert "another thread" in aotkit.explain().of_kind("hook_order")[0].why
 
 
 def test_create_graph_raises_typed_error_with_workaround() -> None:

@@ -29,6 +29,7 @@ from aotkit.aot.signature import (
 )
 from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
 from aotkit.aot.trace import (
+    COMPILE_LOCK,
     FlatFn,
     autocast_as,
     make_fake,
@@ -91,6 +92,12 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point.
     ``from_dynamo``: the graph is Dynamo's, whose float arguments are rewritten into tensor ops
     (Note [Float arguments from Dynamo])."""
+    with COMPILE_LOCK:  # Note [One compile at a time]
+        return _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
+
+
+def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
+                    mode: FakeTensorMode, from_dynamo: bool) -> CompiledGraphs:
     counters.bump("aot", "traces")
     forward_autocast = autocast_state()
     training = torch.is_grad_enabled() and any(
@@ -303,14 +310,20 @@ class AotFunction:
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
         key = signature(structure, leaves, self.options.dynamic)
+        found = self._find(key, leaves)
+        if found is None:
+            with COMPILE_LOCK:  # another thread may have compiled it meanwhile
+                found = self._find(key, leaves) or self._compile(args, kwargs, key)
+        entry, tensors = found
+        return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
+
+    def _find(self, key: tuple[Any, ...], leaves: Sequence[Any]) -> tuple[_Entry, list[Any]] | None:
+        """The compiled entry for these arguments, with their tensors, if there is one."""
         for entry in self._entries.get(key, ()):
             tensors = [leaves[i] for i in entry.tensor_positions]
             if entry.guard is None or entry.guard(tensors):
-                return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
-        entry = self._compile(args, kwargs, key)
-        leaves = pytree.tree_leaves((args, kwargs))
-        tensors = [leaves[i] for i in entry.tensor_positions]
-        return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
+                return entry, tensors
+        return None
 
     @property
     def num_entries(self) -> int:
@@ -322,7 +335,8 @@ class AotFunction:
         hold compiler state that cannot be copied)."""
         return AotFunction(self.fn, self.options, self.name, self._leaf_names)
 
-    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...]) -> _Entry:
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 key: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
         self._check_arguments(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if self.num_entries:
@@ -338,7 +352,7 @@ class AotFunction:
         entry = _Entry(graphs, positions, guard)
         self._entries.setdefault(key, []).append(entry)
         self._last_key = key
-        return entry
+        return entry, [leaves[i] for i in positions]
 
     def _check_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:

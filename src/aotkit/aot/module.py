@@ -17,6 +17,7 @@ from aotkit import counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.signature import leaf_names
+from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.partition.default import default_partition
 
@@ -91,7 +92,10 @@ class AotModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         key, state = _collect(self.orig_module)
-        compiled = self._compiled.get(key) or self._compile_for(key)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            with COMPILE_LOCK:  # Note [One compile at a time]
+                compiled = self._compiled.get(key) or self._compile_for(key)
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
         for name, value in assigned.items():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
+from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -41,7 +41,6 @@ class CompiledGraphs:
     backward_under: Callable[[AutocastState], fx.GraphModule] | None = None
     # The compiled backward per autocast state of backward() (Note [Autocast around backward]).
     _bw: dict[AutocastState, Callable[[list[Any]], Any]] = field(default_factory=dict)
-    _bw_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -73,7 +72,7 @@ class CompiledGraphs:
         forward may never be differentiated). See Note [Autocast around backward]."""
         compiled = self._bw.get(autocast)
         if compiled is None:
-            with self._bw_lock:
+            with COMPILE_LOCK:  # Note [One compile at a time]
                 compiled = self._bw.get(autocast) or self._compile_backward(autocast)
                 self._bw[autocast] = compiled
         return compiled

@@ -12,6 +12,7 @@ import contextvars
 import inspect
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,15 @@ from aotkit.partition.graph import is_impure
 log = logging.getLogger("aotkit.aot")
 
 FlatFn = Callable[..., tuple[list[Any], pytree.TreeSpec]]
+
+# Note [One compile at a time]
+# FX keeps tracing state in module globals (torch.fx._symbolic_trace's patcher and its
+# "is tracing" flag), so two traces running in two threads corrupt each other: the first call
+# of a compiled function from several threads at once failed with FX's "CURRENT_PATCHER is
+# None" and left the flag set for the rest of the process. Every aotkit trace, partition and
+# compile holds COMPILE_LOCK (re-entrant: a lazy backward compile may run inside another
+# compile's trace), as Dynamo serializes its own compiles; compiled graphs run without it.
+COMPILE_LOCK = threading.RLock()
 
 
 def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) -> torch.Tensor:

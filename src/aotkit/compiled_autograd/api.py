@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ log = session.log
 # The engine logs why its cache missed to a Logger it is given; we keep those under ours.
 _engine_log = logging.getLogger("aotkit.compiled_autograd.engine")
 _last_session: session.Session | None = None
+_ENTER_LOCK = threading.Lock()
 
 
 def nop(gm: torch.fx.GraphModule) -> Callable[..., Any]:
@@ -43,7 +45,9 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
     ``compiler_fn`` takes the captured ``torch.fx.GraphModule`` and returns a callable with the
     same signature. The engine replays the compiled graph while the autograd graph keeps its
     structure; ``dynamic=False`` captures again on the first change of a size, then treats it as
-    dynamic.
+    dynamic. PyTorch's engine holds one compiler per process: while the block is active,
+    backwards run by other threads are captured too, and a block in another thread is refused
+    (Note [Backwards in other threads]).
 
         >>> import torch, aotkit
         >>> w = torch.ones(3, requires_grad=True)
@@ -52,26 +56,24 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         >>> w.grad
         tensor([2., 2., 2.])
     """
-    if session.active() is not None:
-        raise UnsupportedError(
-            "aotkit.compiled_autograd.enable() is already active; nested enable blocks are not "
-            "supported. Exit the outer block first, or switch compilers between blocks."
-        )
-    new = session.Session(compiler_fn, bool(dynamic))
-    prior = compat.set_autograd_compiler(functools.partial(capture.Capture, new), bool(dynamic))
-    if prior[0] is not None:
-        compat.set_autograd_compiler(*prior)
-        raise UnsupportedError(
-            "another compiled autograd (torch._dynamo.compiled_autograd) is active; "
-            "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
-        )
-    _forget_other_compilers(new)
-    if session.failed_captures:  # See Note [Failed captures]
-        _clear_engine_cache()
-        counters.record("cache_clear", "compiled_autograd", "a capture failed in an earlier "
-                        "enable() block; the engine's cached graphs are dropped", logger=log)
-    compat.set_autograd_verbose_logger(_engine_log)
-    session.set_active(new)
+    with _ENTER_LOCK:  # two threads must not both find no active block
+        if (outer := session.active()) is not None:
+            raise _overlapping(outer)
+        new = session.Session(compiler_fn, bool(dynamic))
+        prior = compat.set_autograd_compiler(functools.partial(capture.Capture, new), bool(dynamic))
+        if prior[0] is not None:
+            compat.set_autograd_compiler(*prior)
+            raise UnsupportedError(
+                "another compiled autograd (torch._dynamo.compiled_autograd) is active; "
+                "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
+            )
+        _forget_other_compilers(new)
+        if session.failed_captures:  # See Note [Failed captures]
+            _clear_engine_cache()
+            counters.record("cache_clear", "compiled_autograd", "a capture failed in an earlier "
+                            "enable() block; the engine's cached graphs are dropped", logger=log)
+        compat.set_autograd_verbose_logger(_engine_log)
+        session.set_active(new)
     try:
         # Multithreaded device queues would call the capture object from several threads.
         with torch.autograd.set_multithreading_enabled(False):
@@ -80,6 +82,31 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)
         compat.set_autograd_compiler(*prior)
+
+
+# Note [Backwards in other threads]
+# The engine's compiler slot is process-wide: once enable() sets it, every thread's backward
+# goes through a capture object until the block ends. Those backwards are captured and compiled
+# like the block's own (their gradients are eager's), with a "thread" decision saying so. The
+# engine runs one compiled backward at a time: one that starts while another thread's is running
+# fails in the engine (NotImplementedError, "compiled autograd within another compiled autograd
+# call"), before any of our code runs. Autograd lists eager's node order only for a
+# backward running with multithreading disabled, which enable() can set for its own thread only,
+# so other threads' graphs keep the capture's order (a "hook_order" decision). A second block in
+# another thread would swap the compiler under the first one's backwards: it is refused.
+def _overlapping(outer: session.Session) -> UnsupportedError:
+    if outer.thread is not threading.current_thread():
+        return UnsupportedError(
+            f"aotkit.compiled_autograd.enable() is active in another thread ({outer.thread.name})"
+            "; PyTorch's autograd engine holds one compiled-autograd compiler per process, so "
+            "enable() blocks cannot overlap across threads (that thread's backwards would run "
+            "this block's compiler). Fix: run compiled-autograd backwards from one thread, or "
+            "serialize the enable() blocks with a lock."
+        )
+    return UnsupportedError(
+        "aotkit.compiled_autograd.enable() is already active; nested enable blocks are not "
+        "supported. Exit the outer block first, or switch compilers between blocks."
+    )
 
 
 def _forget_other_compilers(new: session.Session) -> None:

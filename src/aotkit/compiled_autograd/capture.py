@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,8 +84,9 @@ class Capture(GraphBuilder):
             )
         self.id = next(_ids)
         # The nodes in the order eager would run them: See Note [Eager node order].
-        self.eager_order = engine_order.execution_order()
+        self.eager_order, self.order_unknown = engine_order.execution_order()
         self.name = f"aotkit_compiled_autograd_{self.id}"
+        self._note_foreign_thread()
         self.input_shapes = [tuple(x.shape) for x in inputs]
         self.example = Example(list(inputs), list(sizes), list(scalars))
         inputs_p, self.sizes_p, self.scalars_p, self.hooks_p, self.packed_p = self.start_graph()
@@ -99,6 +101,17 @@ class Capture(GraphBuilder):
         # Capture must not add shape guards: the engine's cache decides when to capture again.
         self.stack.enter_context(_suppress_guards(self.shape_env))
         return self.name, inputs, sym_sizes, sym_scalars
+
+    def _note_foreign_thread(self) -> None:
+        """A backward in another thread than the enable() block's is captured too: the engine
+        holds one compiler per process (Note [Backwards in other threads])."""
+        here, block = threading.current_thread(), self.session.thread
+        if here is not block:
+            counters.record(
+                "thread", "compiled_autograd",
+                f"{self.name}: captured a backward run in thread {here.name} while the enable() "
+                f"block of thread {block.name} is active; PyTorch's engine compiles every "
+                "thread's backward while a compiler is set", logger=log)
 
     def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any = None) -> fx.Proxy:
         proxy = self.tracer.create_proxy("call_function", fn, self.to_proxy(args), kwargs or {})
@@ -292,9 +305,7 @@ class Capture(GraphBuilder):
     def _follow_eager_order(self, graph: fx.Graph) -> None:
         """Put the recorded calls in eager's node order. See Note [Eager node order]."""
         if self.eager_order is None:
-            why = ("autograd cannot list eager's node order when several backward roots are "
-                   "outputs of one autograd node (e.g. backward(list(x.chunk(2))))")
-            ranks = None
+            why, ranks = self.order_unknown, None
         else:
             why = ("could not match the engine's capture order to eager's node order (several "
                    "backward roots alike in structure, or depending on each other)")

@@ -24,17 +24,20 @@ import torch
 MAX_ROOT_ORDERS = 24
 
 
-def execution_order() -> list[Any] | None:
-    """The autograd nodes of the running backward, in the order eager would run them, or
-    ``None`` where autograd cannot list them: when several backward roots are outputs of one
-    node (``backward(list(x.chunk(2)))``), autograd's listing visits that node once per root
-    and fails an internal assert."""
+def execution_order() -> tuple[list[Any] | None, str]:
+    """The autograd nodes of the running backward, in the order eager would run them; or
+    ``None`` and why autograd cannot list them."""
     try:
-        return list(torch._C._current_graph_task_execution_order())
+        return list(torch._C._current_graph_task_execution_order()), ""
     except RuntimeError as exc:
-        if "INTERNAL ASSERT" not in str(exc):
-            raise
-        return None
+        if "INTERNAL ASSERT" in str(exc):  # it visits that node once per root and asserts
+            return None, ("autograd cannot list eager's node order when several backward roots "
+                          "are outputs of one autograd node (e.g. backward(list(x.chunk(2))))")
+        if "multithreading disabled" in str(exc):
+            return None, ("autograd lists eager's node order only in a thread whose backward "
+                          "runs with multithreading disabled, as enable() sets for its own "
+                          "thread; this backward runs in another thread")
+        raise
 
 
 def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> dict[int, int] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class Session:
     captures: int = 0
     #: See Note [Compiler identity].
     identity: tuple[Any, ...] = field(init=False)
+    #: The thread that entered the block (the engine's compiler slot is one per process).
+    thread: threading.Thread = field(default_factory=threading.current_thread)
 
     def __post_init__(self) -> None:
         self.identity = compiler_identity(self.compiler_fn)

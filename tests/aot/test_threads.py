@@ -1,0 +1,85 @@
+"""Compiled functions called from several threads at once (Note [One compile at a time])."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx._symbolic_trace as symbolic_trace
+from torch import nn
+
+import aotkit
+from aotkit import counters
+
+THREADS = 8
+
+
+def run_together(work: Callable[[int], Any]) -> list[Any]:
+    """``work(i)`` in THREADS threads released at the same moment; the results, or raises the
+    first exception a thread hit."""
+    barrier = threading.Barrier(THREADS)
+    results: list[Any] = [None] * THREADS
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_first_calls_from_many_threads_trace_each_signature_once() -> None:
+    counters.reset()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.cos() * x
+
+    f = aotkit.aot_function(fn, aotkit.compilers.nop)
+    xs = [torch.randn(4 + i % 3, requires_grad=True) for i in range(THREADS)]
+
+    def work(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = f(xs[i])
+        out.sum().backward()
+        return out.detach(), xs[i].grad
+
+    for i, (out, grad) in enumerate(run_together(work)):
+        x = xs[i].detach().requires_grad_()
+        expected = fn(x)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
+    assert f.num_entries == 3
+    assert counters.counters["aot"]["traces"] == 3
+    assert counters.counters["aot"]["bw_compiles"] == 3
+    assert not symbolic_trace.is_fx_tracing()  # FX's global flag is not left set
+
+
+def test_modules_and_functions_compiled_in_parallel_threads_match_eager() -> None:
+    torch.manual_seed(0)
+    modules = [nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 2)) for _ in range(THREADS)]
+    x = torch.randn(4, 3)
+
+    def work(i: int) -> list[torch.Tensor]:
+        compiled = aotkit.aot_module(modules[i], aotkit.compilers.nop)
+        compiled(x).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in modules[i].parameters()]
+        modules[i].zero_grad()
+        modules[i](x).pow(2).sum().backward()  # eager, on the same parameters
+        return [*grads, *(p.grad for p in modules[i].parameters())]
+
+    for grads in run_together(work):
+        half = len(grads) // 2
+        for compiled, eager in zip(grads[:half], grads[half:], strict=True):
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
