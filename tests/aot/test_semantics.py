@@ -1273,3 +1273,21 @@ def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
         for o, e in zip(out, expected, strict=True):
             torch.testing.assert_close(o, e)
     assert "CPU autocast changed: torch.bfloat16 -> torch.float16" in str(aotkit.explain())
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_function_does_not_keep_the_first_calls_tensors(dynamic):
+    import gc
+    import weakref
+
+    f = aotkit.aot_function(lambda x, y: x.relu() * y, compilers.nop, dynamic=dynamic)
+    x, y = torch.randn(8, requires_grad=True), torch.randn(8)
+    f(x, y).sum().backward()
+    refs = [weakref.ref(x), weakref.ref(y)]
+    del x, y
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert f.num_entries == 1
+    x = torch.randn(8, requires_grad=True)
+    f(x, torch.ones(8)).sum().backward()  # the kept entry still serves later calls
+    assert torch.equal(x.grad, (x > 0).float())

@@ -402,8 +402,12 @@ def _fake_mode(dynamic: bool) -> FakeTensorMode:
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
                   spec: pytree.TreeSpec, name: str) -> FlatFn:
-    """``fn`` as a function of its tensor leaves; non-tensor leaves are baked in as constants."""
+    """``fn`` as a function of its tensor leaves; non-tensor leaves are baked in as constants.
+    The call's tensors are not kept: a lazy backward trace would otherwise hold a first batch
+    alive as long as the compiled function."""
     template = list(leaves)
+    for i in positions:
+        template[i] = None
 
     def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
         full = list(template)
