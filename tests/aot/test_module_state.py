@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import aotkit
 from aotkit import compilers
@@ -350,3 +351,57 @@ def test_forward_hook_keeping_a_feature_on_its_module():
         torch.testing.assert_close(_step(compiled, x), _step(eager, x))
         assert type(twin[1].feature) is torch.Tensor
         torch.testing.assert_close(twin[1].feature, eager[1].feature)
+
+
+def test_hooks_with_side_effects_are_named_in_a_warning(caplog):
+    """See Note [Module hooks]: a hook's Python side effects happen while tracing only."""
+    kept: list[torch.Tensor] = []
+
+    def store(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        kept.append(out)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model[0].register_forward_hook(store)
+    model[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with caplog.at_level("WARNING", logger="aotkit"):
+        aotkit.aot_module(model, compilers.nop)(torch.randn(3, 4)).sum().backward()
+    (decision,) = aotkit.explain().of_kind("hook")
+    assert "forward hook test_hooks_with_side_effects_are_named_in_a_warning.<locals>.store " \
+           "on '0' (Linear)" in decision.why
+    assert "backward hook" in decision.why and "torch.compile" in decision.why
+    assert any(r.levelname == "WARNING" and "store" in r.getMessage() for r in caplog.records)
+
+
+def test_pytorch_tensor_only_hooks_are_not_reported():
+    def model() -> nn.Module:  # built twice: pruned modules cannot be deep-copied
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+        prune.l1_unstructured(m[1], "weight", amount=0.5)
+        return m
+
+    eager, twin = model(), model()
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        _assert_same_state(twin, eager)
+    assert not aotkit.explain().of_kind("hook")
+
+
+def test_adding_or_removing_a_hook_after_compiling_recompiles():
+    torch.manual_seed(0)
+    eager, twin, compiled = _pair(_TwoLayers())
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+    handles = [m.a.register_forward_hook(lambda module, inputs, out: out * 2)
+               for m in (eager, twin)]
+    for _ in range(2):
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        _assert_same_state(twin, eager)
+    (decision,) = aotkit.explain().of_kind("recompile")
+    assert decision.why == "module hooks added or removed"
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(_step(compiled, x), _step(eager, x))  # the first entry again
+    _assert_same_state(twin, eager)
+    assert compiled.num_entries == 2

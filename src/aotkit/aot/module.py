@@ -56,6 +56,7 @@ class _Layout:
     names: list[str]                # state tensor names, in input order
     slots: list[_Slot]
     attributes: list[tuple[str, dict[str, Any]]]  # every module's name and __dict__
+    hooks: list[tuple[str, str, Any]]  # (module name or "every module", kind, hook)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -109,6 +110,7 @@ class AotModule(nn.Module):
         name = f"aot_module({type(module).__name__})"
         if self._last is not None:
             counters.record("recompile", name, _describe(self._last.layout, layout), logger=log)
+        _record_hooks(name, layout.hooks)
         names = layout.names
 
         def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -150,10 +152,67 @@ def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
     for m in root.modules():
         p, b = m._parameters, m._buffers
         key.append((id(m), m.training, *p, None, *b, None, *m._modules))
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            key.append(tuple(map(tuple, _hook_tables(m))))
         params.extend(p.values())
         buffers.extend(b.values())
+    if any(_global_hook_tables()):
+        key.append(tuple(map(tuple, _global_hook_tables())))
     state, slots = _unique([*params, *buffers])
     return (tuple(key), slots), state
+
+
+# Note [Module hooks]
+# Module hooks run inside the traced forward (forward and pre-hooks) or its traced backward
+# (full backward hooks, through the BackwardHook function they insert). What they compute on
+# tensors is in the graph: a hook that scales an output, pruning's and spectral_norm's weight
+# recomputation. Their Python side effects (storing an activation, counting calls, logging a
+# gradient norm) happen while tracing only, with tracing tensors, never when the compiled module
+# runs (tensors set as module attributes excepted: see Note [Module state as graph inputs]).
+# So the hooks are part of the layout (adding or removing one compiles again, with the reason),
+# and hooks other than PyTorch's own tensor-only ones get a "hook" decision, logged as a
+# warning, that names them and torch.compile, whose Dynamo replays hook side effects.
+_HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
+
+
+def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
+    return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
+
+
+def _global_hook_tables() -> tuple[dict[int, Any], ...]:
+    from torch.nn.modules import module
+
+    return (module._global_forward_pre_hooks, module._global_forward_hooks,
+            module._global_backward_pre_hooks, module._global_backward_hooks)
+
+
+def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:
+    tables = [(name, _hook_tables(m)) for name, m in modules]
+    tables.append(("every module", _global_hook_tables()))
+    return [(name, kind, hook) for name, kinds in tables
+            for kind, table in zip(_HOOK_KINDS, kinds, strict=True) for hook in table.values()]
+
+
+def _record_hooks(name: str, hooks: Sequence[tuple[str, str, Any]]) -> None:
+    """See Note [Module hooks]."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    own = (BasePruningMethod, SpectralNorm, WeightNorm)
+    user = [f"{kind} {getattr(hook, '__qualname__', repr(hook))} on {where}"
+            for where, kind, hook in hooks if not isinstance(hook, own)]
+    if user:
+        counters.record(
+            "hook", name,
+            f"{'; '.join(user)}: traced with the forward and backward, so what they compute on "
+            "tensors is in the graph and tensors they set as module attributes are set after "
+            "each call, but their other Python side effects (appending outputs to a list, "
+            "counting calls, logging gradients) happen only while tracing, with tracing "
+            "tensors, never when the compiled module runs. Fix: torch.compile(model, "
+            "backend='aotkit') runs hooks' side effects as eager does; or register tensor "
+            "hooks on the compiled module's outputs.",
+            logger=log, level=logging.WARNING)
 
 
 def _unique(tensors: Iterable[torch.Tensor | None]) -> tuple[list[torch.Tensor], Hashable]:
@@ -192,7 +251,8 @@ def _layout(root: nn.Module) -> _Layout:
                     index[id(t)] = len(names)
                     names.append(qualified)
                 slots.append(_Slot(table, key, index[id(t)], qualified, is_buffer))
-    return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules])
+    return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
+        [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]))
 
 
 @contextlib.contextmanager
@@ -309,6 +369,8 @@ def _describe(old: _Layout, new: _Layout) -> str:
                                                          or "same names in a new order"))
     elif [(s.name, s.index) for s in old.slots] != [(s.name, s.index) for s in new.slots]:
         reasons.append("weights tied differently")
+    if old.hooks != new.hooks:
+        reasons.append("module hooks added or removed")
     return "; ".join(reasons) or "the module's layout changed (a submodule was replaced)"
 
 
