@@ -321,3 +321,23 @@ def test_compiled_optimizer_step_with_a_learning_rate_scheduler(backend: str) ->
     # SGD passes lr as alpha=, a Scalar a tensor cannot replace: Dynamo specializes it.
     [decision] = aotkit.explain().of_kind("specialize")
     assert "0-d tensor" in decision.why
+
+
+@pytest.mark.parametrize("backend", ["aotkit", "aot_eager"])
+def test_an_untraceable_backward_makes_dynamo_split_the_graph(backend: str) -> None:
+    """Note [Graph breaks for Dynamo]: complex SVD's backward checks gauge invariance with
+    aten.allclose, a data-dependent value; Dynamo runs that part eagerly, as for aot_eager."""
+    def f(a: torch.Tensor) -> torch.Tensor:
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        return s.sum() + (u * vh.mT).abs().sum()
+
+    torch.manual_seed(0)
+    a = torch.randn(3, 3, dtype=torch.complex64, requires_grad=True)
+    b = a.detach().clone().requires_grad_()
+    f(a).backward()
+    torch.compile(f, backend=backend)(b).backward()
+    torch.testing.assert_close(b.grad, a.grad)
+    if backend == "aotkit":
+        breaks = aotkit.explain().of_kind("graph_break")  # Dynamo retries once before splitting
+        assert breaks and all("aten.allclose" in d.why and "DataDependentOutputException" in d.why
+                              for d in breaks)

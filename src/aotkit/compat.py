@@ -80,6 +80,14 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
+def dynamo_fallback_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions at which Dynamo splits its graph when a backend raises them (instead of
+    failing the compile): ``torch._dynamo.exc.exceptions_allowed_to_be_fallback``."""
+    from torch._dynamo import exc
+
+    return tuple(getattr(exc, "exceptions_allowed_to_be_fallback", ()))
+
+
 # --- compiled autograd: the C++ engine's private protocol -------------------------------------
 # Note [Compiled autograd protocol]
 # The C++ autograd engine (torch/csrc/dynamo/python_compiled_autograd.cpp) calls a Python object

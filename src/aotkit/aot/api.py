@@ -39,7 +39,7 @@ from aotkit.aot.trace import (
     tracing,
     tracing_active,
 )
-from aotkit.compat import FakeTensorMode, keep_stack_traces_of
+from aotkit.compat import FakeTensorMode, dynamo_fallback_errors, keep_stack_traces_of
 from aotkit.errors import (
     AotkitError,
     ArgumentError,
@@ -513,7 +513,11 @@ def aot_module_simplified(
         return pytree.tree_flatten(out)
 
     name = f"aot_module_simplified({_region(mod)})"
-    graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
+    try:
+        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
+    except AotkitError as exc:
+        _let_dynamo_split(exc, name)
+        raise
     unflatten = graphs.meta.unflatten
 
     def forward(*runtime_args: Any) -> Any:
@@ -521,6 +525,25 @@ def aot_module_simplified(
 
     forward.graphs = graphs  # type: ignore[attr-defined]
     return forward
+
+
+# Note [Graph breaks for Dynamo]
+# Dynamo splits its graph where a backend raises one of fake tensors' "cannot trace this"
+# exceptions (data-dependent output or shape, an op without a fake kernel) and runs that part
+# eagerly, as it does for backend="aot_eager". aotkit turns those into TraceError or
+# UnsupportedError with a fix; under a Dynamo compile the original exception is raised instead,
+# so torch.compile splits the graph as our message promises, and a "graph_break" decision keeps
+# our message.
+def _let_dynamo_split(exc: AotkitError, name: str) -> None:
+    """See Note [Graph breaks for Dynamo]: raise ``exc``'s fake-tensor cause under Dynamo."""
+    from torch._guards import TracingContext
+
+    cause = exc.__cause__
+    if TracingContext.try_get() is None or not isinstance(cause, dynamo_fallback_errors()):
+        return
+    counters.record("graph_break", name, f"{str(exc).splitlines()[0]} Dynamo splits its graph "
+                    f"there and runs that part eagerly ({type(cause).__name__}).", logger=log)
+    raise cause.with_traceback(cause.__traceback__) from None
 
 
 def _region(mod: nn.Module) -> str:
