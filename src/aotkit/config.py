@@ -121,12 +121,18 @@ def _check(option: Option, value: Any) -> Any:
 
 
 _values: dict[str, Any] = {}
+_key: list[tuple[tuple[str, Any], ...]] = []  # cache_key(), computed once per set of values
+
+
+def _write(name: str, value: Any) -> None:
+    _values[name] = value
+    _key.clear()
 
 
 def _load_environment() -> None:
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
-        _values[option.name] = option.default if text is None else _from_environment(option, text)
+        _write(option.name, option.default if text is None else _from_environment(option, text))
 
 
 def _from_environment(option: Option, text: str) -> Any:
@@ -148,11 +154,12 @@ def patch(**changes: Any) -> Iterator[None]:
             if name not in _OPTIONS:
                 raise ConfigError(_unknown(name))
             previous = _values[name]
-            _values[name] = _check(_OPTIONS[name], value)
+            _write(name, _check(_OPTIONS[name], value))
             saved[name] = previous
         yield
     finally:
-        _values.update(saved)
+        for name, value in saved.items():
+            _write(name, value)
 
 
 def options() -> dict[str, Option]:
@@ -162,7 +169,9 @@ def options() -> dict[str, Option]:
 
 def cache_key() -> tuple[tuple[str, Any], ...]:
     """The values of the options that change generated code, for cache keys."""
-    return tuple((n, _values[n]) for n, o in _OPTIONS.items() if o.in_cache_key)
+    if not _key:  # called at every call of a compiled function: see aotkit.aot.signature
+        _key.append(tuple((n, _values[n]) for n, o in _OPTIONS.items() if o.in_cache_key))
+    return _key[0]
 
 
 class _ConfigModule(types.ModuleType):
@@ -175,7 +184,7 @@ class _ConfigModule(types.ModuleType):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OPTIONS:
-            _values[name] = _check(_OPTIONS[name], value)
+            _write(name, _check(_OPTIONS[name], value))
         elif name.startswith("_") or name in self.__dict__:
             super().__setattr__(name, value)
         else:
