@@ -24,22 +24,22 @@ Compile = Callable[[Callable[..., Any]], Callable[..., Any]]
 SEED = 42
 
 
-def supported_ops() -> list[Any]:
-    """OpInfos with float32 on CPU and autograd, in ``op_db`` order."""
+def supported_ops(dtype: torch.dtype = torch.float32) -> list[Any]:
+    """OpInfos with ``dtype`` on CPU and autograd, in ``op_db`` order."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    return [
-        op for op in op_db
-        if torch.float32 in op.supported_dtypes("cpu") and op.supports_autograd
-    ]
+    return [op for op in op_db if dtype in op.supported_dtypes("cpu") and op.supports_autograd]
 
 
-def samples(op: Any, max_samples: int | None = None) -> Iterator[Any]:
-    """The op's float32 CPU samples with ``requires_grad=True``, reproducibly generated: the
+def samples(op: Any, max_samples: int | None = None, dtype: torch.dtype = torch.float32,
+            noncontiguous: bool = False) -> Iterator[Any]:
+    """The op's CPU samples of ``dtype`` (made non-contiguous if asked), with
+    ``requires_grad=True`` where the op differentiates that dtype, reproducibly generated: the
     generator draws from its own seeded RNG state, whatever runs between two samples."""
     outer = torch.get_rng_state()
     torch.manual_seed(SEED)
-    it = iter(op.sample_inputs("cpu", torch.float32, requires_grad=True))
+    differentiable = dtype in op.supported_backward_dtypes("cpu")
+    it = iter(op.sample_inputs("cpu", dtype, requires_grad=differentiable))
     state = torch.get_rng_state()
     torch.set_rng_state(outer)
     count = 0
@@ -54,7 +54,7 @@ def samples(op: Any, max_samples: int | None = None) -> Iterator[Any]:
         if sample is None:
             return
         count += 1
-        yield sample
+        yield sample.noncontiguous() if noncontiguous else sample
 
 
 def first_sample(op: Any) -> Any:
