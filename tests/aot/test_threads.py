@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.fx._symbolic_trace as symbolic_trace
 from torch import nn
@@ -14,6 +15,15 @@ import aotkit
 from aotkit import counters
 
 THREADS = 8
+
+# Fake tensor modes swap the CUDA device guard for a no-op on entry when CUDA is built but no
+# device is present; on torch 2.11 that races with ops running in other threads and crashes the
+# process (torch.compile(backend="aot_eager") from several threads crashes the same way).
+pytestmark = pytest.mark.skipif(
+    torch.version.cuda is not None and not torch.cuda.is_available(),
+    reason="a CUDA build without a CUDA device: PyTorch's fake-tensor device-guard swap races "
+           "with other threads' ops",
+)
 
 
 def run_together(work: Callable[[int], Any]) -> list[Any]:
