@@ -1291,3 +1291,16 @@ def test_compiled_function_does_not_keep_the_first_calls_tensors(dynamic):
     x = torch.randn(8, requires_grad=True)
     f(x, torch.ones(8)).sum().backward()  # the kept entry still serves later calls
     assert torch.equal(x.grad, (x > 0).float())
+
+
+def test_composite_reading_tensor_data_is_traced_through_python_decompositions():
+    """Note [Python dispatcher]: complex istft's C++ kernel checks its window with aten.equal,
+    which fake tensors cannot answer; the trace is taken again with the Python dispatcher."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 2, dtype=torch.complex64, requires_grad=True)
+    check_against_eager(lambda x: torch.istft(x, n_fft=10, window=torch.ones(10)), x)
+    (decision,) = counters.explain().of_kind("python_dispatcher")
+    assert "aten.equal" in decision.why
+    with pytest.raises(TraceError, match="masked_select"):  # data-dependent in Python too
+        aotkit.aot_function(lambda x: x.masked_select(x > 0), compilers.nop)(torch.randn(4))
+    assert len(counters.explain().of_kind("python_dispatcher")) == 1

@@ -36,6 +36,7 @@ from aotkit.aot.trace import (
     refuse_kept_outputs,
     trace_inference,
     trace_joint,
+    trace_with_fallback,
     tracing,
     tracing_active,
 )
@@ -103,16 +104,22 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
-    with tracing(mode, name) as generators:
-        meta, fw_out_fakes = analyze(flat_fn, args)
-        if training:
+    primals = [_as_leaf(a) for a in args]
+
+    def trace(python_dispatcher: bool) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
+        with tracing(mode, name, python_dispatcher=python_dispatcher) as generators:
+            meta, fw_out_fakes = analyze(flat_fn, args)
+            if not training:
+                _refuse_grad_without_inputs(meta, name)
+                return meta, fw_out_fakes, trace_inference(
+                    flat_fn, args, meta, options.decompositions,
+                    options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
-            primals = [_as_leaf(a) for a in args]
             gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions)
-        else:
-            _refuse_grad_without_inputs(meta, name)
-            gm = trace_inference(flat_fn, args, meta, options.decompositions,
-                                 options.keep_inference_input_mutations)
+            return meta, fw_out_fakes, gm, generators
+
+    (meta, fw_out_fakes, gm, generators), python_dispatcher = trace_with_fallback(
+        trace, mode, name)
 
     def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         if from_dynamo:
@@ -136,7 +143,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
         traced again in the forward's grad mode and autocast state, not the caller's."""
-        with tracing(mode, name, generators), torch.enable_grad(), autocast_as(forward_autocast):
+        with tracing(mode, name, generators, python_dispatcher), torch.enable_grad(), \
+                autocast_as(forward_autocast):
             joint = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
                                 autocast)
         new_fw_gm, new_bw_gm = _partition(options.partition_fn, simplify(joint), args,

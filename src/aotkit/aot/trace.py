@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aotkit import config
+from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
@@ -50,6 +50,7 @@ from aotkit.partition.graph import is_impure
 log = logging.getLogger("aotkit.aot")
 
 FlatFn = Callable[..., tuple[list[Any], pytree.TreeSpec]]
+_T = TypeVar("_T")
 
 # Note [One compile at a time]
 # FX keeps tracing state in module globals (torch.fx._symbolic_trace's patcher and its
@@ -70,19 +71,51 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) 
     return mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
 
 
+# Note [Python dispatcher]
+# The Python dispatcher is what lets composite ops decompose with symbolic sizes. Where no size
+# is symbolic (no ShapeEnv, or a static Dynamo graph's ShapeEnv that holds no symbol) we leave
+# it off: composites run their C++ kernels like eager, aliasing included (its Python
+# decomposition of eval-mode dropout copies where eager returns the input), and fast (its
+# Python ``matmul`` took a fifth of a TinyTransformer's trace). A few C++ composites read tensor
+# data to check their arguments (complex istft checks its window's envelope with aten.equal),
+# which fake tensors cannot answer, where their Python decompositions check with torch._check
+# or not at all: a static trace that fails on a data-dependent value is traced again with the
+# Python dispatcher on, with a "python_dispatcher" decision saying why.
+def _symbolic(mode: FakeTensorMode) -> bool:
+    return mode.shape_env is not None and has_symbols(mode.shape_env)
+
+
+def trace_with_fallback(trace: Callable[[bool], _T], mode: FakeTensorMode, what: str
+                        ) -> tuple[_T, bool]:
+    """``trace(python_dispatcher)``, first without the Python dispatcher, then, where a static
+    trace failed on a data-dependent value, with it (Note [Python dispatcher]). Also returns
+    whether it was on, for later traces of the same function."""
+    try:
+        return trace(False), False
+    except TraceError as exc:
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+
+        if _symbolic(mode) or not isinstance(exc.__cause__, DataDependentOutputException):
+            raise
+        try:
+            traced = trace(True)
+        except Exception:  # data-dependent in Python too: the first error is the one to fix
+            raise exc from exc.__cause__
+        counters.record("python_dispatcher", what, (
+            f"{_first_line(exc)} Traced again with composite ops decomposed in Python, whose "
+            "decompositions do not read tensor data (Note [Python dispatcher])."), logger=log)
+        return traced, True
+
+
 @contextlib.contextmanager
-def tracing(mode: FakeTensorMode, what: str,
-            generators: Sequence[torch.Generator] = ()) -> Iterator[list[torch.Generator]]:
+def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generator] = (),
+            python_dispatcher: bool = False) -> Iterator[list[torch.Generator]]:
     """Enter the fake mode and turn tracing failures into errors that say what to change.
     Yields the generators the function draws from (made outside it); a later trace of the same
-    function passes them back as ``generators``, so they are not taken for ones it creates."""
-    # The Python dispatcher is what lets composite ops decompose with symbolic sizes. Where no
-    # size is symbolic (no ShapeEnv, or a static Dynamo graph's ShapeEnv that holds no symbol) we
-    # leave it off: composites run their C++ kernels like eager, aliasing included (its Python
-    # decomposition of eval-mode dropout copies where eager returns the input), and fast (its
-    # Python ``matmul`` took a fifth of a TinyTransformer's trace).
-    symbolic = mode.shape_env is not None and has_symbols(mode.shape_env)
-    dispatcher = enable_python_dispatcher() if symbolic else contextlib.nullcontext()
+    function passes them back as ``generators``, so they are not taken for ones it creates.
+    The Python dispatcher is on with symbolic sizes or when asked (Note [Python dispatcher])."""
+    on = python_dispatcher or _symbolic(mode)
+    dispatcher = enable_python_dispatcher() if on else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     guard.generators.extend(generators)
     token = _GUARD.set(guard)
@@ -113,7 +146,7 @@ def tracing(mode: FakeTensorMode, what: str,
             "generator (seeded with torch.manual_seed), or use torch >= 2.13."
         ) from exc
     except UnsupportedOperatorException as exc:
-        raise _no_fake_kernel(what, exc, symbolic) from exc
+        raise _no_fake_kernel(what, exc, _symbolic(mode)) from exc
     except RuntimeError as exc:
         if is_nested_compile_refusal(exc):
             raise UnsupportedError(
