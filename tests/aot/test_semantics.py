@@ -700,9 +700,15 @@ def test_recompile_limit():
     with aotkit.config.patch(recompile_limit=2):
         f(torch.zeros(1))
         f(torch.zeros(2))
-        with pytest.raises(RecompileLimitError, match="recompile_limit"):
+        with pytest.raises(RecompileLimitError, match="recompile_limit") as info:
             f(torch.zeros(3))
+        assert "shape of args[0] changed: (2,) -> (3,)" in str(info.value)
         f(torch.zeros(2))  # compiled signatures still run
+    g = aotkit.aot_function(lambda x, n: x * n, compilers.nop)
+    with aotkit.config.patch(recompile_limit=1):
+        g(torch.ones(1), 2)
+        with pytest.raises(RecompileLimitError, match=r"(?s)int 2 -> int 3\).*torch.tensor\(n\)"):
+            g(torch.ones(1), 3)
 
 
 def test_dynamic_value_read_from_a_scalar_tensor_is_not_baked_in():

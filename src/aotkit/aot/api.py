@@ -376,13 +376,6 @@ class AotFunction:
             ) from None
 
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.num_entries >= config.recompile_limit:
-            raise RecompileLimitError(
-                f"{self.name} has been compiled for {self.num_entries} input signatures "
-                f"(aotkit.config.recompile_limit).\nFix: pass dynamic=True if shapes vary, keep "
-                "dtypes/devices/requires_grad stable, or raise the limit with "
-                "aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the reasons."
-            )
         old = self._last_key
         failed = self._entries.get(key)
         if failed and failed[-1].guard is not None:
@@ -395,6 +388,16 @@ class AotFunction:
             why = describe_change(old, key, self._leaf_names(args, kwargs))
         else:
             why = "new input signature"
+        if self.num_entries >= config.recompile_limit:
+            raise RecompileLimitError(
+                f"{self.name} has been compiled for {self.num_entries} input signature(s) "
+                f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
+                "Fix: pass dynamic=True if shapes vary; pass Python numbers that change from "
+                "call to call as tensors (torch.tensor(n)), since other arguments are constants "
+                "of the graph; keep dtypes/devices/requires_grad stable; or raise the limit "
+                "with aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the "
+                "reasons."
+            )
         counters.record("recompile", self.name, why, logger=log)
 
 
