@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from aotkit import counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
@@ -156,8 +157,8 @@ def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
             key.append(tuple(map(tuple, _hook_tables(m))))
         params.extend(p.values())
         buffers.extend(b.values())
-    if any(_global_hook_tables()):
-        key.append(tuple(map(tuple, _global_hook_tables())))
+    if any(every := _global_hook_tables()):
+        key.append(tuple(map(tuple, every)))
     state, slots = _unique([*params, *buffers])
     return (tuple(key), slots), state
 
@@ -180,10 +181,8 @@ def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
 
 
 def _global_hook_tables() -> tuple[dict[int, Any], ...]:
-    from torch.nn.modules import module
-
-    return (module._global_forward_pre_hooks, module._global_forward_hooks,
-            module._global_backward_pre_hooks, module._global_backward_hooks)
+    return (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
 
 
 def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:
