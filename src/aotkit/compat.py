@@ -6,6 +6,7 @@ Everything here is a thin alias over a primitive; callers never test versions th
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,21 +101,49 @@ def _engine() -> Any:
     return torch._C._dynamo.compiled_autograd
 
 
+# Note [The engine's compiler slot]
+# The engine holds one compiler for the whole process. enable() sets it for its block; "off"
+# windows clear it for a while (a trace's own autograd.grad, a replayed graph whose hooks run a
+# backward, disable()). Each saving and restoring the slot itself, threads undid each other:
+# a block exiting while another thread traced had its compiler put back by the trace, left
+# installed after the block. So the slot has one writer here: off windows are counted across
+# threads, the slot stays empty while any is open, and the compiler set meanwhile is
+# remembered and installed when the last one closes. (A backward of the enable() thread that
+# runs while another thread traces is therefore not captured: it runs eagerly.)
+_slot_lock = threading.Lock()
+_slot_off = 0  # off windows open, in all threads
+_slot_wanted: tuple[Any, bool] = (None, False)  # the compiler to hold once none is open
+
+
 def set_autograd_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
-    """Install ``factory`` (called once per capture) as the engine's compiler; returns the prior
-    ``(factory, dynamic)`` pair so it can be restored. ``None`` turns compiled autograd off."""
-    return _engine().set_autograd_compiler(factory, dynamic)
+    """Install ``factory`` (called once per capture) as the engine's compiler, now or when the
+    off windows open close; returns the prior ``(factory, dynamic)`` pair to restore. ``None``
+    turns compiled autograd off (Note [The engine's compiler slot])."""
+    global _slot_wanted
+    with _slot_lock:
+        if _slot_off:
+            prior, _slot_wanted = _slot_wanted, (factory, dynamic)
+            return prior
+        return _engine().set_autograd_compiler(factory, dynamic)
 
 
 @contextlib.contextmanager
 def compiled_autograd_off() -> Iterator[None]:
-    """No compiled autograd inside the block: tracing's own ``autograd.grad`` on fake tensors
-    must run in the plain engine, not be captured as a user backward."""
-    prior = set_autograd_compiler(None, False)
+    """No compiled autograd inside the block, in any thread (Note [The engine's compiler
+    slot]): tracing's own ``autograd.grad`` on fake tensors must run in the plain engine, not
+    be captured as a user backward."""
+    global _slot_off, _slot_wanted
+    with _slot_lock:
+        if not _slot_off:
+            _slot_wanted = _engine().set_autograd_compiler(None, False)
+        _slot_off += 1
     try:
         yield
     finally:
-        set_autograd_compiler(*prior)
+        with _slot_lock:
+            _slot_off -= 1
+            if not _slot_off:
+                _engine().set_autograd_compiler(*_slot_wanted)
 
 
 def clear_autograd_cache() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -123,6 +124,33 @@ def test_enable_in_a_second_thread_raises_and_its_backward_is_captured_exactly()
     [thread] = aotkit.explain().of_kind("thread")
     assert "Thread" in thread.why and "MainThread" in thread.why
     assert "another thread" in aotkit.explain().of_kind("hook_order")[0].why
+
+
+def test_a_block_ending_while_another_thread_traces_leaves_no_compiler_behind() -> None:
+    """Note [The engine's compiler slot]: the trace's off window used to put the ended block's
+    compiler back, and every later backward replayed into a dead session."""
+    in_trace = threading.Event()
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        in_trace.set()
+        time.sleep(0.3)  # the block below ends meanwhile
+        return x.sin()
+
+    def trace_in_another_thread() -> None:
+        x = torch.randn(3, requires_grad=True)
+        aotkit.aot_function(slow, aotkit.compilers.nop)(x).sum().backward()
+
+    thread = threading.Thread(target=trace_in_another_thread)
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        (w * 2).sum().backward()
+        thread.start()
+        in_trace.wait()
+    thread.join()
+    v = torch.randn(3, requires_grad=True)
+    (v * v).sum().backward()  # raised "replayed ... outside enable()" before the fix
+    assert torch.equal(v.grad, 2 * v.detach())
+    assert counts() == (1, 1)
 
 
 def test_create_graph_raises_typed_error_with_workaround() -> None:

@@ -137,11 +137,8 @@ def disable() -> Iterator[None]:
         >>> with aotkit.compiled_autograd.disable():
         ...     w.sum().backward()
     """
-    prior = compat.set_autograd_compiler(None, False)
-    try:
+    with compat.compiled_autograd_off():
         yield
-    finally:
-        compat.set_autograd_compiler(*prior)
 
 
 def reset() -> None:

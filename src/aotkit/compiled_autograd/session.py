@@ -258,8 +258,5 @@ class CompiledBackward:
         for i in self.to_cuda:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
         # A hook inside the graph may run its own backward: that one runs eagerly.
-        prior = compat.set_autograd_compiler(None, False)
-        try:
+        with compat.compiled_autograd_off():
             return fn(inputs, example.sizes, example.scalars, hooks, packed_data)
-        finally:
-            compat.set_autograd_compiler(*prior)
