@@ -81,6 +81,19 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
+@contextlib.contextmanager
+def onednn_off() -> Iterator[None]:
+    """``torch.backends.mkldnn.enabled`` False inside the block (process-wide, as PyTorch keeps
+    it), without ``torch.backends.mkldnn.flags``, which also resets precision settings and warns
+    on builds without Intel GPU support."""
+    prior = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(prior)
+
+
 def dynamo_fallback_errors() -> tuple[type[BaseException], ...]:
     """The exceptions at which Dynamo splits its graph when a backend raises them (instead of
     failing the compile): ``torch._dynamo.exc.exceptions_allowed_to_be_fallback``."""

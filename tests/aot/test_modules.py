@@ -27,7 +27,7 @@ from torch.testing._internal.common_modules import module_db
 from torch.utils import _pytree as pytree
 
 import aotkit
-from aotkit.errors import TraceError, UnsupportedError
+from aotkit.errors import TraceError
 
 SEED = 0
 
@@ -39,17 +39,12 @@ EXPECTED_FAILURES: dict[str, str] = {
 }
 
 # Failures PyTorch's own aot_module does not have; the lead empties this as aotkit is fixed.
-AOTKIT_BUGS: dict[str, str] = {
-    "nn.LSTM": "aotkit bug: mkldnn_rnn_layer (LSTM on CPU) returns an undefined workspace tensor "
-               "the backward saves; aotkit refuses with UnsupportedError, PyTorch's aot_module "
-               "runs it",
-}
+AOTKIT_BUGS: dict[str, str] = {}
 
 # For each listed key, the error the strict xfail must see (a wrong result is ParityError).
 RAISES: dict[str, type[BaseException]] = {
     "nn.GaussianNLLLoss": TraceError,
     "nn.CTCLoss": TraceError,
-    "nn.LSTM": UnsupportedError,
 }
 
 SKIP: dict[str, str] = {}

@@ -30,10 +30,12 @@ from aotkit.aot.signature import (
 from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
 from aotkit.aot.trace import (
     COMPILE_LOCK,
+    Fallback,
     FlatFn,
     autocast_as,
     make_fake,
     refuse_kept_outputs,
+    require_graph_backward,
     trace_inference,
     trace_joint,
     trace_with_fallback,
@@ -106,8 +108,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     )
     primals = [_as_leaf(a) for a in args]
 
-    def trace(python_dispatcher: bool) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
-        with tracing(mode, name, python_dispatcher=python_dispatcher) as generators:
+    def trace(fallback: Fallback) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
+        with tracing(mode, name, fallback=fallback) as generators:
             meta, fw_out_fakes = analyze(flat_fn, args)
             if not training:
                 _refuse_grad_without_inputs(meta, name)
@@ -116,9 +118,10 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                     options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
             gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions)
+            require_graph_backward(gm, fallback)
             return meta, fw_out_fakes, gm, generators
 
-    (meta, fw_out_fakes, gm, generators), python_dispatcher = trace_with_fallback(
+    (meta, fw_out_fakes, gm, generators), fallback = trace_with_fallback(
         trace, mode, name)
 
     def simplify(gm: fx.GraphModule) -> fx.GraphModule:
@@ -143,7 +146,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
         traced again in the forward's grad mode and autocast state, not the caller's."""
-        with tracing(mode, name, generators, python_dispatcher), torch.enable_grad(), \
+        with tracing(mode, name, generators, fallback), torch.enable_grad(), \
                 autocast_as(forward_autocast):
             joint = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
                                 autocast)

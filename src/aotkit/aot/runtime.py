@@ -112,8 +112,6 @@ class CompiledFunction(torch.autograd.Function):
         if graphs.returned_mutations:
             saved = _unshare_with_mutated_inputs(saved, args, graphs.returned_mutations)
         ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
-        if any(s is None for s in saved):
-            _refuse_undefined_saved(graphs, saved, len(ctx.saved_syms))
         anchor = torch.empty(0)
         ctx.save_for_backward(*saved, anchor)
         ctx.graphs = graphs
@@ -173,21 +171,6 @@ def _refuse_double_backward(name: str, anchor: torch.Tensor, grads: Sequence[Any
     for i, g in zip(tensors, guarded, strict=True):
         out[i] = g
     return out
-
-
-def _refuse_undefined_saved(graphs: CompiledGraphs, saved: Sequence[Any], num_syms: int) -> None:
-    """Some kernels return an undefined tensor (None in Python) where their fake kernel promised
-    one, e.g. mkldnn_rnn_layer's workspace (nn.LSTM on CPU). C++ autograd passes it on; a
-    Python call to the backward op cannot, so refuse here rather than fail inside backward."""
-    assert graphs.bw_gm is not None
-    names = [n.name for n in graphs.bw_gm.graph.find_nodes(op="placeholder")][num_syms:]
-    missing = [names[k] for k, s in enumerate(saved) if s is None]
-    raise UnsupportedError(
-        f"{graphs.name}: the compiled forward returned no tensor for the saved value(s) "
-        f"{', '.join(missing)} its backward needs (the kernel gave an undefined tensor, as "
-        "mkldnn_rnn_layer does for nn.LSTM on CPU).\nFix: run that part eagerly, or for "
-        "RNNs on CPU wrap the calls in torch.backends.mkldnn.flags(enabled=False)."
-    )
 
 
 def _distinct_non_differentiable(outs: Sequence[Any], non_differentiable: list[int]) -> list[Any]:

@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.fx as fx
@@ -42,6 +42,7 @@ from aotkit.compat import (
     effect_types,
     has_symbols,
     is_nested_compile_refusal,
+    onednn_off,
     rename_unbacked_symbol,
 )
 from aotkit.errors import TraceError, UnsupportedError
@@ -76,46 +77,82 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) 
 # is symbolic (no ShapeEnv, or a static Dynamo graph's ShapeEnv that holds no symbol) we leave
 # it off: composites run their C++ kernels like eager, aliasing included (its Python
 # decomposition of eval-mode dropout copies where eager returns the input), and fast (its
-# Python ``matmul`` took a fifth of a TinyTransformer's trace). A few C++ composites read tensor
-# data to check their arguments (complex istft checks its window's envelope with aten.equal),
-# which fake tensors cannot answer, where their Python decompositions check with torch._check
-# or not at all: a static trace that fails on a data-dependent value is traced again with the
-# Python dispatcher on, with a "python_dispatcher" decision saying why.
+# Python ``matmul`` took a fifth of a TinyTransformer's trace). Two kinds of composites need
+# another trace, taken once more with a fallback and a "retrace" decision saying why:
+# - composites that read tensor data to check their arguments (complex istft checks its
+#   window's envelope with aten.equal), which fake tensors cannot answer, where their Python
+#   decompositions check with torch._check or not at all: "python_dispatcher", for static
+#   traces;
+# - composites that pick a kernel whose backward a graph cannot call: on CPU, nn.LSTM's
+#   aten.lstm runs oneDNN's mkldnn_rnn_layer (also in its Python decomposition, when the
+#   input needs no grad), which returns an undefined workspace tensor that its backward op
+#   takes (C++ autograd passes it on; a Python call cannot): "onednn_off", oneDNN disabled
+#   while tracing, so lstm becomes ATen matmuls and pointwise ops. PyTorch keeps that flag
+#   process-wide: other threads' eager ops run without oneDNN while such a trace runs (one at
+#   a time, Note [One compile at a time]).
+#: Kernels whose outputs their backward takes but a graph cannot hold (see above).
+_NO_GRAPH_BACKWARD = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
+#: How a trace is taken again (Note [Python dispatcher]); None: as eager runs composites.
+Fallback = Literal["python_dispatcher", "onednn_off"] | None
+_FALLBACK_DOES = {
+    "python_dispatcher": "composite ops decomposed in Python",
+    "onednn_off": "oneDNN off, so composites pick ATen kernels",
+}
+
+
+class _Retrace(Exception):
+    """A trace whose graph cannot run: take it again with oneDNN off."""
+
+
 def _symbolic(mode: FakeTensorMode) -> bool:
     return mode.shape_env is not None and has_symbols(mode.shape_env)
 
 
-def trace_with_fallback(trace: Callable[[bool], _T], mode: FakeTensorMode, what: str
-                        ) -> tuple[_T, bool]:
-    """``trace(python_dispatcher)``, first without the Python dispatcher, then, where a static
-    trace failed on a data-dependent value, with it (Note [Python dispatcher]). Also returns
-    whether it was on, for later traces of the same function."""
-    try:
-        return trace(False), False
-    except TraceError as exc:
-        from torch._subclasses.fake_tensor import DataDependentOutputException
+def require_graph_backward(joint: fx.GraphModule, fallback: Fallback) -> None:
+    """Raise _Retrace (for :func:`trace_with_fallback`) if a joint graph traced without a
+    fallback calls a kernel whose backward the graph cannot call."""
+    found = sorted({str(n.target) for n in joint.graph.nodes if n.target in _NO_GRAPH_BACKWARD})
+    if found and fallback is None:
+        raise _Retrace(f"{', '.join(found)} returns an undefined tensor its backward takes, which "
+                       "a graph cannot pass on.")
 
+
+def trace_with_fallback(trace: Callable[[Fallback], _T], mode: FakeTensorMode, what: str
+                        ) -> tuple[_T, Fallback]:
+    """``trace(fallback)``, first without one, then with the one a failure asks for (Note
+    [Python dispatcher]). Also returns the fallback used, for later traces of the function."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    fallback: Fallback
+    try:
+        return trace(None), None
+    except _Retrace as exc:
+        why, error, fallback = str(exc), None, "onednn_off"
+    except TraceError as exc:
         if _symbolic(mode) or not isinstance(exc.__cause__, DataDependentOutputException):
             raise
-        try:
-            traced = trace(True)
-        except Exception:  # data-dependent in Python too: the first error is the one to fix
-            raise exc from exc.__cause__
-        counters.record("python_dispatcher", what, (
-            f"{_first_line(exc)} Traced again with composite ops decomposed in Python, whose "
-            "decompositions do not read tensor data (Note [Python dispatcher])."), logger=log)
-        return traced, True
+        why, error, fallback = _first_line(exc), exc, "python_dispatcher"
+    try:
+        traced = trace(fallback)
+    except Exception:  # data-dependent in Python too: the first error is the one to fix
+        if error is None:
+            raise
+        raise error from error.__cause__
+    counters.record("retrace", what, f"{why} Traced again with {_FALLBACK_DOES[fallback]} "
+                    "(Note [Python dispatcher]).", logger=log)
+    return traced, fallback
 
 
 @contextlib.contextmanager
 def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generator] = (),
-            python_dispatcher: bool = False) -> Iterator[list[torch.Generator]]:
+            fallback: Fallback = None) -> Iterator[list[torch.Generator]]:
     """Enter the fake mode and turn tracing failures into errors that say what to change.
     Yields the generators the function draws from (made outside it); a later trace of the same
     function passes them back as ``generators``, so they are not taken for ones it creates.
-    The Python dispatcher is on with symbolic sizes or when asked (Note [Python dispatcher])."""
-    on = python_dispatcher or _symbolic(mode)
-    dispatcher = enable_python_dispatcher() if on else contextlib.nullcontext()
+    The Python dispatcher is on with symbolic sizes; ``fallback`` as Note [Python dispatcher]."""
+    python = fallback == "python_dispatcher" or _symbolic(mode)
+    dispatcher = enable_python_dispatcher() if python else contextlib.nullcontext()
+    onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     guard.generators.extend(generators)
     token = _GUARD.set(guard)
@@ -123,7 +160,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     # its ops there when it sees a trace); what it writes must not outlive our trace.
     node_meta = dict(fx_traceback.current_meta)
     try:
-        with mode, dispatcher, _EagerDropout(), compiled_autograd_off(), \
+        with mode, dispatcher, onednn, _EagerDropout(), compiled_autograd_off(), \
                 _saved_tensor_hooks_deferred(), guard:
             yield guard.generators
     except data_dependent_errors() as exc:

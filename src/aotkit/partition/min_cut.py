@@ -60,11 +60,10 @@ _CHEAP_OPS = frozenset({
     aten.lift_fresh_copy, aten.copy,
 })
 
-#: RNN kernels: their workspace/reserve outputs belong to the very call that made them (the
-#: mkldnn one on CPU even returns an undefined tensor), so a backward that recomputed the
-#: kernel would hand its backward op a workspace that is missing or from another call. They
-#: are never recomputed, whatever the budget; where the workspace is undefined the runtime
-#: then refuses the function with an UnsupportedError (aotkit.aot.runtime).
+#: RNN kernels: their workspace/reserve outputs belong to the very call that made them, so a
+#: backward that recomputed the kernel would hand its backward op a workspace from another
+#: call. They are never recomputed, whatever the budget. (oneDNN's, whose workspace is even
+#: undefined, does not reach training graphs: Note [Python dispatcher] in aotkit.aot.trace.)
 _RNN_KERNELS = frozenset({aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn})
 
 #: A reduction whose input is this many times larger than its output is never recomputed.
