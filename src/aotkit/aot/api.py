@@ -28,6 +28,7 @@ from aotkit.aot.signature import (
     signature,
 )
 from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
+from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.trace import (
     COMPILE_LOCK,
     Fallback,
@@ -91,12 +92,18 @@ class AotOptions:
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
-                   mode: FakeTensorMode, from_dynamo: bool = False) -> CompiledGraphs:
+                   mode: FakeTensorMode, from_dynamo: bool = False,
+                   boundary: Boundary | None = None) -> CompiledGraphs:
     """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point.
     ``from_dynamo``: the graph is Dynamo's, whose float arguments are rewritten into tensor ops
-    (Note [Float arguments from Dynamo])."""
+    (Note [Float arguments from Dynamo]). With a ``boundary``, ``args`` are its plain parts
+    (``Boundary.trace_inputs``) and ``flat_fn`` takes the subclasses (Note [Tensor subclasses])."""
+    if boundary is not None:
+        flat_fn = boundary.wrap_fn(flat_fn)
     with COMPILE_LOCK:  # Note [One compile at a time]
-        return _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
+        graphs = _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
+    graphs.boundary = boundary
+    return graphs
 
 
 def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
@@ -353,12 +360,21 @@ class AotFunction:
         if self.num_entries:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        mode = _fake_mode(self.options.dynamic)
-        fakes = [make_fake(mode, leaves[i], k, self.options.dynamic) for k, i in enumerate(positions)]
+        tensors = [leaves[i] for i in positions]
+        subclasses = any(map(is_subclass, tensors))
+        if subclasses and self.options.dynamic:
+            raise _subclass_dynamic(self.name, tensors)
+        # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
+        mode = _fake_mode(self.options.dynamic or subclasses)
+        fakes = [make_fake(mode, t, k, self.options.dynamic) for k, t in enumerate(tensors)]
+        boundary = Boundary.of(fakes)  # Note [Tensor subclasses]
+        if boundary is not None:
+            with mode:
+                fakes = boundary.trace_inputs(fakes)
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
+        graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode, boundary=boundary)
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard)
         self._entries.setdefault(key, []).append(entry)
@@ -402,6 +418,16 @@ class AotFunction:
                 "reasons."
             )
         counters.record("recompile", self.name, why, logger=log)
+
+
+def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedError:
+    kinds = sorted({type(t).__name__ for t in tensors if is_subclass(t)})
+    return UnsupportedError(
+        f"{name} was compiled with dynamic=True and called with tensor subclass arguments "
+        f"({', '.join(kinds)}); aotkit traces subclasses with static sizes only.\nFix: pass "
+        "dynamic=False (a jagged tensor's graph is reused for every raggedness with the same "
+        "total length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
+    )
 
 
 def _fake_mode(dynamic: bool) -> FakeTensorMode:
@@ -517,6 +543,10 @@ def aot_module_simplified(
     tensors = [t for _, t in state]
     mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [_to_fake(mode, x) for x in [*tensors, *args]]
+    boundary = Boundary.of(fakes)
+    if boundary is not None:
+        with mode:
+            fakes = boundary.trace_inputs(fakes)
     options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, len(names),
                          keep_inference_input_mutations, inference_compiler)
 
@@ -528,7 +558,8 @@ def aot_module_simplified(
 
     name = f"aot_module_simplified({_region(mod)})"
     try:
-        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
+        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True,
+                                boundary=boundary)
     except AotkitError as exc:
         _let_dynamo_split(exc, name)
         raise

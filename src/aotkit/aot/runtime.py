@@ -17,6 +17,7 @@ from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
+from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
@@ -41,6 +42,8 @@ class CompiledGraphs:
     backward_under: Callable[[AutocastState], fx.GraphModule] | None = None
     # The compiled backward per autocast state of backward() (Note [Autocast around backward]).
     _bw: dict[AutocastState, Callable[[list[Any]], Any]] = field(default_factory=dict)
+    # Where subclass arguments and outputs are flattened (Note [Tensor subclasses]).
+    boundary: Boundary | None = None
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -197,6 +200,12 @@ def _unshare_with_mutated_inputs(saved: Sequence[Any], args: Sequence[Any], muta
 
 def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     """Run one compiled signature on flat inputs; returns the flat user outputs."""
+    if graphs.boundary is not None:
+        return graphs.boundary.call(functools.partial(_run_plain, graphs), args)
+    return _run_plain(graphs, args)
+
+
+def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
     if graphs.mutates_inputs:

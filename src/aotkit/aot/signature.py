@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit import config
+from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import guard_globals
 from aotkit.errors import UnsupportedError
 
@@ -17,6 +18,9 @@ from aotkit.errors import UnsupportedError
 def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     """What about one flattened argument decides the traced graph."""
     if isinstance(leaf, torch.Tensor):
+        if is_subclass(leaf):  # Note [Tensor subclasses]
+            sub = layout_of(leaf)
+            return (sub.key, *(leaf_key(p, dynamic) for p in parts(leaf, sub)))
         layout = leaf.layout
         if layout is not torch.strided:
             raise UnsupportedError(
@@ -83,13 +87,8 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[
     if len(old[1]) != len(new[1]):
         return f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"
     for name, a, b in zip(names, old[1], new[1], strict=True):
-        if a == b:
-            continue
-        if len(a) == len(b) == len(_FIELDS):
-            for field, x, y in zip(_FIELDS, a, b, strict=True):
-                if x != y:
-                    return f"{field} of {name} changed: {_show(x)} -> {_show(y)}"
-        return f"{name} changed: {_show(a)} -> {_show(b)}"
+        if a != b:
+            return _leaf_change(name, a, b)
     for mode, x, y in zip(_MODES, old[2:-1], new[2:-1], strict=True):
         if x != y:
             return f"{mode} changed: {x} -> {y}"
@@ -97,6 +96,41 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[
         if x != y:
             return f"aotkit.config.{option} changed: {x!r} -> {y!r}"
     return "the signature changed"
+
+
+def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
+    if _is_subclass_key(a) and _is_subclass_key(b) and a[0] == b[0]:
+        parts = _part_names(a[0])
+        for part, x, y in zip(parts, a[1:], b[1:], strict=True):
+            if x != y:
+                return _leaf_change(f"{name}'s {part} (a {a[0][0].__name__} part)", x, y)
+    if len(a) == len(b) == len(_FIELDS):
+        for field, x, y in zip(_FIELDS, a, b, strict=True):
+            if x != y:
+                return f"{field} of {name} changed: {_show(x)} -> {_show(y)}"
+    if _is_subclass_key(a) or _is_subclass_key(b):
+        return f"{name} changed: {_kind(a)} -> {_kind(b)}"
+    return f"{name} changed: {_show(a)} -> {_show(b)}"
+
+
+def _is_subclass_key(key: tuple[Any, ...]) -> bool:
+    """Is this ``leaf_key`` a subclass's: ``(Layout.key, *its parts' keys)``?"""
+    return bool(key) and isinstance(key[0], tuple) and bool(key[0]) and isinstance(key[0][0], type)
+
+
+def _part_names(layout_key: tuple[Any, ...]) -> list[str]:
+    """The names of a subclass's plain parts, in ``parts`` order, from its ``Layout.key``."""
+    _, attrs, _, _, children = layout_key
+    return [f"{attr}.{inner}" if child is not None else attr
+            for attr, child in zip(attrs, children, strict=True)
+            for inner in (_part_names(child) if child is not None else [""])]
+
+
+def _kind(key: tuple[Any, ...]) -> str:
+    if _is_subclass_key(key):
+        cls, attrs, ctx, requires_grad, _ = key[0]
+        return f"{cls.__name__}(parts {', '.join(attrs)}; context {ctx}; requires_grad={requires_grad})"
+    return "a plain tensor" if len(key) == len(_FIELDS) else _show(key)
 
 
 def _structure(s: pytree.TreeSpec | int) -> str:

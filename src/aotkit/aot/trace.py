@@ -31,6 +31,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
+from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import (
     FakeTensor,
     FakeTensorMode,
@@ -330,6 +331,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
 
     def _outside(self, t: torch.Tensor) -> torch.Tensor | None:
         """The outside tensor ``t`` is or views, if any."""
+        if is_subclass(t):  # outside if one of its parts is (Note [Tensor subclasses])
+            return next(filter(None, map(self._outside, parts(t, layout_of(t)))), None)
         if not isinstance(t, (FakeTensor, FunctionalTensor)):
             return t
         view, base = self.views.get(id(t), (None, None))
@@ -690,8 +693,22 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
             outs, [f_primals[i] for i in wrt], f_tangents, allow_unused=True
         )
         for i, g in zip(wrt, found, strict=True):
+            if is_subclass(g):
+                raise _subclass_gradient(g)
             grads[i] = g
     return grads
+
+
+def _subclass_gradient(grad: torch.Tensor) -> UnsupportedError:
+    """A plain input whose gradient is a subclass (a weight used with a TwoTensor-like
+    activation); eager makes its ``.grad`` that subclass. See Note [Tensor subclasses]."""
+    return UnsupportedError(
+        f"the gradient of a plain tensor input of shape {tuple(grad.shape)} is a "
+        f"{type(grad).__name__}: the tensor "
+        "subclass it was combined with propagates into its gradient, which aotkit's graphs "
+        "cannot return for a plain input.\nFix: pass that input as the same subclass too, or "
+        "run this function eagerly (or with backend='aot_eager')."
+    )
 
 
 def _copy_mutations_in_graph(primals: list[Any], outs: list[Any], meta: AotMeta) -> list[Any]:

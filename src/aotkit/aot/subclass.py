@@ -1,0 +1,268 @@
+"""Tensor subclasses at the graph boundary: nested (jagged) tensors, DTensor, and any other
+subclass that implements ``__tensor_flatten__``/``__tensor_unflatten__``.
+
+Note [Tensor subclasses]
+Graphs hold plain tensors only. A subclass argument is flattened into the plain tensors it is
+made of (a jagged tensor's values and offsets), and the traced function rebuilds the subclass
+from them before calling the user's code, whose subclass operations (the subclass's
+``__torch_dispatch__``) trace into ATen operations on those plain tensors; subclass outputs are
+flattened the same way and rebuilt when the compiled graph returns. Both crossings are
+``autograd.Function``s (``_Rebuild``, ``_Unwrap``): the gradient of a rebuilt subclass is
+flattened into gradients of its plain tensors, and gradients of an output's plain tensors are
+rebuilt into a subclass gradient, while tracing the joint graph and when the compiled function
+runs alike. So autograd sees subclass inputs and outputs, as in eager, and the compiled graphs
+never see a subclass. Only a subclass's floating-point (or complex) parts carry gradients; its
+other parts (offsets, lengths) are inputs that need none.
+
+The compiled entry is keyed on each subclass's type, its flatten context and its parts'
+signatures, not on its outer sizes: a jagged tensor's ragged size is a fresh nested int on
+every tensor, and what the graph computes depends on the parts only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx.experimental.sym_node import SymNode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from aotkit.errors import CompilerError
+
+_PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter, nn.Buffer})
+
+
+def is_subclass(x: Any) -> bool:
+    """Is ``x`` a tensor subclass made of plain tensors (``__tensor_flatten__``)?"""
+    return type(x) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(x)
+
+
+@dataclass(eq=False)
+class Layout:
+    """How one subclass tensor is made of plain tensors: its type, the names of its parts
+    (each a plain tensor or, nested, another subclass), the flatten context, its outer
+    size and stride (the latest seen; see ``key``) and whether it requires grad."""
+
+    cls: type
+    attrs: tuple[str, ...]
+    ctx: Any
+    size: Sequence[Any]
+    stride: Sequence[Any]
+    children: tuple[Layout | None, ...]
+    requires_grad: bool
+    key: Hashable = field(init=False)
+    num_plain: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.cls, self.attrs, _freeze(self.ctx), self.requires_grad,
+                    tuple(c.key if c is not None else None for c in self.children))
+        self.num_plain = sum(1 if c is None else c.num_plain for c in self.children)
+
+    def symbols(self) -> list[torch.SymInt]:
+        """Its symbolic outer sizes and strides, then its children's."""
+        own = [s for s in (*self.size, *self.stride) if _is_symbol(s)]
+        return own + [s for c in self.children if c is not None for s in c.symbols()]
+
+    def with_symbols(self, values: Iterator[Any]) -> Layout:
+        """This layout with the values of ``symbols()``, in order, taken from ``values``."""
+        if not self.symbols():
+            return self
+        size = [next(values) if _is_symbol(s) else s for s in self.size]
+        stride = [next(values) if _is_symbol(s) else s for s in self.stride]
+        children = tuple(c and c.with_symbols(values) for c in self.children)
+        return Layout(self.cls, self.attrs, self.ctx, size, stride, children, self.requires_grad)
+
+
+def layout_of(t: torch.Tensor) -> Layout:
+    attrs, ctx = t.__tensor_flatten__()
+    children = tuple(layout_of(inner) if is_subclass(inner := getattr(t, a)) else None
+                     for a in attrs)
+    return Layout(type(t), tuple(attrs), ctx, t.size(), t.stride(), children, t.requires_grad)
+
+
+def _is_symbol(s: Any) -> bool:
+    """A size the graphs compute with: symbolic, a traced jagged size included (a runtime
+    jagged tensor's nested int, which is no symbol, is not)."""
+    return isinstance(s, torch.SymInt) and isinstance(s.node, SymNode)
+
+
+def symbol_values(t: torch.Tensor, layout: Layout) -> list[Any]:
+    """``t``'s values of ``layout.symbols()``."""
+    own = [v for v, s in zip((*t.size(), *t.stride()), (*layout.size, *layout.stride),
+                             strict=True) if _is_symbol(s)]
+    return own + [v for a, c in zip(layout.attrs, layout.children, strict=True) if c is not None
+                  for v in symbol_values(getattr(t, a), c)]
+
+
+def parts(t: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The plain tensors ``t`` is made of, depth first in ``layout``'s order."""
+    out: list[torch.Tensor] = []
+    for attr, child in zip(layout.attrs, layout.children, strict=True):
+        inner = getattr(t, attr)
+        out.extend(parts(inner, child) if child is not None else [inner])
+    return out
+
+
+def differentiable_parts(layout: Layout, plain: Sequence[torch.Tensor]) -> list[bool]:
+    """Which of a subclass's plain parts carry its gradient (see Note [Tensor subclasses])."""
+    return [layout.requires_grad and (p.is_floating_point() or p.is_complex()) for p in plain]
+
+
+def rebuild(layout: Layout, plain: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The subclass ``layout`` describes, made of the next ``layout.num_plain`` tensors."""
+    inner = {a: rebuild(c, plain) if c is not None else next(plain)
+             for a, c in zip(layout.attrs, layout.children, strict=True)}
+    return layout.cls.__tensor_unflatten__(inner, layout.ctx, layout.size, layout.stride)
+
+
+def _freeze(x: Any) -> Hashable:
+    """A hashable stand-in for a flatten context (dicts, lists, specs)."""
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
+
+
+class _Rebuild(torch.autograd.Function):
+    """Plain parts -> subclass; the subclass's gradient flows back to its parts."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: Layout, *plain: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout = layout
+        ctx.set_materialize_grads(False)
+        return rebuild(layout, iter(plain))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        layout: Layout = ctx.layout
+        if grad is None:
+            return (None,) * (1 + layout.num_plain)
+        return (None, *_grad_parts(grad, layout))
+
+
+def _grad_parts(grad: torch.Tensor, layout: Layout) -> list[torch.Tensor | None]:
+    if type(grad) is not layout.cls:
+        raise CompilerError(
+            f"the gradient of a {layout.cls.__name__} input arrived as a "
+            f"{type(grad).__name__}; aotkit passes a tensor subclass's gradient to the "
+            "plain tensors it is made of and needs the gradient to be the same subclass.\nFix: "
+            "make the subclass's backward return its own type, or run this function eagerly."
+        )
+    out: list[torch.Tensor | None] = []
+    for attr, child in zip(layout.attrs, layout.children, strict=True):
+        inner = getattr(grad, attr)
+        if child is not None:
+            out.extend(_grad_parts(inner, child))
+        else:
+            out.append(inner if inner.is_floating_point() or inner.is_complex() else None)
+    return out
+
+
+class _Unwrap(torch.autograd.Function):
+    """Subclass -> its plain parts (aliases); their gradients are rebuilt into the
+    subclass's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, layout: Layout, t: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        plain = parts(t, layout)
+        ctx.layout, ctx.plain = layout, plain
+        ctx.differentiable = differentiable_parts(layout, plain)
+        ctx.set_materialize_grads(False)
+        out = tuple(p.detach() for p in plain)  # new tensor objects: the subclass's stay as they are
+        ctx.mark_non_differentiable(*(o for o, d in zip(out, ctx.differentiable, strict=True)
+                                      if not d))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if all(g is None for g in grads):
+            return None, None
+        filled = [p if not d else g if g is not None else torch.zeros_like(p)
+                  for p, g, d in zip(ctx.plain, grads, ctx.differentiable, strict=True)]
+        return None, rebuild(ctx.layout, iter(filled))
+
+
+def unwrap(layout: Layout, t: torch.Tensor) -> list[torch.Tensor]:
+    return list(_Unwrap.apply(layout, t))
+
+
+@dataclass(eq=False)
+class Boundary:
+    """Where one compiled signature's subclass arguments and outputs are flattened and
+    rebuilt (Note [Tensor subclasses]). ``inputs``: each argument's layout, None for plain
+    tensors; ``outputs``: the same for the traced function's flat outputs.
+
+    The graphs take every subclass argument's parts, then the symbolic sizes and strides of
+    the subclasses themselves (a jagged tensor's ragged size is no part's size), and return
+    the same for subclass outputs, from which they are rebuilt with their runtime sizes."""
+
+    inputs: list[Layout | None]
+    outputs: list[Layout | None] = field(default_factory=list)
+
+    @staticmethod
+    def of(args: Sequence[Any]) -> Boundary | None:
+        """The boundary for ``args``, or None when no argument is a subclass."""
+        layouts = [layout_of(a) if is_subclass(a) else None for a in args]
+        return Boundary(layouts) if any(layouts) else None
+
+    def trace_inputs(self, args: Sequence[Any]) -> list[Any]:
+        """The graphs' inputs for ``args`` (fake or real): each subclass replaced by its parts
+        (the differentiable parts of a subclass that requires grad as new tensors that
+        require grad), then the subclasses' symbolic sizes."""
+        out: list[Any] = []
+        for a, layout in zip(args, self.inputs, strict=True):
+            if layout is None:
+                out.append(a)
+                continue
+            plain = parts(a, layout)
+            # Parts that need no grad stay the objects they are (a fake jagged tensor's offsets
+            # keep the ragged size they are tagged with).
+            out.extend(p.detach().requires_grad_() if d else p
+                       for p, d in zip(plain, differentiable_parts(layout, plain), strict=True))
+        return out + [s for layout in self.inputs if layout is not None for s in layout.symbols()]
+
+    def wrap_fn(self, flat_fn: Callable[..., tuple[list[Any], Any]]) -> Callable[..., tuple[list[Any], Any]]:
+        """``flat_fn`` as a function of the graphs' inputs (see ``trace_inputs``)."""
+
+        def plain_fn(*plain: Any) -> tuple[list[Any], Any]:
+            num_parts = len(plain) - sum(len(x.symbols()) for x in self.inputs if x is not None)
+            it, symbols = iter(plain[:num_parts]), iter(plain[num_parts:])
+            args = [next(it) if layout is None
+                    else _Rebuild.apply(layout.with_symbols(symbols),
+                                        *itertools.islice(it, layout.num_plain))
+                    for layout in self.inputs]
+            outs, spec = flat_fn(*args)
+            self.outputs = [layout_of(o) if is_subclass(o) else None for o in outs]
+            flat = self._flatten(outs, self.outputs)
+            return flat + [s for x in self.outputs if x is not None for s in x.symbols()], spec
+
+        return plain_fn
+
+    def call(self, run: Callable[[list[Any]], list[Any]], args: Sequence[Any]) -> list[Any]:
+        """Run the compiled graphs (``run``, on the graphs' inputs) on subclass arguments."""
+        layouts = [None if x is None else layout_of(a) for a, x in zip(args, self.inputs, strict=True)]
+        symbols = [symbol_values(a, x) for a, x in zip(args, self.inputs, strict=True)
+                   if x is not None]
+        outs = run(self._flatten(args, layouts) + [v for vs in symbols for v in vs])
+        num_parts = len(outs) - sum(len(x.symbols()) for x in self.outputs if x is not None)
+        it, values = iter(outs[:num_parts]), iter(outs[num_parts:])
+        return [next(it) if layout is None
+                else _Rebuild.apply(layout.with_symbols(values),
+                                    *itertools.islice(it, layout.num_plain))
+                for layout in self.outputs]
+
+    @staticmethod
+    def _flatten(values: Sequence[Any], layouts: Sequence[Layout | None]) -> list[Any]:
+        out: list[Any] = []
+        for v, layout in zip(values, layouts, strict=True):
+            out.extend([v] if layout is None else unwrap(layout, v))
+        return out

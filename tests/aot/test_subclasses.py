@@ -1,0 +1,144 @@
+"""Tensor subclasses (jagged nested tensors, TwoTensor) through aot_function, aot_module and
+torch.compile(backend="aotkit"), against eager. See Note [Tensor subclasses]."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
+
+import aotkit
+from aotkit.errors import UnsupportedError
+
+
+def jagged(*lengths: int, requires_grad: bool = True, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nested.nested_tensor([torch.randn(n, 4, generator=g) for n in lengths],
+                                      layout=torch.jagged, requires_grad=requires_grad)
+
+
+def two(requires_grad: bool = True, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return TwoTensor(torch.randn(3, 4, generator=g),
+                     torch.randn(3, 4, generator=g)).requires_grad_(requires_grad)
+
+
+def data(t: torch.Tensor) -> list[torch.Tensor]:
+    """A subclass's plain parts, for comparing values."""
+    if t.is_nested:
+        return [t.values().detach(), t.offsets()]
+    return [t.a.detach(), t.b.detach()] if isinstance(t, TwoTensor) else [t.detach()]
+
+
+def loss(t: torch.Tensor) -> torch.Tensor:
+    return t.values().sum() if t.is_nested else t.sum()
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert type(actual) is type(expected)
+    assert actual.shape[0] == expected.shape[0] and actual.dim() == expected.dim()
+    for a, e in zip(data(actual), data(expected), strict=True):
+        torch.testing.assert_close(a, e)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(nn.functional.gelu(self.lin(x)), dim=-1) * 2
+
+
+def pointwise(x: torch.Tensor) -> torch.Tensor:
+    return x * 3 + x.cos()
+
+
+def two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x * 2
+
+
+def compiled(fn, how: str):
+    if how == "aot_function":
+        return aotkit.aot_function(fn, aotkit.compilers.nop)
+    if how == "aot_module":
+        return aotkit.aot_module(fn, aotkit.compilers.nop)
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aotkit")
+
+
+def check(fn, make, how: str, params: list[torch.Tensor] = ()) -> None:
+    """Outputs, the input's gradient and ``params``' gradients equal eager's."""
+    x_eager, x = make(), make()
+    expected = fn(x_eager)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    sum(map(loss, expected)).backward()
+    eager_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    out = compiled(fn, how)(x)
+    out = out if isinstance(out, tuple) else (out,)
+    for a, e in zip(out, expected, strict=True):
+        assert_same(a, e)
+    sum(map(loss, out)).backward()
+    assert_same(x.grad, x_eager.grad)
+    for p, g in zip(params, eager_grads, strict=True):
+        torch.testing.assert_close(p.grad, g)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+@pytest.mark.parametrize("make", [lambda: jagged(2, 3), two], ids=["jagged", "TwoTensor"])
+@pytest.mark.parametrize("fn", [pointwise, two_outputs, lambda x: x], ids=["pointwise", "two_outputs", "identity"])
+def test_subclass_inputs_and_outputs_match_eager(fn, make, how: str) -> None:
+    check(fn, make, how)
+
+
+@pytest.mark.parametrize("how", ["aot_module", "torch.compile"])
+def test_module_on_jagged_input_trains_like_eager(how: str) -> None:
+    block = Block()
+    check(block, lambda: jagged(2, 3), how, list(block.parameters()))
+
+
+def test_jagged_graph_is_reused_across_raggedness_and_recompiles_for_new_sizes() -> None:
+    f = aotkit.aot_function(pointwise, aotkit.compilers.nop)
+    # Same batch, total, shortest and longest length (which a jagged tensor caches as parts):
+    # one entry for both.
+    for lengths in [(2, 3), (3, 2)]:
+        x = jagged(*lengths)
+        assert_same(f(x), pointwise(x))
+    assert f.num_entries == 1
+    x = jagged(2, 2)
+    assert_same(f(x), pointwise(x))
+    assert f.num_entries == 2
+    why = aotkit.explain().of_kind("recompile")[-1].why
+    assert "shape of args[0]'s _values (a NestedTensor part) changed: (5, 4) -> (4, 4)" in why
+
+
+def test_inference_and_mutation_of_a_subclass_input_show_in_the_caller() -> None:
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return x * 2
+
+    x_eager, x = jagged(2, 3, requires_grad=False), jagged(2, 3, requires_grad=False)
+    with torch.no_grad():
+        expected = bump(x_eager)
+        out = aotkit.aot_function(bump, aotkit.compilers.nop)(x)
+    assert_same(out, expected)
+    assert_same(x, x_eager)
+
+
+def test_plain_input_with_a_subclass_gradient_is_refused() -> None:
+    # linear(TwoTensor, w): eager's w.grad is a TwoTensor, which a graph cannot return for w
+    w = torch.randn(4, 4, requires_grad=True)
+    f = aotkit.aot_function(lambda x, w: nn.functional.linear(x, w), aotkit.compilers.nop)
+    with pytest.raises(UnsupportedError, match=r"gradient of a plain tensor input of shape \(4, 4\) is a TwoTensor"):
+        f(two(), w)
+
+
+def test_dynamic_aot_function_refuses_subclasses() -> None:
+    f = aotkit.aot_function(pointwise, aotkit.compilers.nop, dynamic=True)
+    with pytest.raises(UnsupportedError, match="dynamic=True .* tensor subclass arguments "
+                                               r"\(NestedTensor\)"):
+        f(jagged(2, 3))
