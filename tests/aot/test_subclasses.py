@@ -142,3 +142,25 @@ def test_dynamic_aot_function_refuses_subclasses() -> None:
     with pytest.raises(UnsupportedError, match="dynamic=True .* tensor subclass arguments "
                                                r"\(NestedTensor\)"):
         f(jagged(2, 3))
+
+
+def attention(x: torch.Tensor) -> torch.Tensor:
+    q = x.unflatten(-1, (2, 2)).transpose(1, 2)  # (batch, heads, ragged, 2)
+    return nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).flatten(-2)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+@pytest.mark.parametrize("fn", [
+    lambda x: nn.functional.layer_norm(x, (4,)),  # keeps the input's cached lengths
+    lambda x: x.to_padded_tensor(0.0).sin(),       # a plain output
+], ids=["layer_norm", "to_padded"])
+def test_jagged_ops_match_eager(fn, how: str) -> None:
+    check(fn, lambda: jagged(2, 3), how)
+
+
+def test_jagged_attention_under_torch_compile_matches_eager() -> None:
+    # attention reads the longest length from the offsets' data: aot_function cannot trace
+    # it statically (TraceError), torch.compile makes that length a symbol
+    check(attention, lambda: jagged(2, 3), "torch.compile")
+    with pytest.raises(aotkit.errors.TraceError, match="depends on tensor data"):
+        aotkit.aot_function(attention, aotkit.compilers.nop)(jagged(2, 3))

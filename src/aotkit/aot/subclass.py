@@ -54,12 +54,14 @@ class Layout:
     stride: Sequence[Any]
     children: tuple[Layout | None, ...]
     requires_grad: bool
+    # Per plain part (``parts`` order): does it carry the subclass's gradient?
+    grads: tuple[bool, ...]
     key: Hashable = field(init=False)
     num_plain: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = (self.cls, self.attrs, _freeze(self.ctx), self.requires_grad,
-                    tuple(c.key if c is not None else None for c in self.children))
+                    tuple(c.key if c is not None else None for c in self.children), self.grads)
         self.num_plain = sum(1 if c is None else c.num_plain for c in self.children)
 
     def symbols(self) -> list[torch.SymInt]:
@@ -74,14 +76,26 @@ class Layout:
         size = [next(values) if _is_symbol(s) else s for s in self.size]
         stride = [next(values) if _is_symbol(s) else s for s in self.stride]
         children = tuple(c and c.with_symbols(values) for c in self.children)
-        return Layout(self.cls, self.attrs, self.ctx, size, stride, children, self.requires_grad)
+        return Layout(self.cls, self.attrs, self.ctx, size, stride, children, self.requires_grad,
+                      self.grads)
 
 
 def layout_of(t: torch.Tensor) -> Layout:
     attrs, ctx = t.__tensor_flatten__()
     children = tuple(layout_of(inner) if is_subclass(inner := getattr(t, a)) else None
                      for a in attrs)
-    return Layout(type(t), tuple(attrs), ctx, t.size(), t.stride(), children, t.requires_grad)
+    grads = []
+    for a, child in zip(attrs, children, strict=True):
+        grads.extend(child.grads if child is not None else [_carries_grad(t, getattr(t, a))])
+    return Layout(type(t), tuple(attrs), ctx, t.size(), t.stride(), children, t.requires_grad,
+                  tuple(grads))
+
+
+def _carries_grad(t: torch.Tensor, part: torch.Tensor) -> bool:
+    """Only floating-point parts with elements carry a subclass's gradient: not a jagged
+    tensor's offsets, nor the empty tensors that hold its cached sequence lengths in their
+    sizes."""
+    return t.requires_grad and (part.is_floating_point() or part.is_complex()) and part.numel() != 0
 
 
 def _is_symbol(s: Any) -> bool:
@@ -105,11 +119,6 @@ def parts(t: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
         inner = getattr(t, attr)
         out.extend(parts(inner, child) if child is not None else [inner])
     return out
-
-
-def differentiable_parts(layout: Layout, plain: Sequence[torch.Tensor]) -> list[bool]:
-    """Which of a subclass's plain parts carry its gradient (see Note [Tensor subclasses])."""
-    return [layout.requires_grad and (p.is_floating_point() or p.is_complex()) for p in plain]
 
 
 def rebuild(layout: Layout, plain: Iterator[torch.Tensor]) -> torch.Tensor:
@@ -157,14 +166,7 @@ def _grad_parts(grad: torch.Tensor, layout: Layout) -> list[torch.Tensor | None]
             "plain tensors it is made of and needs the gradient to be the same subclass.\nFix: "
             "make the subclass's backward return its own type, or run this function eagerly."
         )
-    out: list[torch.Tensor | None] = []
-    for attr, child in zip(layout.attrs, layout.children, strict=True):
-        inner = getattr(grad, attr)
-        if child is not None:
-            out.extend(_grad_parts(inner, child))
-        else:
-            out.append(inner if inner.is_floating_point() or inner.is_complex() else None)
-    return out
+    return [g if carries else None for g, carries in zip(parts(grad, layout), layout.grads, strict=True)]
 
 
 class _Unwrap(torch.autograd.Function):
@@ -175,7 +177,7 @@ class _Unwrap(torch.autograd.Function):
     def forward(ctx: Any, layout: Layout, t: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         plain = parts(t, layout)
         ctx.layout, ctx.plain = layout, plain
-        ctx.differentiable = differentiable_parts(layout, plain)
+        ctx.differentiable = layout.grads
         ctx.set_materialize_grads(False)
         out = tuple(p.detach() for p in plain)  # new tensor objects: the subclass's stay as they are
         ctx.mark_non_differentiable(*(o for o, d in zip(out, ctx.differentiable, strict=True)
@@ -227,7 +229,7 @@ class Boundary:
             # Parts that need no grad stay the objects they are (a fake jagged tensor's offsets
             # keep the ragged size they are tagged with).
             out.extend(p.detach().requires_grad_() if d else p
-                       for p, d in zip(plain, differentiable_parts(layout, plain), strict=True))
+                       for p, d in zip(plain, layout.grads, strict=True))
         return out + [s for layout in self.inputs if layout is not None for s in layout.symbols()]
 
     def wrap_fn(self, flat_fn: Callable[..., tuple[list[Any], Any]]) -> Callable[..., tuple[list[Any], Any]]:
