@@ -206,7 +206,7 @@ def size_hint(size: int | torch.SymInt, fallback: int = 4096) -> int:
 
     if hasattr(symbolic_shapes, "optimization_hint"):  # 2.13
         return int(symbolic_shapes.optimization_hint(size, fallback=fallback))
-    return int(symbolic_shapes.hint_int(size, fallback=fallback))  # 2.11
+    return int(symbolic_shapes.size_hint(size, fallback=fallback))  # 2.11 (hint_int: deprecated)
 
 
 # --- Inductor -----------------------------------------------------------------------------------
