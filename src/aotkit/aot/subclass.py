@@ -1,4 +1,4 @@
-"""Tensor subclasses at the graph boundary: nested (jagged) tensors, DTensor, and any other
+"""Tensor subclasses at the graph boundary: jagged nested tensors, ``TwoTensor``, and any other
 subclass that implements ``__tensor_flatten__``/``__tensor_unflatten__``.
 
 Note [Tensor subclasses]
@@ -11,8 +11,11 @@ flattened the same way and rebuilt when the compiled graph returns. Both crossin
 flattened into gradients of its plain tensors, and gradients of an output's plain tensors are
 rebuilt into a subclass gradient, while tracing the joint graph and when the compiled function
 runs alike. So autograd sees subclass inputs and outputs, as in eager, and the compiled graphs
-never see a subclass. Only a subclass's floating-point (or complex) parts carry gradients; its
-other parts (offsets, lengths) are inputs that need none.
+never see a subclass. Only a subclass's floating-point (or complex) parts with elements carry
+gradients; its other parts (offsets, the empty tensors that hold cached lengths in their sizes)
+are inputs that need none. A subclass's symbolic outer sizes (a jagged tensor's ragged size under
+Dynamo, which is no part's size) are graph inputs after the parts, and a subclass output's are
+graph outputs, from which it is rebuilt with its runtime sizes.
 
 The compiled entry is keyed on each subclass's type, its flatten context and its parts'
 signatures, not on its outer sizes: a jagged tensor's ragged size is a fresh nested int on
@@ -58,11 +61,13 @@ class Layout:
     grads: tuple[bool, ...]
     key: Hashable = field(init=False)
     num_plain: int = field(init=False)
+    num_symbols: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = (self.cls, self.attrs, _freeze(self.ctx), self.requires_grad,
                     tuple(c.key if c is not None else None for c in self.children), self.grads)
         self.num_plain = sum(1 if c is None else c.num_plain for c in self.children)
+        self.num_symbols = len(self.symbols())
 
     def symbols(self) -> list[torch.SymInt]:
         """Its symbolic outer sizes and strides, then its children's."""
@@ -71,7 +76,7 @@ class Layout:
 
     def with_symbols(self, values: Iterator[Any]) -> Layout:
         """This layout with the values of ``symbols()``, in order, taken from ``values``."""
-        if not self.symbols():
+        if not self.num_symbols:
             return self
         size = [next(values) if _is_symbol(s) else s for s in self.size]
         stride = [next(values) if _is_symbol(s) else s for s in self.stride]
@@ -177,11 +182,9 @@ class _Unwrap(torch.autograd.Function):
     def forward(ctx: Any, layout: Layout, t: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         plain = parts(t, layout)
         ctx.layout, ctx.plain = layout, plain
-        ctx.differentiable = layout.grads
         ctx.set_materialize_grads(False)
         out = tuple(p.detach() for p in plain)  # new tensor objects: the subclass's stay as they are
-        ctx.mark_non_differentiable(*(o for o, d in zip(out, ctx.differentiable, strict=True)
-                                      if not d))
+        ctx.mark_non_differentiable(*(o for o, d in zip(out, layout.grads, strict=True) if not d))
         return out
 
     @staticmethod
@@ -189,7 +192,7 @@ class _Unwrap(torch.autograd.Function):
         if all(g is None for g in grads):
             return None, None
         filled = [p if not d else g if g is not None else torch.zeros_like(p)
-                  for p, g, d in zip(ctx.plain, grads, ctx.differentiable, strict=True)]
+                  for p, g, d in zip(ctx.plain, grads, ctx.layout.grads, strict=True)]
         return None, rebuild(ctx.layout, iter(filled))
 
 
@@ -236,31 +239,19 @@ class Boundary:
         """``flat_fn`` as a function of the graphs' inputs (see ``trace_inputs``)."""
 
         def plain_fn(*plain: Any) -> tuple[list[Any], Any]:
-            num_parts = len(plain) - sum(len(x.symbols()) for x in self.inputs if x is not None)
-            it, symbols = iter(plain[:num_parts]), iter(plain[num_parts:])
-            args = [next(it) if layout is None
-                    else _Rebuild.apply(layout.with_symbols(symbols),
-                                        *itertools.islice(it, layout.num_plain))
-                    for layout in self.inputs]
-            outs, spec = flat_fn(*args)
+            outs, spec = flat_fn(*_rebuild_all(self.inputs, plain))
             self.outputs = [layout_of(o) if is_subclass(o) else None for o in outs]
-            flat = self._flatten(outs, self.outputs)
-            return flat + [s for x in self.outputs if x is not None for s in x.symbols()], spec
+            symbols = [s for x in self.outputs if x is not None for s in x.symbols()]
+            return self._flatten(outs, self.outputs) + symbols, spec
 
         return plain_fn
 
     def call(self, run: Callable[[list[Any]], list[Any]], args: Sequence[Any]) -> list[Any]:
         """Run the compiled graphs (``run``, on the graphs' inputs) on subclass arguments."""
         layouts = [None if x is None else layout_of(a) for a, x in zip(args, self.inputs, strict=True)]
-        symbols = [symbol_values(a, x) for a, x in zip(args, self.inputs, strict=True)
-                   if x is not None]
-        outs = run(self._flatten(args, layouts) + [v for vs in symbols for v in vs])
-        num_parts = len(outs) - sum(len(x.symbols()) for x in self.outputs if x is not None)
-        it, values = iter(outs[:num_parts]), iter(outs[num_parts:])
-        return [next(it) if layout is None
-                else _Rebuild.apply(layout.with_symbols(values),
-                                    *itertools.islice(it, layout.num_plain))
-                for layout in self.outputs]
+        symbols = [v for a, x in zip(args, self.inputs, strict=True) if x is not None
+                   for v in symbol_values(a, x)]
+        return _rebuild_all(self.outputs, run(self._flatten(args, layouts) + symbols))
 
     @staticmethod
     def _flatten(values: Sequence[Any], layouts: Sequence[Layout | None]) -> list[Any]:
@@ -268,3 +259,13 @@ class Boundary:
         for v, layout in zip(values, layouts, strict=True):
             out.extend([v] if layout is None else unwrap(layout, v))
         return out
+
+
+def _rebuild_all(layouts: Sequence[Layout | None], flat: Sequence[Any]) -> list[Any]:
+    """The values ``layouts`` describe (subclasses rebuilt, the rest as they are) from
+    ``flat``: their parts, then their symbolic sizes, as the graphs take and return them."""
+    num_parts = len(flat) - sum(x.num_symbols for x in layouts if x is not None)
+    it, symbols = iter(flat[:num_parts]), iter(flat[num_parts:])
+    return [next(it) if layout is None
+            else _Rebuild.apply(layout.with_symbols(symbols), *itertools.islice(it, layout.num_plain))
+            for layout in layouts]
