@@ -164,3 +164,41 @@ def test_jagged_attention_under_torch_compile_matches_eager() -> None:
     check(attention, lambda: jagged(2, 3), "torch.compile")
     with pytest.raises(aotkit.errors.TraceError, match="depends on tensor data"):
         aotkit.aot_function(attention, aotkit.compilers.nop)(jagged(2, 3))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-process gloo group (an in-memory store: no port) and its device mesh."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built into this torch")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["aot_module", "torch.compile"])
+def test_dtensor_module_trains_like_eager(mesh, how: str) -> None:
+    # DTensor flattens its device mesh with its local tensor: the mesh is a constant of the
+    # graph, the local tensor an input
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+    def make() -> tuple[nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        block = distribute_module(Block(), mesh)  # parameters become replicated DTensors
+        x = distribute_tensor(torch.randn(3, 4), mesh, [Shard(0)]).requires_grad_()
+        return block, x
+
+    (block_eager, x_eager), (block, x) = make(), make()
+    expected = block_eager(x_eager)
+    expected.sum().backward()
+    out = compiled(block, how)(x)
+    out.sum().backward()
+    assert type(out) is type(expected) and out.placements == expected.placements
+    torch.testing.assert_close(out.to_local(), expected.to_local())
+    torch.testing.assert_close(x.grad.to_local(), x_eager.grad.to_local())
+    for p, q in zip(block.parameters(), block_eager.parameters(), strict=True):
+        assert p.grad.placements == (Replicate(),)
+        torch.testing.assert_close(p.grad.to_local(), q.grad.to_local())

@@ -120,7 +120,7 @@ def _is_subclass_key(key: tuple[Any, ...]) -> bool:
 
 def _part_names(layout_key: tuple[Any, ...]) -> list[str]:
     """The names of a subclass's plain parts, in ``parts`` order, from its ``Layout.key``."""
-    _, attrs, _, _, children, _ = layout_key
+    _, attrs, _, _, children, *_ = layout_key
     return [f"{attr}.{inner}" if child is not None else attr
             for attr, child in zip(attrs, children, strict=True)
             for inner in (_part_names(child) if child is not None else [""])]
@@ -128,7 +128,7 @@ def _part_names(layout_key: tuple[Any, ...]) -> list[str]:
 
 def _kind(key: tuple[Any, ...]) -> str:
     if _is_subclass_key(key):
-        cls, attrs, ctx, requires_grad, _, _ = key[0]
+        cls, attrs, ctx, requires_grad, *_ = key[0]
         return f"{cls.__name__}(parts {', '.join(attrs)}; context {ctx}; requires_grad={requires_grad})"
     return "a plain tensor" if len(key) == len(_FIELDS) else _show(key)
 

@@ -47,11 +47,13 @@ def is_subclass(x: Any) -> bool:
 @dataclass(eq=False)
 class Layout:
     """How one subclass tensor is made of plain tensors: its type, the names of its parts
-    (each a plain tensor or, nested, another subclass), the flatten context, its outer
-    size and stride (the latest seen; see ``key``) and whether it requires grad."""
+    (each a plain tensor or, nested, another subclass), its other flattened attributes
+    (``constants``: a DTensor's device mesh), the flatten context, its outer size and stride
+    (the latest seen; see ``key``) and whether it requires grad."""
 
     cls: type
     attrs: tuple[str, ...]
+    constants: dict[str, Any]
     ctx: Any
     size: Sequence[Any]
     stride: Sequence[Any]
@@ -65,7 +67,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         self.key = (self.cls, self.attrs, _freeze(self.ctx), self.requires_grad,
-                    tuple(c.key if c is not None else None for c in self.children), self.grads)
+                    tuple(c.key if c is not None else None for c in self.children), self.grads,
+                    _freeze(self.constants))
         self.num_plain = sum(1 if c is None else c.num_plain for c in self.children)
         self.num_symbols = len(self.symbols())
 
@@ -81,19 +84,21 @@ class Layout:
         size = [next(values) if _is_symbol(s) else s for s in self.size]
         stride = [next(values) if _is_symbol(s) else s for s in self.stride]
         children = tuple(c and c.with_symbols(values) for c in self.children)
-        return Layout(self.cls, self.attrs, self.ctx, size, stride, children, self.requires_grad,
-                      self.grads)
+        return Layout(self.cls, self.attrs, self.constants, self.ctx, size, stride, children,
+                      self.requires_grad, self.grads)
 
 
 def layout_of(t: torch.Tensor) -> Layout:
-    attrs, ctx = t.__tensor_flatten__()
-    children = tuple(layout_of(inner) if is_subclass(inner := getattr(t, a)) else None
-                     for a in attrs)
+    names, ctx = t.__tensor_flatten__()
+    values = {a: getattr(t, a) for a in names}
+    attrs = tuple(a for a in names if isinstance(values[a], torch.Tensor))
+    constants = {a: v for a, v in values.items() if a not in attrs}
+    children = tuple(layout_of(values[a]) if is_subclass(values[a]) else None for a in attrs)
     grads = []
     for a, child in zip(attrs, children, strict=True):
-        grads.extend(child.grads if child is not None else [_carries_grad(t, getattr(t, a))])
-    return Layout(type(t), tuple(attrs), ctx, t.size(), t.stride(), children, t.requires_grad,
-                  tuple(grads))
+        grads.extend(child.grads if child is not None else [_carries_grad(t, values[a])])
+    return Layout(type(t), attrs, constants, ctx, t.size(), t.stride(), children,
+                  t.requires_grad, tuple(grads))
 
 
 def _carries_grad(t: torch.Tensor, part: torch.Tensor) -> bool:
@@ -130,6 +135,7 @@ def rebuild(layout: Layout, plain: Iterator[torch.Tensor]) -> torch.Tensor:
     """The subclass ``layout`` describes, made of the next ``layout.num_plain`` tensors."""
     inner = {a: rebuild(c, plain) if c is not None else next(plain)
              for a, c in zip(layout.attrs, layout.children, strict=True)}
+    inner.update(layout.constants)
     return layout.cls.__tensor_unflatten__(inner, layout.ctx, layout.size, layout.stride)
 
 
