@@ -66,7 +66,7 @@ def compiled(fn, how: str):
     if how == "aot_module":
         return aotkit.aot_module(fn, aotkit.compilers.nop)
     torch._dynamo.reset()
-    return torch.compile(fn, backend="aotkit")
+    return torch.compile(fn, backend="aotkit_inductor" if how == "inductor" else "aotkit")
 
 
 def check(fn, make, how: str, params: list[torch.Tensor] = ()) -> None:
@@ -149,7 +149,7 @@ def attention(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).flatten(-2)
 
 
-@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile", "inductor"])
 @pytest.mark.parametrize("fn", [
     lambda x: nn.functional.layer_norm(x, (4,)),  # keeps the input's cached lengths
     lambda x: x.to_padded_tensor(0.0).sin(),       # a plain output

@@ -63,27 +63,28 @@ class Layout:
     grads: tuple[bool, ...]
     key: Hashable = field(init=False)
     num_plain: int = field(init=False)
-    num_symbols: int = field(init=False)
+    num_symbols: dict[bool, int] = field(init=False)  # by ``exprs``
 
     def __post_init__(self) -> None:
         self.key = (self.cls, self.attrs, _freeze(self.ctx), self.requires_grad,
                     tuple(c.key if c is not None else None for c in self.children), self.grads,
                     _freeze(self.constants))
         self.num_plain = sum(1 if c is None else c.num_plain for c in self.children)
-        self.num_symbols = len(self.symbols())
+        self.num_symbols = {exprs: len(self.symbols(exprs)) for exprs in (False, True)}
 
-    def symbols(self) -> list[torch.SymInt]:
-        """Its symbolic outer sizes and strides, then its children's."""
-        own = [s for s in (*self.size, *self.stride) if _is_symbol(s)]
-        return own + [s for c in self.children if c is not None for s in c.symbols()]
+    def symbols(self, exprs: bool) -> list[torch.SymInt]:
+        """Its symbolic outer sizes and strides, then its children's; with ``exprs``, also
+        those that are expressions of symbols (see ``_is_symbol``)."""
+        own = [s for s in (*self.size, *self.stride) if _is_symbol(s, exprs)]
+        return own + [s for c in self.children if c is not None for s in c.symbols(exprs)]
 
-    def with_symbols(self, values: Iterator[Any]) -> Layout:
-        """This layout with the values of ``symbols()``, in order, taken from ``values``."""
-        if not self.num_symbols:
+    def with_symbols(self, values: Iterator[Any], exprs: bool) -> Layout:
+        """This layout with the values of ``symbols(exprs)``, in order, taken from ``values``."""
+        if not self.num_symbols[exprs]:
             return self
-        size = [next(values) if _is_symbol(s) else s for s in self.size]
-        stride = [next(values) if _is_symbol(s) else s for s in self.stride]
-        children = tuple(c and c.with_symbols(values) for c in self.children)
+        size = [next(values) if _is_symbol(s, exprs) else s for s in self.size]
+        stride = [next(values) if _is_symbol(s, exprs) else s for s in self.stride]
+        children = tuple(c and c.with_symbols(values, exprs) for c in self.children)
         return Layout(self.cls, self.attrs, self.constants, self.ctx, size, stride, children,
                       self.requires_grad, self.grads)
 
@@ -108,16 +109,19 @@ def _carries_grad(t: torch.Tensor, part: torch.Tensor) -> bool:
     return t.requires_grad and (part.is_floating_point() or part.is_complex()) and part.numel() != 0
 
 
-def _is_symbol(s: Any) -> bool:
+def _is_symbol(s: Any, exprs: bool) -> bool:
     """A size the graphs compute with: symbolic, a traced jagged size included (a runtime
-    jagged tensor's nested int, which is no symbol, is not)."""
-    return isinstance(s, torch.SymInt) and isinstance(s.node, SymNode)
+    jagged tensor's nested int, which is no symbol, is not). Inputs take symbols only (a
+    graph input's value is a symbol; Inductor cannot take ``4*s0`` as one), outputs also
+    expressions (``exprs``)."""
+    return (isinstance(s, torch.SymInt) and isinstance(s.node, SymNode)
+            and (exprs or s.node.expr.is_Symbol))
 
 
 def symbol_values(t: torch.Tensor, layout: Layout) -> list[Any]:
-    """``t``'s values of ``layout.symbols()``."""
+    """``t``'s values of ``layout.symbols(exprs=False)``, for the graphs' inputs."""
     own = [v for v, s in zip((*t.size(), *t.stride()), (*layout.size, *layout.stride),
-                             strict=True) if _is_symbol(s)]
+                             strict=True) if _is_symbol(s, exprs=False)]
     return own + [v for a, c in zip(layout.attrs, layout.children, strict=True) if c is not None
                   for v in symbol_values(getattr(t, a), c)]
 
@@ -239,15 +243,15 @@ class Boundary:
             # keep the ragged size they are tagged with).
             out.extend(p.detach().requires_grad_() if d else p
                        for p, d in zip(plain, layout.grads, strict=True))
-        return out + [s for layout in self.inputs if layout is not None for s in layout.symbols()]
+        return out + [s for x in self.inputs if x is not None for s in x.symbols(exprs=False)]
 
     def wrap_fn(self, flat_fn: Callable[..., tuple[list[Any], Any]]) -> Callable[..., tuple[list[Any], Any]]:
         """``flat_fn`` as a function of the graphs' inputs (see ``trace_inputs``)."""
 
         def plain_fn(*plain: Any) -> tuple[list[Any], Any]:
-            outs, spec = flat_fn(*_rebuild_all(self.inputs, plain))
+            outs, spec = flat_fn(*_rebuild_all(self.inputs, plain, exprs=False))
             self.outputs = [layout_of(o) if is_subclass(o) else None for o in outs]
-            symbols = [s for x in self.outputs if x is not None for s in x.symbols()]
+            symbols = [s for x in self.outputs if x is not None for s in x.symbols(exprs=True)]
             return self._flatten(outs, self.outputs) + symbols, spec
 
         return plain_fn
@@ -257,7 +261,7 @@ class Boundary:
         layouts = [None if x is None else layout_of(a) for a, x in zip(args, self.inputs, strict=True)]
         symbols = [v for a, x in zip(args, self.inputs, strict=True) if x is not None
                    for v in symbol_values(a, x)]
-        return _rebuild_all(self.outputs, run(self._flatten(args, layouts) + symbols))
+        return _rebuild_all(self.outputs, run(self._flatten(args, layouts) + symbols), exprs=True)
 
     @staticmethod
     def _flatten(values: Sequence[Any], layouts: Sequence[Layout | None]) -> list[Any]:
@@ -267,11 +271,13 @@ class Boundary:
         return out
 
 
-def _rebuild_all(layouts: Sequence[Layout | None], flat: Sequence[Any]) -> list[Any]:
+def _rebuild_all(layouts: Sequence[Layout | None], flat: Sequence[Any], exprs: bool) -> list[Any]:
     """The values ``layouts`` describe (subclasses rebuilt, the rest as they are) from
-    ``flat``: their parts, then their symbolic sizes, as the graphs take and return them."""
-    num_parts = len(flat) - sum(x.num_symbols for x in layouts if x is not None)
+    ``flat``: their parts, then their symbolic sizes, as the graphs take (``exprs`` False)
+    and return them."""
+    num_parts = len(flat) - sum(x.num_symbols[exprs] for x in layouts if x is not None)
     it, symbols = iter(flat[:num_parts]), iter(flat[num_parts:])
     return [next(it) if layout is None
-            else _Rebuild.apply(layout.with_symbols(symbols), *itertools.islice(it, layout.num_plain))
+            else _Rebuild.apply(layout.with_symbols(symbols, exprs),
+                                *itertools.islice(it, layout.num_plain))
             for layout in layouts]
