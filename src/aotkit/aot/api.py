@@ -425,8 +425,9 @@ def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> Unsupported
     return UnsupportedError(
         f"{name} was compiled with dynamic=True and called with tensor subclass arguments "
         f"({', '.join(kinds)}); aotkit traces subclasses with static sizes only.\nFix: pass "
-        "dynamic=False (a jagged tensor's graph is reused for every raggedness with the same "
-        "total length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
+        "dynamic=False (one graph then serves every subclass whose parts have the same shapes: "
+        "a jagged tensor's graph, every raggedness with the same batch, total, shortest and "
+        "longest length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
     )
 
 
