@@ -202,3 +202,22 @@ def test_dtensor_module_trains_like_eager(mesh, how: str) -> None:
     for p, q in zip(block.parameters(), block_eager.parameters(), strict=True):
         assert p.grad.placements == (Replicate(),)
         torch.testing.assert_close(p.grad.to_local(), q.grad.to_local())
+
+
+def test_dynamic_torch_compile_rebuilds_subclasses_with_runtime_sizes() -> None:
+    # Symbolic outer sizes are graph inputs and outputs: a TwoTensor output of size (s0, 4)
+    # comes back with each call's size, a jagged one with each call's raggedness
+    torch._dynamo.reset()
+    f = torch.compile(pointwise, backend="aotkit", dynamic=True)
+    for n, lengths in [(3, (2, 3)), (5, (4, 1, 2)), (7, (6, 6))]:
+        g = torch.Generator().manual_seed(n)
+        x = TwoTensor(torch.randn(n, 4, generator=g), torch.randn(n, 4, generator=g))
+        pairs = [(x.clone().requires_grad_(), x.clone().requires_grad_()),
+                 (jagged(*lengths, seed=n), jagged(*lengths, seed=n))]
+        for x_eager, x_compiled in pairs:
+            expected, out = pointwise(x_eager), f(x_compiled)
+            assert out.shape[0] == expected.shape[0] and out.shape[-1] == expected.shape[-1]
+            assert_same(out, expected)
+            loss(out).backward()
+            loss(expected).backward()
+            assert_same(x_compiled.grad, x_eager.grad)
