@@ -1315,3 +1315,11 @@ def test_composite_reading_tensor_data_is_traced_through_python_decompositions()
     with pytest.raises(TraceError, match="masked_select"):  # data-dependent in Python too
         aotkit.aot_function(lambda x: x.masked_select(x > 0), compilers.nop)(torch.randn(4))
     assert len(counters.explain().of_kind("retrace")) == 1
+
+
+def test_quantized_argument_is_refused_with_its_name() -> None:
+    # fake tensors cannot copy quantized tensors: the error names the argument and the fix
+    q = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
+    f = aotkit.aot_function(lambda a, q: q.dequantize() * a, aotkit.compilers.nop)
+    with pytest.raises(UnsupportedError, match=r"(?s)args\[1\] cannot be traced.*quantized.*dequantize"):
+        f(torch.ones(3), q)

@@ -366,7 +366,9 @@ class AotFunction:
             raise _subclass_dynamic(self.name, tensors)
         # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
         mode = _fake_mode(self.options.dynamic or subclasses)
-        fakes = [make_fake(mode, t, k, self.options.dynamic) for k, t in enumerate(tensors)]
+        names = self._leaf_names(args, kwargs)
+        fakes = [make_fake(mode, t, k, self.options.dynamic, names[i])
+                 for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
         boundary = Boundary.of(fakes)  # Note [Tensor subclasses]
         if boundary is not None:
             with mode:

@@ -64,13 +64,26 @@ _T = TypeVar("_T")
 COMPILE_LOCK = threading.RLock()
 
 
-def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool) -> torch.Tensor:
-    """A fake copy of ``t`` (same leafness and requires_grad); symbolic sizes when ``dynamic``."""
-    if not dynamic:  # no symbols to name, and torch._dynamo.source would load all of Dynamo
-        return mode.from_tensor(t, static_shapes=True)
-    from torch._dynamo.source import LocalSource
+def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
+              name: str) -> torch.Tensor:
+    """A fake copy of ``t`` (same leafness and requires_grad); symbolic sizes when ``dynamic``.
+    ``name``: the argument, for the error when fake tensors cannot copy it (quantized)."""
+    from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
 
-    return mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
+    try:
+        if not dynamic:  # no symbols to name, and torch._dynamo.source would load all of Dynamo
+            return mode.from_tensor(t, static_shapes=True)
+        from torch._dynamo.source import LocalSource
+
+        return mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
+    except UnsupportedFakeTensorException as exc:
+        raise UnsupportedError(
+            f"{name} cannot be traced: PyTorch's fake tensors cannot copy it ({exc.reason}; "
+            f"a {t.dtype} tensor{' (quantized)' if t.is_quantized else ''}).\nFix: convert "
+            "it before the call (x.dequantize() for a quantized tensor) or keep the code "
+            "that needs it outside the compiled function; torch.compile runs such code "
+            "eagerly for you."
+        ) from exc
 
 
 # Note [Python dispatcher]
