@@ -221,3 +221,19 @@ def test_dynamic_torch_compile_rebuilds_subclasses_with_runtime_sizes() -> None:
             loss(out).backward()
             loss(expected).backward()
             assert_same(x_compiled.grad, x_eager.grad)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_view_of_a_jagged_input_aliases_it_like_eager(how: str) -> None:
+    def split_heads(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (2, 2))
+
+    x_eager, x = jagged(2, 3, requires_grad=False), jagged(2, 3, requires_grad=False)
+    with torch.no_grad():
+        expected, out = split_heads(x_eager), compiled(split_heads, how)(x)
+        assert out.values().untyped_storage().data_ptr() == x.values().untyped_storage().data_ptr()
+        out.values().add_(1)
+        expected.values().add_(1)
+    assert_same(out, expected)
+    assert_same(x, x_eager)  # the write through the view reached the input
+    check(split_heads, lambda: jagged(2, 3), how)
