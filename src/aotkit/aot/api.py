@@ -92,14 +92,16 @@ class AotOptions:
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
-                   mode: FakeTensorMode, from_dynamo: bool = False,
-                   boundary: Boundary | None = None) -> CompiledGraphs:
+                   mode: FakeTensorMode, from_dynamo: bool = False) -> CompiledGraphs:
     """Trace ``flat_fn`` on fake ``args``, partition and compile: the core of every entry point.
     ``from_dynamo``: the graph is Dynamo's, whose float arguments are rewritten into tensor ops
-    (Note [Float arguments from Dynamo]). With a ``boundary``, ``args`` are its plain parts
-    (``Boundary.trace_inputs``) and ``flat_fn`` takes the subclasses (Note [Tensor subclasses])."""
+    (Note [Float arguments from Dynamo]). Subclass arguments are traced as their plain parts
+    (Note [Tensor subclasses])."""
+    boundary = Boundary.of(args)
     if boundary is not None:
         flat_fn = boundary.wrap_fn(flat_fn)
+        with mode:
+            args = boundary.trace_inputs(args)
     with COMPILE_LOCK:  # Note [One compile at a time]
         graphs = _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
     graphs.boundary = boundary
@@ -369,14 +371,10 @@ class AotFunction:
         names = self._leaf_names(args, kwargs)
         fakes = [make_fake(mode, t, k, self.options.dynamic, names[i])
                  for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
-        boundary = Boundary.of(fakes)  # Note [Tensor subclasses]
-        if boundary is not None:
-            with mode:
-                fakes = boundary.trace_inputs(fakes)
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode, boundary=boundary)
+        graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard)
         self._entries.setdefault(key, []).append(entry)
@@ -546,10 +544,6 @@ def aot_module_simplified(
     tensors = [t for _, t in state]
     mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [_to_fake(mode, x) for x in [*tensors, *args]]
-    boundary = Boundary.of(fakes)
-    if boundary is not None:
-        with mode:
-            fakes = boundary.trace_inputs(fakes)
     options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, len(names),
                          keep_inference_input_mutations, inference_compiler)
 
@@ -561,8 +555,7 @@ def aot_module_simplified(
 
     name = f"aot_module_simplified({_region(mod)})"
     try:
-        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True,
-                                boundary=boundary)
+        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
     except AotkitError as exc:
         _let_dynamo_split(exc, name)
         raise
