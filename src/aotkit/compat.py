@@ -171,6 +171,21 @@ def set_autograd_verbose_logger(logger: Any) -> None:
     _engine().set_verbose_logger(logger)
 
 
+def execution_engine() -> Any:
+    """The object Python's autograd entry points call (``Variable._execution_engine``:
+    ``run_backward``, ``queue_callback``)."""
+    from torch.autograd.variable import Variable
+
+    return Variable._execution_engine
+
+
+def set_execution_engine(engine: Any) -> None:
+    """Make ``engine`` the one :func:`execution_engine` returns."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine = engine
+
+
 def replay_ctx(ctx: Any, saved_tensors: list[torch.Tensor]) -> Any:
     """The ``ctx`` a custom Function's backward gets when a captured graph replays it: the
     engine's node, with ``saved_tensors`` taken from the graph's inputs. Dynamo (a compiler such

@@ -384,3 +384,76 @@ def test_hook_returning_none_entries_or_same_sizes_passes_the_checks() -> None:
 
     _, _, expected, actual = both(step)
     torch.testing.assert_close(actual, expected)
+
+
+def _queue(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def test_callbacks_queued_by_hooks_run_after_the_backward_like_eager() -> None:
+    """Note [Final callbacks]: they run once the graph is done (accumulation included), in
+    order, callbacks they queue too, with grad mode off; on the capturing backward and on
+    replays."""
+    def step(log: list[str]) -> Any:
+        w = torch.randn(3, requires_grad=True)
+        grads_seen = []
+        for i in range(2):
+            w.grad = None
+            y = w.sin()
+
+            def hook(g: torch.Tensor, i: int = i) -> None:
+                log.append(f"hook{i}")
+                _queue(lambda: (log.append(f"first{i}"), grads_seen.append(w.grad.clone()),
+                                log.append(f"grad mode {torch.is_grad_enabled()}"),
+                                _queue(lambda: log.append(f"queued by a callback {i}"))))
+                _queue(lambda: log.append(f"second{i}"))
+
+            y.register_hook(hook)
+            (y * 2).sum().backward()
+            log.append(f"after backward {i}")
+        return grads_seen
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log
+    assert eager_log[:6] == ["hook0", "first0", "grad mode False", "second0",
+                             "queued by a callback 0", "after backward 0"]
+    torch.testing.assert_close(actual, expected)  # .grad was accumulated when they ran
+    assert counts() == (1, 1)  # the second backward replayed the graph
+
+
+def test_callbacks_of_a_backward_inside_a_hook_run_when_that_backward_ends() -> None:
+    def step(log: list[str]) -> Any:
+        w = torch.randn(3, requires_grad=True)
+
+        def inner_hook(g: torch.Tensor) -> None:
+            _queue(lambda: log.append("inner callback"))
+
+        def hook(g: torch.Tensor) -> None:
+            x = torch.randn(3, requires_grad=True)
+            with torch.enable_grad():  # a hook runs with grad mode off
+                z = x.exp()
+                z.register_hook(inner_hook)
+                torch.autograd.grad(z.sum(), x)
+            log.append("inner backward returned")
+            _queue(lambda: log.append("outer callback"))
+
+        y = w.cos()
+        y.register_hook(hook)
+        y.sum().backward()
+        return w.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log == ["inner callback", "inner backward returned",
+                                         "outer callback"]
+    torch.testing.assert_close(actual, expected)
+
+
+def test_the_engine_is_put_back_after_enable() -> None:
+    engine = torch.autograd.Variable._execution_engine
+    with aotkit.compiled_autograd.enable(nop):
+        assert torch.autograd.Variable._execution_engine is not engine
+    assert torch.autograd.Variable._execution_engine is engine
+    with (pytest.raises(aotkit.errors.UnsupportedError), aotkit.compiled_autograd.enable(nop),
+          aotkit.compiled_autograd.enable(nop)):
+        pass
+    assert torch.autograd.Variable._execution_engine is engine

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from aotkit import compat, counters
-from aotkit.compiled_autograd import capture, session
+from aotkit.compiled_autograd import capture, runtime, session
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import UnsupportedError
 
@@ -74,11 +74,14 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
                             "enable() block; the engine's cached graphs are dropped", logger=log)
         compat.set_autograd_verbose_logger(_engine_log)
         session.set_active(new)
+        engine = compat.execution_engine()
+        compat.set_execution_engine(runtime.Engine(engine))
     try:
         # Multithreaded device queues would call the capture object from several threads.
         with torch.autograd.set_multithreading_enabled(False):
             yield
     finally:
+        compat.set_execution_engine(engine)
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)
         compat.set_autograd_compiler(*prior)

@@ -6,6 +6,7 @@ through an :class:`Op` so the printed graph names the formula (``MulBackward0``)
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -215,3 +216,57 @@ def copy_slices_epilogue(
 
 #: Calls that have effects (user code, ``.grad`` writes) and must survive dead-code elimination.
 IMPURE = frozenset({call_backward, call_hook, call_accumulate_grad, call_cpp_tensor_pre_hooks})
+
+
+# Note [Final callbacks]
+# Code running inside a backward may queue a callback to run once the whole backward is done
+# (``Variable._execution_engine.queue_callback``; FSDP2 reshards its parameters and
+# reduce-scatters their gradients in one). The engine keeps such callbacks on the running graph
+# task and calls them after the last node, but a compiled backward takes the place of that run
+# and the engine drops whatever was queued during it: FSDP2's parameters stayed unsharded with
+# unreduced gradients. So while enable() is active, ``Variable._execution_engine`` is an
+# ``Engine`` that, on a thread replaying a compiled graph, collects the callbacks; the replay
+# runs them after its graph, in order, including callbacks they queue, as eager does. A
+# backward started inside the graph (a hook calling ``autograd.grad``) is the real engine's,
+# and so are its callbacks.
+_replay = threading.local()  # .queued: the running replay's callbacks; None outside a replay
+
+
+class Engine:
+    """Stands in for ``Variable._execution_engine`` while enable() is active. See Note [Final
+    callbacks]."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        queued = getattr(_replay, "queued", None)
+        if queued is None:
+            self.engine.queue_callback(callback)
+        else:
+            queued.append(callback)
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        queued, _replay.queued = getattr(_replay, "queued", None), None
+        try:
+            return self.engine.run_backward(*args, **kwargs)
+        finally:
+            _replay.queued = queued
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def replay(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a compiled backward, then the callbacks queued while it ran (Note [Final callbacks])."""
+    queued: list[Callable[[], None]] = []
+    outer, _replay.queued = getattr(_replay, "queued", None), queued
+    try:
+        out = fn(*args)
+        i = 0
+        while i < len(queued):  # a callback may queue more
+            queued[i]()
+            i += 1
+        return out
+    finally:
+        _replay.queued = outer

@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from aotkit import compat, config, counters
+from aotkit.compiled_autograd import runtime
 from aotkit.compiled_autograd.lower import Example, Lowered, lower
 from aotkit.errors import CompilerError, UnsupportedError
 
@@ -259,4 +260,4 @@ class CompiledBackward:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
         # A hook inside the graph may run its own backward: that one runs eagerly.
         with compat.compiled_autograd_off():
-            return fn(inputs, example.sizes, example.scalars, hooks, packed_data)
+            return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks, packed_data)
