@@ -126,6 +126,48 @@ def test_graphs_budget_errors_are_usage_errors(args: list[str], message: str,
     assert err.startswith("usage: aotkit graphs "), err  # the subcommand's usage, not the top's
 
 
+def test_graphs_compiled_autograd_prints_the_whole_backward(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert cli.main(["graphs", "--model", "mlp", "--compiled-autograd", "--code",
+                     "--draw", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "aotkit graphs: mlp (whole backward under aotkit.compiled_autograd)" in out
+    # 4 Linear layers: 8 parameters accumulated, 7 matmuls (no gradient for the input).
+    summary = re.search(r"compiled_backward: \d+ nodes \(\d+ ops, (\d+) inputs, 0 outputs\); "
+                        r"most used: call_accumulate_grad x8, .*aten.mm.default x7", out)
+    assert summary, out
+    assert "# ---- compiled_backward graph ----" in out
+    assert "aten.gelu_backward.default" in out.split("# ---- compiled_backward graph ----")[1]
+    assert (tmp_path / "compiled_backward.svg").exists()
+    assert aotkit.counters.counters["compiled_autograd"]["captures"] == 1
+
+
+@pytest.mark.parametrize("extra", [["--inference"], ["--partition", "min_cut"]])
+def test_graphs_compiled_autograd_refuses_forward_options(
+        extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["graphs", "--compiled-autograd", *extra])
+    assert info.value.code == 2
+    assert "--compiled-autograd captures the backward alone" in capsys.readouterr().err
+
+
+def test_capture_backward_graph_is_the_graph_the_backward_ran() -> None:
+    """The recorded graph is what computed the step's gradients: replaying it on another batch
+    gives eager's gradients."""
+    from aotkit.demo import capture_backward_graph
+    from aotkit.models import MLP, make_mlp_batch
+
+    (graph,) = capture_backward_graph("mlp")
+    assert graph.op_counts["aten.gelu_backward.default"] == 3
+    model, eager = MLP.from_seed(0), MLP.from_seed(0)
+    x, _ = make_mlp_batch(seed=1)
+    with aotkit.compiled_autograd.enable(lambda gm: graph.gm):
+        model(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_capture_graphs_match_the_model() -> None:
     forward, backward = capture_graphs("mlp")
     assert (forward.kind, backward.kind) == ("forward", "backward")

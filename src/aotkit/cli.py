@@ -1,11 +1,13 @@
 """The ``aotkit`` command.
 
 ``aotkit demo`` compiles a real model with ``backend="aotkit"``, checks it against eager and
-reports what aotkit did; ``aotkit graphs`` prints the graphs aotkit captures for a model::
+reports what aotkit did; ``aotkit graphs`` prints the graphs aotkit captures for a model (AOT
+forward and backward, or with ``--compiled-autograd`` the whole backward)::
 
     $ aotkit demo --steps 10
     $ aotkit graphs --model mlp --code
     $ aotkit graphs --model transformer --partition min_cut --budget 0.5 --draw graphs/
+    $ aotkit graphs --model mlp --compiled-autograd --code
 """
 
 from __future__ import annotations
@@ -40,14 +42,19 @@ _PARTITIONERS = ("default", "min_cut")
 
 def _graphs(args: argparse.Namespace) -> int:
     from aotkit import config, partition
-    from aotkit.demo import capture_graphs
+    from aotkit.demo import capture_backward_graph, capture_graphs
 
     partition_fn = {"default": partition.default_partition,
                     "min_cut": partition.min_cut_rematerialization_partition}[args.partition]
-    with config.patch(activation_memory_budget=1.0 if args.budget is None else args.budget):
-        graphs = capture_graphs(args.model, training=not args.inference,
-                                partition_fn=partition_fn)
-    print(f"aotkit graphs: {args.model} ({'inference' if args.inference else 'training'})")
+    if args.compiled_autograd:
+        graphs = capture_backward_graph(args.model)
+        mode = "whole backward under aotkit.compiled_autograd"
+    else:
+        with config.patch(activation_memory_budget=1.0 if args.budget is None else args.budget):
+            graphs = capture_graphs(args.model, training=not args.inference,
+                                    partition_fn=partition_fn)
+        mode = "inference" if args.inference else "training"
+    print(f"aotkit graphs: {args.model} ({mode})")
     for graph in graphs:
         print("  " + graph.summary())
         if "partition" in graph.gm.meta:
@@ -118,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the joint graph is split (default: default)")
     graphs.add_argument("--budget", type=_budget, default=None,
                         help="activation_memory_budget for --partition min_cut (0..1, default 1)")
+    graphs.add_argument("--compiled-autograd", action="store_true",
+                        help="capture the whole backward with aotkit.compiled_autograd (one "
+                             "graph, hooks and .grad accumulation included) instead")
     graphs.add_argument("--draw", metavar="DIR",
                         help="also draw each graph to DIR/<kind>.svg (without Graphviz: "
                              "DIR/<kind>.dot)")
@@ -150,6 +160,10 @@ def _check(args: argparse.Namespace) -> None:
         args.usage_error(f"--threads must be at least 1, got {args.threads}")
     if args.command == "graphs" and args.budget is not None and args.partition != "min_cut":
         args.usage_error("--budget applies to --partition min_cut")
+    if args.command == "graphs" and args.compiled_autograd and (
+            args.inference or args.partition != "default"):
+        args.usage_error("--compiled-autograd captures the backward alone: it takes no "
+                         "--inference or --partition")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ reports compile time, step time against eager, the graphs aotkit captured and an
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from collections import Counter
@@ -273,11 +274,42 @@ class CapturedGraph:
 
     def summary(self) -> str:
         nodes = list(self.gm.graph.nodes)
-        inputs = sum(1 for n in nodes if n.op == "placeholder")
+        placeholders = [n for n in nodes if n.op == "placeholder"]
         outputs = len(self.gm.graph.output_node().args[0])
-        top = ", ".join(f"{op} x{k}" for op, k in self.op_counts.most_common(5))
-        return (f"{self.kind}: {len(nodes)} nodes ({sum(self.op_counts.values())} ops, "
-                f"{inputs} inputs, {outputs} outputs); most used: {top}")
+        if self.kind == "compiled_backward":  # tensors arrive in one list: count their reads
+            inputs = sum(1 for n in placeholders[0].users if n.target is operator.getitem)
+        else:
+            inputs = len(placeholders)
+        ops = Counter({op: k for op, k in self.op_counts.items() if op != "getitem"})
+        top = ", ".join(f"{op} x{k}" for op, k in ops.most_common(5))
+        return (f"{self.kind}: {len(nodes)} nodes ({ops.total()} ops, {inputs} inputs, "
+                f"{outputs} outputs); most used: {top}")
+
+
+def capture_backward_graph(model: str = "transformer") -> list[CapturedGraph]:
+    """The whole backward of one step of ``model`` ("transformer" or "mlp") as
+    ``aotkit.compiled_autograd`` hands it to its compiler: one graph, lowered to ATen (Note
+    [Lowering captured backwards]), with ``.grad`` accumulation as calls. The forward runs eagerly.
+
+    Example::
+
+        >>> [graph] = capture_backward_graph("mlp")
+        >>> graph.kind, graph.op_counts["aten.mm.default"]
+        ('compiled_backward', 7)
+    """
+    make_model, make_batch = MODELS[model]
+    captured: list[CapturedGraph] = []
+
+    def record(gm: fx.GraphModule) -> Callable[..., Any]:
+        captured.append(CapturedGraph("compiled_backward", gm, []))
+        return gm
+
+    module = make_model()
+    x, _ = make_batch(seed=0)
+    loss = module(x).float().sum()
+    with aotkit.compiled_autograd.enable(record):
+        loss.backward()
+    return captured
 
 
 def _op_name(target: Any) -> str:
