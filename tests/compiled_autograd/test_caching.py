@@ -163,6 +163,17 @@ def test_create_graph_raises_typed_error_with_workaround() -> None:
     torch.testing.assert_close(w.grad, 3 * w.detach() ** 2)
 
 
+def test_batched_grad_outputs_raise_typed_error_with_workaround() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    with aotkit.compiled_autograd.enable(nop):
+        with pytest.raises(aotkit.errors.UnsupportedError, match=r"batched by vmap.*disable"):
+            torch.autograd.grad(y, x, torch.eye(3), retain_graph=True, is_grads_batched=True)
+        with aotkit.compiled_autograd.disable():
+            (jacobian,) = torch.autograd.grad(y, x, torch.eye(3), is_grads_batched=True)
+    torch.testing.assert_close(jacobian, torch.diag(x.detach().exp()))
+
+
 def test_failed_captures_do_not_poison_the_engine_cache() -> None:
     """A capture that fails leaves the engine an entry without a graph; the same backward must
     fail the same way again (not with an engine assert), and work once it can."""

@@ -62,6 +62,13 @@ class GraphBuilder:
 
     def fake(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """A fake of backward input ``index``, its sizes symbolic unless ``static``."""
+        if torch._C._functorch.is_legacy_batchedtensor(x) or torch._C._functorch.is_batchedtensor(x):
+            raise UnsupportedError(
+                f"compiled autograd cannot capture backward input {index}: it is batched by "
+                "vmap (autograd.grad(..., is_grads_batched=True), or a backward inside "
+                "torch.func.vmap). Workaround: run this backward under "
+                "aotkit.compiled_autograd.disable()."
+            )
         try:
             return self.fake_mode.from_tensor(x, source=_source("inputs", index))
         except Exception as exc:
