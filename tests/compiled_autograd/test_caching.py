@@ -174,6 +174,30 @@ def test_batched_grad_outputs_raise_typed_error_with_workaround() -> None:
     torch.testing.assert_close(jacobian, torch.diag(x.detach().exp()))
 
 
+def test_a_size_that_changes_the_structure_names_the_size_and_the_fix() -> None:
+    """``w.split(k, 1)``: PyTorch's engine keys the captured backward on the structure only and
+    passes ``k`` as a dynamic size, so a new ``k`` replays a graph made for other chunks."""
+    def grad(k: int) -> torch.Tensor:
+        w = torch.arange(20.0).reshape(4, 5).requires_grad_()
+        w.split(k, 1)[1].pow(2).sum().backward()
+        return w.grad
+
+    expected = grad(2)
+    with aotkit.compiled_autograd.enable(nop):
+        grad(1)
+        with pytest.raises(aotkit.errors.UnsupportedError,
+                           match=r"(?s)not captured for \(sizes\[\d+\] is 2, captured for 1\).*"
+                                 r"dynamic=False") as info:
+            grad(2)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with aotkit.compiled_autograd.enable(nop, dynamic=False):  # the fix the error names
+        torch.testing.assert_close(grad(1), 2 * torch.arange(20.0).reshape(4, 5) * (
+            torch.arange(5) == 1))
+        torch.testing.assert_close(grad(2), expected)
+    (cleared,) = aotkit.explain().of_kind("cache_clear")
+    assert "dynamic changed from True to False" in cleared.why
+
+
 def test_failed_captures_do_not_poison_the_engine_cache() -> None:
     """A capture that fails leaves the engine an entry without a graph; the same backward must
     fail the same way again (not with an engine assert), and work once it can."""

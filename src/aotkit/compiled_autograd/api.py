@@ -113,15 +113,22 @@ def _overlapping(outer: session.Session) -> UnsupportedError:
 
 
 def _forget_other_compilers(new: session.Session) -> None:
-    """Clear the engine's cache when the compiler changes. See Note [Stale compiled backward]."""
+    """Clear the engine's cache when the compiler changes (Note [Stale compiled backward]), or
+    ``dynamic`` does: the engine would replay graphs captured with sizes as symbols under
+    ``dynamic=False``, whose point is capturing again for new sizes."""
     global _last_session
     last = _last_session
     if last is not None and not session.same_compiler(last.identity, new.identity):
+        change = f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}"
+    elif last is not None and last.dynamic != new.dynamic:
+        change = f"dynamic changed from {last.dynamic} to {new.dynamic}"
+    else:
+        change = None
+    if change is not None:
         _clear_engine_cache()
         counters.record("cache_clear", "compiled_autograd",
-                        f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}; the "
-                        "engine's cached graphs are dropped and backward graphs are captured again",
-                        logger=log)
+                        f"{change}; the engine's cached graphs are dropped and backward graphs "
+                        "are captured again", logger=log)
     _last_session = new
 
 

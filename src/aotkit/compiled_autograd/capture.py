@@ -297,10 +297,11 @@ class Capture(GraphBuilder):
                      gm.print_readable(print_output=False))
         variant = make_variant(gm, self.example, self.session, why_captured=(
             f"inputs {to_cuda} move to CUDA for CUDA graphs" if to_cuda else None))
+        captured_for = Example([], list(self.example.sizes), list(self.example.scalars))
         self.example = None  # the backward's real tensors: not kept past the capture
         self._record()
         self.finished = True
-        return CompiledBackward(gm, self.session, variant, to_cuda), variant.compiled
+        return CompiledBackward(gm, self.session, variant, to_cuda, captured_for), variant.compiled
 
     def _follow_eager_order(self, graph: fx.Graph) -> None:
         """Put the recorded calls in eager's node order. See Note [Eager node order]."""

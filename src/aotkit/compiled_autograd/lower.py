@@ -67,6 +67,19 @@ class Example:
     scalars: list[Any]
 
 
+def changed_value(example: Example, before: Example, made: str = "lowered") -> str | None:
+    """The first of ``example``'s sizes and scalars that differs from ``before``'s, e.g.
+    ``sizes[0] is 24, lowered for 20``; None when they are equal."""
+    for name, got, want in (("sizes", example.sizes, before.sizes),
+                            ("scalars", example.scalars, before.scalars)):
+        if len(got) != len(want):
+            return f"{name} has {len(got)} values, {made} for {len(want)}"
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g != w:
+                return f"{name}[{k}] is {g}, {made} for {w}"
+    return None
+
+
 class SizeGuard:
     """The inputs' sizes, strides, dtypes, devices, requires_grad and dispatch keys (autocast
     included), and the ``sizes`` and ``scalars`` lists, a lowered graph was traced with; checked
@@ -86,13 +99,8 @@ class SizeGuard:
         """What differs from the values the graph was lowered for, e.g. ``sizes[0] is 24,
         lowered for 20`` or ``tensor 'inputs[3]' size mismatch at index 2. expected 64, actual
         65``."""
-        for name, got, want in (("sizes", example.sizes, self.sizes),
-                                ("scalars", example.scalars, self.scalars)):
-            if len(got) != len(want):
-                return f"{name} has {len(got)} values, lowered for {len(want)}"
-            for k, (g, w) in enumerate(zip(got, want, strict=True)):
-                if g != w:
-                    return f"{name}[{k}] is {g}, lowered for {w}"
+        if (why := changed_value(example, Example([], self.sizes, self.scalars))) is not None:
+            return why
         if len(example.inputs) != self.num_inputs:
             return f"inputs has {len(example.inputs)} values, lowered for {self.num_inputs}"
         names = [f"inputs[{k}]" for k in range(self.num_inputs)]

@@ -14,8 +14,8 @@ from torch import fx
 
 from aotkit import compat, config, counters
 from aotkit.compiled_autograd import runtime
-from aotkit.compiled_autograd.lower import Example, Lowered, lower
-from aotkit.errors import CompilerError, UnsupportedError
+from aotkit.compiled_autograd.lower import Example, Lowered, changed_value, lower
+from aotkit.errors import AotkitError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.compiled_autograd")
 
@@ -202,10 +202,11 @@ class CompiledBackward:
     """
 
     def __init__(self, captured: fx.GraphModule, session: Session, first: Variant,
-                 to_cuda: list[int]) -> None:
+                 to_cuda: list[int], captured_for: Example) -> None:
         self.captured = captured
         self.variants = [first]
         self.to_cuda = to_cuda
+        self.captured_for = captured_for  # the capturing backward's sizes and scalars
         self._identity = session.identity
 
     def _check_compiler(self, session: Session | None) -> Session:
@@ -259,5 +260,26 @@ class CompiledBackward:
         for i in self.to_cuda:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
         # A hook inside the graph may run its own backward: that one runs eagerly.
-        with compat.compiled_autograd_off():
-            return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks, packed_data)
+        try:
+            with compat.compiled_autograd_off():
+                return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks,
+                                      packed_data)
+        except RuntimeError as exc:
+            changed = changed_value(example, self.captured_for, made="captured")
+            if changed is None or isinstance(exc, AotkitError):  # ours already say what failed
+                raise
+            raise self._structure_changed(changed, exc) from exc
+
+    def _structure_changed(self, changed: str, exc: RuntimeError) -> UnsupportedError:
+        """Under enable(dynamic=True) the engine replays a captured backward whenever only sizes
+        changed, though a size can decide a formula's structure (``x.split(k)``'s chunk count);
+        the replay then fails inside that formula. Say so, and how to capture again instead."""
+        return UnsupportedError(
+            f"compiled autograd: {self.captured.__class__.__name__} failed on a replay with "
+            f"values it was not captured for ({changed}): "
+            f"{type(exc).__name__}: {exc}\nIf that is a shape error, the new value changed the "
+            "backward's structure (a split whose split size changed), which PyTorch's engine "
+            "does not notice when sizes are dynamic. Fix: "
+            "aotkit.compiled_autograd.enable(compiler_fn, dynamic=False), which captures again "
+            "for new sizes, or run this backward under aotkit.compiled_autograd.disable()."
+        )
