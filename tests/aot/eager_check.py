@@ -128,11 +128,11 @@ def check_against_eager(
     """
     compiled = aotkit.aot_function(fn, compiler, **(aot_kwargs or {}))
     for _ in range(calls):
-        result = _compare_once(fn, compiled, args, kwargs, prepare, seed, backward, context)
+        result = compare_once(fn, compiled, args, kwargs, prepare, seed, backward, context)
     return result
 
 
-def _compare_once(fn: Callable[..., Any], compiled: Any, args: Any, kwargs: Any,
+def compare_once(fn: Callable[..., Any], compiled: Any, args: Any, kwargs: Any,
                   prepare: Any, seed: int | None, backward: bool, context: Any) -> Compared:
     sides = []
     for run in (fn, compiled):

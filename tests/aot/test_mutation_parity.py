@@ -5,6 +5,7 @@ function runs both ways on cloned inputs (see eager_check.check_against_eager)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from eager_check import (
     assert_write_through,
     check_against_eager,
     clone_inputs,
+    compare_once,
     rand,
     storage,
     tensors,
@@ -407,6 +409,46 @@ def test_view_of_mutated_input_with_offset_under_dynamic_shapes():
     result = check_against_eager(_several_views, rand(3, 5, 4), prepare=prepare,
                                  aot_kwargs={"dynamic": True}, backward=False)
     assert_write_through(result.aot_out[0], result.aot_args[0][0])
+
+
+_OFFSET_VIEWS = {
+    "slice": lambda x: (x.mul_(2), x[1:])[1],
+    "select": lambda x: (x.mul_(2), x[0])[1],
+    "flat_view": lambda x: (x.mul_(2), x.view(-1))[1],
+    "transpose": lambda x: (x.mul_(2), x.t())[1],
+    "unmutated_slice": lambda x: x[1:],
+}
+
+
+def _at_offset(start: int) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return ((args[0] * 1)[start:start + 4].view(2, 2),), kwargs  # a non-leaf's view
+    return prepare
+
+
+@pytest.mark.parametrize("no_grad", [False, True], ids=["grad_mode", "no_grad"])
+@pytest.mark.parametrize("fn", _OFFSET_VIEWS.values(), ids=_OFFSET_VIEWS.keys())
+def test_view_of_input_at_a_storage_offset(fn, no_grad):
+    """A view returned from an input that starts inside its storage (and that the function
+    mutates first): placed from the input's own start, as eager's view is. One static entry
+    serves inputs at any offset, so both offsets run through one compiled function."""
+    context = torch.no_grad if no_grad else torch.enable_grad
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    for start in (1, 2):
+        for _ in range(2):
+            result = compare_once(fn, compiled, (rand(8, grad=True),), {},
+                                   _at_offset(start), None, not no_grad, context)
+            x, out = result.aot_args[0][0], tensors(result.aot_out)[0]
+            assert out.storage_offset() == tensors(result.eager_out)[0].storage_offset()
+            assert_write_through(out, x)
+    assert compiled.num_entries == 1
+
+
+@pytest.mark.parametrize("name", ["slice", "select", "flat_view"])
+def test_view_of_input_at_a_storage_offset_through_torch_compile(name):
+    fn = _OFFSET_VIEWS[name]
+    out, (x,) = _compare_torch_compile(lambda base: fn(base[1:5].view(2, 2)), rand(6))
+    assert out.storage_offset() > 0 and storage(out) == storage(x)
 
 
 @pytest.mark.parametrize("name", ["slice_mul", "mul_view"])  # Dynamo splits at transpose_

@@ -69,7 +69,9 @@ class OutputInfo:
     requires_grad: bool = False
     is_tensor: bool = True
     constant: Any = None
-    static_view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # size, stride, offset
+    # Size, stride, and bytes from the base's first element to the view's: where the view sits
+    # in its base, independent of the base's own offset (Note [Aliased outputs]).
+    static_view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
     linked: bool = True  # has a grad_fn: autograd flows from this output into its base
     # A view taken under no_grad: eager gives it requires_grad but no grad_fn (no link to base).
     no_grad_view: bool = False
@@ -339,7 +341,8 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         elif same is not None:
             infos.append(OutputInfo(Alias.IS_INPUT, same, rg))
         elif storage in input_storage:
-            infos.append(_view_info(Alias.OF_INPUT, input_storage[storage], out))
+            base = input_storage[storage]
+            infos.append(_view_info(Alias.OF_INPUT, base, out, f_args[base]))
         elif storage in shared:
             infos.append(_view_of_output_info(out, f_outs, bases))
         else:
@@ -363,20 +366,20 @@ def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch
         return OutputInfo(Alias.NONE, None, rg)
     owner = next((i for i, o in enumerate(f_outs) if o is base), None)
     if owner is not None:
-        return _view_info(Alias.OF_OUTPUT, owner, out)
+        return _view_info(Alias.OF_OUTPUT, owner, out, base)
     index = next((i for i, b in enumerate(bases) if b is base), None)
     if index is None:
         bases.append(base)
         index = len(bases) - 1
-    return _view_info(Alias.OF_INTERMEDIATE, index, out)
+    return _view_info(Alias.OF_INTERMEDIATE, index, out, base)
 
 
-def _view_info(alias: Alias, base: int, out: torch.Tensor) -> OutputInfo:
+def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Tensor) -> OutputInfo:
     linked = out.grad_fn is not None
     no_grad_view = out.requires_grad and not linked and out._is_view()
     # Functional tensors mirror the conj/neg bits of what they wrap (unlike the fake values
     # make_fx later records in node.meta), so these are eager's bits.
-    return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out),
+    return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out, base_value),
                       linked=linked, no_grad_view=no_grad_view,
                       is_conj=out.is_conj(), is_neg=out.is_neg())
 
@@ -387,10 +390,16 @@ def _non_tensor_info(out: Any) -> OutputInfo:
     return OutputInfo(Alias.CONSTANT, None, False, is_tensor=False, constant=out)
 
 
-def _static_view(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
-    """Concrete size/stride/offset of a view, or None when any of them is symbolic."""
-    parts = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
-    flat = [*parts[0], *parts[1], parts[2]]
-    if all(isinstance(v, int) for v in flat):
+def _static_view(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """Concrete size and stride of a view and its distance in bytes from ``base``'s first
+    element, or None when any of them is symbolic. The distance, not the offset: a signature
+    holds for inputs at any storage offset (``buf[1:5]`` and ``buf[2:6]`` share a graph). Both
+    are read from the values functionalization holds: a view taken after the function mutated
+    its base sits in the base's new value, as the runtime's base will after the mutation is
+    written back."""
+    t, base = from_fun(t), from_fun(base)
+    shift = t.storage_offset() * t.element_size() - base.storage_offset() * base.element_size()
+    parts = (tuple(t.shape), tuple(t.stride()), shift)
+    if all(isinstance(v, int) for v in (*parts[0], *parts[1], shift)):
         return parts  # type: ignore[return-value]
     return None

@@ -349,7 +349,9 @@ def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info:
     if _same_storage(base, out):
         return out.size(), out.stride(), out.storage_offset()
     if info.static_view is not None:
-        return info.static_view
+        size, stride, shift = info.static_view
+        start = source.base.storage_offset() * source.base.element_size()
+        return size, stride, (start + shift) // out.element_size()
     if source.new_value is not None and _same_storage(source.new_value, out):
         return _view_of_new_value(source, out, name)
     raise CompilerError(
