@@ -525,6 +525,66 @@ def test_in_place_change_of_one_aliased_output_is_seen_in_the_other():
         torch.testing.assert_close(x.grad, torch.tensor([[20.0] * 3, [2.0] * 3]))
 
 
+# --- custom Functions returning views (Note [Views made by custom Functions]) ---------------------
+
+
+class _Halve(torch.autograd.Function):
+    """Returns its input; its gradient is half the incoming one."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class _Flatten(torch.autograd.Function):
+    """Returns a view of its input, with a gradient that is not a view's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.view(2, 3) * 3
+
+
+_CUSTOM_VIEWS = {
+    "returns_input": lambda x: _Halve.apply(x),
+    "returns_view": lambda x: _Flatten.apply(x),
+    "view_of_its_output": lambda x: _Halve.apply(x).view(-1),
+    "of_a_view": lambda x: _Halve.apply(x.view(-1)),
+    "of_an_output": lambda x: ((y := x * 2), _Halve.apply(y)),
+    "of_an_intermediate": lambda x: _Halve.apply(x * 2).t(),
+    "beside_a_plain_view": lambda x: (_Halve.apply(x), x[0]),
+    "plain_view_of_it": lambda x: ((y := _Halve.apply(x * 1)), y.view(-1)),
+}
+
+
+@pytest.mark.parametrize("fn", _CUSTOM_VIEWS.values(), ids=_CUSTOM_VIEWS.keys())
+def test_custom_function_returning_a_view_keeps_its_backward(fn):
+    """The custom backward runs (gradients equal eager's), and the outputs alias what eager's
+    alias (check_against_eager compares storage sharing)."""
+    check_against_eager(fn, rand(2, 3, grad=True))
+
+
+@pytest.mark.parametrize("name", ["returns_input", "view_of_its_output", "of_an_output"])
+def test_custom_function_returning_a_view_through_torch_compile(name):
+    fn = _CUSTOM_VIEWS[name]
+    torch._dynamo.reset()
+    grads = []
+    for run in (fn, torch.compile(fn, backend="aotkit", fullgraph=True)):
+        x = rand(2, 3, grad=True)
+        outs = run(x)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        sum(o.sum() * (k + 1) for k, o in enumerate(outs)).backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 # --- inference graphs ----------------------------------------------------------------------------
 
 

@@ -340,6 +340,8 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
             infos.append(OutputInfo(Alias.SAME_AS_OUTPUT, earlier, rg))
         elif same is not None:
             infos.append(OutputInfo(Alias.IS_INPUT, same, rg))
+        elif storage in input_storage and _through_custom_function(out, f_args[input_storage[storage]]):
+            infos.append(OutputInfo(Alias.NONE, None, rg))
         elif storage in input_storage:
             base = input_storage[storage]
             infos.append(_view_info(Alias.OF_INPUT, base, out, f_args[base]))
@@ -348,6 +350,30 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg))
     return infos, bases
+
+
+# Note [Views made by custom Functions]
+# A custom autograd.Function may return its input, or a view of it (``forward`` returns ``x``
+# or ``x.view(-1)``): eager's output is then a view of the input whose gradient is the
+# Function's ``backward``, not a view's. Regenerating such an output as a view outside the
+# compiled Function would route its gradient around that backward, so it is a plain output of
+# the compiled Function, differentiated by the traced graph, as eager's custom Function
+# returns it (still a view of the input with the nop compiler).
+def _through_custom_function(out: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``out``'s autograd history reaches ``base`` through a custom Function, walking
+    the chain of one-input nodes (views) from ``out``. See Note [Views made by custom
+    Functions]."""
+    stop = base.grad_fn
+    node = out.grad_fn
+    while node is not None and node is not stop:
+        if isinstance(node, torch.autograd.function.BackwardCFunction) or (
+                type(node).__name__ == "CppFunction"):
+            return True
+        edges = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(edges) != 1:
+            return False
+        node = edges[0]
+    return False
 
 
 def _storages_shared_by_outputs(f_outs: list[Any]) -> set[StorageWeakRef]:
@@ -362,7 +388,7 @@ def _storages_shared_by_outputs(f_outs: list[Any]) -> set[StorageWeakRef]:
 def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch.Tensor]) -> OutputInfo:
     rg = out.requires_grad
     base = out._base
-    if base is None:  # this output is itself the base the other outputs view
+    if base is None or _through_custom_function(out, base):  # (see _through_custom_function)
         return OutputInfo(Alias.NONE, None, rg)
     owner = next((i for i, o in enumerate(f_outs) if o is base), None)
     if owner is not None:
