@@ -525,6 +525,35 @@ def test_in_place_change_of_one_aliased_output_is_seen_in_the_other():
         torch.testing.assert_close(x.grad, torch.tensor([[20.0] * 3, [2.0] * 3]))
 
 
+_VIEWS_OF_INTERMEDIATES = {
+    "flat": lambda x: (x + 1).view(-1),
+    "diagonal": lambda x: (x * 2).diagonal(),
+    "transpose": lambda x: (x * 2).t(),
+    "of_a_detached_value": lambda x: (x.detach() + 1).view(-1),
+}
+
+
+@pytest.mark.parametrize("fn", _VIEWS_OF_INTERMEDIATES.values(), ids=_VIEWS_OF_INTERMEDIATES.keys())
+def test_lone_view_of_an_intermediate_is_a_view_the_caller_may_change(fn):
+    """Eager returns a view whose base is the intermediate; the caller may change it in place
+    (autograd refuses that for views an autograd.Function returns)."""
+    results = []
+    for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+        x = torch.ones(2, 2, requires_grad=True)
+        out = run(x)
+        assert out._is_view() and out._base is not None and out._base.dim() == 2
+        out.mul_(3)
+        if out.requires_grad:
+            out.sum().backward()
+        results.append((out.detach(), out._base.detach(), x.grad))
+    (out, base, grad), (e_out, e_base, e_grad) = results[1], results[0]
+    torch.testing.assert_close(out, e_out)
+    torch.testing.assert_close(base, e_base)
+    assert (grad is None) == (e_grad is None)
+    if e_grad is not None:
+        torch.testing.assert_close(grad, e_grad)
+
+
 # --- custom Functions returning views (Note [Views made by custom Functions]) ---------------------
 
 

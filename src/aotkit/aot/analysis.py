@@ -317,8 +317,10 @@ def _storage_change_error(what: str, where: str) -> UnsupportedError:
 # other safely, so the graph returns such outputs only to carry their size/stride/offset, and the
 # epilogue regenerates each as ``base.as_strided(...)`` outside the Function: from the input,
 # from the user output it views, or from an extra forward output holding the intermediate base
-# (when several outputs view an intermediate the user never returned). Autograd then flows
-# through as_strided into the base, which is exact because the output *is* a view of it.
+# (when outputs view an intermediate the user never returned: ``(x + 1).view(-1)`` is a view
+# whose ``_base`` eager keeps alive, and which the caller may change in place, as autograd
+# allows for views but not for views a Function returns). Autograd then flows through
+# as_strided into the base, which is exact because the output *is* a view of it.
 def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo], list[torch.Tensor]]:
     input_storage = {
         StorageWeakRef(a.untyped_storage()): i
@@ -345,8 +347,8 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         elif storage in input_storage:
             base = input_storage[storage]
             infos.append(_view_info(Alias.OF_INPUT, base, out, f_args[base]))
-        elif storage in shared:
-            infos.append(_view_of_output_info(out, f_outs, bases))
+        elif storage in shared or out._base is not None:  # views another output, or a value
+            infos.append(_view_of_output_info(out, f_outs, bases))  # the user does not get
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg))
     return infos, bases
