@@ -49,8 +49,9 @@ class MetadataMismatchError(CompilerError):
 
 
 class HookResultError(AotkitError, RuntimeError):
-    """A backward hook returned a gradient of another size, or the wrong number of them
-    (raised under compiled autograd where eager raises a RuntimeError)."""
+    """A backward hook, or a custom ``autograd.Function``'s backward, returned a gradient of
+    another size or type, or the wrong number of them (raised under compiled autograd where
+    eager raises a RuntimeError)."""
 
 
 class HookResultTypeError(AotkitError, TypeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from tests.compiled_autograd.helpers import counts, nop
 
 import aotkit
+from aotkit.errors import HookResultError
 
 
 def _dynamo_eager(gm: torch.fx.GraphModule) -> Any:
@@ -164,6 +166,58 @@ def test_custom_function_returning_no_gradient_at_run_time() -> None:
         assert compiled_log == eager_log
         assert torch.equal(actual, expected)
     assert counts() == (1, 1)  # one structure: the replays served give=False and give=True
+
+
+_BAD_BACKWARDS = {  # what the backward returns for forward(ctx, x, k) -> x * k
+    "too_many": (lambda g: (g, None, g), "incorrect number of gradients (expected 2, got 3)"),
+    "too_few": (lambda g: (g,), "incorrect number of gradients (expected 2, got 1)"),
+    "a_list": (lambda g: [g, None], "incorrect number of gradients (expected 2, got 1)"),
+    "a_float": (lambda g: (3.0, None), "returned float as gradient 1"),
+    "grad_for_a_number": (lambda g: (g, torch.ones(1)), "other than None at position 2"),
+}
+
+
+@pytest.mark.parametrize("returns", _BAD_BACKWARDS.values(), ids=_BAD_BACKWARDS.keys())
+def test_custom_backward_results_are_checked_like_eager(returns: Any) -> None:
+    """Eager refuses a custom backward's wrong number or kind of gradients; so does the
+    captured graph, on capture and on replay (never a silently accepted extra gradient)."""
+    result, message = returns
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, k: float) -> torch.Tensor:
+            return x * k
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            return result(grad)
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"incorrect number|expected Variable|not a Variable"):
+        Scale.apply(x, 2.0).sum().backward()
+    for _ in range(2):
+        with aotkit.compiled_autograd.enable(nop), pytest.raises(HookResultError, match=re.escape(message)):
+            Scale.apply(x, 2.0).sum().backward()
+    assert x.grad is None
+
+
+def test_custom_backward_may_return_extra_nones() -> None:
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            return grad * 2, None, None
+
+    def step(log: list[str]) -> Any:
+        x = torch.ones(3, requires_grad=True)
+        Scale.apply(x).sum().backward()
+        return x.grad
+
+    _, _, expected, actual = both(step)
+    assert torch.equal(actual, expected)
 
 
 def test_accumulate_into_existing_grads_and_retain_graph() -> None:

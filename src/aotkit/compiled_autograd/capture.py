@@ -185,7 +185,8 @@ class Capture(GraphBuilder):
                 "aotkit.aot_function/aot_module, or run backward under disable()."
             )
         proxy = self._call(runtime.call_backward,
-                           (self.hooks_p[backward_idx], list(saved_tensors), *inputs))
+                           (self.hooks_p[backward_idx], list(saved_tensors), *inputs),
+                           {"tensor_inputs": tuple(m is not None for m in output_metadatas)})
         with disable_proxy_modes_tracing():
             grads = [None if meta is None else
                      torch.empty(meta[3], layout=meta[0], device=meta[1], dtype=meta[2])

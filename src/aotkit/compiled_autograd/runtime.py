@@ -71,10 +71,36 @@ def lookup(name: str) -> Callable[..., Any]:
     return _ops[name]
 
 
-def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any) -> tuple[Any, ...]:
-    """Run a custom ``torch.autograd.Function``'s backward with the graph's saved tensors."""
+def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any,
+                  tensor_inputs: Sequence[bool] | None = None) -> tuple[Any, ...]:
+    """Run a custom ``torch.autograd.Function``'s backward with the graph's saved tensors;
+    ``tensor_inputs`` says which forward inputs were tensors, for eager's checks of what the
+    backward returns."""
     out = ctx._forward_cls.backward(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
-    return out if isinstance(out, tuple) else (out,)
+    out = out if isinstance(out, tuple) else (out,)
+    return out if tensor_inputs is None else _checked_grads(ctx, out, tensor_inputs)
+
+
+def _checked_grads(ctx: Any, grads: tuple[Any, ...], tensor_inputs: Sequence[bool]) -> tuple[Any, ...]:
+    """Eager's checks on a custom backward's result: one gradient per forward input (extra
+    ones must be None), each a tensor or None, and None for inputs that were not tensors."""
+    name = f"{ctx._forward_cls.__name__}Backward"
+    expected = len(tensor_inputs)
+    if len(grads) < expected or any(g is not None for g in grads[expected:]):
+        raise HookResultError(
+            f"function {name} returned an incorrect number of gradients (expected {expected}, "
+            f"got {len(grads)}); return one gradient (or None) per forward input.")
+    for position, (grad, is_tensor) in enumerate(zip(grads[:expected], tensor_inputs, strict=True),
+                                                 start=1):
+        if grad is not None and not isinstance(grad, torch.Tensor):
+            raise HookResultError(
+                f"function {name} returned {type(grad).__name__} as gradient {position}; "
+                "return a Tensor or None.")
+        if grad is not None and not is_tensor:
+            raise HookResultError(
+                f"function {name} returned a gradient other than None at position {position}, "
+                "but that forward input was not a Tensor; return None there.")
+    return grads[:expected]
 
 
 def add_gradients(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
