@@ -444,6 +444,78 @@ def _queue(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def _removes_a_tensor_hook(log: list[str], on_leaf: bool) -> Any:
+    x = torch.randn(3, requires_grad=True)
+    y = x if on_leaf else x * 2
+    z = y * 3
+    later = y.register_hook(lambda g: log.append("later") or g * 100)
+    z.register_hook(lambda g: log.append("first") or later.remove())
+    z.sum().backward()
+    return x.grad
+
+
+def _removes_a_post_accumulate_hook(log: list[str]) -> Any:
+    x = torch.randn(3, requires_grad=True)
+    later = x.register_post_accumulate_grad_hook(lambda p: log.append("post"))
+    z = x * 3
+    z.register_hook(lambda g: log.append("first") or later.remove())
+    z.sum().backward()
+    return x.grad
+
+
+def _removes_a_node_prehook(log: list[str]) -> Any:
+    x = torch.ones(3, requires_grad=True)
+    y = x.exp()
+    z = y.sin()
+    later = y.grad_fn.register_prehook(lambda gs: log.append("y") or (gs[0] * 100,))
+    z.grad_fn.register_prehook(lambda gs: log.append("z") or later.remove())
+    z.sum().backward()
+    return x.grad
+
+
+def _removes_one_of_two_registrations(log: list[str]) -> Any:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+
+    def double(g: torch.Tensor) -> torch.Tensor:
+        log.append("double")
+        return g * 2
+
+    y.register_hook(double)
+    second = y.register_hook(double)
+    (y * 3).register_hook(lambda g: second.remove())
+    (y * 3).sum().backward()
+    return x.grad
+
+
+_REMOVALS = {
+    "non_leaf_tensor_hook": lambda log: _removes_a_tensor_hook(log, on_leaf=False),
+    "leaf_tensor_hook": lambda log: _removes_a_tensor_hook(log, on_leaf=True),
+    "post_accumulate_grad_hook": _removes_a_post_accumulate_hook,
+    "node_prehook": _removes_a_node_prehook,
+    "one_of_two_registrations": _removes_one_of_two_registrations,
+}
+
+
+@pytest.mark.parametrize("step", _REMOVALS.values(), ids=_REMOVALS.keys())
+def test_hook_removed_by_an_earlier_hook_is_not_called(step: Callable[[list[str]], Any]) -> None:
+    """Note [Hooks removed during a backward]: on the capturing backward and on a replay."""
+    for _ in range(2):
+        eager_log, compiled_log, expected, actual = both(step)
+        assert compiled_log == eager_log
+        torch.testing.assert_close(actual, expected)
+    assert counts()[0] == 1
+
+
+def test_remove_is_restored_after_enable() -> None:
+    from torch.utils.hooks import RemovableHandle
+
+    remove = RemovableHandle.remove
+    with aotkit.compiled_autograd.enable(nop):
+        assert RemovableHandle.remove is not remove
+    assert RemovableHandle.remove is remove
+
+
 def test_callbacks_queued_by_hooks_run_after_the_backward_like_eager() -> None:
     """Note [Final callbacks]: they run once the graph is done (accumulation included), in
     order, callbacks they queue too, with grad mode off; on the capturing backward and on

@@ -76,11 +76,13 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(new)
         engine = compat.execution_engine()
         compat.set_execution_engine(runtime.Engine(engine))
+        runtime.note_removed_hooks(True)
     try:
         # Multithreaded device queues would call the capture object from several threads.
         with torch.autograd.set_multithreading_enabled(False):
             yield
     finally:
+        runtime.note_removed_hooks(False)
         compat.set_execution_engine(engine)
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)

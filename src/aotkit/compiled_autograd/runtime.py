@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from aotkit import compat
 from aotkit.errors import HookResultError, HookResultTypeError, UnsupportedError
@@ -115,7 +116,10 @@ def add_gradients(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.T
 
 
 def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
-    """Run a user hook; a hook returning ``None`` leaves its first argument unchanged."""
+    """Run a user hook; a hook returning ``None`` leaves its first argument unchanged, and so
+    does a hook removed earlier in this backward (Note [Hooks removed during a backward])."""
+    if _removed_earlier(hook):
+        return args[0]
     result = hook(*args)
     if result is None:
         return args[0]
@@ -284,9 +288,11 @@ class Engine:
 
 
 def replay(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run a compiled backward, then the callbacks queued while it ran (Note [Final callbacks])."""
+    """Run a compiled backward, then the callbacks queued while it ran (Note [Final callbacks]),
+    noting the hooks removed meanwhile (Note [Hooks removed during a backward])."""
     queued: list[Callable[[], None]] = []
-    outer, _replay.queued = getattr(_replay, "queued", None), queued
+    outer = getattr(_replay, "queued", None), getattr(_replay, "removed", None)
+    _replay.queued, _replay.removed = queued, {}
     try:
         out = fn(*args)
         i = 0
@@ -295,4 +301,40 @@ def replay(fn: Callable[..., Any], *args: Any) -> Any:
             i += 1
         return out
     finally:
-        _replay.queued = outer
+        _replay.queued, _replay.removed = outer
+
+
+# Note [Hooks removed during a backward]
+# The engine hands the capture every hook registered when the backward starts, and the graph
+# calls each. In eager, a hook that an earlier hook of the same backward removes (through its
+# handle) is not called: the engine reads the hook tables as it reaches each node. So while
+# enable() is active, ``RemovableHandle.remove`` notes, on a thread replaying a compiled graph,
+# which hook functions it takes out, and the graph skips those calls for the rest of that
+# backward (a function registered twice and removed once still runs once). A hook registered
+# during a backward is not seen at all (README, known gaps).
+_original_remove = RemovableHandle.remove
+
+
+def _noting_remove(handle: RemovableHandle) -> None:
+    removed = getattr(_replay, "removed", None)  # id(hook) -> [hook, times removed]
+    if removed is not None:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            hook = hooks[handle.id]
+            removed.setdefault(id(hook), [hook, 0])[1] += 1
+    _original_remove(handle)
+
+
+def note_removed_hooks(on: bool) -> None:
+    """Install (or take back) the ``RemovableHandle.remove`` of Note [Hooks removed during a
+    backward]."""
+    RemovableHandle.remove = _noting_remove if on else _original_remove  # type: ignore[method-assign]
+
+
+def _removed_earlier(hook: Callable[..., Any]) -> bool:
+    removed = getattr(_replay, "removed", None)
+    entry = removed.get(id(hook)) if removed else None
+    if entry is None or entry[1] == 0:
+        return False
+    entry[1] -= 1
+    return True
