@@ -154,6 +154,26 @@ def test_assigning_data_of_an_input_is_refused():
     _assert_refused(fn, (torch.zeros(3), torch.arange(4.0)), r"x\.data = \.\.\. on input 0")
 
 
+def test_assigning_data_of_an_intermediate_is_refused():
+    def fn(x):
+        t = x * 2
+        t.data = torch.ones(3)  # eager computes with the ones; a trace would keep x * 2
+        return t + x
+
+    _assert_refused(fn, (torch.full((3,), 5.0),), r"t\.data = \.\.\. inside the compiled")
+
+
+@pytest.mark.parametrize("how", [lambda x: x.requires_grad_(), lambda x: x.requires_grad_(True)],
+                         ids=["requires_grad_", "requires_grad_true"])
+def test_setting_requires_grad_of_an_input_is_refused(how):
+    def fn(x, w):
+        how(x)
+        return x * 3, w * 4
+
+    _assert_refused(fn, (torch.ones(2), torch.ones(2, requires_grad=True)),
+                    "sets requires_grad on input 0")
+
+
 @pytest.mark.parametrize("resize", [lambda x: x.resize_(5, 5), lambda x: x.resize_as_(torch.ones(9)),
                                     lambda x: x[1:].resize_(8)], ids=["resize_", "resize_as_", "view"])
 def test_resize_growing_an_input_is_refused(resize):

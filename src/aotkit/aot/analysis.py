@@ -241,6 +241,11 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
     # ``mark_dirty`` hands the input to autograd. Data only: a metadata-only mutation would
     # read as hidden.
     unseen = f_arg.grad_fn is grad_fn_before
+    if f_arg.requires_grad and not arg.requires_grad and not data:
+        raise UnsupportedError(
+            f"the compiled function sets requires_grad on input {index} (requires_grad_() or "
+            ".requires_grad = True), which aotkit cannot apply to the caller's tensor.\nFix: "
+            "set requires_grad before calling, or use torch.compile(fn, backend='aotkit').")
     return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad)
 
 
@@ -269,6 +274,13 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
         elif func == _DATA_SETTER and any(args[0] is a for a in self.f_args):
             raise _storage_change_error(f"x.data = ... on input {self._input_of(args[0])}",
                                         current_user_line())
+        elif func == _DATA_SETTER:  # the trace would keep the tensor's old value
+            raise UnsupportedError(
+                f"t.data = ... inside the compiled function (at {current_user_line()}) swaps "
+                "a tensor's value outside autograd's and the trace's view, so the graph would "
+                "keep computing with the old value.\nFix: use the new value directly (t = "
+                "new), or t.copy_(new) under torch.no_grad(); or torch.compile(fn, "
+                "backend='aotkit'), whose Dynamo handles it.")
         return func(*args, **kwargs)
 
     def _input_of(self, t: torch.Tensor) -> int | None:
