@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.test_models import assert_same_training
 from torch import nn
 
 import aotkit
@@ -73,15 +74,6 @@ def train(model: nn.Module, name: str, forward: Callable[..., Any],
     return losses, grads
 
 
-def assert_same(got: Trace, want: Trace) -> None:
-    torch.testing.assert_close(torch.stack(got[0]), torch.stack(want[0]))
-    for step, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
-        assert g.keys() == w.keys()
-        for param in w:
-            torch.testing.assert_close(g[param], w[param],
-                                       msg=lambda m, s=step, p=param: f"step {s}, {p}: {m}")
-
-
 def eager_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
@@ -100,7 +92,7 @@ def test_torch_compile_trains_like_eager(reference: tuple[str, nn.Module, Trace]
     torch._dynamo.reset()
     aotkit.counters.reset()
     got = train(model, name, torch.compile(model, backend="aotkit"), eager_backward)
-    assert_same(got, want)
+    assert_same_training(eager=want, compiled=got)
     assert aotkit.counters.counters["aot"]["traces"] >= 1  # the model ran through aotkit
 
 
@@ -115,7 +107,7 @@ def test_compiled_autograd_trains_like_eager(reference: tuple[str, nn.Module, Tr
             loss.backward()
 
     got = train(model, name, model, backward)
-    assert_same(got, want)
+    assert_same_training(eager=want, compiled=got)
     # Both steps have one autograd-graph structure: captured once, replayed once.
     assert aotkit.counters.counters["compiled_autograd"]["captures"] == 1
     assert not aotkit.explain().of_kind("fallback")

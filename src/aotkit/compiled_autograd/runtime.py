@@ -73,13 +73,12 @@ def lookup(name: str) -> Callable[..., Any]:
 
 
 def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any,
-                  tensor_inputs: Sequence[bool] | None = None) -> tuple[Any, ...]:
+                  tensor_inputs: Sequence[bool]) -> tuple[Any, ...]:
     """Run a custom ``torch.autograd.Function``'s backward with the graph's saved tensors;
     ``tensor_inputs`` says which forward inputs were tensors, for eager's checks of what the
     backward returns."""
     out = ctx._forward_cls.backward(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
-    out = out if isinstance(out, tuple) else (out,)
-    return out if tensor_inputs is None else _checked_grads(ctx, out, tensor_inputs)
+    return _checked_grads(ctx, out if isinstance(out, tuple) else (out,), tensor_inputs)
 
 
 def _checked_grads(ctx: Any, grads: tuple[Any, ...], tensor_inputs: Sequence[bool]) -> tuple[Any, ...]:
