@@ -211,6 +211,49 @@ def test_resize_of_an_intermediate_matches_eager():
     check_against_eager(fn, rand(3, grad=True))
 
 
+# --- writes to overlapping memory (Note [Writes to overlapping memory]) ------------------------
+
+
+def _expanded() -> torch.Tensor:
+    return torch.zeros(1).expand(3)
+
+
+_OVERLAPPING_WRITES = {  # (function, its argument, whether eager refuses it too)
+    "add_ on an expanded intermediate": (lambda x: (x.expand(3).add_(1), x * 1)[1], torch.zeros, True),
+    "fill_ on an expanded intermediate": (lambda x: (x.expand(3).fill_(1), x * 1)[1], torch.zeros, False),
+    "index_put_ on an expanded intermediate": (
+        lambda x: (x.expand(3).index_put_((torch.tensor([0]),), torch.tensor(2.0)), x * 1)[1],
+        torch.zeros, False),
+    "add_ on an expanded input": (lambda x: x.add_(1) * 2, lambda _: _expanded(), True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Use of index_put_ on expanded tensors")
+@pytest.mark.parametrize("case", _OVERLAPPING_WRITES.values(), ids=_OVERLAPPING_WRITES.keys())
+def test_writes_to_overlapping_memory_are_refused(case):
+    """Eager refuses some such writes and runs others, where a functional graph would regenerate
+    the base by summing the expanded copies (x == 3 where eager leaves 1): aotkit refuses both."""
+    fn, make_arg, eager_refuses = case
+    if eager_refuses:
+        with pytest.raises(RuntimeError, match="more than one element"):
+            fn(make_arg(1))
+    else:
+        fn(make_arg(1))
+    with pytest.raises(UnsupportedError, match=r"share memory \(an expand\(\)ed view\)(.|\n)*Fix: clone\(\)"):
+        aotkit.aot_function(fn, compilers.nop)(make_arg(1))
+
+
+def test_writes_to_expanded_tensors_without_overlap_match_eager():
+    def fn(x):
+        empty = x.new_zeros(1).expand(0, 3)  # stride 0 but no element: eager allows the write
+        empty.add_(1)
+        one = x.new_zeros(1, 1).expand(1, 1)
+        one.add_(x.sum())
+        return one * x
+
+    check_against_eager(fn, rand(3, grad=True))
+
+
 # --- mutations hidden from autograd ----------------------------------------------------------
 
 

@@ -352,11 +352,22 @@ class _OutsideTensorGuard(TorchDispatchMode):
         return base if view is t else None
 
     def _check_writes(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
-        """Before the op runs: the fake mode would write to the real outside tensor."""
+        """Before the op runs: the fake mode would write to the real outside tensor, and
+        functionalization would get a write to overlapping memory wrong."""
         for t in _written(func, args, kwargs):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
+            if torch.Tag.inplace_view not in func.tags and _overlaps_itself(t):
+                raise UnsupportedError(
+                    f"{self.what} writes in place ({func}) to a tensor of shape "
+                    f"{tuple(t.shape)} and stride {tuple(t.stride())} whose elements share "
+                    "memory (an expand()ed view). Eager PyTorch refuses most such writes, and "
+                    "aotkit's functional graph cannot reproduce the others (fill_, zero_, "
+                    "index_put_), so it refuses them all.\n"
+                    f"  at {current_user_line()}\n"
+                    "Fix: clone() the tensor before writing to it in place."
+                )
 
     def _check_grad_reads(self, func: torch._ops.OpOverload, args: Any, kwargs: Any,
                           out: Any) -> None:
@@ -458,6 +469,22 @@ _GRADLESS_READS = frozenset({
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+# Note [Writes to overlapping memory]
+# A write through an expand()ed view (stride 0, size > 1) hits one element several times. Eager
+# raises for most ops ("more than one element of the written-to tensor refers to a single memory
+# location"), but not for fill_, zero_, index_put_ or masked_fill_. Functionalization turns any
+# such write into a new value for the view and regenerates the base from it by summing over the
+# expanded dimension: `x.expand(3).fill_(1)` leaves x == 3, where eager leaves 1. Both PyTorch's
+# aot_function and ours gave that silently; now every write to a self-overlapping tensor is
+# refused while tracing, with the fix eager's own warning suggests.
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether several elements of ``t`` share memory: the case eager's overlap check detects."""
+    return any(
+        isinstance(stride, int) and stride == 0 and size > 1
+        for size, stride in zip(t.shape, t.stride(), strict=True)
+    ) and t.numel() > 0
 
 
 def _written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
