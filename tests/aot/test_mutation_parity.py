@@ -211,6 +211,45 @@ def test_resize_of_an_intermediate_matches_eager():
     check_against_eager(fn, rand(3, grad=True))
 
 
+_OUT_BUFFERS = {  # out= arguments eager resizes to the result's size (3,), within their memory
+    "other shape": lambda: torch.empty(1, 3),
+    "prefix of a larger storage": lambda: torch.empty(6)[:2],
+    "transposed": lambda: torch.empty(3, 1).t(),
+}
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("make", _OUT_BUFFERS.values(), ids=_OUT_BUFFERS.keys())
+def test_out_argument_resized_within_its_memory_matches_eager(make, dynamic):
+    """Note [Inputs resized as out= arguments]: the caller's tensor takes the result's shape."""
+    def fn(x, buf):
+        out = torch.mul(x, 2, out=buf)
+        return out, buf.sum()
+
+    x = torch.arange(3.0)
+    if dynamic and make is _OUT_BUFFERS["prefix of a larger storage"]:
+        with pytest.raises(UnsupportedError, match="not provably within its memory"):
+            aotkit.aot_function(fn, compilers.nop, dynamic=True)(x, make())
+        return
+    eager_buf = make()
+    expected = fn(x, eager_buf)
+    buf = make()
+    out, total = aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x, buf)
+    torch.testing.assert_close((out, total), expected)
+    assert (buf.shape, buf.stride()) == (eager_buf.shape, eager_buf.stride()) == ((3,), (1,))
+    torch.testing.assert_close(buf, eager_buf)
+    assert_write_through(out, buf)
+
+
+def test_out_argument_growing_an_input_is_refused():
+    def fn(x, buf):
+        torch.add(x, 1, out=buf)
+        return buf * 2
+
+    _assert_refused(fn, (torch.ones(3), torch.empty(0)), r"an out= argument \(input 1\) resized")
+
+
 # --- writes to overlapping memory (Note [Writes to overlapping memory]) ------------------------
 
 

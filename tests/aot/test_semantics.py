@@ -1412,3 +1412,16 @@ def test_quantized_argument_is_refused_with_its_name() -> None:
     f = aotkit.aot_function(lambda a, q: q.dequantize() * a, aotkit.compilers.nop)
     with pytest.raises(UnsupportedError, match=r"(?s)args\[1\] cannot be traced.*quantized.*dequantize"):
         f(torch.ones(3), q)
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.filterwarnings("ignore:Error detected in")
+def test_anomaly_mode_compiles_and_still_reports_nan_gradients():
+    """Anomaly mode's NaN check is not traced (it would read fake values as a data-dependent
+    branch); the engine still checks the compiled backward's results."""
+    with torch.autograd.detect_anomaly():
+        check_against_eager(lambda x: x.sin() * 2, rand(3, grad=True))
+        compiled = aotkit.aot_function(lambda x: (x.log() * 0).sum(), compilers.nop)
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            compiled(torch.zeros(3, requires_grad=True)).backward()
+    assert not aotkit.explain().of_kind("graph_break")

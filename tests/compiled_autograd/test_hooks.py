@@ -12,7 +12,7 @@ import torch
 from tests.compiled_autograd.helpers import counts, nop
 
 import aotkit
-from aotkit.errors import HookResultError
+from aotkit.errors import HookResultError, UnsupportedError
 
 
 def _dynamo_eager(gm: torch.fx.GraphModule) -> Any:
@@ -391,6 +391,8 @@ def test_roots_from_one_node_match_eager_and_say_why_order_is_unknown() -> None:
 def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Tensor) -> None:
     if kind == "leaf":
         w.register_hook(hook)
+    elif kind == "post_acc":
+        w.register_post_accumulate_grad_hook(hook)
     elif kind == "tensor":
         k.register_hook(hook)
     elif kind == "pre":
@@ -410,8 +412,9 @@ def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Ten
     ("leaf", lambda g: g.double(), RuntimeError, "float64"),
     ("tensor", lambda g: g.double(), RuntimeError, "float64"),
     ("post", lambda gis, gos: (gis[0].double(), None), RuntimeError, "float64"),
+    ("post_acc", lambda p: p.grad * 2, RuntimeError, "must return None"),
 ], ids=["leaf-size", "tensor-size", "tensor-float", "pre-count", "pre-size", "post-count",
-        "post-list", "leaf-dtype", "tensor-dtype", "post-dtype"])
+        "post-list", "leaf-dtype", "tensor-dtype", "post-dtype", "post-acc-returns"])
 def test_hook_results_are_checked_like_eager(kind: str, hook: Callable[..., Any],
                                              error: type[Exception], match: str) -> None:
     def step() -> None:
@@ -473,7 +476,7 @@ def _removes_a_node_prehook(log: list[str]) -> Any:
     return x.grad
 
 
-def _removes_one_of_two_registrations(log: list[str]) -> Any:
+def _removes_one_of_three_registrations(log: list[str]) -> Any:
     x = torch.randn(3, requires_grad=True)
     y = x * 2
 
@@ -483,7 +486,23 @@ def _removes_one_of_two_registrations(log: list[str]) -> Any:
 
     y.register_hook(double)
     second = y.register_hook(double)
-    (y * 3).register_hook(lambda g: second.remove())
+    y.register_hook(double)
+    z = y * 3
+    z.register_hook(lambda g: second.remove())
+    z.sum().backward()
+    return x.grad
+
+
+def _removes_its_own_registration(log: list[str]) -> Any:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+
+    def once(g: torch.Tensor) -> torch.Tensor:
+        log.append("once")
+        handle.remove()
+        return g * 2
+
+    handle = y.register_hook(once)
     (y * 3).sum().backward()
     return x.grad
 
@@ -493,8 +512,37 @@ _REMOVALS = {
     "leaf_tensor_hook": lambda log: _removes_a_tensor_hook(log, on_leaf=True),
     "post_accumulate_grad_hook": _removes_a_post_accumulate_hook,
     "node_prehook": _removes_a_node_prehook,
-    "one_of_two_registrations": _removes_one_of_two_registrations,
+    "one_of_three_registrations": _removes_one_of_three_registrations,
+    "its_own_registration": _removes_its_own_registration,
 }
+
+
+def _shared_function_removed_from_one_tensor(log: list[str], removed_after_its_call: bool) -> Any:
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+
+    def double(g: torch.Tensor) -> torch.Tensor:
+        log.append("double")
+        return g * 2
+
+    yb = b * 5
+    ya = a * 3  # made last, so its node runs first, then a's accumulation, then yb's node
+    yb.register_hook(double)
+    handle = ya.register_hook(double)
+    z = ya + yb
+    # a's leaf hook runs after double on ya but before double on yb; z's before both.
+    (a if removed_after_its_call else z).register_hook(lambda g: handle.remove())
+    z.sum().backward()
+    return a.grad, b.grad
+
+
+@pytest.mark.parametrize("removed_after_its_call", [False, True])
+def test_removing_one_of_a_functions_registrations_on_several_tensors_is_refused(
+        removed_after_its_call: bool) -> None:
+    """Note [Hooks removed during a backward]: the graph cannot tell the two calls apart."""
+    _shared_function_removed_from_one_tensor([], removed_after_its_call)  # eager runs it
+    with aotkit.compiled_autograd.enable(nop), pytest.raises(
+            UnsupportedError, match="registered 2 times in this backward on different tensors"):
+        _shared_function_removed_from_one_tensor([], removed_after_its_call)
 
 
 @pytest.mark.parametrize("step", _REMOVALS.values(), ids=_REMOVALS.keys())

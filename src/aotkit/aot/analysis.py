@@ -235,6 +235,12 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
         raise _storage_change_error(f"x.set_(...) on input {index}", "")
     data = torch._functionalize_has_data_mutation(inner)
     metadata = torch._functionalize_has_metadata_mutation(inner)
+    if _resized_out(inner, arg):
+        metadata = True
+        if not statically_known_true(_extent(inner) <= arg.untyped_storage().nbytes()):
+            raise _storage_change_error(f"an out= argument (input {index}) resized to the "
+                                        "result's size (or, with dynamic shapes, not provably "
+                                        "within its memory)", "")
     # A mutation autograd saw changed the input's autograd history (its grad_fn); one made
     # under no_grad or through a detached alias left it as it was. Functionalization's own
     # no_grad flag is not used: a custom Function's forward mutates under no_grad and then
@@ -297,6 +303,26 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
         needed = (torch.Size(size).numel() + t.storage_offset()) * t.element_size()
         if index is not None and needed > self.nbytes[index]:
             raise _storage_change_error(f"resize_ growing input {index}", current_user_line())
+
+
+# Note [Inputs resized as out= arguments]
+# An out= op resizes its out tensor to the result's size (``torch.add(x, 1, out=buf)`` with an
+# empty ``buf``). Functionalization applies the new size to its inner tensor, but the Python
+# FunctionalTensor keeps the old one and the metadata-mutation flag stays False, so the change
+# is read from the inner tensor. Growing beyond the input's memory is refused like resize_, and
+# so is a size that symbolic shapes cannot prove to fit.
+def _resized_out(inner: torch.Tensor, arg: torch.Tensor) -> bool:
+    # Shapes only: an out= of the right shape keeps its strides, and after a data mutation the
+    # inner tensor's strides are those of the new value, not the input's.
+    return not known_equal(inner.shape, arg.shape)
+
+
+def _extent(t: torch.Tensor) -> Any:
+    """The bytes of storage ``t`` reaches, from its start."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
 
 _DATA_SETTER = torch.Tensor.data.__set__  # type: ignore[attr-defined]

@@ -174,8 +174,11 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     # its ops there when it sees a trace); what it writes must not outlive our trace.
     node_meta = dict(fx_traceback.current_meta)
     try:
+        # Anomaly mode's NaN check reads each backward result's values: meaningless on fake
+        # tensors, and a data-dependent branch to the trace. The engine still checks the
+        # compiled backward's results when it runs.
         with mode, dispatcher, onednn, _EagerDropout(), compiled_autograd_off(), \
-                _saved_tensor_hooks_deferred(), guard:
+                _saved_tensor_hooks_deferred(), torch.autograd.set_detect_anomaly(False), guard:
             yield guard.generators
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc

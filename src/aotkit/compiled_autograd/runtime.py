@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -117,13 +117,14 @@ def add_gradients(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.T
 def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     """Run a user hook; a hook returning ``None`` leaves its first argument unchanged, and so
     does a hook removed earlier in this backward (Note [Hooks removed during a backward])."""
-    if _removed_earlier(hook):
+    removals = getattr(_replay, "removals", None)
+    if removals is not None and not removals.runs(hook):
         return args[0]
     result = hook(*args)
     if result is None:
         return args[0]
     if hook_type == "post_acc_grad_hook":
-        raise UnsupportedError(
+        raise HookResultError(
             "a post-accumulate-grad hook returned a value; such hooks must return None "
             "(modify param.grad in place instead)."
         )
@@ -286,41 +287,87 @@ class Engine:
         return getattr(self.engine, name)
 
 
-def replay(fn: Callable[..., Any], *args: Any) -> Any:
+def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, hooks: Any,
+           packed_data: Any) -> Any:
     """Run a compiled backward, then the callbacks queued while it ran (Note [Final callbacks]),
     noting the hooks removed meanwhile (Note [Hooks removed during a backward])."""
     queued: list[Callable[[], None]] = []
-    outer = getattr(_replay, "queued", None), getattr(_replay, "removed", None)
-    _replay.queued, _replay.removed = queued, {}
+    outer = getattr(_replay, "queued", None), getattr(_replay, "removals", None)
+    _replay.queued, _replay.removals = queued, _Removals(hooks)
     try:
-        out = fn(*args)
+        out = fn(inputs, sizes, scalars, hooks, packed_data)
         i = 0
         while i < len(queued):  # a callback may queue more
             queued[i]()
             i += 1
         return out
     finally:
-        _replay.queued, _replay.removed = outer
+        _replay.queued, _replay.removals = outer
 
 
 # Note [Hooks removed during a backward]
 # The engine hands the capture every hook registered when the backward starts, and the graph
 # calls each. In eager, a hook that an earlier hook of the same backward removes (through its
 # handle) is not called: the engine reads the hook tables as it reaches each node. So while
-# enable() is active, ``RemovableHandle.remove`` notes, on a thread replaying a compiled graph,
-# which hook functions it takes out, and the graph skips those calls for the rest of that
-# backward (a function registered twice and removed once still runs once). A hook registered
-# during a backward is not seen at all (README, known gaps).
+# enable() is active, ``RemovableHandle.remove`` tells the running replay which hook function
+# leaves which table, and the graph skips the call that registration would have made. The graph
+# knows a call only by its function, so the registration is found by counting: a function
+# registered once in this backward is that registration; several registrations in the one table
+# run in its order (and skipping any of them gives the same result); a registration whose call
+# already ran (a hook removing itself) skips nothing. One function registered on several tensors
+# or nodes, one of which is removed while calls are still to come, cannot be told apart and is
+# refused. A registration on a tensor outside this backward of a function registered once inside
+# it is taken for the inside one. A hook registered during a backward is not seen at all
+# (README, known gaps).
+class _Removals:
+    """The hook calls one replay is to skip."""
+
+    def __init__(self, hooks: Sequence[Any]) -> None:
+        self.hooks = hooks  # the registrations this backward calls
+        self.calls: Counter[int] = Counter()  # id(hook) -> calls made or skipped so far
+        self.skip: Counter[int] = Counter()   # id(hook) -> calls still to skip
+
+    def runs(self, hook: Callable[..., Any]) -> bool:
+        """Count a call of ``hook``; whether it is to be made."""
+        key = id(hook)
+        self.calls[key] += 1
+        if self.skip[key]:
+            self.skip[key] -= 1
+            return False
+        return True
+
+    def removed(self, hook: Callable[..., Any], table: Mapping[Any, Any], handle_id: Any) -> None:
+        """``hook``'s registration under ``handle_id`` in ``table`` is being removed."""
+        key = id(hook)
+        total = sum(1 for h in self.hooks if h is hook)
+        done = self.calls[key] + self.skip[key]
+        in_table = [k for k, h in table.items() if h is hook]
+        if total - done <= 0:
+            return  # every call already ran: the removed one ran too, or is outside
+        if total == 1:
+            self.skip[key] += 1
+        elif len(in_table) == total:  # all in this table, called in its order
+            self.skip[key] += in_table.index(handle_id) >= done
+        else:
+            raise UnsupportedError(
+                f"compiled autograd: a hook removed during the backward ({_hook_name(hook)!r}) is one "
+                f"function registered {total} times in this backward on different tensors or "
+                "nodes, and calls of it are still to come; the compiled graph cannot tell "
+                "which registration was removed.\nFix: register a distinct function on each "
+                "tensor (a closure or functools.partial), or run this backward under "
+                "aotkit.compiled_autograd.disable()."
+            )
+
+
 _original_remove = RemovableHandle.remove
 
 
 def _noting_remove(handle: RemovableHandle) -> None:
-    removed = getattr(_replay, "removed", None)  # id(hook) -> [hook, times removed]
-    if removed is not None:
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and handle.id in hooks:
-            hook = hooks[handle.id]
-            removed.setdefault(id(hook), [hook, 0])[1] += 1
+    removals = getattr(_replay, "removals", None)
+    if removals is not None:
+        table = handle.hooks_dict_ref()
+        if table is not None and handle.id in table:
+            removals.removed(table[handle.id], table, handle.id)
     _original_remove(handle)
 
 
@@ -328,12 +375,3 @@ def note_removed_hooks(on: bool) -> None:
     """Install (or take back) the ``RemovableHandle.remove`` of Note [Hooks removed during a
     backward]."""
     RemovableHandle.remove = _noting_remove if on else _original_remove  # type: ignore[method-assign]
-
-
-def _removed_earlier(hook: Callable[..., Any]) -> bool:
-    removed = getattr(_replay, "removed", None)
-    entry = removed.get(id(hook)) if removed else None
-    if entry is None or entry[1] == 0:
-        return False
-    entry[1] -= 1
-    return True
