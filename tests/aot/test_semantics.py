@@ -111,9 +111,15 @@ def test_detached_outputs_share_memory_without_autograd_link():
         return x.detach(), x.detach().requires_grad_(), x[1:].detach()
 
     result = check_against_eager(fn, rand(3, grad=True))
-    plain, leaf, _ = result.aot_out
+    plain, leaf, part = result.aot_out
     assert not plain.requires_grad and leaf.requires_grad and leaf.grad_fn is None
     assert_write_through(plain, result.aot_args[0][0])
+    # as in eager, a detached tensor is no view, though it shares memory
+    eager = fn(rand(3, grad=True))
+    assert [t._is_view() for t in (plain, leaf, part)] == [t._is_view() for t in eager] == [
+        False, False, False]
+    view = aotkit.aot_function(lambda x: x.detach()[1:], compilers.nop)(rand(3, grad=True))
+    assert view._is_view() and not view._base._is_view()  # a view of the detached tensor
 
 
 def test_output_view_taken_under_no_grad():

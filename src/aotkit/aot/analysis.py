@@ -79,6 +79,8 @@ class OutputInfo:
     # Note [Conjugate and negative views].
     is_conj: bool = False
     is_neg: bool = False
+    # Eager's ``_is_view()``: ``x.detach()`` shares x's memory but is no view.
+    is_view: bool = True
 
 
 @dataclass
@@ -447,7 +449,7 @@ def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Ten
     # make_fx later records in node.meta), so these are eager's bits.
     return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out, base_value),
                       linked=linked, no_grad_view=no_grad_view,
-                      is_conj=out.is_conj(), is_neg=out.is_neg())
+                      is_conj=out.is_conj(), is_neg=out.is_neg(), is_view=out._is_view())
 
 
 def _non_tensor_info(out: Any) -> OutputInfo:

@@ -292,12 +292,14 @@ class _ViewSource:
 def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
     """``out`` as a real view of ``source.base`` with the autograd link eager would give it."""
     base = source.base
+    if not info.is_view:  # ``x.detach()``, ``x[1:].detach()``: shares memory, is no view
+        return _as_view(source, out, info, name).detach().requires_grad_(info.requires_grad)
     if info.linked or not base.requires_grad:
         return _as_view(source, out, info, name)
     if info.no_grad_view:  # eager: requires_grad, no grad_fn, still a view of base
         with torch.no_grad():
             return _as_view(source, out, info, name)
-    # ``x.detach()`` (maybe ``.requires_grad_()`` after): shares memory, no autograd link
+    # ``x.detach()[0]`` (maybe ``.requires_grad_()`` after): a view, no autograd link
     detached = _ViewSource(base.detach(), source.new_value, source.input_index)
     return _as_view(detached, out, info, name).requires_grad_(info.requires_grad)
 
