@@ -653,6 +653,24 @@ def test_keep_inference_input_mutations_puts_copy_in_graph():
     assert len(outputs) == 1  # the new value of x is not returned, the graph wrote it
 
 
+def test_input_mutated_in_graph_bumps_its_version_like_eager():
+    """Note [Versions of inputs mutated in the graph]: a compiler writing the input's memory
+    directly (as Inductor's kernels do; here through ``.data``, which has its own version
+    counter) must still leave a stale saved tensor detectable by backward."""
+    def writes_directly(gm, example_inputs):
+        return lambda *args: gm(*(a.data if isinstance(a, torch.Tensor) else a for a in args))
+
+    f = aotkit.aot_function(lambda p, g: p.add_(g), compilers.nop, inference_compiler=writes_directly,
+                            keep_inference_input_mutations=True)
+    p, x = torch.ones(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    loss = (p * x).sum()  # saves p
+    with torch.no_grad():
+        f(p, torch.ones(3))
+    torch.testing.assert_close(p.detach(), torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_without_keep_inference_input_mutations_graph_is_functional():
     inference = RecordingCompiler("inf")
     f = aotkit.aot_function(lambda x: x.add_(1).mul(2), compilers.nop, inference_compiler=inference)

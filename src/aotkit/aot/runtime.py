@@ -54,6 +54,8 @@ class CompiledGraphs:
         self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
         # Also mutations the graph keeps as copy_ (keep_inference_input_mutations).
         self.mutates_inputs = bool(self.meta.mutated_inputs)
+        self.mutated_in_graph = [i for i in self.meta.mutated_inputs
+                                 if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
             o.alias is Alias.NONE for o in self.meta.outputs
@@ -215,7 +217,17 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     else:
         with torch.no_grad():
             fw_outs = graphs.run_forward(list(args))
+        for i in graphs.mutated_in_graph:  # Note [Versions of inputs mutated in the graph]
+            torch.autograd.graph.increment_version(args[i])
     return epilogue(graphs, args, fw_outs)
+
+
+# Note [Versions of inputs mutated in the graph]
+# With keep_inference_input_mutations the graph writes into the input itself. Eager bumps the
+# input's version counter, so that a backward needing its old value refuses to run; the nop
+# compiler's copy_ bumps it too, but a generated kernel (Inductor) writes the memory directly and
+# a tensor saved earlier would silently give gradients of the new value. So the runtime bumps
+# it once more: autograd only compares versions for equality.
 
 
 # Note [Autocast is traced]
