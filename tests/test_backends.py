@@ -257,7 +257,7 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
     def select(x: torch.Tensor) -> torch.Tensor:  # Note [Tangents of data-dependent sizes]
         return torch.cat([torch.masked_select(x, x > 0), x]).sin()
 
-    def pad(x: torch.Tensor) -> torch.Tensor:  # Note [Binding data-dependent sizes in the backward]
+    def pad(x: torch.Tensor) -> torch.Tensor:  # Note [Binding symbols in the backward]
         return torch.cat([x[:2], torch.nn.functional.pad(x[x > 0], (2, 3))]) * 2
 
     def two_sizes(x: torch.Tensor) -> torch.Tensor:  # a tangent of size u0 + u1
@@ -277,6 +277,26 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
             (out * torch.arange(out.shape[0])).sum().backward()
             (expected * torch.arange(expected.shape[0])).sum().backward()
             torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
+def test_backward_reads_symbols_only_inside_expressions(backend: str) -> None:
+    """Note [Binding symbols in the backward]: cat's, pad's and split's backwards read sizes
+    like s0 + s1; Inductor's backward needs each symbol as an input of its own."""
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = torch.nn.functional.pad(torch.cat([x, y]), (0, 0, 1, 2)) * 2
+        return sum(t.sum() * (i + 1) for i, t in enumerate(z.split(2)))
+
+    compiled = torch.compile(f, backend=backend, dynamic=True)
+    for n in (2, 3):
+        a, b = torch.randn(n, 2, requires_grad=True), torch.randn(n + 1, 2, requires_grad=True)
+        a_e, b_e = (t.detach().clone().requires_grad_() for t in (a, b))
+        out, expected = compiled(a, b), f(a_e, b_e)
+        torch.testing.assert_close(out, expected)
+        out.backward()
+        expected.backward()
+        torch.testing.assert_close((a.grad, b.grad), (a_e.grad, b_e.grad))
 
 
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])

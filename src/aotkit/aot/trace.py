@@ -596,7 +596,7 @@ def trace_joint(
 # backward binds it from the tangent; where it is an expression (``cat`` of a ``masked_select``
 # and 5 elements: u1 + 5) nothing binds u1, and Inductor's code for the backward fails. The two
 # sizes are one value, so the ShapeEnv is told u1 is u2, which the forward binds and saves
-# (Note [Binding data-dependent sizes in the backward]); several symbols pair by creation order.
+# (Note [Binding symbols in the backward]); several symbols pair by creation order.
 def _name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
                                       differentiable: list[bool]) -> None:
     if num_tangents == 0:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from aotkit.errors import ArgumentError
 
@@ -108,15 +107,17 @@ def with_getitems(nodes: set[fx.Node]) -> set[fx.Node]:
     return nodes | items
 
 
-# Note [Binding data-dependent sizes in the backward]
+# Note [Binding symbols in the backward]
 # A code generator for the backward (Inductor) learns each symbol of its inputs' sizes from an
 # input: a SymInt input that is the symbol, or a tensor input with a size that is the symbol. A
-# size read from data in the forward (u2 = masked_select's count) may reach the backward only
-# inside expressions (a tangent of size u2 + 5, a saved 5 + u2 for a slice), from which it
-# cannot be learnt. The forward then also saves the SymInt that is the symbol itself.
+# symbol may reach the backward only inside expressions, from which it cannot be learnt: the
+# backward of ``cat([x, y])`` under dynamic shapes reads x's size s0 and the total s0 + s1 (a
+# saved SymInt, the tangent's size), never s1 alone; a size read from data in the forward (u2 =
+# masked_select's count) arrives as u2 + 5. The forward then also saves the SymInt that is the
+# symbol itself (a SymInt input under Dynamo, or a size the forward reads).
 def syms_binding_backward(fw_syms: Iterable[fx.Node], bw_inputs: Sequence[fx.Node]) -> list[fx.Node]:
-    """Forward SymInt nodes, in ``fw_syms``' order, to save as well so that every unbacked
-    symbol in the backward inputs' sizes is bound by one of its inputs."""
+    """Forward SymInt nodes, in ``fw_syms``' order, to save as well so that every symbol in the
+    backward inputs' sizes is bound by one of its inputs."""
     bound: set[sympy.Symbol] = set()
     needed: set[sympy.Symbol] = set()
     for node in bw_inputs:
@@ -129,7 +130,7 @@ def syms_binding_backward(fw_syms: Iterable[fx.Node], bw_inputs: Sequence[fx.Nod
             continue
         for size in (*binding, *other):
             if isinstance(size, torch.SymInt):
-                needed |= free_unbacked_symbols(_resolved(size))
+                needed |= _resolved(size).free_symbols
         bound |= {e for e in map(_resolved, binding) if isinstance(e, sympy.Symbol)}
     missing = needed - bound
     extra = []

@@ -206,7 +206,7 @@ class _Network:
         region = ancestors([*parts.bw_outputs, *self.bw_effects], stop=stop)
         saved = [n for n in cut.saved if n in region]
         saved_syms = [n for n in self.index if n in self.fw_syms and n in region]
-        saved_syms += syms_binding_backward(  # Note [Binding data-dependent sizes in the backward]
+        saved_syms += syms_binding_backward(  # Note [Binding symbols in the backward]
             [n for n in self.index if n in self.fw_syms and n not in saved_syms],
             [*saved_syms, *saved, *parts.tangents])
         forward = ancestors([*parts.fw_outputs, *self.fw_effects, *saved, *saved_syms])
