@@ -244,6 +244,27 @@ def test_decisions_name_the_compiled_region() -> None:
     assert decision.what == "aot_module_simplified(forward in test_backends.py [0/0])"
 
 
+def test_dynamo_recompiles_and_its_eager_fallback_are_explained() -> None:
+    """Note [Dynamo's recompiles in explain()]: each recompile with Dynamo's guard failure, and
+    the frame Dynamo stops compiling at its recompile limit."""
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    compiled = torch.compile(double, backend="aotkit", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for x in (torch.ones(1), torch.ones(2), torch.ones(2, dtype=torch.float64),
+                  torch.ones(4), torch.ones(5)):
+            torch.testing.assert_close(compiled(x), double(x))
+    recompiles = aotkit.explain().of_kind("recompile")
+    assert [d.what for d in recompiles] == [
+        f"aot_module_simplified(double in test_backends.py [0/{i}])" for i in (1, 2)]
+    assert "size mismatch at index 0. expected 1, actual 2" in recompiles[0].why
+    assert "dtype mismatch" in recompiles[1].why
+    [fallback] = aotkit.explain().of_kind("fallback")
+    assert fallback.what.startswith("torch.compile('double'")
+    assert "recompile_limit = 3 times and runs it eagerly" in fallback.why
+
+
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_debug", "aotkit_inductor"])
 def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None:
     """Dynamo hands over .item() values and data-dependent sizes as unbacked symbols."""

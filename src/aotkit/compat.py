@@ -283,3 +283,13 @@ def rename_unbacked_symbol(shape_env: Any, old: Any, new: Any) -> None:
     replaced is left as it is."""
     if old not in shape_env.replacements:
         shape_env._rename_unbacked_to(old, new)
+
+
+def dynamo_recompile_reason() -> str | None:
+    """The guard failure that made Dynamo compile the current frame again, from the metrics of
+    the running compile (private: ``MetricsContext`` has no public getter)."""
+    from torch._dynamo.utils import get_metrics_context
+
+    metrics = getattr(get_metrics_context(), "_metrics", {})
+    reason = metrics.get("recompile_reason")
+    return str(reason).strip() if reason else None

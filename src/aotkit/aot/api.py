@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -43,7 +44,12 @@ from aotkit.aot.trace import (
     tracing,
     tracing_active,
 )
-from aotkit.compat import FakeTensorMode, dynamo_fallback_errors, keep_stack_traces_of
+from aotkit.compat import (
+    FakeTensorMode,
+    dynamo_fallback_errors,
+    dynamo_recompile_reason,
+    keep_stack_traces_of,
+)
 from aotkit.errors import (
     AotkitError,
     ArgumentError,
@@ -554,6 +560,7 @@ def aot_module_simplified(
         return pytree.tree_flatten(out)
 
     name = f"aot_module_simplified({_region(mod)})"
+    note_dynamo_recompile(name)
     try:
         graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
     except AotkitError as exc:
@@ -599,6 +606,44 @@ def _region(mod: nn.Module) -> str:
     compile_id = CompileContext.current_compile_id()
     where = f"{frame.name} in {os.path.basename(frame.filename)}"
     return where if compile_id is None else f"{where} [{compile_id}]"
+
+
+# Note [Dynamo's recompiles in explain()]
+# Dynamo decides when a frame is compiled again (a guard failed: a new shape, dtype, grad mode
+# or Python value) and, after torch._dynamo.config.recompile_limit compiles of one frame, runs
+# it eagerly from then on. Both happen before any backend sees a graph, so aotkit records them:
+# a backend call for a frame's second or later compile is a "recompile" decision with Dynamo's
+# guard failure, and Dynamo's warning on hitting its limit is a "fallback" decision.
+def note_dynamo_recompile(name: str) -> None:
+    """Record why Dynamo compiles this frame again, if it does (Note [Dynamo's recompiles in
+    explain()]); install the recorder of Dynamo's recompile-limit fallbacks on first use."""
+    from torch._guards import CompileContext
+
+    _record_dynamo_fallbacks()
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or not compile_id.frame_compile_id:
+        return
+    reason = dynamo_recompile_reason() or "Dynamo did not say which guard failed"
+    counters.record("recompile", name, f"Dynamo compiles this frame again: {reason}", logger=log)
+
+
+@functools.cache
+def _record_dynamo_fallbacks() -> None:
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(_DynamoLimitFilter())
+
+
+class _DynamoLimitFilter(logging.Filter):
+    """Turns Dynamo's "hit config.recompile_limit" warning into a "fallback" decision."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 4:
+            limit_type, limit, function, reason = record.args[:4]  # type: ignore[index,misc]
+            counters.record("fallback", f"torch.compile({function})", (
+                f"Dynamo compiled it torch._dynamo.config.{limit_type} = {limit} times and "
+                f"runs it eagerly from now on (last recompile: {reason}).\nFix: let the "
+                "changing sizes be dynamic (torch._dynamo.mark_dynamic, or torch.compile(..., "
+                f"dynamic=True)), or raise torch._dynamo.config.{limit_type}."), logger=log)
+        return True
 
 
 def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any]) -> Any:
