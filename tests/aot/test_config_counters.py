@@ -183,6 +183,20 @@ def test_compiles_are_counted():
     assert "grad mode changed: True -> False" in reason.why
 
 
+def test_recompile_reason_names_every_difference_from_the_closest_signature():
+    f = aotkit.aot_function(lambda x: x * 2, compilers.nop)
+    a = torch.randn(3, requires_grad=True)
+    f(a)
+    f(torch.randn(4))
+    with torch.no_grad():
+        f(a)  # differs from the first signature in grad mode only, from the last in three ways
+    whys = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert whys == [
+        "requires_grad of args[0] changed: True -> False; shape of args[0] changed: (3,) -> (4,)",
+        "grad mode changed: True -> False",
+    ]
+
+
 def _scaled_sine(x):
     y = x.sin()
     return y * 2

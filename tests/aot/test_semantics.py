@@ -1158,7 +1158,9 @@ def test_aot_module_recompile_reason_names_the_parameter():
     x = rand(4, 3).double()
     torch.testing.assert_close(m(x), lin(x))
     (reason,) = aotkit.explain().of_kind("recompile")
-    assert reason.why == "dtype of weight changed: torch.float32 -> torch.float64"
+    assert reason.why == ("dtype of weight changed: torch.float32 -> torch.float64; dtype of bias "
+                          "changed: torch.float32 -> torch.float64; dtype of args[0] changed: "
+                          "torch.float32 -> torch.float64")
 
 
 def test_aot_module_parameter_grads_match_eager():

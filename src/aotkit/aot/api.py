@@ -25,6 +25,7 @@ from aotkit.aot.signature import (
     ShapeGuard,
     autocast_state,
     describe_change,
+    differences,
     leaf_names,
     signature,
 )
@@ -324,7 +325,6 @@ class AotFunction:
         self._leaf_names = leaf_namer  # names in recompile reasons, e.g. ``args[1]['w']``
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
-        self._last_key: tuple[Any, ...] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch._C._functorch.peek_interpreter_stack() is not None:
@@ -384,7 +384,6 @@ class AotFunction:
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard)
         self._entries.setdefault(key, []).append(entry)
-        self._last_key = key
         return entry, [leaves[i] for i in positions]
 
     def _check_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -401,16 +400,16 @@ class AotFunction:
             ) from None
 
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        old = self._last_key
         failed = self._entries.get(key)
+        names = self._leaf_names(args, kwargs)
         if failed and failed[-1].guard is not None:
             entry = failed[-1]
-            names = self._leaf_names(args, kwargs)
             leaves = pytree.tree_leaves((args, kwargs))
             why = entry.guard.explain([leaves[i] for i in entry.tensor_positions],
                                       [names[i] for i in entry.tensor_positions])
-        elif old is not None:
-            why = describe_change(old, key, self._leaf_names(args, kwargs))
+        elif self._entries:  # against the compiled signature it differs least from, latest first
+            closest = min(reversed(self._entries), key=lambda old: len(differences(old, key, names)))
+            why = describe_change(closest, key, names)
         else:
             why = "new input signature"
         if self.num_entries >= config.recompile_limit:

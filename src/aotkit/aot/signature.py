@@ -81,21 +81,34 @@ _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
 
 
 def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> str:
-    """A sentence naming the first difference between two signatures."""
+    """A sentence naming every difference between two signatures.
+
+    Example::
+
+        >>> import torch
+        >>> old = signature(1, [torch.ones(3, requires_grad=True)], dynamic=False)
+        >>> with torch.no_grad():
+        ...     new = signature(1, [torch.ones(4, requires_grad=True)], dynamic=False)
+        >>> describe_change(old, new, ["args[0]"])
+        'shape of args[0] changed: (3,) -> (4,); grad mode changed: True -> False'
+    """
+    return "; ".join(differences(old, new, names)) or "the signature changed"
+
+
+def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> list[str]:
+    """One phrase per difference between two signatures (the structure's, if it differs, alone:
+    leaves of different structures do not correspond)."""
     if old[0] != new[0]:
-        return f"the structure of the arguments changed: {_structure(old[0])} -> {_structure(new[0])}"
+        return [f"the structure of the arguments changed: {_structure(old[0])} -> {_structure(new[0])}"]
     if len(old[1]) != len(new[1]):
-        return f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"
-    for name, a, b in zip(names, old[1], new[1], strict=True):
-        if a != b:
-            return _leaf_change(name, a, b)
-    for mode, x, y in zip(_MODES, old[2:-1], new[2:-1], strict=True):
-        if x != y:
-            return f"{mode} changed: {x} -> {y}"
-    for (option, x), (_, y) in zip(old[-1], new[-1], strict=True):
-        if x != y:
-            return f"aotkit.config.{option} changed: {x!r} -> {y!r}"
-    return "the signature changed"
+        return [f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"]
+    found = [_leaf_change(name, a, b)
+             for name, a, b in zip(names, old[1], new[1], strict=True) if a != b]
+    found += [f"{mode} changed: {x} -> {y}"
+              for mode, x, y in zip(_MODES, old[2:-1], new[2:-1], strict=True) if x != y]
+    found += [f"aotkit.config.{option} changed: {x!r} -> {y!r}"
+              for (option, x), (_, y) in zip(old[-1], new[-1], strict=True) if x != y]
+    return found
 
 
 def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
@@ -105,9 +118,10 @@ def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
             if x != y:
                 return _leaf_change(f"{name}'s {part} (a {a[0][0].__name__} part)", x, y)
     if len(a) == len(b) == len(_FIELDS):
-        for field, x, y in zip(_FIELDS, a, b, strict=True):
-            if x != y:
-                return f"{field} of {name} changed: {_show(x)} -> {_show(y)}"
+        changed = [(f, x, y) for f, x, y in zip(_FIELDS, a, b, strict=True) if x != y]
+        if any(f == "requires_grad" for f, _, _ in changed):  # is_leaf is "rg and is_leaf"
+            changed = [c for c in changed if c[0] != "is_leaf"]
+        return "; ".join(f"{f} of {name} changed: {_show(x)} -> {_show(y)}" for f, x, y in changed)
     if _is_subclass_key(a) or _is_subclass_key(b):
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
     return f"{name} changed: {_show(a)} -> {_show(b)}"
