@@ -1006,6 +1006,16 @@ def test_wrong_number_of_arguments():
         f(torch.zeros(1), y=torch.zeros(1), z=torch.zeros(1))
 
 
+def test_wrong_arguments_to_a_module():
+    m = aotkit.aot_module(nn.Linear(3, 2), compilers.nop)
+    with pytest.raises(ArgumentError, match=r"missing a required argument: 'input'(.|\n)*"
+                                            r"call it as forward\(input"):
+        m()
+    m(torch.zeros(1, 3))
+    with pytest.raises(ArgumentError, match="too many positional arguments"):
+        m(torch.zeros(1, 3), torch.zeros(1))
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_call_inside_a_torch_func_transform_is_refused(transform):
     f = aotkit.aot_function(lambda x: x.sin().sum(), compilers.nop)

@@ -316,13 +316,16 @@ class AotFunction:
 
     def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
                  leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
-                 ) -> None:
+                 checked: tuple[Callable[..., Any], int] | None = None) -> None:
         if not callable(fn):
             raise ArgumentError(f"aot_function compiles a callable, got {type(fn).__name__} "
                                 f"{fn!r}.\nFix: pass the function (or module) itself.")
         self.fn = fn
         self.options = options
         self._leaf_names = leaf_namer  # names in recompile reasons, e.g. ``args[1]['w']``
+        # Whose signature the caller's arguments must fit, after how many leading ones we add
+        # (aot_module passes the module's forward and its parameters and buffers).
+        self._checked = checked or (fn, 0)
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
 
@@ -359,7 +362,7 @@ class AotFunction:
     def __deepcopy__(self, memo: dict[int, Any]) -> AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
         hold compiler state that cannot be copied)."""
-        return AotFunction(self.fn, self.options, self.name, self._leaf_names)
+        return AotFunction(self.fn, self.options, self.name, self._leaf_names, self._checked)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  key: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
@@ -387,16 +390,17 @@ class AotFunction:
         return entry, [leaves[i] for i in positions]
 
     def _check_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fn, skip = self._checked
         try:
-            params = inspect.signature(self.fn)
+            params = inspect.signature(fn)
         except (TypeError, ValueError):
             return
         try:
-            params.bind(*args, **kwargs)
+            params.bind(*args[skip:], **kwargs)
         except TypeError as exc:
             raise ArgumentError(
                 f"{self.name} was called with arguments its function cannot take: {exc}.\n"
-                f"Fix: call it as {getattr(self.fn, '__name__', 'fn')}{params}."
+                f"Fix: call it as {getattr(fn, '__name__', 'fn')}{params}."
             ) from None
 
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -123,7 +123,8 @@ class AotModule(nn.Module):
             return [*names, *leaf_names(args[len(names):], kwargs)]
 
         options = dataclasses.replace(self._options, num_params_buffers=len(names))
-        compiled = _Compiled(AotFunction(call, options, name, leaf_namer), layout)
+        compiled = _Compiled(AotFunction(call, options, name, leaf_namer,
+                                         checked=(module.forward, len(names))), layout)
         self._compiled[key] = compiled
         # The key names submodules by id, which Python reuses once a module is freed: an entry
         # dies with any of its modules, so a new module never finds an old module's graph.
