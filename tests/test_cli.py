@@ -113,17 +113,21 @@ def test_graphs_min_cut_budget_and_drawings(capsys: pytest.CaptureFixture[str],
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--partition", "min_cut", "--budget", "7"], "not in [0, 1]"),
-    (["--budget", "0.5"], "--budget applies to --partition min_cut"),
+    (["graphs", "--partition", "min_cut", "--budget", "7"], "not in [0, 1]"),
+    (["graphs", "--partition", "min_cut", "--budget", "abc"], "invalid budget value: 'abc'"),
+    (["graphs", "--budget", "0.5"], "--budget applies to --partition min_cut"),
+    (["graphs", "--inference", "--partition", "min_cut"], "it takes no --partition"),
+    (["graphs", "--draw", ""], "--draw needs a folder"),
+    (["demo", "--seed", str(2**64)], "--seed must lie in [0, 2**63)"),
 ])
-def test_graphs_budget_errors_are_usage_errors(args: list[str], message: str,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_usage_errors(args: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        cli.main(["graphs", "--model", "mlp", *args])
+        cli.main(args)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err
-    assert err.startswith("usage: aotkit graphs "), err  # the subcommand's usage, not the top's
+    assert err.startswith(f"usage: aotkit {args[0]} "), err  # the subcommand's usage
 
 
 def test_graphs_compiled_autograd_prints_the_whole_backward(

@@ -85,7 +85,8 @@ def _draw(graphs: Sequence[Any], folder: Path) -> None:
         print(f"  drew the {graph.kind} graph: {drawn.path}")
 
 
-def _budget(text: str) -> float:
+def budget(text: str) -> float:
+    """``--budget``: a float in [0, 1] (argparse names this function in its errors)."""
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="capture the inference graph (torch.no_grad) instead")
     graphs.add_argument("--partition", choices=_PARTITIONERS, default="default",
                         help="how the joint graph is split (default: default)")
-    graphs.add_argument("--budget", type=_budget, default=None,
+    graphs.add_argument("--budget", type=budget, default=None,
                         help="activation_memory_budget for --partition min_cut (0..1, default 1)")
     graphs.add_argument("--compiled-autograd", action="store_true",
                         help="capture the whole backward with aotkit.compiled_autograd (one "
@@ -158,6 +159,13 @@ def _check(args: argparse.Namespace) -> None:
         args.usage_error("--steps must be at least 2 (the first step includes compiling)")
     if args.command == "demo" and args.threads < 1:
         args.usage_error(f"--threads must be at least 1, got {args.threads}")
+    if args.command == "demo" and not 0 <= args.seed < 2**63:
+        args.usage_error(f"--seed must lie in [0, 2**63), got {args.seed}")
+    if args.command == "graphs" and args.draw == "":
+        args.usage_error("--draw needs a folder (e.g. --draw graphs/)")
+    if args.command == "graphs" and args.inference and args.partition != "default":
+        args.usage_error("--inference captures one forward-only graph: nothing to partition, "
+                         "so it takes no --partition or --budget")
     if args.command == "graphs" and args.budget is not None and args.partition != "min_cut":
         args.usage_error("--budget applies to --partition min_cut")
     if args.command == "graphs" and args.compiled_autograd and (

@@ -51,7 +51,8 @@ def _define(name: str, type_: type, default: Any, help: str, *, in_cache_key: bo
 
 _define("recompile_limit", int, 8,
         "Most input signatures one aot_function/aot_module keeps before raising "
-        "RecompileLimitError; use dynamic=True when shapes vary.", bounds=(0, math.inf))
+        "RecompileLimitError (at least 1: the first compile is not a recompile); use "
+        "dynamic=True when shapes vary.", bounds=(1, math.inf))
 _define("debug_graphs", bool, False,
         "Run graph.lint() after every pass and log every graph at DEBUG level.")
 _define("log_graphs", bool, False,
@@ -97,13 +98,15 @@ def _parse(option: Option, text: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off", ""):
             return False
-        raise ConfigError(f"{option.env_var}={text!r} is not a boolean; use 1/0, true/false.")
+        raise ConfigError(f"{option.env_var}={text!r} is not a boolean.\nFix: set it to 1/0 "
+                          "or true/false, or unset it.")
     try:
         return option.type(text)
-    except ValueError as exc:
+    except ValueError:
         raise ConfigError(
-            f"{option.env_var}={text!r} is not a valid {option.type.__name__}."
-        ) from exc
+            f"{option.env_var}={text!r} is not a valid {option.type.__name__}.\nFix: set it "
+            f"to a {option.type.__name__} such as {option.default!r}, or unset it."
+        ) from None
 
 
 def _check(option: Option, value: Any) -> Any:
@@ -111,12 +114,14 @@ def _check(option: Option, value: Any) -> Any:
         value = float(value)
     if not isinstance(value, option.type) or (option.type is int and isinstance(value, bool)):
         raise ConfigError(
-            f"aotkit.config.{option.name} must be {option.type.__name__}, got {value!r}."
+            f"aotkit.config.{option.name} must be {option.type.__name__}, got {value!r}.\n"
+            f"Fix: use a {option.type.__name__}, e.g. its default {option.default!r}."
         )
     if option.bounds is not None and not option.bounds[0] <= value <= option.bounds[1]:
         low, high = option.bounds
         allowed = f"be at least {low}" if high == math.inf else f"lie in [{low}, {high}]"
-        raise ConfigError(f"aotkit.config.{option.name} must {allowed}, got {value!r}.")
+        raise ConfigError(f"aotkit.config.{option.name} must {allowed}, got {value!r}.\n"
+                          f"Fix: use a value that does, e.g. its default {option.default!r}.")
     return value
 
 

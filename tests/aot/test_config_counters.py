@@ -68,23 +68,35 @@ def test_patch_refuses_names_that_are_not_options():
     assert config.recompile_limit == before
 
 
-@pytest.mark.parametrize("name", ["recompile_limit", "max_decisions"])
-def test_negative_counts_are_refused(name):
+@pytest.mark.parametrize(("name", "least"), [("recompile_limit", 1), ("max_decisions", 0)])
+def test_counts_below_their_least_are_refused(name, least):
     before = getattr(config, name)
-    with pytest.raises(ConfigError, match=rf"aotkit.config.{name} must be at least 0, got -1"):
-        setattr(config, name, -1)
-    with pytest.raises(ConfigError, match="must be at least 0"), config.patch(**{name: -3}):
+    with pytest.raises(ConfigError, match=rf"aotkit.config.{name} must be at least {least}, "
+                                          rf"got {least - 1}\.\nFix: "):
+        setattr(config, name, least - 1)
+    with pytest.raises(ConfigError, match=f"must be at least {least}"), config.patch(**{name: -3}):
         pass
     assert getattr(config, name) == before
-    with config.patch(**{name: 0}):
-        assert getattr(config, name) == 0
+    with config.patch(**{name: least}):
+        assert getattr(config, name) == least
 
 
-def test_negative_env_counts_name_the_variable():
-    for variable in ("AOTKIT_RECOMPILE_LIMIT", "AOTKIT_MAX_DECISIONS"):
-        out = _python("import aotkit", **{variable: "-2"})
+def test_recompile_limit_one_keeps_one_signature():
+    f = aotkit.aot_function(lambda x: x + 1, compilers.nop)
+    with config.patch(recompile_limit=1):
+        f(torch.zeros(1))
+        with pytest.raises(aotkit.errors.RecompileLimitError):
+            f(torch.zeros(2))
+
+
+def test_bad_env_values_name_the_variable_and_a_fix():
+    for variable, value, why in (("AOTKIT_RECOMPILE_LIMIT", "-2", "at least 1"),
+                                 ("AOTKIT_MAX_DECISIONS", "-2", "at least 0"),
+                                 ("AOTKIT_RECOMPILE_LIMIT", "abc", "not a valid int")):
+        out = _python("import aotkit", **{variable: value})
         assert out.returncode != 0
-        assert f"ConfigError: {variable}='-2': " in out.stderr and "at least 0" in out.stderr
+        assert f"ConfigError: {variable}='{value}'" in out.stderr and why in out.stderr
+        assert "Fix: " in out.stderr and "direct cause" not in out.stderr
 
 
 def test_unknown_option_suggests_a_close_name():
