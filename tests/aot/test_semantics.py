@@ -919,6 +919,15 @@ def test_returning_an_object_is_an_output_type_error(bad):
     assert type(bad).__name__ in str(info.value)
 
 
+def test_numpy_inside_is_a_trace_error_naming_the_line():
+    def to_numpy(x):
+        return torch.from_numpy(x.detach().numpy() * 2)
+
+    with pytest.raises(TraceError, match=r"converts a tensor to NumPy(.|\n)*in to_numpy: "
+                                         r"return torch.from_numpy(.|\n)*Fix: "):
+        aotkit.aot_function(to_numpy, compilers.nop)(rand(3, grad=True))
+
+
 def test_data_dependent_control_flow_is_a_trace_error():
     def branchy(x):
         if x.sum() > 0:  # data-dependent branch

@@ -266,8 +266,8 @@ def test_make_boxed_compiler_of_a_compiler_returning_none_is_named() -> None:
         return None
 
     f = aotkit.aot_function(_scaled_sine, aotkit.make_boxed_compiler(gives_none))
-    with pytest.raises(CompilerError, match="compiler 'gives_none' returned NoneType for the "
-                                            "forward graph"):
+    with pytest.raises(CompilerError, match=r"compiler 'gives_none' returned NoneType for the "
+                                            r"forward graph\.\nFix: return a callable"):
         f(torch.randn(3, requires_grad=True))
 
 

@@ -235,3 +235,13 @@ def test_get_inputs_refuses_mismatched_values_and_missing_files(tmp_path: Path) 
         get_inputs(folder / "g_inference_0.input")
     with pytest.raises(ArgumentError, match="does not exist"):
         get_inputs(tmp_path / "nothing.input")
+
+
+def test_an_unwritable_folder_is_named_with_a_fix(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    dumper = graph_dumper_aot("f", blocker / "graphs")  # a folder inside a file
+    f = dumper(lambda x: x.sin())
+    with pytest.raises(aotkit.errors.CompilerError, match=r"could not write the (.|\n)*"
+                                                          r"Fix: give it a folder you can write"):
+        f(torch.randn(3))

@@ -77,6 +77,12 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
         compiled = compiler(gm, list(example_inputs))
     except AotkitError:
         raise  # the compiler's own error already says what to fix
+    except OSError as exc:  # a dumping compiler's folder (debug_dir, graph_dumper_aot)
+        raise CompilerError(
+            f"compiler {name!r} could not write the {what} graph: {type(exc).__name__}: {exc}\n"
+            "Fix: give it a folder you can write to (for debug_compile: "
+            "aotkit.config.debug_dir)."
+        ) from exc
     except Exception as exc:
         raise CompilerError(
             f"compiler {name!r} failed on the {what} graph: {type(exc).__name__}: {exc}\n"
@@ -84,8 +90,8 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
         ) from exc
     if not callable(compiled):
         raise CompilerError(
-            f"compiler {name!r} returned {type(compiled).__name__} for the {what} graph; "
-            "a compiler must return a callable (gm.forward, or make_boxed_func(...))."
+            f"compiler {name!r} returned {type(compiled).__name__} for the {what} graph.\n"
+            "Fix: return a callable from the compiler (gm.forward, or make_boxed_func(...))."
         )
     outputs = gm.graph.output_node().args[0]
     if not isinstance(outputs, (list, tuple)):

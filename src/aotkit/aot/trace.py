@@ -216,6 +216,14 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
                 "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
                 "use_reentrant=False (PyTorch's recommended setting)."
             ) from exc
+        if ".numpy() is not supported" in str(exc):
+            raise TraceError(
+                f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
+                "which hold no data, and a graph cannot contain NumPy code.\n"
+                f"  at {user_frame(exc)}\n"
+                "Fix: do the NumPy work outside the compiled function, or compile it with "
+                "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
+            ) from exc
         # A kernel without a fake implementation read the (absent) data of a fake tensor.
         if "data is not allocated yet" not in str(exc):
             raise

@@ -64,7 +64,8 @@ class Inductor:
 
     def __init__(self, kind: Kind | None = None) -> None:
         if kind is not None and kind not in KINDS:
-            raise ArgumentError(f"unknown Inductor graph kind {kind!r}; pick one of {KINDS}")
+            raise ArgumentError(f"unknown Inductor graph kind {kind!r}.\nFix: pass one of "
+                                f"{KINDS}, or nothing (the kind is then read from the graph).")
         self.kind = kind
         self.__name__ = "inductor" if kind is None else f"inductor.{kind}"
 
