@@ -137,21 +137,42 @@ def test_output_view_taken_under_no_grad():
             view.mul_(2)
 
 
-def test_grad_made_inside_an_inference_call_is_unsupported():
+def test_tensor_requiring_grad_made_inside_an_inference_call_is_unsupported():
     def make_leaf(x):
         return x * torch.ones(3, requires_grad=True)
-
-    def enable_inside(x):
-        with torch.enable_grad():
-            return x * 2
 
     assert make_leaf(rand(3)).requires_grad  # what eager does, and aotkit cannot
     with pytest.raises(UnsupportedError, match="pass them in"):
         aotkit.aot_function(make_leaf, compilers.nop)(rand(3))
+
+
+def _enables_grad_inside(x, w):
+    a = x * 2  # under the caller's no_grad: no grad reaches x
+    with torch.enable_grad():
+        y = (a * w).sin()
+    return y, a, w.cos()
+
+
+def test_grad_mode_turned_on_inside_a_no_grad_call_matches_eager():
+    """Note [Grad mode turned on inside]: outputs, which of them require grad, and grads."""
+    result = check_against_eager(_enables_grad_inside, rand(3, grad=True), rand(3, grad=True),
+                                 context=torch.no_grad)
+    y, a, c = result.aot_out
+    assert y.grad_fn is not None and not a.requires_grad and not c.requires_grad
+    assert result.aot_args[0][0].grad is None  # x's only use was under no_grad
+
+
+def test_grad_mode_turned_on_inside_through_torch_compile():
+    x, w = rand(3, grad=True), rand(3, grad=True)
+    x_e, w_e = (t.detach().clone().requires_grad_() for t in (x, w))
     with torch.no_grad():
-        assert enable_inside(rand(3, grad=True)).requires_grad
-        with pytest.raises(UnsupportedError, match="grad mode"):
-            aotkit.aot_function(enable_inside, compilers.nop)(rand(3, grad=True))
+        out = torch.compile(_enables_grad_inside, backend="aotkit")(x, w)
+        expected = _enables_grad_inside(x_e, w_e)
+    torch.testing.assert_close(out, expected)
+    assert [o.requires_grad for o in out] == [e.requires_grad for e in expected] == [True, False, False]
+    out[0].sum().backward()
+    expected[0].sum().backward()
+    torch.testing.assert_close((x.grad, w.grad), (x_e.grad, w_e.grad))
 
 
 # --- input mutation -----------------------------------------------------------------------------

@@ -72,7 +72,8 @@ class OutputInfo:
     # Size, stride, and bytes from the base's first element to the view's: where the view sits
     # in its base, independent of the base's own offset (Note [Aliased outputs]).
     static_view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
-    linked: bool = True  # has a grad_fn: autograd flows from this output into its base
+    # Has a grad_fn: autograd flows from this output into its base (a view), or into the inputs.
+    linked: bool = True
     # A view taken under no_grad: eager gives it requires_grad but no grad_fn (no link to base).
     no_grad_view: bool = False
     # The view reads its storage conjugated / negated (``x.conj()``, ``x.conj().imag``); see
@@ -390,7 +391,7 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         elif storage in shared or out._base is not None:  # views another output, or a value
             infos.append(_view_of_output_info(out, f_outs, bases))  # the user does not get
         else:
-            infos.append(OutputInfo(Alias.NONE, None, rg))
+            infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     return infos, bases
 
 

@@ -123,17 +123,22 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     )
     primals = [_as_leaf(a) for a in args]
+    grad_inside = False  # Note [Grad mode turned on inside]
 
     def trace(fallback: Fallback) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
+        nonlocal training, grad_inside
         with tracing(mode, name, fallback=fallback) as generators:
             meta, fw_out_fakes = analyze(flat_fn, args)
+            grad_inside = not training and _turns_grad_on(meta, args)
+            training = training or grad_inside
             if not training:
                 _refuse_grad_without_inputs(meta, name)
                 return meta, fw_out_fakes, trace_inference(
                     flat_fn, args, meta, options.decompositions,
                     options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
-            gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions)
+            gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
+                             grad_mode=not grad_inside)
             require_graph_backward(gm, fallback)
             return meta, fw_out_fakes, gm, generators
 
@@ -165,7 +170,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         with tracing(mode, name, generators, fallback), torch.enable_grad(), \
                 autocast_as(forward_autocast):
             joint = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
-                                autocast)
+                                autocast, grad_mode=not grad_inside)
         new_fw_gm, new_bw_gm = _partition(options.partition_fn, simplify(joint), args,
                                           meta.num_fw_outputs, name)
         if new_fw_gm.code != fw_gm.code:
@@ -185,8 +190,22 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
-        backward_under=backward_under,
+        backward_under=backward_under, grad_inside=grad_inside,
     )
+
+
+# Note [Grad mode turned on inside]
+# A function called under torch.no_grad() may turn grad mode on itself (``with
+# torch.enable_grad():``, Dynamo's graphs of such code call _set_grad_enabled): eager then hands
+# back outputs that require grad, computed from inputs that do. The signature says grad mode is
+# off, yet the metadata pass sees such outputs, so the entry is traced as a joint graph like a
+# training call, and the runtime applies its autograd.Function with grad mode on; outputs made
+# outside the function's grad region are non-differentiable, as eager's are.
+def _turns_grad_on(meta: AotMeta, args: Sequence[Any]) -> bool:
+    """Called with grad mode off, does the function compute outputs that require grad from
+    inputs that do (and not only make fresh leaves that require grad)?"""
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) and any(
+        o.alias is Alias.NONE and o.requires_grad and o.linked for o in meta.outputs)
 
 
 def _partition(partition_fn: Partitioner, joint: fx.GraphModule, args: Sequence[Any],

@@ -44,6 +44,8 @@ class CompiledGraphs:
     _bw: dict[AutocastState, Callable[[list[Any]], Any]] = field(default_factory=dict)
     # Where subclass arguments and outputs are flattened (Note [Tensor subclasses]).
     boundary: Boundary | None = None
+    # Called under no_grad, the function turns grad mode on (Note [Grad mode turned on inside]).
+    grad_inside: bool = False
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -212,7 +214,10 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
     if graphs.mutates_inputs:
         check_no_aliased_mutation(graphs.name, graphs.meta, args)
-    if graphs.training:
+    if graphs.grad_inside:  # Note [Grad mode turned on inside]
+        with torch.enable_grad():
+            fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
+    elif graphs.training:
         fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
     else:
         with torch.no_grad():

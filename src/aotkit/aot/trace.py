@@ -568,9 +568,11 @@ def trace_joint(
     fw_out_fakes: Sequence[Any],
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     backward_autocast: AutocastState = NO_AUTOCAST,
+    grad_mode: bool = True,
 ) -> fx.GraphModule:
     """Trace ``(primals, tangents) -> (forward outputs, grads)`` to one ATen graph, the grads
-    under autocast as ``backward_autocast`` has it (Note [Autocast around backward]).
+    under autocast as ``backward_autocast`` has it (Note [Autocast around backward]), the
+    function called in ``grad_mode`` (off: Note [Grad mode turned on inside]).
 
     ``fw_out_fakes`` (from :func:`aotkit.aot.analysis.analyze`) give the tangents their shapes.
     """
@@ -587,7 +589,8 @@ def trace_joint(
         with functionalized():
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
-            fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True)
+            fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True,
+                                       grad_mode=grad_mode)
             with autocast_as(backward_autocast):
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
         return [from_fun(x) for x in [*fw_outs, *grads]]
@@ -711,14 +714,15 @@ def _drop_unused_tokens(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, clone_mutated: bool) -> list[Any]:
+def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, clone_mutated: bool,
+                     grad_mode: bool = True) -> list[Any]:
     # A mutated input that requires grad is cloned first, so grads are taken w.r.t. the value
     # before the mutation (the input the caller passed) rather than the mutated one.
     call_args = [
         p.clone() if clone_mutated and info.mutated and info.requires_grad else p
         for p, info in zip(f_primals, meta.inputs, strict=True)
     ]
-    with torch.enable_grad() if clone_mutated else contextlib.nullcontext():
+    with torch.set_grad_enabled(grad_mode) if clone_mutated else contextlib.nullcontext():
         outs, _ = flat_fn(*call_args)
     mutated = [call_args[i] for i in meta.mutated_inputs]
     user = [outs[i] for i in meta.graph_user_outputs()]
