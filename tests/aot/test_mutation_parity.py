@@ -408,6 +408,27 @@ def test_visible_mutation_of_leaf_still_raises_like_eager():
             run(rand(3, grad=True))
 
 
+@pytest.mark.parametrize("through", ["function", "torch_compile"])
+def test_forward_changing_a_saved_tensor_runs_and_its_backward_raises(through):
+    """Note [Saved tensors the forward changes]: as in eager, the forward runs (and mutates) and
+    only backward() raises."""
+    def fn(x, buf):
+        y = x * buf  # saves buf
+        buf.add_(1)
+        return y.sin()
+
+    run = aotkit.aot_function(fn, compilers.nop) if through == "function" else torch.compile(
+        fn, backend="aotkit")
+    for call in (fn, run):
+        x, buf = rand(4, grad=True), torch.ones(4)
+        out = call(x, buf)
+        torch.testing.assert_close(out, (x * 1.0).sin())
+        torch.testing.assert_close(buf, torch.full((4,), 2.0))
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 def test_view_of_a_mutated_input_with_gaps_is_refused():
     def fn(x):
         x.add_(1)

@@ -124,9 +124,10 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     )
     primals = [_as_leaf(a) for a in args]
     grad_inside = False  # Note [Grad mode turned on inside]
+    backward_error = None  # Note [Saved tensors the forward changes]
 
     def trace(fallback: Fallback) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
-        nonlocal training, grad_inside
+        nonlocal training, grad_inside, backward_error
         with tracing(mode, name, fallback=fallback) as generators:
             meta, fw_out_fakes = analyze(flat_fn, args)
             grad_inside = not training and _turns_grad_on(meta, args)
@@ -137,8 +138,15 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                     flat_fn, args, meta, options.decompositions,
                     options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
-            gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
-                             grad_mode=not grad_inside)
+            try:
+                gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
+                                 grad_mode=not grad_inside)
+            except RuntimeError as exc:  # Note [Saved tensors the forward changes]
+                if "modified by an inplace operation" not in str(exc):
+                    raise
+                backward_error = str(exc)
+                gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
+                                 grad_mode=not grad_inside, take_grads=False)
             require_graph_backward(gm, fallback)
             return meta, fw_out_fakes, gm, generators
 
@@ -190,8 +198,16 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
-        backward_under=backward_under, grad_inside=grad_inside,
+        backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
     )
+
+
+# Note [Saved tensors the forward changes]
+# ``y = x * w; w.add_(1)`` changes a tensor autograd saved for y's backward. Eager runs the
+# forward and raises only if backward() runs ("modified by an inplace operation"); the joint
+# trace, which takes that backward at once, raises while compiling. So the entry is traced again
+# without grads: its forward runs, its outputs require grad as eager's do, and its backward
+# raises eager's error.
 
 
 # Note [Grad mode turned on inside]

@@ -46,6 +46,8 @@ class CompiledGraphs:
     boundary: Boundary | None = None
     # Called under no_grad, the function turns grad mode on (Note [Grad mode turned on inside]).
     grad_inside: bool = False
+    # What backward raises instead of running (Note [Saved tensors the forward changes]).
+    backward_error: str | None = None
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -131,6 +133,8 @@ class CompiledFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         graphs: CompiledGraphs = ctx.graphs
+        if graphs.backward_error is not None:
+            raise RuntimeError(graphs.backward_error)
         tangents = [
             _dense(g) for g, d in zip(grads[:-1], graphs.differentiable, strict=True) if d
         ]

@@ -569,10 +569,12 @@ def trace_joint(
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     backward_autocast: AutocastState = NO_AUTOCAST,
     grad_mode: bool = True,
+    take_grads: bool = True,
 ) -> fx.GraphModule:
     """Trace ``(primals, tangents) -> (forward outputs, grads)`` to one ATen graph, the grads
     under autocast as ``backward_autocast`` has it (Note [Autocast around backward]), the
-    function called in ``grad_mode`` (off: Note [Grad mode turned on inside]).
+    function called in ``grad_mode`` (off: Note [Grad mode turned on inside]). Without
+    ``take_grads`` every grad is None (Note [Saved tensors the forward changes]).
 
     ``fw_out_fakes`` (from :func:`aotkit.aot.analysis.analyze`) give the tangents their shapes.
     """
@@ -581,7 +583,8 @@ def trace_joint(
     tangents = [t for t, d in zip(tangents, differentiable, strict=True) if d]
 
     # Decided before the call: ``x.add_(w)`` makes x require grad, yet x gets no grad.
-    wrt = [i for i, p in enumerate(primals) if isinstance(p, torch.Tensor) and p.requires_grad]
+    wrt = [i for i, p in enumerate(primals)
+           if take_grads and isinstance(p, torch.Tensor) and p.requires_grad]
 
     _begin_graph_pass()
 
