@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import aotkit
+from aotkit.errors import UnsupportedError
 
 
 def branchy(x: torch.Tensor) -> torch.Tensor:
@@ -55,3 +56,18 @@ def test_eager_cond_still_works_after_a_traced_one() -> None:
     out = branchy(x)  # eager: used to fail once tracing had made Dynamo skip cond's wrapper
     out.sum().backward()
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+def test_a_closed_over_tensor_requiring_grad_in_a_branch_is_refused() -> None:
+    """Its gradient would be lost (w.grad stayed None); outside cond the guard refuses it too."""
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda t: t * w, lambda t: t + w, (x,))
+
+    with pytest.raises(UnsupportedError, match=r"requires grad \(read by a higher-order op(.|\n)*"
+                                               r"Fix: pass it as an argument"):
+        aotkit.aot_function(f, aotkit.compilers.nop)(torch.ones(3, requires_grad=True))
+    with torch.no_grad():  # no gradient to lose
+        torch.testing.assert_close(aotkit.aot_function(f, aotkit.compilers.nop)(torch.ones(3)),
+                                   f(torch.ones(3)))

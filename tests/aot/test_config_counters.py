@@ -209,6 +209,20 @@ def test_recompile_reason_names_every_difference_from_the_closest_signature():
     ]
 
 
+def test_a_new_default_dtype_is_a_new_signature():
+    f = aotkit.aot_function(lambda x: torch.ones(2) * x.sum(), compilers.nop)
+    x = torch.ones(3, dtype=torch.float16)
+    assert f(x).dtype == torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert f(x).dtype == torch.float64  # traced anew (a generated kernel bakes the dtype in)
+    finally:
+        torch.set_default_dtype(before)
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert reason.why == "the default dtype changed: torch.float32 -> torch.float64"
+
+
 def _scaled_sine(x):
     y = x.sin()
     return y * 2

@@ -153,7 +153,9 @@ def attention(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fn", [
     lambda x: nn.functional.layer_norm(x, (4,)),  # keeps the input's cached lengths
     lambda x: x.to_padded_tensor(0.0).sin(),       # a plain output
-], ids=["layer_norm", "to_padded"])
+    lambda x: x.values(),                          # a plain view of the input
+    lambda x: (x * 2).softmax(dim=-1).values(),    # a plain view of an intermediate
+], ids=["layer_norm", "to_padded", "values", "values_of_intermediate"])
 def test_jagged_ops_match_eager(fn, how: str) -> None:
     check(fn, lambda: jagged(2, 3), how)
 
@@ -237,3 +239,17 @@ def test_view_of_a_jagged_input_aliases_it_like_eager(how: str) -> None:
     assert_same(out, expected)
     assert_same(x, x_eager)  # the write through the view reached the input
     check(split_heads, lambda: jagged(2, 3), how)
+
+
+def _made_inside(x: torch.Tensor) -> torch.Tensor:
+    return TwoTensor(x.sin(), x.cos()) * 2
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_subclass_made_inside_from_plain_inputs_matches_eager(how: str) -> None:
+    """The outputs alone are flattened (no argument is a subclass): the caller gets a real
+    TwoTensor, not one holding tracing-time tensors (which failed on first use)."""
+    x = torch.randn(3, requires_grad=True)
+    expected, out = _made_inside(x), compiled(_made_inside, how)(x)
+    assert_same(out, expected)
+    assert out.requires_grad == expected.requires_grad  # eager's wrapper does not require grad

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.simplify import known_equal
+from aotkit.aot.subclass import is_subclass
 from aotkit.compat import (
     FakeTensor,
     FunctionalTensor,
@@ -362,7 +363,14 @@ def _storage_change_error(what: str, where: str) -> UnsupportedError:
 # whose ``_base`` eager keeps alive, and which the caller may change in place, as autograd
 # allows for views but not for views a Function returns). Autograd then flows through
 # as_strided into the base, which is exact because the output *is* a view of it.
+class SubclassOutputs(Exception):
+    """The function returns a tensor subclass that no argument is: the caller traces again with
+    a subclass boundary around the outputs (Note [Tensor subclasses])."""
+
+
 def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo], list[torch.Tensor]]:
+    if any(map(is_subclass, f_outs)):
+        raise SubclassOutputs
     input_storage = {
         StorageWeakRef(a.untyped_storage()): i
         for i, a in reversed(list(enumerate(f_args)))
@@ -431,8 +439,11 @@ def _storages_shared_by_outputs(f_outs: list[Any]) -> set[StorageWeakRef]:
 def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch.Tensor]) -> OutputInfo:
     rg = out.requires_grad
     base = out._base
-    if base is None or _through_custom_function(out, base):  # (see _through_custom_function)
-        return OutputInfo(Alias.NONE, None, rg)
+    # (see _through_custom_function); a plain view of a subclass (nt.values() of a nested tensor
+    # made inside) cannot be regenerated from its base, which the caller never sees anyway
+    if base is None or _through_custom_function(out, base) or (
+            is_subclass(base) and not is_subclass(out)):
+        return OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None)
     owner = next((i for i, o in enumerate(f_outs) if o is base), None)
     if owner is not None:
         return _view_info(Alias.OF_OUTPUT, owner, out, base)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
-from aotkit.aot.analysis import Alias, AotMeta, analyze
+from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
@@ -104,7 +104,16 @@ def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, na
     ``from_dynamo``: the graph is Dynamo's, whose float arguments are rewritten into tensor ops
     (Note [Float arguments from Dynamo]). Subclass arguments are traced as their plain parts
     (Note [Tensor subclasses])."""
-    boundary = Boundary.of(args)
+    try:
+        return _compile_within(Boundary.of(args), flat_fn, args, options, name, mode, from_dynamo)
+    except SubclassOutputs:  # made inside from plain tensors: flattened at the outputs only
+        return _compile_within(Boundary([None] * len(args)), flat_fn, args, options, name, mode,
+                               from_dynamo)
+
+
+def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[Any],
+                    options: AotOptions, name: str, mode: FakeTensorMode,
+                    from_dynamo: bool) -> CompiledGraphs:
     if boundary is not None:
         flat_fn = boundary.wrap_fn(flat_fn)
         with mode:

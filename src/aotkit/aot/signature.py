@@ -58,6 +58,7 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
         torch.are_deterministic_algorithms_enabled(),
+        torch.get_default_dtype(),  # factories inside (torch.ones(3)) trace to it
         config.cache_key(),
     )
 
@@ -77,7 +78,7 @@ def autocast_state() -> AutocastState:
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride")
 _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
           "torch.backends.mkldnn.enabled", "torch.backends.cudnn.enabled",
-          "deterministic algorithms")
+          "deterministic algorithms", "the default dtype")
 
 
 def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> str:

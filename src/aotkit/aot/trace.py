@@ -356,7 +356,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _outside(self, t: torch.Tensor) -> torch.Tensor | None:
         """The outside tensor ``t`` is or views, if any."""
         if is_subclass(t):  # outside if one of its parts is (Note [Tensor subclasses])
-            return next(filter(None, map(self._outside, parts(t, layout_of(t)))), None)
+            return next((b for b in map(self._outside, parts(t, layout_of(t))) if b is not None),
+                        None)
         if not isinstance(t, (FakeTensor, FunctionalTensor)):
             return t
         view, base = self.views.get(id(t), (None, None))
@@ -396,12 +397,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
         # Tensor.__mul__, and Python would report an unsupported operand type instead.
+        where = current_user_line()
         return UnsupportedError(
             f"{self.what} uses a tensor of shape {tuple(t.shape)} and dtype {t.dtype} that it "
             "does not take as an argument (a closed-over variable, a global or an attribute) "
             f"and that {what}; aotkit traces such tensors as graph constants, so {so}.\n"
-            f"  at {current_user_line()}\n"
-            "Fix: pass it as an argument (or use aot_module for parameters/buffers)."
+            + (f"  at {where}\n" if where != "<unknown location>" else "")
+            + "Fix: pass it as an argument (or use aot_module for parameters/buffers)."
         )
 
     def begin_graph_pass(self) -> None:
@@ -809,14 +811,20 @@ def _tangent_like(out: Any) -> Any:
 def _refuse_traced_constants(gm: fx.GraphModule) -> None:
     """A graph constant holding a fake or functional tensor is a value the trace lost track of
     (an op that ran outside it, as sparse conversions do under torch 2.11's fake tensors): the
-    graph would hand that trace-time value to every call."""
+    graph would hand that trace-time value to every call. One that requires grad and that a
+    higher-order op takes is a closed-over tensor a branch of torch.cond read where the guard of
+    Note [Closed-over tensors] does not see it: its gradient would be lost."""
+    guard = _GUARD.get()
+    what = guard.what if guard is not None else "the function"
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor):
             continue
+        if value.requires_grad and torch.is_grad_enabled() and guard is not None and any(
+                isinstance(u.target, torch._ops.HigherOrderOperator) for u in node.users):
+            raise guard._refusal(value, "requires grad (read by a higher-order op such as "
+                                 "torch.cond)", "its gradient would be lost")
         if isinstance(value, (FakeTensor, FunctionalTensor)) or torch._is_functional_tensor(value):
-            guard = _GUARD.get()
-            what = guard.what if guard is not None else "the function"
             readers = ", ".join(sorted({str(u.target) for u in node.users}))
             raise UnsupportedError(
                 f"{what} computes a tensor of shape {tuple(value.shape)} that the trace lost "
