@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -263,6 +264,53 @@ def test_dynamo_recompiles_and_its_eager_fallback_are_explained() -> None:
     [fallback] = aotkit.explain().of_kind("fallback")
     assert fallback.what.startswith("torch.compile('double'")
     assert "recompile_limit = 3 times and runs it eagerly" in fallback.why
+
+
+def _compiled_train_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        loss.backward()  # a graph break: the backward runs under Dynamo's frame callback
+        return loss.detach()
+
+    return torch.compile(step, backend="aotkit")
+
+
+def test_backward_inside_a_compiled_step_runs_aotkit_code_uncompiled() -> None:
+    """Note [aotkit's code is not user code to Dynamo]: Dynamo compiled aotkit's backward,
+    nop and ATen binding code as user frames (and gave up on them at its recompile limit)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from aotkit.aot.runtime import CompiledFunction
+    from aotkit.compilers import bind
+
+    model, eager = Net(), Net()
+    eager.load_state_dict(model.state_dict())
+    step = _compiled_train_step(model)
+    for batch in (4, 3):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(step(x), eager(x).sum().detach())
+        eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    for fn in (CompiledFunction.backward, *(f for f in vars(bind).values()
+                                             if getattr(f, "__module__", "") == bind.__name__
+                                             and hasattr(f, "__code__"))):
+        assert _debug_get_cache_entry_list(fn.__code__) == [], fn
+    assert not aotkit.explain().of_kind("fallback")
+
+
+def test_compiled_autograd_around_a_compiled_step_that_calls_backward() -> None:
+    """The engine calls compiled autograd's capture under Dynamo's frame callback; Dynamo
+    crashed compiling it ("Cannot call numel() on tensor with symbolic sizes")."""
+    model, eager = Net(), Net()
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(3, 8)
+    with aotkit.compiled_autograd.enable(lambda gm: gm):
+        _compiled_train_step(model)(x)
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert counters["compiled_autograd"]["captures"] == 1
 
 
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_debug", "aotkit_inductor"])

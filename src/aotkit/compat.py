@@ -293,3 +293,69 @@ def dynamo_recompile_reason() -> str | None:
     metrics = getattr(get_metrics_context(), "_metrics", {})
     reason = metrics.get("recompile_reason")
     return str(reason).strip() if reason else None
+
+
+# Note [aotkit's code is not user code to Dynamo]
+# Dynamo's frame callback stays active while a torch.compile'd function runs eagerly across a
+# graph break, such as the ``loss.backward()`` inside a compiled training step. The engine then
+# calls aotkit's Python code (a compiled backward, compiled autograd's capture and replay), and
+# Dynamo would compile each of those frames as user code: ~100 frames of aotkit traced, or a
+# crash inside the capture. PyTorch's own AOT autograd lives under torch/, which Dynamo skips.
+# So every code object of aotkit's modules, and of the graphs its compilers return, is marked to
+# be skipped when it starts a frame. That only concerns frames Dynamo would start compiling:
+# Dynamo still inlines them when it traces code that calls them (a compiled autograd graph
+# compiled with torch.compile calls aotkit's runtime functions).
+_hidden_modules: set[str] = set()
+#: The machinery the engine can call into; not aotkit.models, whose models users compile.
+_MACHINERY = ("aotkit.aot", "aotkit.compilers", "aotkit.compiled_autograd", "aotkit.partition",
+              "aotkit.compat", "aotkit.counters", "aotkit.config", "aotkit.errors")
+
+
+def hide_from_dynamo(*extra: Any) -> None:
+    """Mark aotkit's machinery (its modules imported so far, and ``extra`` callables) to be
+    skipped by Dynamo's frame callback (Note [aotkit's code is not user code to Dynamo])."""
+    import sys
+    import types
+
+    from torch._dynamo.eval_frame import skip_code
+
+    def skip(obj: Any, seen: set[int]) -> None:
+        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        if isinstance(code, types.CodeType):
+            skip_nested(code, seen)
+
+    def skip_nested(code: types.CodeType, seen: set[int]) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        skip_code(code)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                skip_nested(const, seen)
+
+    seen: set[int] = set()
+    for obj in extra:
+        skip(getattr(obj, "forward", obj), seen)
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(_MACHINERY) or name in _hidden_modules:
+            continue
+        _hidden_modules.add(name)
+        for value in list(vars(module).values()):
+            if getattr(value, "__module__", None) != name:
+                continue
+            if isinstance(value, type):
+                for member in vars(value).values():
+                    for part in (member, getattr(member, "fget", None), getattr(member, "fset", None)):
+                        skip(part, seen)
+            else:
+                skip(value, seen)
+
+
+def hide_graph_code(compiled: Any) -> None:
+    """A compiler that returns a GraphModule (or its forward) runs the graph as Python: that
+    code, and aotkit's, is no user code for Dynamo (Note [aotkit's code is not user code to
+    Dynamo]). A compiler returning anything else (torch.compile(gm)) keeps Dynamo's say over
+    its code."""
+    owner = compiled if isinstance(compiled, torch.fx.GraphModule) else getattr(
+        compiled, "__self__", None)
+    hide_from_dynamo(*([owner] if isinstance(owner, torch.fx.GraphModule) else []))

@@ -148,13 +148,16 @@ def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callab
     except Exception as exc:
         raise CompilerError(
             f"compiled autograd: compiler {compiler_fn!r} failed on graph {gm.__class__.__name__}: "
-            f"{exc}. Try aotkit.compiled_autograd.enable(lambda gm: gm) to check the capture."
+            f"{exc}.\nFix: try aotkit.compiled_autograd.enable(lambda gm: gm) to check the "
+            "capture."
         ) from exc
     if not callable(compiled):
         raise CompilerError(
             f"compiled autograd: compiler {compiler_fn!r} returned {type(compiled).__name__}, "
-            "not a callable; a compiler takes a GraphModule and returns a callable."
+            "not a callable.\nFix: return a callable; a compiler takes a GraphModule and returns "
+            "one (the GraphModule itself, or torch.compile(gm))."
         )
+    compat.hide_graph_code(compiled)
     return compiled
 
 
