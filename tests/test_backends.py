@@ -266,6 +266,21 @@ def test_dynamo_recompiles_and_its_eager_fallback_are_explained() -> None:
     assert "recompile_limit = 3 times and runs it eagerly" in fallback.why
 
 
+def test_code_dynamo_runs_eagerly_is_listed_by_explain() -> None:
+    """Dynamo skips a frame holding an nn.GRU (without allow_rnn) before any backend sees it;
+    explain() lists that from Dynamo's own counters."""
+    gru, head = nn.GRU(4, 4, batch_first=True), nn.Linear(4, 2)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return head(gru(x)[0]).sum()
+
+    x = torch.randn(2, 3, 4)
+    torch.testing.assert_close(torch.compile(f, backend="aotkit")(x), f(x))
+    report = aotkit.explain()
+    assert any("Attempted to wrap RNN, GRU, or LSTM" in reason for reason in report.dynamo)
+    assert "Dynamo graph breaks and code it ran eagerly" in str(report)
+
+
 def _compiled_train_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = model(x).sum()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,9 +87,13 @@ def record(
 class Explanation:
     """What :func:`explain` returns: the decisions kept and a copy of the counters."""
 
-    def __init__(self, decisions: list[Decision], counts: dict[str, dict[str, int]]) -> None:
+    def __init__(self, decisions: list[Decision], counts: dict[str, dict[str, int]],
+                 dynamo: dict[str, int] | None = None) -> None:
         self.decisions = decisions
         self.counters = counts
+        # Dynamo's own graph breaks and the code it ran eagerly (``nn.GRU`` without
+        # ``allow_rnn``), by reason: decided before any backend sees a graph.
+        self.dynamo = dynamo or {}
 
     def __iter__(self) -> Iterator[Decision]:
         return iter(self.decisions)
@@ -107,6 +112,9 @@ class Explanation:
         for category, names in sorted(self.counters.items()):
             for name, value in sorted(names.items()):
                 lines.append(f"  {category}.{name} = {value}")
+        if self.dynamo:
+            lines.append("Dynamo graph breaks and code it ran eagerly (torch._dynamo.utils.counters):")
+            lines += [f"  {count} x {reason.splitlines()[0]}" for reason, count in self.dynamo.items()]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -122,7 +130,19 @@ def explain() -> Explanation:
         >>> [d.why for d in report.of_kind("recompile")]  # doctest: +SKIP
     """
     counts = {cat: dict(names) for cat, names in counters.items() if names}
-    return Explanation(list(_decisions), counts)
+    return Explanation(list(_decisions), counts, _dynamo_breaks())
+
+
+def _dynamo_breaks() -> dict[str, int]:
+    """Dynamo's graph-break and unsupported-code counters, if Dynamo has been used."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {}
+    found: dict[str, int] = {}
+    for category in ("graph_break", "unimplemented"):
+        for reason, count in utils.counters.get(category, {}).items():
+            found[reason] = found.get(reason, 0) + count
+    return found
 
 
 def reset() -> None:
