@@ -670,6 +670,8 @@ def note_dynamo_recompile(name: str) -> None:
     compile_id = CompileContext.current_compile_id()
     if compile_id is None or not compile_id.frame_compile_id:
         return
+    if counters.counters["recompile"].get(name):  # Dynamo restarted this compile (specialize)
+        return
     reason = dynamo_recompile_reason() or "Dynamo did not say which guard failed"
     counters.record("recompile", name, f"Dynamo compiles this frame again: {reason}", logger=log)
 

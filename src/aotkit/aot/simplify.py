@@ -130,6 +130,10 @@ def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
         counters.record("specialize", name, "a float argument is used where a tensor cannot "
                         "stand in for it (an op's Scalar argument such as alpha=, a size); "
                         "Dynamo traces again with its value as a constant, so each new value "
-                        "compiles anew. Fix: pass the float as a 0-d tensor.")
+                        "compiles anew. Fix: pass the float as a 0-d tensor; for an "
+                        "optimizer whose lr or betas a scheduler changes (SGD's alpha=lr, "
+                        "OneCycleLR's momentum as Adam's betas[0]), give the optimizer "
+                        "tensors: lr=torch.tensor(0.01), betas=(torch.tensor(0.9), "
+                        "torch.tensor(0.999)).")
         raise
     gm.recompile()
