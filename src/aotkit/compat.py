@@ -306,6 +306,7 @@ def dynamo_recompile_reason() -> str | None:
 # Dynamo still inlines them when it traces code that calls them (a compiled autograd graph
 # compiled with torch.compile calls aotkit's runtime functions).
 _hidden_modules: set[str] = set()
+_modules_seen = 0  # len(sys.modules) at the last walk
 #: The machinery the engine can call into; not aotkit.models, whose models users compile.
 _MACHINERY = ("aotkit.aot", "aotkit.compilers", "aotkit.compiled_autograd", "aotkit.partition",
               "aotkit.compat", "aotkit.counters", "aotkit.config", "aotkit.errors")
@@ -333,9 +334,13 @@ def hide_from_dynamo(*extra: Any) -> None:
             if isinstance(const, types.CodeType):
                 skip_nested(const, seen)
 
+    global _modules_seen
     seen: set[int] = set()
     for obj in extra:
         skip(getattr(obj, "forward", obj), seen)
+    if len(sys.modules) == _modules_seen:  # nothing imported since the last walk
+        return
+    _modules_seen = len(sys.modules)
     for name, module in list(sys.modules.items()):
         if not name.startswith(_MACHINERY) or name in _hidden_modules:
             continue
