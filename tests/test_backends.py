@@ -281,6 +281,29 @@ def test_code_dynamo_runs_eagerly_is_listed_by_explain() -> None:
     assert "Dynamo graph breaks and code it ran eagerly" in str(report)
 
 
+@torch.compiler.nested_compile_region
+def _dropped(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.dropout(x, 0.5) * 3
+
+
+def test_nested_compile_region_with_dropout_called_twice_matches_eager() -> None:
+    """Note [Nested compile regions are inlined]: the backward reuses each call's mask (it drew
+    fresh masks when the region's backward subgraph recomputed it)."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return _dropped(x) + _dropped(x) * 2
+
+    results = []
+    for run in (f, torch.compile(f, backend="aotkit")):
+        x = torch.ones(16, requires_grad=True)
+        torch.manual_seed(0)
+        out = run(x)
+        out.sum().backward()
+        results.append((out, x.grad))
+    torch.testing.assert_close(results[1], results[0])
+    [decision] = aotkit.explain().of_kind("inline")
+    assert "nested_compile_region is traced inline" in decision.why
+
+
 def _compiled_train_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = model(x).sum()

@@ -344,7 +344,8 @@ def test_lstm_trains_at_every_budget(budget: float) -> None:
 
 
 def test_min_cut_keeps_higher_order_op_bodies_in_the_backward() -> None:
-    """torch.cond branches and nested compile regions are get_attr subgraphs: never saved."""
+    """torch.cond branches are get_attr subgraphs: never saved (nested compile regions are
+    inlined, Note [Nested compile regions are inlined])."""
 
     @torch.compiler.nested_compile_region
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

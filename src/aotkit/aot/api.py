@@ -603,7 +603,7 @@ def aot_module_simplified(
     def flat_fn(*flat: Any) -> tuple[list[Any], pytree.TreeSpec]:
         params = dict(zip(names, flat[: len(names)], strict=True))
         with torch.nn.utils.stateless._reparametrize_module(mod, params):
-            out = _run_keeping_node_meta(mod, flat[len(names):])
+            out = _run_keeping_node_meta(mod, flat[len(names):], name)
         return pytree.tree_flatten(out)
 
     name = f"aot_module_simplified({_region(mod)})"
@@ -695,7 +695,7 @@ class _DynamoLimitFilter(logging.Filter):
         return True
 
 
-def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any]) -> Any:
+def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") -> Any:
     """Run ``mod``; a GraphModule runs node by node so traced ops inherit each node's meta
     (Dynamo's stack traces), which costs nothing compared with recording stacks anew."""
     if not isinstance(mod, fx.GraphModule):
@@ -703,7 +703,31 @@ def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any]) -> Any:
     from torch.fx import traceback as fx_traceback
 
     with fx_traceback.preserve_node_meta():
-        return fx.Interpreter(mod).run(*args)
+        return _Inlining(mod, name).run(*args)
+
+
+# Note [Nested compile regions are inlined]
+# Dynamo calls a torch.compiler.nested_compile_region through the invoke_subgraph higher-order
+# op. Traced as that op, its backward is a second subgraph that recomputes the whole region
+# from its inputs: PyTorch's AOT autograd partitions each such pair again afterwards, and
+# without that pass a dropout inside drew a fresh mask in the backward (wrong gradients). aotkit
+# traces the region's body inline instead, so its ops reach the partitioner like any others
+# (random ops run once); the region is then compiled with each graph that calls it, not once.
+class _Inlining(fx.Interpreter):
+    def __init__(self, mod: fx.GraphModule, name: str) -> None:
+        super().__init__(mod)
+        self.name = name
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is not torch.ops.higher_order.invoke_subgraph:
+            return super().call_function(target, args, kwargs)
+        subgraph, identifier, *operands = args
+        if self.name and not counters.counters["inline"].get(f"{self.name}: {identifier}"):
+            counters.record("inline", f"{self.name}: {identifier}", (
+                "a torch.compiler.nested_compile_region is traced inline (Note [Nested compile "
+                "regions are inlined]): compiled as part of this graph, once per graph that "
+                "calls it"), logger=log)
+        return _Inlining(subgraph, self.name).run(*operands)
 
 
 def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
