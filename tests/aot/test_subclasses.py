@@ -253,3 +253,17 @@ def test_subclass_made_inside_from_plain_inputs_matches_eager(how: str) -> None:
     expected, out = _made_inside(x), compiled(_made_inside, how)(x)
     assert_same(out, expected)
     assert out.requires_grad == expected.requires_grad  # eager's wrapper does not require grad
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_inner_tensors_of_a_subclass_carry_no_grad_as_in_eager(how: str) -> None:
+    """``x.a`` of a TwoTensor that requires grad has no history in eager; the traced subclass
+    was rebuilt from parts that required grad, so ``x.a * x.b`` got a grad_fn and x a grad."""
+    def products(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.a * x.b, x * 2
+
+    x = two()
+    expected, out = products(x), compiled(products, how)(x)
+    assert [o.requires_grad for o in out] == [e.requires_grad for e in expected] == [False, True]
+    torch.testing.assert_close(out[0], expected[0])
+    assert_same(out[1], expected[1])

@@ -163,7 +163,11 @@ class _Rebuild(torch.autograd.Function):
     def forward(ctx: Any, layout: Layout, *plain: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.layout = layout
         ctx.set_materialize_grads(False)
-        return rebuild(layout, iter(plain))
+        # As in eager, a subclass's inner tensors carry no autograd history of their own
+        # (``x.a`` of a TwoTensor that requires grad does not): its gradient flows through
+        # this Function alone. Parts without grad stay the objects they are (a jagged
+        # tensor's offsets are tagged with its ragged size).
+        return rebuild(layout, (p.detach() if p.requires_grad else p for p in plain))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
