@@ -8,7 +8,7 @@ import torch
 from torch._higher_order_ops.while_loop import while_loop
 
 import aotkit
-from aotkit.errors import UnsupportedError
+from aotkit.errors import TraceError, UnsupportedError
 
 
 def doubling(x: torch.Tensor) -> torch.Tensor:
@@ -25,3 +25,11 @@ def test_while_loop_with_dynamic_shapes_matches_eager() -> None:
 def test_while_loop_without_dynamic_says_to_pass_it() -> None:
     with pytest.raises(UnsupportedError, match="dynamic=True"):
         aotkit.aot_function(doubling, aotkit.compilers.nop)(torch.randn(4))
+
+
+def test_while_loop_on_inputs_requiring_grad_says_why_it_cannot_be_traced() -> None:
+    x = torch.randn(4, requires_grad=True)
+    doubling(x).sum().backward()  # eager runs the loop
+    with pytest.raises(TraceError, match=r"while_loop is differentiated by running its loop(.|\n)*"
+                                         r"Fix: call it with inputs that do not require grad"):
+        aotkit.aot_function(doubling, aotkit.compilers.nop, dynamic=True)(x)

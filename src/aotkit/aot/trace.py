@@ -12,7 +12,9 @@ import contextvars
 import inspect
 import itertools
 import logging
+import os
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -549,6 +551,16 @@ _DROPOUT_SIGNATURES = _dropout_signatures()
 
 
 def _data_dependent(what: str, exc: BaseException) -> TraceError:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if any(f.filename.endswith(os.path.join("_higher_order_ops", "while_loop.py")) for f in frames):
+        return TraceError(
+            f"{what} could not be traced: torch.while_loop is differentiated by running its "
+            "loop to learn the trip count, which depends on tensor data "
+            f"({type(exc).__name__}: {_first_line(exc)}).\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: call it with inputs that do not require grad (or under torch.no_grad()), or "
+            "compile with torch.compile(fn, backend=\"aotkit\"), which runs the loop eagerly."
+        )
     return TraceError(
         f"{what} could not be traced: Python control flow or a Python value depends on "
         f"tensor data ({type(exc).__name__}: {_first_line(exc)}).\n"
