@@ -6,7 +6,9 @@ Everything here is a thin alias over a primitive; callers never test versions th
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -315,9 +317,6 @@ _MACHINERY = ("aotkit.aot", "aotkit.compilers", "aotkit.compiled_autograd", "aot
 def hide_from_dynamo(*extra: Any) -> None:
     """Mark aotkit's machinery (its modules imported so far, and ``extra`` callables) to be
     skipped by Dynamo's frame callback (Note [aotkit's code is not user code to Dynamo])."""
-    import sys
-    import types
-
     from torch._dynamo.eval_frame import skip_code
 
     def skip(obj: Any, seen: set[int]) -> None:

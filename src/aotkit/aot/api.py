@@ -147,15 +147,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                     flat_fn, args, meta, options.decompositions,
                     options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
-            try:
-                gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
-                                 grad_mode=not grad_inside)
-            except RuntimeError as exc:  # Note [Saved tensors the forward changes]
-                if "modified by an inplace operation" not in str(exc):
-                    raise
-                backward_error = str(exc)
-                gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
-                                 grad_mode=not grad_inside, take_grads=False)
+            gm, backward_error = _trace_joint_or_defer_error(
+                flat_fn, primals, meta, fw_out_fakes, options.decompositions, not grad_inside)
             require_graph_backward(gm, fallback)
             return meta, fw_out_fakes, gm, generators
 
@@ -217,6 +210,18 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
 # trace, which takes that backward at once, raises while compiling. So the entry is traced again
 # without grads: its forward runs, its outputs require grad as eager's do, and its backward
 # raises eager's error.
+def _trace_joint_or_defer_error(flat_fn: FlatFn, primals: list[Any], meta: AotMeta,
+                                fw_out_fakes: list[Any], decompositions: Any,
+                                grad_mode: bool) -> tuple[fx.GraphModule, str | None]:
+    """The joint graph, and the error its backward must raise instead of running, if any."""
+    try:
+        return trace_joint(flat_fn, primals, meta, fw_out_fakes, decompositions,
+                           grad_mode=grad_mode), None
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            raise
+        return trace_joint(flat_fn, primals, meta, fw_out_fakes, decompositions,
+                           grad_mode=grad_mode, take_grads=False), str(exc)
 
 
 # Note [Grad mode turned on inside]

@@ -60,6 +60,7 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         if (outer := session.active()) is not None:
             raise _overlapping(outer)
         new = session.Session(compiler_fn, bool(dynamic))
+        compat.hide_from_dynamo()  # the engine may capture under Dynamo's frame callback
         prior = compat.set_autograd_compiler(functools.partial(capture.Capture, new), bool(dynamic))
         if prior[0] is not None:
             compat.set_autograd_compiler(*prior)
