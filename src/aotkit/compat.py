@@ -355,6 +355,13 @@ def hide_from_dynamo(*extra: Any) -> None:
                 skip(value, seen)
 
 
+def hide_from_dynamo_if_loaded() -> None:
+    """:func:`hide_from_dynamo` when Dynamo is imported already (a compiled function made after
+    ``torch.compile`` was used, which may be handed to it); importing Dynamo costs ~0.6 s."""
+    if "torch._dynamo.eval_frame" in sys.modules:
+        hide_from_dynamo()
+
+
 def hide_graph_code(compiled: Any) -> None:
     """A compiler that returns a GraphModule (or its forward) runs the graph as Python: that
     code, and aotkit's, is no user code for Dynamo (Note [aotkit's code is not user code to

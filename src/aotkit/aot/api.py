@@ -49,6 +49,7 @@ from aotkit.compat import (
     FakeTensorMode,
     dynamo_fallback_errors,
     dynamo_recompile_reason,
+    hide_from_dynamo_if_loaded,
     keep_stack_traces_of,
 )
 from aotkit.errors import (
@@ -375,6 +376,7 @@ class AotFunction:
         # Whose signature the caller's arguments must fit, after how many leading ones we add
         # (aot_module passes the module's forward and its parameters and buffers).
         self._checked = checked or (fn, 0)
+        hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
 
