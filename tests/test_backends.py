@@ -337,6 +337,25 @@ def test_backward_inside_a_compiled_step_runs_aotkit_code_uncompiled() -> None:
     assert not aotkit.explain().of_kind("fallback")
 
 
+def test_graphs_a_user_compiler_returns_stay_compilable_by_dynamo() -> None:
+    """Only aotkit's own code is hidden from Dynamo: a compiler may gm.compile() the graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    graphs = []
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: object) -> torch.fx.GraphModule:
+        gm.compile(backend="eager")
+        graphs.append(gm)
+        return gm
+
+    f = aotkit.aot_function(lambda x: x.sin() * 2, compiler)
+    x = torch.randn(3, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+    assert len(graphs) == 2
+    assert all(_debug_get_cache_entry_list(gm.forward.__code__) for gm in graphs)
+
+
 def test_compiled_autograd_around_a_compiled_step_that_calls_backward() -> None:
     """The engine calls compiled autograd's capture under Dynamo's frame callback; Dynamo
     crashed compiling it ("Cannot call numel() on tensor with symbolic sizes")."""

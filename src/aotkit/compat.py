@@ -6,6 +6,7 @@ Everything here is a thin alias over a primitive; callers never test versions th
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import types
@@ -303,15 +304,18 @@ def dynamo_recompile_reason() -> str | None:
 # calls aotkit's Python code (a compiled backward, compiled autograd's capture and replay), and
 # Dynamo would compile each of those frames as user code: ~100 frames of aotkit traced, or a
 # crash inside the capture. PyTorch's own AOT autograd lives under torch/, which Dynamo skips.
-# So every code object of aotkit's modules, and of the graphs its compilers return, is marked to
-# be skipped when it starts a frame. That only concerns frames Dynamo would start compiling:
+# So every code object of aotkit's machinery, and of the graphs its own compilers run as Python
+# (nop's), is marked to be skipped when it starts a frame; a graph a user's compiler returns is
+# theirs (it may be gm.compile()d later). That only concerns frames Dynamo would start compiling:
 # Dynamo still inlines them when it traces code that calls them (a compiled autograd graph
 # compiled with torch.compile calls aotkit's runtime functions).
 _hidden_modules: set[str] = set()
 _modules_seen = 0  # len(sys.modules) at the last walk
 #: The machinery the engine can call into; not aotkit.models, whose models users compile.
 _MACHINERY = ("aotkit.aot", "aotkit.compilers", "aotkit.compiled_autograd", "aotkit.partition",
-              "aotkit.compat", "aotkit.counters", "aotkit.config", "aotkit.errors")
+              "aotkit.backends", "aotkit.compat", "aotkit.counters", "aotkit.config",
+              "aotkit.errors")
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def hide_from_dynamo(*extra: Any) -> None:
@@ -319,10 +323,14 @@ def hide_from_dynamo(*extra: Any) -> None:
     skipped by Dynamo's frame callback (Note [aotkit's code is not user code to Dynamo])."""
     from torch._dynamo.eval_frame import skip_code
 
-    def skip(obj: Any, seen: set[int]) -> None:
-        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-        if isinstance(code, types.CodeType):
+    def skip(obj: Any, seen: set[int], anywhere: bool = False) -> None:
+        obj = getattr(obj, "__func__", obj)
+        code = getattr(obj, "__code__", None)
+        if isinstance(code, types.CodeType) and (anywhere or code.co_filename.startswith(_OWN_DIR)):
             skip_nested(code, seen)
+        wrapped = getattr(obj, "__wrapped__", None)  # a @contextmanager's generator
+        if wrapped is not None and wrapped is not obj:
+            skip(wrapped, seen)
 
     def skip_nested(code: types.CodeType, seen: set[int]) -> None:
         if id(code) in seen:
@@ -335,8 +343,8 @@ def hide_from_dynamo(*extra: Any) -> None:
 
     global _modules_seen
     seen: set[int] = set()
-    for obj in extra:
-        skip(getattr(obj, "forward", obj), seen)
+    for obj in extra:  # generated graph code: no file of ours
+        skip(getattr(obj, "forward", obj), seen, anywhere=True)
     if len(sys.modules) == _modules_seen:  # nothing imported since the last walk
         return
     _modules_seen = len(sys.modules)
@@ -345,12 +353,15 @@ def hide_from_dynamo(*extra: Any) -> None:
             continue
         _hidden_modules.add(name)
         for value in list(vars(module).values()):
-            if getattr(value, "__module__", None) != name:
+            if not isinstance(value, dict) and getattr(value, "__module__", None) != name:
                 continue
             if isinstance(value, type):
                 for member in vars(value).values():
                     for part in (member, getattr(member, "fget", None), getattr(member, "fset", None)):
                         skip(part, seen)
+            elif isinstance(value, dict):  # tables of functions (bind.py's stand-ins)
+                for member in value.values():
+                    skip(member, seen)
             else:
                 skip(value, seen)
 
@@ -360,13 +371,3 @@ def hide_from_dynamo_if_loaded() -> None:
     ``torch.compile`` was used, which may be handed to it); importing Dynamo costs ~0.6 s."""
     if "torch._dynamo.eval_frame" in sys.modules:
         hide_from_dynamo()
-
-
-def hide_graph_code(compiled: Any) -> None:
-    """A compiler that returns a GraphModule (or its forward) runs the graph as Python: that
-    code, and aotkit's, is no user code for Dynamo (Note [aotkit's code is not user code to
-    Dynamo]). A compiler returning anything else (torch.compile(gm)) keeps Dynamo's say over
-    its code."""
-    owner = compiled if isinstance(compiled, torch.fx.GraphModule) else getattr(
-        compiled, "__self__", None)
-    hide_from_dynamo(*([owner] if isinstance(owner, torch.fx.GraphModule) else []))

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotkit.compat import hide_graph_code
 from aotkit.errors import AotkitError, ArgumentError, CompilerError
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
@@ -94,7 +93,6 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
             f"compiler {name!r} returned {type(compiled).__name__} for the {what} graph.\n"
             "Fix: return a callable from the compiler (gm.forward, or make_boxed_func(...))."
         )
-    hide_graph_code(compiled)
     outputs = gm.graph.output_node().args[0]
     if not isinstance(outputs, (list, tuple)):
         return make_boxed_func(compiled)

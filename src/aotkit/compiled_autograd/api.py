@@ -35,7 +35,9 @@ def nop(gm: torch.fx.GraphModule) -> Callable[..., Any]:
         >>> w.grad
         tensor([2., 2., 2.])
     """
-    return bind_aten_calls(gm)
+    bound = bind_aten_calls(gm)
+    compat.hide_from_dynamo(bound)  # Note [aotkit's code is not user code to Dynamo]
+    return bound
 
 
 @contextlib.contextmanager

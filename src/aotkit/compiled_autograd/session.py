@@ -157,7 +157,6 @@ def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callab
             "not a callable.\nFix: return a callable; a compiler takes a GraphModule and returns "
             "one (the GraphModule itself, or torch.compile(gm))."
         )
-    compat.hide_graph_code(compiled)
     return compiled
 
 

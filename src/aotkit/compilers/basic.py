@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import make_boxed_func
+from aotkit.compat import hide_from_dynamo
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import MetadataMismatchError
 from aotkit.partition.draw import draw_graph
@@ -34,7 +35,9 @@ def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any
         >>> f(torch.zeros(1))
         tensor([0.])
     """
-    return make_boxed_func(bind_aten_calls(gm).forward)
+    bound = bind_aten_calls(gm)
+    hide_from_dynamo(bound)  # Note [aotkit's code is not user code to Dynamo]
+    return make_boxed_func(bound.forward)
 
 
 def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
