@@ -326,21 +326,6 @@ def test_in_place_on_leaf_requiring_grad_raises_like_eager():
             run(rand(3, grad=True))
 
 
-def test_mutated_input_overlapping_another_is_unsupported():
-    f = aotkit.aot_function(lambda x, y: x.add_(y), compilers.nop)
-    base = torch.zeros(4)
-    with pytest.raises(UnsupportedError, match="clone"):
-        f(base[:3], base[1:])
-    a, b = torch.zeros(2), torch.ones(2)
-    f(a, b)  # separate tensors are fine
-    torch.testing.assert_close(a, b)
-    # also when the mutation stays inside the inference graph
-    g = aotkit.aot_function(lambda x, y: (y.add_(1), x * 2)[1], compilers.nop,
-                            keep_inference_input_mutations=True)
-    with torch.no_grad(), pytest.raises(UnsupportedError, match="overlap in memory"):
-        g(base, base[1:])
-
-
 def test_mutated_views_of_one_buffer_that_do_not_overlap():
     """A KV cache's k and v as kv[0] and kv[1]; parameters packed in one flat buffer."""
 

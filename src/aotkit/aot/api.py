@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
+from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
@@ -122,7 +123,48 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
     with COMPILE_LOCK:  # Note [One compile at a time]
         graphs = _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
     graphs.boundary = boundary
+    if graphs.mutates_inputs:
+        graphs.rebase = _rebasing(flat_fn, options, name)
     return graphs
+
+
+def _rebasing(flat_fn: FlatFn, options: AotOptions, name: str) -> Callable[
+        [OverlapLayout, list[Any]], tuple[CompiledGraphs, dict[int, int]]]:
+    """Entries of ``flat_fn`` for calls whose inputs overlap, keyed on the call's signature and
+    layout, traced on first use. See Note [Overlapping mutated inputs]."""
+    entries: dict[tuple[Any, ...], tuple[CompiledGraphs, dict[int, int]]] = {}
+
+    def rebase(layout: OverlapLayout, args: list[Any]) -> tuple[CompiledGraphs, dict[int, int]]:
+        key = (signature(len(args), args, False), layout)
+        found = entries.get(key)
+        if found is None:
+            with COMPILE_LOCK:
+                found = entries.get(key) or _compile_on_bases(flat_fn, layout, args, options,
+                                                              name, len(entries))
+                entries[key] = found
+        return found
+
+    return rebase
+
+
+def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], options: AotOptions,
+                      name: str, compiled: int) -> tuple[CompiledGraphs, dict[int, int]]:
+    why = (f"{layout.describe()} and the function mutates one of them in place: traced again "
+           "with each shared storage as one input (Note [Overlapping mutated inputs])")
+    if compiled >= config.recompile_limit:
+        raise RecompileLimitError(
+            f"{name} has been compiled for {compiled} layout(s) of inputs that share memory "
+            f"(aotkit.config.recompile_limit); this call would compile another ({why}).\nFix: "
+            "pass separate tensors (.clone() one of them), or raise the limit with "
+            "aotkit.config.patch(recompile_limit=...)."
+        )
+    counters.record("recompile", name, why, logger=log)
+    mode = _fake_mode(False)
+    fakes = [make_fake(mode, a, k, False, f"input {k}") if isinstance(a, torch.Tensor) else a
+             for k, a in enumerate(args)]
+    returned: dict[int, int] = {}
+    graphs = compile_graphs(layout.wrap(flat_fn, returned), fakes, options, name, mode)
+    return graphs, returned
 
 
 def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,

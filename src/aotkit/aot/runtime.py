@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
+from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
 from aotkit.aot.subclass import Boundary
@@ -48,6 +49,9 @@ class CompiledGraphs:
     grad_inside: bool = False
     # What backward raises instead of running (Note [Saved tensors the forward changes]).
     backward_error: str | None = None
+    # The entry for a call whose inputs overlap, and its outputs that are inputs (position ->
+    # input), traced on first use (Note [Overlapping mutated inputs]).
+    rebase: Callable[[OverlapLayout, list[Any]], tuple[CompiledGraphs, dict[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -216,8 +220,8 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
 def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
-    if graphs.mutates_inputs:
-        check_no_aliased_mutation(graphs.name, graphs.meta, args)
+    if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args)):
+        return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():
             fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
@@ -229,6 +233,17 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         for i in graphs.mutated_in_graph:  # Note [Versions of inputs mutated in the graph]
             torch.autograd.graph.increment_version(args[i])
     return epilogue(graphs, args, fw_outs)
+
+
+def _run_on_bases(graphs: CompiledGraphs, layout: OverlapLayout, args: list[Any]) -> list[Any]:
+    """See Note [Overlapping mutated inputs]."""
+    assert graphs.rebase is not None
+    graph_args = layout.graph_args(args)
+    entry, returned = graphs.rebase(layout, graph_args)
+    outs = run(entry, graph_args)
+    for position, index in returned.items():
+        outs[position] = args[index]
+    return outs
 
 
 # Note [Versions of inputs mutated in the graph]
@@ -428,63 +443,3 @@ def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def check_no_aliased_mutation(name: str, meta: AotMeta, args: Sequence[Any]) -> None:
-    """Refuse inputs whose memory overlaps when one of them is mutated (results would differ).
-    Views of one storage that share no element (``kv[0]``, ``kv[1]``, ``kv[:, 0]``; parameters
-    in a flat buffer) are fine."""
-    by_storage: dict[int, list[int]] = {}
-    for i, a in enumerate(args):
-        if not isinstance(a, torch.Tensor) or (ptr := a.untyped_storage().data_ptr()) == 0:
-            continue
-        sharing = by_storage.setdefault(ptr, [])
-        for j in sharing:
-            if (meta.inputs[i].mutated or meta.inputs[j].mutated) and _may_overlap(args[j], a):
-                raise UnsupportedError(
-                    f"{name}: inputs {j} and {i} overlap in memory (or may: their memory ranges "
-                    "interleave and they differ in element size or have more than "
-                    f"{_EXACT_LIMIT} elements) and one of them is mutated in place; aotkit "
-                    "cannot yet replay such mutations exactly.\nFix: pass separate tensors "
-                    "(e.g. .clone() one of them)."
-                )
-        sharing.append(i)
-
-
-def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one storage share an element: first by the byte ranges they span,
-    then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
-    for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
-    spans = []
-    for t in (a, b):
-        if t.numel() == 0:
-            return False
-        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-        start = t.storage_offset() * t.element_size()
-        spans.append((start, start + extent * t.element_size()))
-    (a0, a1), (b0, b1) = spans
-    if not (a0 < b1 and b0 < a1):
-        return False
-    if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
-        return True
-    return _share_elements(_geometry(a), _geometry(b))
-
-
-_EXACT_LIMIT = 1 << 22
-
-
-def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(t.shape), t.stride(), t.storage_offset()
-
-
-@functools.lru_cache(maxsize=256)
-def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two strided layouts in one storage (same element size) address a common element;
-    computed once per pair of layouts."""
-    offsets = []
-    for size, stride, offset in (a, b):
-        index = torch.zeros((), dtype=torch.long)
-        for n, st in zip(size, stride, strict=True):
-            index = index.unsqueeze(-1) + torch.arange(n) * st
-        offsets.append(index.flatten() + offset)
-    return bool(torch.isin(offsets[0], offsets[1]).any())

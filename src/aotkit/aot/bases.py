@@ -1,0 +1,188 @@
+"""Inputs whose memory overlaps while the function mutates one of them: traced once more as
+views of one base input per shared storage. See Note [Overlapping mutated inputs]."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from aotkit.aot.analysis import AotMeta
+from aotkit.aot.trace import FlatFn
+from aotkit.errors import UnsupportedError
+
+# Note [Overlapping mutated inputs]
+# ``f(x[:3], x[1:])`` where f writes to its first argument: in eager the second argument sees the
+# write, since they share memory. A graph traced for two separate inputs reads the old value and
+# writes back each input on its own, so such a call cannot run the entry traced for it. The
+# runtime notices the overlap at the call (the entry mutates inputs, so it checks their memory
+# anyway) and runs an entry traced for its layout instead, a "recompile" decision saying why:
+# - every tensor input in a storage where a mutated input overlaps another becomes a view of one
+#   base input, the storage's first ``hi`` elements as a contiguous 1-D tensor (``hi``: the end
+#   of the last of them), rebuilt inside with ``as_strided``; functionalization then sees one
+#   input written through views and the others reading it, and the runtime writes that base
+#   back, which every member sees. The base starts at the storage's first element so that the
+#   graph's storage offsets are the members' own (functionalization of ``as_strided`` on an
+#   input with a storage offset of its own is where PyTorch gets offsets wrong);
+# - with autograd (grad mode on and a member requiring grad), the base is a view of the members'
+#   common ``_base``, so gradients and the in-place history reach it as eager's do; members
+#   with no common base are refused, as are members of different dtypes and members whose shape
+#   the function changes in place (``t_()``), which a base cannot carry back;
+# - the entry is keyed on the call's signature and every member's size, stride and offset:
+#   other positions in the storage compile again;
+# - an output that is a member itself comes back as the caller's tensor (``out is a``).
+# The base is as long as the members' reach into their storage, and it is written back whole at
+# each call: cheap for views of one tensor, costly for two views deep into a large flat buffer.
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The tensor inputs of one storage, and where each lies in it."""
+
+    members: tuple[int, ...]
+    views: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # size, stride, offset
+    length: int  # elements of the base: the end of the members' reach
+
+
+@dataclass(frozen=True)
+class OverlapLayout:
+    """How a call's overlapping inputs map onto bases: part of the key of the entry traced
+    for them."""
+
+    groups: tuple[_Group, ...]
+    num_inputs: int
+
+    @functools.cached_property
+    def others(self) -> list[int]:
+        grouped = {i for g in self.groups for i in g.members}
+        return [i for i in range(self.num_inputs) if i not in grouped]
+
+    def describe(self) -> str:
+        return "; ".join(f"inputs {', '.join(map(str, g.members))} share memory"
+                         for g in self.groups)
+
+    def graph_args(self, args: Sequence[Any]) -> list[Any]:
+        """The inputs of the entry traced for this layout: the other inputs, then the bases."""
+        return [*(args[i] for i in self.others), *(self._base(g, args) for g in self.groups)]
+
+    def _base(self, group: _Group, args: Sequence[Any]) -> torch.Tensor:
+        members = [args[i] for i in group.members]
+        if torch.is_grad_enabled() and any(m.requires_grad for m in members):
+            return _root(members).as_strided((group.length,), (1,), 0)
+        return members[0].detach().as_strided((group.length,), (1,), 0)
+
+    def wrap(self, flat_fn: FlatFn, returned: dict[int, int]) -> FlatFn:
+        """``flat_fn`` as a function of :meth:`graph_args`; fills ``returned`` (output position
+        -> input index) with the outputs that are members themselves."""
+
+        def on_bases(*graph_args: Any) -> tuple[list[Any], pytree.TreeSpec]:
+            full: list[Any] = [None] * self.num_inputs
+            for i, a in zip(self.others, graph_args, strict=False):
+                full[i] = a
+            bases = graph_args[len(self.others):]
+            for group, base in zip(self.groups, bases, strict=True):
+                for i, view in zip(group.members, group.views, strict=True):
+                    full[i] = base.as_strided(*view)
+            outs, spec = flat_fn(*full)
+            members = {id(full[i]): i for g in self.groups for i in g.members}
+            returned.update({k: members[id(o)] for k, o in enumerate(outs) if id(o) in members})
+            return outs, spec
+
+        return on_bases
+
+
+def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any]) -> OverlapLayout | None:
+    """The layout of a call where a mutated input overlaps another, else None; raises for the
+    cases Note [Overlapping mutated inputs] refuses."""
+    by_storage: dict[int, list[int]] = {}
+    overlapping: set[int] = set()
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) or a.numel() == 0 \
+                or (ptr := a.untyped_storage().data_ptr()) == 0:
+            continue
+        sharing = by_storage.setdefault(ptr, [])
+        for j in sharing:
+            if (meta.inputs[i].mutated or meta.inputs[j].mutated) and _may_overlap(args[j], a):
+                overlapping.add(ptr)
+        sharing.append(i)
+    if not overlapping:
+        return None
+    groups = tuple(_group(name, meta, args, by_storage[p]) for p in sorted(overlapping))
+    return OverlapLayout(groups, len(args))
+
+
+def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) -> _Group:
+    tensors = [args[i] for i in members]
+    which = f"inputs {', '.join(map(str, members))}"
+    if len({t.dtype for t in tensors}) > 1:
+        raise _refused(name, which, "are views of one memory in different dtypes")
+    if any(meta.inputs[i].mutates_metadata for i in members):
+        raise _refused(name, which, "share memory and one of them has its shape or strides "
+                       "changed in place (t_(), as_strided_(), ...)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and _root(tensors) is None:
+        raise _refused(name, which, "share memory, require grad and are not views of one "
+                       "common tensor, through which their gradients could flow")
+    views = tuple((tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors)
+    length = max(_end(t) for t in tensors)
+    return _Group(tuple(members), views, length)
+
+
+def _root(tensors: Sequence[torch.Tensor]) -> Any:
+    """The tensor all of ``tensors`` are views of (or are), if there is one."""
+    roots = {id(r): r for r in (t if t._base is None else t._base for t in tensors)}
+    return next(iter(roots.values())) if len(roots) == 1 else None
+
+
+def _refused(name: str, which: str, why: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{name}: {which} {why}, and the function mutates one of them in place; aotkit cannot "
+        "replay that mutation exactly.\nFix: pass separate tensors (e.g. .clone() one of them)."
+    )
+
+
+def _end(t: torch.Tensor) -> int:
+    """One past the last storage element ``t`` reaches (``t`` is not empty)."""
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage share an element: first by the byte ranges they span,
+    then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
+    for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
+    spans = []
+    for t in (a, b):
+        if t.numel() == 0:
+            return False
+        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+        start = t.storage_offset() * t.element_size()
+        spans.append((start, start + extent * t.element_size()))
+    (a0, a1), (b0, b1) = spans
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
+        return True
+    return _share_elements(_geometry(a), _geometry(b))
+
+
+_EXACT_LIMIT = 1 << 22
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+@functools.lru_cache(maxsize=256)
+def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two strided layouts in one storage (same element size) address a common element;
+    computed once per pair of layouts."""
+    offsets = []
+    for size, stride, offset in (a, b):
+        index = torch.zeros((), dtype=torch.long)
+        for n, st in zip(size, stride, strict=True):
+            index = index.unsqueeze(-1) + torch.arange(n) * st
+        offsets.append(index.flatten() + offset)
+    return bool(torch.isin(offsets[0], offsets[1]).any())

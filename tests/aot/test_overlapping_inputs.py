@@ -1,0 +1,143 @@
+"""Inputs whose memory overlaps while the function mutates one of them (Note [Overlapping
+mutated inputs]): outputs, the caller's tensors, aliasing and gradients match eager's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.aot.eager_check import check_against_eager, rand
+
+import aotkit
+from aotkit import compilers
+from aotkit.errors import RecompileLimitError, UnsupportedError
+
+
+def halves(args, kwargs):
+    (x,) = args
+    return (x[:6], x[4:10]), {}
+
+
+def three_ways(args, kwargs):
+    x = args[0].view(3, 4)
+    return (x[:, :2], x[1:], x[:, 3]), {}
+
+
+def through_product(args, kwargs):  # views of a non-leaf: mutations are differentiable
+    y = args[0] * 1
+    return (y[:6], y[4:10]), {}
+
+
+CASES = {
+    "write one, read the other": (lambda a, b: (a.add_(1), b * 2)[1], halves),
+    "write both": (lambda a, b: (a.add_(1), b.mul_(2), a + b)[2], halves),
+    "return the written input": (lambda a, b: (a.mul_(2), a, b), halves),
+    "return views of both": (lambda a, b: (b.mul_(2), a[1:], b[:1])[1:], halves),
+    "three views, one written": (lambda a, b, c: (b.add_(10), a.sum() + c.sum())[1],
+                                 three_ways),
+    "same tensor twice": (lambda a, b: (a.add_(1), b * 2)[1], lambda args, _: (args * 2, {})),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_overlapping_inputs_match_eager(case):
+    fn, prepare = CASES[case]
+    check_against_eager(fn, torch.arange(12.0), prepare=prepare, backward=False)
+
+
+@pytest.mark.parametrize("case", ["write one, read the other", "write both",
+                                  "return the written input", "return views of both"])
+def test_overlapping_inputs_gradients_match_eager(case):
+    fn, _ = CASES[case]
+    check_against_eager(fn, rand(12, grad=True), prepare=through_product)
+
+
+def test_overlapping_inputs_beside_a_separate_input():
+    def fn(a, z, b):
+        a.mul_(z)
+        return b * z
+
+    def prepare(args, kwargs):
+        w, z = args
+        y = w * 1
+        return (y[:3], z, y[1:4]), {}
+
+    check_against_eager(fn, rand(6, grad=True), rand(3, grad=True), prepare=prepare)
+
+
+def test_overlapping_inputs_under_no_grad_and_in_the_graph():
+    fn, prepare = CASES["write one, read the other"]
+    check_against_eager(fn, rand(12, grad=True), prepare=prepare, backward=False,
+                        context=torch.no_grad)
+    check_against_eager(fn, torch.arange(12.0), prepare=prepare, backward=False,
+                        context=torch.no_grad, aot_kwargs={"keep_inference_input_mutations": True})
+
+
+def test_a_leaf_view_written_under_grad_raises_like_eager():
+    fn, prepare = CASES["write one, read the other"]
+    for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+        with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+            run(*prepare((rand(12, grad=True),), {})[0])
+
+
+def test_one_entry_per_layout_and_each_recorded():
+    aotkit.counters.reset()
+    f = aotkit.aot_function(lambda a, b: (a.add_(1), b * 2)[1], compilers.nop)
+    x = torch.zeros(8)
+    f(x[:4], x[2:6])
+    f(x[:4], x[2:6])
+    f(x[1:5], x[3:7])  # another place in the storage
+    torch.testing.assert_close(x, torch.tensor([2.0, 3, 3, 3, 1, 0, 0, 0]))
+    reasons = aotkit.explain().of_kind("recompile")
+    assert len(reasons) == 2
+    assert "inputs 0, 1 share memory" in reasons[0].why
+    with aotkit.config.patch(recompile_limit=2), pytest.raises(RecompileLimitError, match="share memory"):
+        f(x[2:6], x[4:8])
+
+
+def test_overlapping_inputs_through_torch_compile():
+    def fn(a, b):
+        a.mul_(3)
+        return a, b * b
+
+    results = []
+    for run in (fn, torch.compile(fn, backend="aotkit")):
+        w = torch.arange(6.0, requires_grad=True)
+        y = w * 1
+        a, b = y[:4], y[2:]
+        out_a, out = run(a, b)
+        out.sum().backward()
+        assert out_a is a
+        results.append((y.detach(), out.detach(), w.grad))
+    for compiled, eager in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda x: (x[:4], x[2:].view(torch.int32)), "different dtypes"),
+    (lambda x: (x.detach()[:4], x.detach()[2:].requires_grad_()), "not views of one common"),
+])
+def test_refused_layouts_say_why(make, why):
+    f = aotkit.aot_function(lambda a, b: (a.add_(1), b * 2)[1], compilers.nop)
+    with pytest.raises(UnsupportedError, match=why):
+        f(*make(torch.zeros(6)))
+
+
+def test_changing_the_shape_of_an_overlapping_input_is_refused():
+    f = aotkit.aot_function(lambda a, b: (a.unsqueeze_(0), b * 2)[1], compilers.nop)
+    x = torch.zeros(6)
+    with pytest.raises(UnsupportedError, match="shape or strides changed in place"):
+        f(x[:4], x[2:])
+
+
+def test_a_layout_change_under_torch_compile_runs_the_right_graph():
+    """PyTorch's aot_eager runs the first layout's graph again here (b * 2 == [2, 2, 0, 0])."""
+
+    def fn(a, b):
+        a.add_(1)
+        return b * 2
+
+    compiled = torch.compile(fn, backend="aotkit")
+    for split in (lambda x: (x[:4], x[2:6]), lambda x: (x[:4], x[4:8]), lambda x: (x[:4], x[2:6])):
+        x, expected = torch.zeros(8), torch.zeros(8)
+        torch.testing.assert_close(compiled(*split(x)), fn(*split(expected)))
+        torch.testing.assert_close(x, expected)
