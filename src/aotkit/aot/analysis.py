@@ -9,6 +9,7 @@ See Note [Aliased outputs] below.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,8 @@ class OutputInfo:
     is_neg: bool = False
     # Eager's ``_is_view()``: ``x.detach()`` shares x's memory but is no view.
     is_view: bool = True
+    # Placed by replaying its view ops on its input (Note [Views of inputs with gaps]).
+    replay_only: bool = False
 
 
 @dataclass
@@ -172,7 +175,7 @@ def analyze(
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
         outputs, bases = _output_infos(f_args, f_outs)
-        _refuse_views_of_relaid_inputs(args, f_args, inputs, outputs)
+        outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
         meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases])
         fw_outs = [
             *(f_args[i] for i in meta.mutated_inputs),
@@ -182,27 +185,28 @@ def analyze(
         return meta, [from_fun(o) for o in fw_outs]
 
 
-def _refuse_views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
-                                   inputs: Sequence[InputInfo], outputs: Sequence[OutputInfo]) -> None:
-    """An input with gaps in its strides (``x[:, ::2]``) that the function mutates in place gets
-    a dense new value from functionalization, and views taken after the mutation take their
-    strides from it; a returned view would be placed by those strides in the caller's memory,
-    reading other elements.
-    Eager's view keeps the input's strides; we cannot recover them, so such views are refused."""
-    for out in outputs:
-        if out.alias is not Alias.OF_INPUT:
-            continue
-        i = out.base
-        info = inputs[i]
-        if info.mutates_data and not info.mutates_metadata and not _laid_out_alike(
-            args[i], from_fun(f_args[i])
-        ):
-            raise UnsupportedError(
-                f"the function mutates input {i} (strides {tuple(args[i].stride())}, with gaps "
-                "between elements) in place and returns a view of it; aotkit cannot place that "
-                "view in the input's memory as eager does.\nFix: pass a contiguous input "
-                "(x.contiguous()), or return a clone of the view."
-            )
+# Note [Views of inputs with gaps]
+# An input with gaps in its strides (``x[:, ::2]``) that the function mutates gets a dense new
+# value from functionalization, and views taken after the mutation take their strides from
+# that value: placed by those strides in the caller's memory, a returned view ``x[0]`` would
+# read other elements. Eager's view keeps the input's strides. So such a view records no place
+# (``static_view``); the runtime replays the view ops the compiled graph ran on the new value
+# (``select``, ``t``, ...) on the caller's input instead, after the mutation is written back.
+# That needs the graph's output to be a view of its new value with view functions recorded
+# (nop, TorchScript); a compiler whose outputs are plain tensors (Inductor) is refused then.
+def _views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
+                            inputs: Sequence[InputInfo],
+                            outputs: list[OutputInfo]) -> list[OutputInfo]:
+    """See Note [Views of inputs with gaps]."""
+    return [dataclasses.replace(out, static_view=None, replay_only=True)
+            if out.alias is Alias.OF_INPUT and _relaid(inputs[out.base], args[out.base],
+                                                       f_args[out.base])
+            else out for out in outputs]
+
+
+def _relaid(info: InputInfo, arg: Any, f_arg: Any) -> bool:
+    return info.mutates_data and not info.mutates_metadata and not _laid_out_alike(
+        arg, from_fun(f_arg))
 
 
 def _laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -348,6 +348,8 @@ def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, na
 def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
     if _replayable(out, source, info):
         return out._view_func_unsafe(source.base)
+    if info.replay_only:
+        return _replayed_on_input(source, out, name)
     base = _plain(source.base)
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
@@ -372,6 +374,20 @@ def _replayable(out: torch.Tensor, source: _ViewSource, info: OutputInfo) -> boo
     return (source.new_value is None and out._is_view() and out._base is base
             and out.dtype == base.dtype
             and not (info.is_neg or info.is_conj or base.is_conj() or base.is_neg()))
+
+
+def _replayed_on_input(source: _ViewSource, out: torch.Tensor, name: str) -> torch.Tensor:
+    """See Note [Views of inputs with gaps]."""
+    if source.new_value is not None and out._is_view() and out._base is source.new_value:
+        return out._view_func_unsafe(source.base)
+    raise UnsupportedError(
+        f"{name}: the function mutates input {source.input_index} (strides "
+        f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
+        "view of it, and the compiled graph returned that view as a tensor of its own, so "
+        "aotkit cannot place it in the input's memory as eager does.\nFix: pass a contiguous "
+        "input (x.contiguous()), return a clone of the view, or use a compiler that runs the "
+        "graph's view ops (aotkit.compilers.nop)."
+    )
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
