@@ -356,6 +356,28 @@ def test_graphs_a_user_compiler_returns_stay_compilable_by_dynamo() -> None:
     assert all(_debug_get_cache_entry_list(gm.forward.__code__) for gm in graphs)
 
 
+def test_torch_compile_of_an_aot_function_traces_the_function_once() -> None:
+    """Dynamo used to compile the user's function too while aotkit traced it (a nested trace)."""
+    import torch._dynamo  # loaded before aot_function, as after any torch.compile
+
+    calls = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x.sin() * 2
+
+    x = torch.randn(3, requires_grad=True)
+    aotkit.aot_function(f, aotkit.compilers.nop)(x)
+    plain = len(calls)
+    calls.clear()
+    aotkit.counters.reset()
+    compiled = torch.compile(aotkit.aot_function(f, aotkit.compilers.nop), backend="aotkit")
+    compiled(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+    assert len(calls) == plain
+    assert counters["aot"]["traces"] == 1
+
+
 def test_compiled_autograd_around_a_compiled_step_that_calls_backward() -> None:
     """The engine calls compiled autograd's capture under Dynamo's frame callback; Dynamo
     crashed compiling it ("Cannot call numel() on tensor with symbolic sizes")."""

@@ -366,6 +366,24 @@ def hide_from_dynamo(*extra: Any) -> None:
                 skip(value, seen)
 
 
+@contextlib.contextmanager
+def dynamo_frames_off() -> Iterator[None]:
+    """Dynamo's frame callback off while aotkit traces a user's function. Called from a frame
+    Dynamo skipped (``torch.compile`` of an ``aot_function``), the function would otherwise be
+    compiled by Dynamo as well, its graph traced twice (Note [aotkit's code is not user code to
+    Dynamo])."""
+    if "torch._dynamo.eval_frame" not in sys.modules:
+        yield
+        return
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    prior = set_eval_frame(None)
+    try:
+        yield
+    finally:
+        set_eval_frame(prior)
+
+
 def hide_from_dynamo_if_loaded() -> None:
     """:func:`hide_from_dynamo` when Dynamo is imported already (a compiled function made after
     ``torch.compile`` was used, which may be handed to it); importing Dynamo costs ~0.6 s."""

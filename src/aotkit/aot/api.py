@@ -49,6 +49,7 @@ from aotkit.aot.trace import (
 from aotkit.compat import (
     FakeTensorMode,
     dynamo_fallback_errors,
+    dynamo_frames_off,
     dynamo_recompile_reason,
     hide_from_dynamo_if_loaded,
     keep_stack_traces_of,
@@ -476,7 +477,8 @@ class AotFunction:
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
+        with dynamo_frames_off():
+            graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard)
         self._entries.setdefault(key, []).append(entry)
