@@ -223,6 +223,41 @@ def test_a_new_default_dtype_is_a_new_signature():
     assert reason.why == "the default dtype changed: torch.float32 -> torch.float64"
 
 
+def test_conjugate_and_negative_views_are_new_signatures():
+    """The graph reads a conjugated input's storage as it is: a graph traced for a plain complex
+    tensor gave z.conj()[0:1] unconjugated, and z.conj().real raised."""
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for fn, view in [(lambda x: x[0:1], torch.conj), (lambda x: x.real, torch.conj),
+                     (lambda x: x * 2, torch._neg_view)]:
+        f = aotkit.aot_function(fn, compilers.nop)
+        f(z)
+        torch.testing.assert_close(f(view(z)), fn(view(z)))
+    whys = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert whys[0] == "conjugate bit of args[0] changed: False -> True"
+    assert whys[2] == "negative bit of args[0] changed: False -> True"
+
+
+def test_floats_that_compare_equal_but_differ_are_new_signatures():
+    x = torch.ones(2)
+    divide = aotkit.aot_function(lambda x, s: x / s, compilers.nop)
+    assert divide(x, 0.0).tolist() == [float("inf")] * 2
+    assert divide(x, -0.0).tolist() == [float("-inf")] * 2
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert reason.why == "args[1] changed: float 0.0 -> float -0.0"
+    add = aotkit.aot_function(lambda x, s: x + s, compilers.nop)
+    for _ in range(config.recompile_limit + 1):  # nan != nan: one entry all the same
+        assert add(x, float("nan")).isnan().all()
+    assert add.num_entries == 1
+
+
+def test_a_new_rank_under_dynamic_shapes_is_named_as_such():
+    f = aotkit.aot_function(lambda x: x * 2, compilers.nop, dynamic=True)
+    f(torch.randn(3, 4))
+    f(torch.randn(3))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert reason.why == "number of dimensions of args[0] changed: 2 -> 1"
+
+
 def _scaled_sine(x):
     y = x.sin()
     return y * 2

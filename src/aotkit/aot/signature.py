@@ -37,7 +37,11 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
             rg and leaf.is_leaf,
             leaf.dim() if dynamic else leaf.shape,
             None if dynamic else leaf.stride(),
+            leaf.is_conj(),  # the graph reads its storage conjugated / negated
+            leaf.is_neg(),
         )
+    if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
+        return (type(leaf), repr(leaf))
     try:
         hash(leaf)
     except TypeError:
@@ -75,7 +79,8 @@ def autocast_state() -> AutocastState:
                  for d in AUTOCAST_DEVICES)
 
 
-_FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride")
+_FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride",
+           "conjugate bit", "negative bit")
 _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
           "torch.backends.mkldnn.enabled", "torch.backends.cudnn.enabled",
           "deterministic algorithms", "the default dtype")
@@ -122,10 +127,16 @@ def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
         changed = [(f, x, y) for f, x, y in zip(_FIELDS, a, b, strict=True) if x != y]
         if any(f == "requires_grad" for f, _, _ in changed):  # is_leaf is "rg and is_leaf"
             changed = [c for c in changed if c[0] != "is_leaf"]
-        return "; ".join(f"{f} of {name} changed: {_show(x)} -> {_show(y)}" for f, x, y in changed)
+        return "; ".join(f"{_field_name(f, x)} of {name} changed: {_show(x)} -> {_show(y)}"
+                         for f, x, y in changed)
     if _is_subclass_key(a) or _is_subclass_key(b):
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
     return f"{name} changed: {_show(a)} -> {_show(b)}"
+
+
+def _field_name(field: str, value: Any) -> str:
+    # Under dynamic=True a tensor's key holds its number of dimensions in place of its shape.
+    return "number of dimensions" if field == "shape" and isinstance(value, int) else field
 
 
 def _is_subclass_key(key: tuple[Any, ...]) -> bool:
@@ -161,7 +172,8 @@ def _show(x: Any) -> str:
     if isinstance(x, torch.Size):
         return str(tuple(x))
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], type):
-        return f"{x[0].__name__} {x[1]!r}"
+        shown = x[1] if x[0] in (float, complex) else repr(x[1])  # keyed by repr already
+        return f"{x[0].__name__} {shown}"
     return repr(x)
 
 
