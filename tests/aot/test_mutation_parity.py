@@ -250,6 +250,40 @@ def test_out_argument_growing_an_input_is_refused():
     _assert_refused(fn, (torch.ones(3), torch.empty(0)), r"an out= argument \(input 1\) resized")
 
 
+@pytest.mark.parametrize("op", [
+    lambda a, b, o: torch.mul(a, b, out=o),
+    lambda a, b, o: torch.mm(a.view(1, 3), b.view(3, 1), out=o),
+    lambda a, b, o: torch.cat([a, b], out=o),
+])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_out_argument_of_a_dtype_the_result_cannot_take_raises_like_eager(op, dynamic):
+    """Note [Dtypes of out= arguments]: functionalization's copy cast the result silently."""
+    a, b = torch.tensor([1.5, 2.5, -0.7]), torch.ones(3)
+    refused = 0
+    for dtype in (torch.int64, torch.float64):
+        try:
+            op(a, b, torch.zeros(0, dtype=dtype))
+            continue  # eager allows this dtype for this op
+        except (RuntimeError, TypeError) as eager:
+            assert "cast" in str(eager) or "dtype" in str(eager)
+        refused += 1
+        out = torch.zeros(0, dtype=dtype)
+        with pytest.raises(RuntimeError, match=r"cast|dtype"):
+            aotkit.aot_function(op, compilers.nop, dynamic=dynamic)(a, b, out)
+        assert out.shape == (0,)
+    assert refused
+
+
+def test_out_arguments_of_other_dtypes_eager_accepts_still_run():
+    def fn(x, flags, total):
+        torch.eq(x, 1.0, out=flags)  # bool out of a float comparison
+        torch.sum(x, 0, out=total)  # float64 out of a float32 sum
+        return flags, total
+
+    check_against_eager(fn, torch.ones(3), torch.zeros(3, dtype=torch.bool),
+                        torch.zeros((), dtype=torch.float64), backward=False)
+
+
 # --- writes to overlapping memory (Note [Writes to overlapping memory]) ------------------------
 
 

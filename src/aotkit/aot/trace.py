@@ -367,7 +367,10 @@ class _OutsideTensorGuard(TorchDispatchMode):
 
     def _check_writes(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
         """Before the op runs: the fake mode would write to the real outside tensor, and
-        functionalization would get a write to overlapping memory wrong."""
+        functionalization would get a write to overlapping memory, or an out= argument of a
+        dtype the result cannot be cast to, wrong."""
+        if _writes_out_argument(func):
+            _check_out_dtype(func, args, kwargs)
         for t in _written(func, args, kwargs):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
@@ -511,6 +514,37 @@ def _written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
         written += _tensors(value)
     return written
+
+
+# Note [Dtypes of out= arguments]
+# Functionalization turns ``torch.mul(a, b, out=o)`` into ``mul`` and a copy into o, and a copy
+# casts: an int64 ``o`` silently got float results truncated, where eager refuses ("result type
+# Float can't be cast to the desired output type Long"). Before such an op is functionalized it
+# runs on meta tensors of the same dtypes and ranks (one element per dimension), which raise
+# eager's dtype errors; errors about anything else are left to the traced op. (Torch.compile's
+# fake tensors run out= ops unfunctionalized, so Dynamo graphs never reach this.)
+def _writes_out_argument(func: torch._ops.OpOverload) -> bool:
+    return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+               for a in func._schema.arguments)
+
+
+def _check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+    """See Note [Dtypes of out= arguments]."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty((1,) * x.dim(), dtype=x.dtype, device="meta")
+        return x
+
+    with _disable_current_modes():
+        try:
+            func(*pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs))
+        except (RuntimeError, TypeError) as exc:
+            if "cast" in str(exc) or "dtype" in str(exc):
+                raise RuntimeError(f"{exc}\n  at {current_user_line()}") from None
+        except Exception:  # not a dtype error: the traced op reports it
+            pass
 
 
 class _EagerDropout(torch.overrides.TorchFunctionMode):
