@@ -226,6 +226,37 @@ def test_tensor_attributes_set_in_forward_are_set_after_each_call():
         torch.testing.assert_close(getattr(twin, attribute), getattr(eager, attribute))
 
 
+def test_tensor_attributes_forward_assigns_are_read_at_every_call():
+    """Note [Module state as graph inputs]: once forward is seen assigning a plain tensor
+    attribute, later calls read its current value (the graph had the first value baked in)."""
+
+    class Average(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+            self.ema = torch.zeros(2)
+            self.cached = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.ema = 0.5 * self.ema + x
+            if self.cached is None:  # computed once, from the weight at the first call
+                self.cached = self.w.detach() * 2
+            return self.ema * self.w + self.cached
+
+    eager, twin = Average(), Average()
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    for _ in range(4):
+        x = torch.ones(2)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        for m in (eager, twin):
+            with torch.no_grad():
+                m.w.add_(1)
+        torch.testing.assert_close(twin.ema, eager.ema)
+        torch.testing.assert_close(twin.cached, eager.cached)
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert reason.why.startswith("forward assigns plain tensor attribute(s) ['ema', 'cached']")
+
+
 def test_a_new_submodule_never_gets_a_freed_ones_graph():
     """Python reuses a freed module's id; entries die with their modules."""
 

@@ -40,7 +40,13 @@ log = logging.getLogger("aotkit.aot")
 # they occupy. A buffer or plain tensor attribute that forward assigns anew (``self.ema = 0.9 *
 # self.ema + x``, ``self.cache = ...``) is put back after tracing (a tracing value must not stay
 # on the module), returned by the graph, and assigned to the module after each call, as eager
-# assigns it.
+# assigns it. A plain attribute is read while tracing, a constant of the graph; once forward is
+# seen assigning it a tensor that does not require grad (a running average, a cache), it
+# becomes state like a buffer (a slot in its module's ``__dict__``, an input read at every
+# call), so the next call reads what the last one assigned. That layout is compiled at the next
+# call, with a recompile decision naming the attributes. A tensor that requires grad (an
+# activation a hook keeps, old-style weight_norm's weight) stays out: read as an input it
+# would tie each call's graph to the last one's, which eager's forward does not read.
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
@@ -49,6 +55,7 @@ class _Slot:
     index: int              # which state tensor fills it
     name: str               # qualified name, e.g. "encoder.0.norm.running_mean"
     is_buffer: bool
+    is_attribute: bool = False  # a plain tensor attribute forward assigns (in ``__dict__``)
 
 
 @dataclasses.dataclass
@@ -86,6 +93,9 @@ class AotModule(nn.Module):
         self._options = options
         self._compiled: dict[Hashable, _Compiled] = {}
         self._last: _Compiled | None = None
+        # Plain tensor attributes forward assigns, by module id (Note [Module state as graph
+        # inputs]).
+        self._attributes: dict[int, tuple[str, ...]] = {}
 
     @property
     def num_entries(self) -> int:
@@ -93,7 +103,7 @@ class AotModule(nn.Module):
         return sum(c.fn.num_entries for c in self._compiled.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        key, state = _collect(self.orig_module)
+        key, state = _collect(self.orig_module, self._attributes)
         compiled = self._compiled.get(key)
         if compiled is None:
             with COMPILE_LOCK:  # Note [One compile at a time]
@@ -101,13 +111,16 @@ class AotModule(nn.Module):
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
         for name, value in assigned.items():
-            _assign(self.orig_module, name, value)
+            module, attribute = _assign(self.orig_module, name, value)
+            if not value.requires_grad and attribute not in module._buffers \
+                    and attribute not in self._attributes.get(id(module), ()):
+                self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
 
     def _compile_for(self, key: Hashable) -> _Compiled:
         module = self.orig_module
         _refuse_uninitialized(module)
-        layout = _layout(module)
+        layout = _layout(module, self._attributes)
         name = f"aot_module({type(module).__name__})"
         if self._last is not None:
             counters.record("recompile", name, _describe(self._last.layout, layout), logger=log)
@@ -146,11 +159,14 @@ def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], 
     return forget
 
 
-def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
-    """The module's layout key and its state tensors, in one walk (this runs at every call)."""
+def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]
+             ) -> tuple[Hashable, list[torch.Tensor]]:
+    """The module's layout key and its state tensors, in one walk (this runs at every call).
+    ``attributes``: plain tensor attributes read as state, by module id."""
     key: list[Any] = []
     params: list[Any] = []
     buffers: list[Any] = []
+    values: list[Any] = []
     for m in root.modules():
         p, b = m._parameters, m._buffers
         key.append((id(m), m.training, *p, None, *b, None, *m._modules))
@@ -158,10 +174,19 @@ def _collect(root: nn.Module) -> tuple[Hashable, list[torch.Tensor]]:
             key.append(tuple(map(tuple, _hook_tables(m))))
         params.extend(p.values())
         buffers.extend(b.values())
+        if attributes and (names := _tensor_attributes(m, attributes)):
+            key.append(("attributes", *names))
+            values.extend(m.__dict__[n] for n in names)
     if any(every := _global_hook_tables()):
         key.append(tuple(map(tuple, every)))
-    state, slots = _unique([*params, *buffers])
+    state, slots = _unique([*params, *buffers, *values])
     return (tuple(key), slots), state
+
+
+def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> tuple[str, ...]:
+    """Which of ``m``'s attributes read as state hold a tensor now."""
+    d = m.__dict__
+    return tuple(n for n in attributes.get(id(m), ()) if isinstance(d.get(n), torch.Tensor))
 
 
 # Note [Module hooks]
@@ -234,23 +259,26 @@ def _unique(tensors: Iterable[torch.Tensor | None]) -> tuple[list[torch.Tensor],
     return out, tuple(slots)
 
 
-def _layout(root: nn.Module) -> _Layout:
+def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> _Layout:
     modules = list(root.named_modules())
     modes = [(n or type(root).__name__, m.training) for n, m in modules]
     index: dict[int, int] = {}
     names: list[str] = []
     slots: list[_Slot] = []
-    for is_buffer in (False, True):
+    for kind in ("parameter", "buffer", "attribute"):
         for prefix, m in modules:
-            table = m._buffers if is_buffer else m._parameters
-            for key, t in table.items():
+            table = {"parameter": m._parameters, "buffer": m._buffers, "attribute": m.__dict__}[kind]
+            keys = _tensor_attributes(m, attributes) if kind == "attribute" else table
+            for key in keys:
+                t = table[key]
                 if t is None:
                     continue
                 qualified = f"{prefix}.{key}" if prefix else key
                 if id(t) not in index:
                     index[id(t)] = len(names)
                     names.append(qualified)
-                slots.append(_Slot(table, key, index[id(t)], qualified, is_buffer))
+                slots.append(_Slot(table, key, index[id(t)], qualified, kind != "parameter",
+                                   kind == "attribute"))
     return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
         [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]))
 
@@ -269,7 +297,8 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
     try:
         yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
-        assigned.update(_attributes_assigned(attributes))
+        state_slots = {(id(s.table), s.key) for s in slots if s.is_attribute}
+        assigned.update(_attributes_assigned(attributes, state_slots))
     finally:
         for table, before in keys:
             for key in [k for k in table if k not in before]:
@@ -280,13 +309,16 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
             _restore_attributes(d, before)
 
 
-def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]]
-                         ) -> dict[str, torch.Tensor]:
+def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],
+                         state_slots: set[tuple[int, str]]) -> dict[str, torch.Tensor]:
     """Plain tensor attributes forward set (``self.cache = ...``, old-style weight_norm's
-    ``module.weight``): returned by the graph and set after each call, as eager sets them."""
+    ``module.weight``): returned by the graph and set after each call, as eager sets them.
+    Those read as state (``state_slots``) are the slots' business."""
     assigned = {}
     for prefix, d, before in attributes:
         for key, value in d.items():
+            if (id(d), key) in state_slots:
+                continue
             if isinstance(value, torch.Tensor) and before.get(key) is not value:
                 assigned[f"{prefix}.{key}" if prefix else key] = value
     return assigned
@@ -331,11 +363,13 @@ def _assigned_in_forward(slots: Sequence[_Slot], state: Sequence[torch.Tensor],
     return assigned
 
 
-def _assign(root: nn.Module, name: str, value: torch.Tensor) -> None:
-    """Set a buffer or plain tensor attribute that forward assigned while it was traced."""
+def _assign(root: nn.Module, name: str, value: torch.Tensor) -> tuple[nn.Module, str]:
+    """Set a buffer or plain tensor attribute that forward assigned while it was traced;
+    returns the module and the attribute."""
     prefix, _, key = name.rpartition(".")
     module = root.get_submodule(prefix)
     (module._buffers if key in module._buffers else module.__dict__)[key] = value
+    return module, key
 
 
 def _refuse_uninitialized(root: nn.Module) -> None:
@@ -361,13 +395,18 @@ def _describe(old: _Layout, new: _Layout) -> str:
             reasons.append(f"training flags changed: {', '.join(flips)}")
     else:
         reasons.append("submodules changed (added, removed, replaced or re-registered)")
-    if old.names != new.names:
-        added = [n for n in new.names if n not in old.names]
+    read = [s.name for s in new.slots if s.is_attribute and s.name not in old.names]
+    if read:
+        reasons.append(f"forward assigns plain tensor attribute(s) {read}: read as inputs from "
+                       "now on, so each call sees what the last one assigned")
+    if old.names != [n for n in new.names if n not in read]:
+        added = [n for n in new.names if n not in old.names and n not in read]
         removed = [n for n in old.names if n not in new.names]
         parts = [f"added {added}" if added else "", f"removed {removed}" if removed else ""]
         reasons.append("parameters/buffers changed: " + ("; ".join(p for p in parts if p)
                                                          or "same names in a new order"))
-    elif [(s.name, s.index) for s in old.slots] != [(s.name, s.index) for s in new.slots]:
+    elif [(s.name, s.index) for s in old.slots] != [(s.name, s.index) for s in new.slots
+                                                   if s.name not in read]:
         reasons.append("weights tied differently")
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
