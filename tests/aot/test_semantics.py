@@ -1476,3 +1476,57 @@ def test_anomaly_mode_compiles_and_still_reports_nan_gradients():
         with pytest.raises(RuntimeError, match="returned nan values"):
             compiled(torch.zeros(3, requires_grad=True)).backward()
     assert not aotkit.explain().of_kind("graph_break")
+
+
+# --- global state the function leaves changed (Note [Global state the function leaves changed])
+
+
+def _switch_grad_off(x, w):
+    y = x @ w
+    torch.set_grad_enabled(False)
+    return y, x @ w
+
+
+def _switch_autocast_on(x, w):
+    y = x @ w
+    torch.set_autocast_enabled("cpu", True)
+    return y, x @ w
+
+
+def _switch_default_dtype(x, w):
+    y = x @ w
+    torch.set_default_dtype(torch.float64)
+    return y, torch.ones(2)
+
+
+@pytest.mark.parametrize("fn", [_switch_grad_off, _switch_autocast_on, _switch_default_dtype])
+def test_state_the_function_leaves_switched_matches_eager(fn):
+    """Each tracing pass leaked the switch into the next (the graph traced bfloat16 or no-grad
+    ops before the switch) and the compiled call left the state as it found it."""
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    for _ in range(2):
+        results = []
+        for run in (fn, compiled):
+            x, w = torch.randn(2, 3), torch.randn(3, 2, requires_grad=True)
+            try:
+                outs = run(x, w)
+                after = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+                         torch.get_default_dtype())
+            finally:
+                torch.set_grad_enabled(True)
+                torch.set_autocast_enabled("cpu", False)
+                torch.set_default_dtype(torch.float32)
+            results.append(([(o.dtype, o.requires_grad) for o in outs], after))
+        assert results[1] == results[0]
+
+
+def test_reseeding_inside_is_refused():
+    def fn(x):
+        torch.manual_seed(0)
+        return x + torch.rand(3)
+
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
+        aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
+    assert torch.equal(torch.get_rng_state(), state)  # the trace's reseeding is undone

@@ -38,6 +38,20 @@ def test_calls_go_through_bindings_and_compute_the_same() -> None:
     torch.testing.assert_close(bound(a, b), ((a @ b).sum(0, keepdim=True).view(5, 1).t() + 1.5))
 
 
+def test_a_nan_argument_does_not_spoil_the_verdict_for_other_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verdicts are cached per argument types; one taken with nan (nan != nan) kept every
+    later float add from its binding."""
+    from aotkit.compilers import bind
+
+    monkeypatch.setattr(bind, "_VERIFIED", {})
+    x = torch.randn(3)
+    _, bound = _bound_and_traced(lambda x: x + float("nan"), x)
+    assert _calls(bound)["add"] is torch.add
+    _, bound = _bound_and_traced(lambda x: x + 1.5, x)
+    assert _calls(bound)["add"] is torch.add
+
+
 def test_a_binding_that_dispatches_another_overload_is_not_used() -> None:
     x = torch.randn(3)
 

@@ -23,6 +23,7 @@ from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
     AutocastState,
+    GlobalState,
     ShapeGuard,
     autocast_state,
     describe_change,
@@ -30,7 +31,7 @@ from aotkit.aot.signature import (
     leaf_names,
     signature,
 )
-from aotkit.aot.simplify import drop_noop_views, tensorify_float_inputs
+from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
 from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.trace import (
     COMPILE_LOCK,
@@ -171,6 +172,7 @@ def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], o
 def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
                     mode: FakeTensorMode, from_dynamo: bool) -> CompiledGraphs:
     counters.bump("aot", "traces")
+    flat_fn = watched = _StateWatch(flat_fn, name)
     forward_autocast = autocast_state()
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -203,10 +205,13 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         if from_dynamo:
             tensorify_float_inputs(gm, mode, name)
         drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
+        pin_factory_dtypes(gm)
         return gm
 
     if not training:
-        return _compile_inference(simplify(gm), meta, options, name, len(args))
+        graphs = _compile_inference(simplify(gm), meta, options, name, len(args))
+        graphs.state_after = watched.after
+        return graphs
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
@@ -245,7 +250,48 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
+        state_after=watched.after,
     )
+
+
+class _StateWatch:
+    """``flat_fn``, called in the caller's global state and putting it back after; remembers
+    the state its first call left. See Note [Global state the function leaves changed]."""
+
+    def __init__(self, flat_fn: FlatFn, name: str) -> None:
+        self.flat_fn = flat_fn
+        self.name = name
+        self.after: GlobalState | None = None
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> tuple[list[Any], pytree.TreeSpec]:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        before = GlobalState.now()
+        with _disable_current_modes():
+            rng = torch.get_rng_state()
+        try:
+            out = self.flat_fn(*args)
+        finally:
+            after = GlobalState.now()
+            if after != before:
+                before.restore()
+            with _disable_current_modes():
+                reseeded = not torch.equal(rng, torch.get_rng_state())
+                if reseeded:
+                    torch.set_rng_state(rng)
+        if reseeded:
+            raise UnsupportedError(
+                f"{self.name} reseeds the global random number generator (torch.manual_seed "
+                "inside the function); its compiled graphs draw random numbers from the "
+                "caller's generator state, so the reseeding would happen only while tracing."
+                "\nFix: seed outside the compiled function, or draw from a torch.Generator "
+                "passed as an argument."
+            )
+        if self.calls == 0 and after != before:
+            self.after = after
+        self.calls += 1
+        return out
 
 
 # Note [Saved tensors the forward changes]

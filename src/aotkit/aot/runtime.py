@@ -17,7 +17,13 @@ from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
-from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
+from aotkit.aot.signature import (
+    AUTOCAST_DEVICES,
+    NO_AUTOCAST,
+    AutocastState,
+    GlobalState,
+    autocast_state,
+)
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
@@ -52,6 +58,8 @@ class CompiledGraphs:
     # The entry for a call whose inputs overlap, and its outputs that are inputs (position ->
     # input), traced on first use (Note [Overlapping mutated inputs]).
     rebase: Callable[[OverlapLayout, list[Any]], tuple[CompiledGraphs, dict[int, int]]] | None = None
+    # Grad mode, autocast and default dtype as the function leaves them, where it changes them.
+    state_after: GlobalState | None = None
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -213,8 +221,12 @@ def _unshare_with_mutated_inputs(saved: Sequence[Any], args: Sequence[Any], muta
 def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     """Run one compiled signature on flat inputs; returns the flat user outputs."""
     if graphs.boundary is not None:
-        return graphs.boundary.call(functools.partial(_run_plain, graphs), args)
-    return _run_plain(graphs, args)
+        outs = graphs.boundary.call(functools.partial(_run_plain, graphs), args)
+    else:
+        outs = _run_plain(graphs, args)
+    if graphs.state_after is not None:  # Note [Global state the function leaves changed]
+        graphs.state_after.restore()
+    return outs
 
 
 def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:

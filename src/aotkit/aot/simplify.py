@@ -105,6 +105,44 @@ def _replace_uses(node: fx.Node, by: fx.Node, keep_outputs: int | None) -> None:
             user.args = (type(outs)([*kept, *rest]), *user.args[1:])
 
 
+# Note [Factories follow the default dtype]
+# ``torch.ones(2)`` traces to ``aten.ones([2])`` with no dtype: run, it makes a tensor of the
+# default dtype *then*. The signature holds the caller's default dtype, but a function that
+# switches it inside (``torch.set_default_dtype(torch.float64)`` before a factory) had its
+# factories run in the caller's dtype. So every op that makes a tensor from no tensor input and
+# leaves its dtype to the default gets the dtype it traced to.
+def pin_factory_dtypes(gm: fx.GraphModule) -> int:
+    """Give factory calls without a dtype the dtype they traced to; returns how many changed.
+    See Note [Factories follow the default dtype].
+
+    Example::
+
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> from aotkit.aot.simplify import pin_factory_dtypes
+        >>> gm = make_fx(lambda x: torch.ones(2) + x)(torch.ones(2))
+        >>> pin_factory_dtypes(gm)
+        1
+        >>> [n.kwargs.get("dtype") for n in gm.graph.nodes if n.name == "ones"]
+        [torch.float32]
+    """
+    pinned = 0
+    for node in gm.graph.nodes:
+        target, value = node.target, node.meta.get("val")
+        if node.op != "call_function" or not (isinstance(target, torch._ops.OpOverload) and isinstance(value, torch.Tensor)):
+            continue
+        if node.kwargs.get("dtype") is not None or not any(
+                a.name == "dtype" and a.kwarg_only for a in target._schema.arguments):
+            continue
+        if any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+            continue  # dtype=None follows an input tensor (ones_like, sum), not the default
+        node.kwargs = {**node.kwargs, "dtype": value.dtype}
+        pinned += 1
+    if pinned:
+        gm.recompile()
+    return pinned
+
+
 # Note [Float arguments from Dynamo]
 # Dynamo passes a Python float argument that changes between calls (a learning rate from a
 # scheduler) as a 0-d float64 tensor input and reads it back with ``.item()`` in the graph, a
