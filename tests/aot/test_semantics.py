@@ -1530,3 +1530,15 @@ def test_reseeding_inside_is_refused():
     with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
         aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
     assert torch.equal(torch.get_rng_state(), state)  # the trace's reseeding is undone
+
+
+def test_reseeding_inside_fork_rng_is_refused():
+    """fork_rng puts the generator back, so only the draw after the reseed tells."""
+
+    def fn(x):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return x + torch.rand(3)
+
+    with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
+        aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))

@@ -38,9 +38,12 @@ from aotkit.aot.trace import (
     Fallback,
     FlatFn,
     autocast_as,
+    default_rng_state,
     make_fake,
     refuse_kept_outputs,
     require_graph_backward,
+    reseeding_refused,
+    set_default_rng_state,
     trace_inference,
     trace_joint,
     trace_with_fallback,
@@ -265,29 +268,18 @@ class _StateWatch:
         self.calls = 0
 
     def __call__(self, *args: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        before = GlobalState.now()
-        with _disable_current_modes():
-            rng = torch.get_rng_state()
+        before, rng = GlobalState.now(), default_rng_state()
         try:
             out = self.flat_fn(*args)
         finally:
             after = GlobalState.now()
             if after != before:
                 before.restore()
-            with _disable_current_modes():
-                reseeded = not torch.equal(rng, torch.get_rng_state())
-                if reseeded:
-                    torch.set_rng_state(rng)
+            reseeded = rng != default_rng_state()
+            if reseeded:
+                set_default_rng_state(rng)
         if reseeded:
-            raise UnsupportedError(
-                f"{self.name} reseeds the global random number generator (torch.manual_seed "
-                "inside the function); its compiled graphs draw random numbers from the "
-                "caller's generator state, so the reseeding would happen only while tracing."
-                "\nFix: seed outside the compiled function, or draw from a torch.Generator "
-                "passed as an argument."
-            )
+            raise reseeding_refused(self.name)
         if self.calls == 0 and after != before:
             self.after = after
         self.calls += 1

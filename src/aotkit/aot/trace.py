@@ -332,6 +332,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.generators: list[torch.Generator] = []
         self.first_pass_generators: list[torch.Generator] | None = None
         self.pass_id = next(_PASS_IDS)
+        self.rng_state = default_rng_state()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -437,8 +438,14 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _check_generators(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
         """A generator the function creates is a new object in every pass; the graph would keep
         the one made while tracing and carry its state from call to call, where eager starts
-        each call from the seed."""
-        for g in pytree.tree_leaves((args, kwargs)):
+        each call from the seed. Also: the default generator reseeded inside (Note [Global
+        state the function leaves changed]), which tracing never advances."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        if torch.Tag.nondeterministic_seeded in func.tags and not any(
+                isinstance(g, torch.Generator) for g in leaves) \
+                and self.rng_state != default_rng_state():
+            raise reseeding_refused(self.what)
+        for g in leaves:
             if not isinstance(g, torch.Generator) or any(g is h for h in self.generators):
                 continue
             self.generators.append(g)
@@ -483,6 +490,30 @@ _GRADLESS_READS = frozenset({
     torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.new_full.default,
 })
+
+
+def default_rng_state() -> bytes:
+    """The default CPU generator's state, read outside every tracing mode."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        return torch.get_rng_state().numpy().tobytes()
+
+
+def set_default_rng_state(state: bytes) -> None:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+def reseeding_refused(what: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what} reseeds the global random number generator (torch.manual_seed inside the "
+        "function); its compiled graphs draw random numbers from the caller's generator state, "
+        "so the reseeding would happen only while tracing.\nFix: seed outside the compiled "
+        "function, or draw from a torch.Generator passed as an argument."
+    )
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
