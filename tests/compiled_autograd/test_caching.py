@@ -231,6 +231,28 @@ def test_failed_captures_do_not_poison_the_engine_cache() -> None:
     assert counts() == (3, 4)  # failed captures are not counted as captures
 
 
+@pytest.mark.parametrize("result", ["tuple", "numbers", "none", "too few"])
+def test_what_a_compiled_callable_returns_is_checked(result: str) -> None:
+    """The engine's C++ reads a list of tensors: a tuple tripped an internal assert, numbers
+    crashed the process. A tuple is taken as a list; the rest is a CompilerError."""
+
+    def compiler(gm: fx.GraphModule) -> Any:
+        def run(*args: Any) -> Any:
+            grads = gm(*args)
+            return {"tuple": tuple(grads), "numbers": [1] * len(grads), "none": None,
+                    "too few": grads[1:]}[result]
+        return run
+
+    x = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(compiler):
+        if result == "tuple":
+            (grad,) = torch.autograd.grad((x.sin() * 2).sum(), [x])
+            torch.testing.assert_close(grad, 2 * x.detach().cos())
+        else:
+            with pytest.raises(aotkit.errors.CompilerError, match="list of 1 gradient"):
+                torch.autograd.grad((x.sin() * 2).sum(), [x])
+
+
 def test_an_identical_compiler_function_per_block_reuses_the_graph() -> None:
     """``enable(lambda gm: gm)`` inside a training loop makes a new but identical function each
     step: the captured graph is kept. A function closing over another object is a new compiler."""

@@ -157,7 +157,32 @@ def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callab
             "not a callable.\nFix: return a callable; a compiler takes a GraphModule and returns "
             "one (the GraphModule itself, or torch.compile(gm))."
         )
-    return compiled
+    return _checked(compiled, len(gm.graph.output_node().args[0]), compiler_fn)
+
+
+def _checked(compiled: Callable[..., Any], expected: int,
+             compiler_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, made to return the list of gradients (tensors or None) the engine reads;
+    anything else would fail inside the engine's C++ (a tuple trips an internal assert, numbers
+    crash the process)."""
+
+    def run(*args: Any) -> list[Any]:
+        out = compiled(*args)
+        if type(out) is tuple:
+            out = list(out)
+        if type(out) is not list or len(out) != expected or not all(
+                o is None or isinstance(o, torch.Tensor) for o in out):
+            got = (f"{len(out)} value(s) of types {sorted({type(o).__name__ for o in out})}"
+                   if isinstance(out, list) else type(out).__name__)
+            raise CompilerError(
+                f"compiled autograd: the callable compiler {compiler_fn!r} made returned {got}; "
+                f"the captured graph returns a list of {expected} gradient(s), each a tensor or "
+                "None.\nFix: return what the GraphModule returns (return gm, or "
+                "torch.compile(gm), or call gm(*args) and return its result)."
+            )
+        return out
+
+    return run
 
 
 @dataclass
