@@ -5,6 +5,7 @@ eagerly and through aot_module and compares outputs, gradients and the module's 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.nn.utils import prune
 
 import aotkit
 from aotkit import compilers
-from aotkit.errors import ArgumentError, UnsupportedError
+from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -271,9 +272,13 @@ def test_a_new_submodule_never_gets_a_freed_ones_graph():
     model = Act()
     compiled = aotkit.aot_module(model, compilers.nop)
     x = torch.tensor([-1.0, 2.0])
-    for kind in [nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU] * 2:
-        model.act = kind()
-        torch.testing.assert_close(compiled(x), model(x), msg=kind.__name__)
+    with aotkit.config.patch(recompile_limit=12):
+        for kind in [nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.SiLU] * 2:
+            model.act = kind()
+            torch.testing.assert_close(compiled(x), model(x), msg=kind.__name__)
+    model.act = nn.ReLU()  # a layout per call is a runaway: recompile_limit counts freed ones
+    with pytest.raises(RecompileLimitError, match="12 module layouts"):
+        compiled(x)
 
 
 def test_weights_tied_to_another_parameter_recompile():
@@ -305,6 +310,35 @@ def test_deepcopy_of_a_compiled_module():
     f = aotkit.aot_function(torch.sin, compilers.nop)
     f(x)
     torch.testing.assert_close(copy.deepcopy(f)(x), torch.sin(x))
+
+
+def _record_call(module: nn.Module, args: Any, out: Any) -> None:
+    module.calls = getattr(module, "calls", 0) + 1
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_compiled_module_keeps_its_wrapper_state(how):
+    """Training flag, hooks and attributes of the aot_module itself (AveragedModel deep-copies
+    it; torch.save(model) pickles it, which failed after the first call)."""
+    import io
+
+    _, _, compiled = _pair(_TwoLayers())
+    compiled.eval()
+    compiled.register_forward_hook(_record_call)
+    compiled.tag = "v1"
+    x = torch.randn(3, 4)
+    expected = compiled(x)
+    if how == "deepcopy":
+        copied = copy.deepcopy(compiled)
+    else:
+        buffer = io.BytesIO()
+        torch.save(compiled, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert copied.num_entries == 0 and copied.orig_module is not compiled.orig_module
+    assert (copied.training, copied.orig_module.training, copied.tag) == (False, False, "v1")
+    torch.testing.assert_close(copied(x), expected)
+    assert copied.calls == 2  # the copied hook ran
 
 
 def test_which_parameter_is_none_is_part_of_the_layout():

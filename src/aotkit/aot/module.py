@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import weakref
@@ -14,12 +13,12 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from aotkit import counters
+from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import COMPILE_LOCK
-from aotkit.errors import ArgumentError, UnsupportedError
+from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
 
 log = logging.getLogger("aotkit.aot")
@@ -96,6 +95,8 @@ class AotModule(nn.Module):
         # Plain tensor attributes forward assigns, by module id (Note [Module state as graph
         # inputs]).
         self._attributes: dict[int, tuple[str, ...]] = {}
+        # Layouts compiled so far, freed ones included (a layout per step is a runaway).
+        self._layouts_compiled = 0
 
     @property
     def num_entries(self) -> int:
@@ -123,7 +124,17 @@ class AotModule(nn.Module):
         layout = _layout(module, self._attributes)
         name = f"aot_module({type(module).__name__})"
         if self._last is not None:
-            counters.record("recompile", name, _describe(self._last.layout, layout), logger=log)
+            why = _describe(self._last.layout, layout)
+            if self._layouts_compiled >= config.recompile_limit:
+                raise RecompileLimitError(
+                    f"{name} has been compiled for {self._layouts_compiled} module layouts "
+                    f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
+                    "Fix: keep the module's layout stable (replace a submodule's parameters in "
+                    "place instead of the submodule, keep training flags), or raise the limit "
+                    "with aotkit.config.patch(recompile_limit=...)."
+                )
+            counters.record("recompile", name, why, logger=log)
+        self._layouts_compiled += 1
         _record_hooks(name, layout.hooks)
         names = layout.names
 
@@ -145,9 +156,13 @@ class AotModule(nn.Module):
         compiled.watchers = [weakref.ref(m, forget) for m in module.modules()]
         return compiled
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> AotModule:
-        """A copy of the original module, compiled anew on its first call."""
-        return AotModule(copy.deepcopy(self.orig_module, memo), self._options)
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the compiled entries (compiler state, closures over this module's
+        submodules): a copy or an unpickled module is compiled anew on its first call, with its
+        training flag, hooks and attributes as they were."""
+        state = super().__getstate__()
+        state = {**state, "_compiled": {}, "_last": None, "_attributes": {}, "_layouts_compiled": 0}
+        return state
 
 
 def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], None]:
