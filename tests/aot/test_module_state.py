@@ -127,6 +127,30 @@ def test_untying_weights_recompiles():
     torch.testing.assert_close(_step(compiled, idx), _step(eager, idx))
     _assert_same_state(twin, eager)
     assert compiled.num_entries == 2
+    (decision,) = aotkit.explain().of_kind("recompile")
+    assert decision.why == "weights untied: ['out.weight'] now hold tensors of their own"
+
+
+def test_recompile_reasons_count_the_callers_arguments_and_name_none_slots():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+            return self.lin(x) if scale is None else self.lin(x) * scale
+
+    model = Scaled()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    x = torch.randn(2, 4)
+    compiled(x)
+    compiled(x, scale=torch.tensor(2.0))
+    model.register_parameter("unused", None)
+    compiled(x)
+    first, second = (d.why for d in aotkit.explain().of_kind("recompile"))
+    assert first == ("the structure of the arguments changed: 1 positional tensor(s) -> "
+                     "1 positional argument(s) (1 leaves) and keywords scale=")
+    assert "registered as or set to None" in second
 
 
 class _Ema(nn.Module):

@@ -545,8 +545,10 @@ class AotFunction:
             why = entry.guard.explain([leaves[i] for i in entry.tensor_positions],
                                       [names[i] for i in entry.tensor_positions])
         elif self._entries:  # against the compiled signature it differs least from, latest first
-            closest = min(reversed(self._entries), key=lambda old: len(differences(old, key, names)))
-            why = describe_change(closest, key, names)
+            skip = self._checked[1]
+            closest = min(reversed(self._entries),
+                          key=lambda old: len(differences(old, key, names, skip)))
+            why = describe_change(closest, key, names, skip)
         else:
             why = "new input signature"
         if self.num_entries >= config.recompile_limit:

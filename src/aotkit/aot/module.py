@@ -414,18 +414,34 @@ def _describe(old: _Layout, new: _Layout) -> str:
     if read:
         reasons.append(f"forward assigns plain tensor attribute(s) {read}: read as inputs from "
                        "now on, so each call sees what the last one assigned")
-    if old.names != [n for n in new.names if n not in read]:
-        added = [n for n in new.names if n not in old.names and n not in read]
-        removed = [n for n in old.names if n not in new.names]
-        parts = [f"added {added}" if added else "", f"removed {removed}" if removed else ""]
-        reasons.append("parameters/buffers changed: " + ("; ".join(p for p in parts if p)
-                                                         or "same names in a new order"))
-    elif [(s.name, s.index) for s in old.slots] != [(s.name, s.index) for s in new.slots
-                                                   if s.name not in read]:
-        reasons.append("weights tied differently")
+    reasons += _state_changes(old, new, read)
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
-    return "; ".join(reasons) or "the module's layout changed (a submodule was replaced)"
+    return "; ".join(reasons) or ("the module's layout changed (a submodule was replaced, or a "
+                                  "parameter or buffer registered as or set to None)")
+
+
+def _state_changes(old: _Layout, new: _Layout, read: Sequence[str]) -> list[str]:
+    """How the state tensors changed: names added or removed, weights tied or untied."""
+    names = [n for n in new.names if n not in read]
+    if old.names == names:
+        if [(s.name, s.index) for s in old.slots] != [(s.name, s.index) for s in new.slots
+                                                     if s.name not in read]:
+            return ["weights tied differently"]
+        return []
+    old_slots, new_slots = {s.name for s in old.slots}, {s.name for s in new.slots}
+    added = [n for n in names if n not in old.names]
+    removed = [n for n in old.names if n not in names]
+    untied = [n for n in added if n in old_slots]  # a slot that shared a tensor has its own
+    tied = [n for n in removed if n in new_slots]
+    added = [n for n in added if n not in untied]
+    removed = [n for n in removed if n not in tied]
+    changed = "; ".join(p for p in (f"added {added}" if added else "",
+                                    f"removed {removed}" if removed else "") if p)
+    parts = [f"weights untied: {untied} now hold tensors of their own" if untied else "",
+             f"weights tied: {tied} now share another slot's tensor" if tied else "",
+             f"parameters/buffers changed: {changed}" if changed else ""]
+    return [p for p in parts if p] or ["parameters/buffers changed: same names in a new order"]
 
 
 def aot_module(

@@ -120,7 +120,8 @@ _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
           "deterministic algorithms", "the default dtype")
 
 
-def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> str:
+def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str],
+                    skip: int = 0) -> str:
     """A sentence naming every difference between two signatures.
 
     Example::
@@ -132,14 +133,17 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[
         >>> describe_change(old, new, ["args[0]"])
         'shape of args[0] changed: (3,) -> (4,); grad mode changed: True -> False'
     """
-    return "; ".join(differences(old, new, names)) or "the signature changed"
+    return "; ".join(differences(old, new, names, skip)) or "the signature changed"
 
 
-def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]) -> list[str]:
+def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str],
+                skip: int = 0) -> list[str]:
     """One phrase per difference between two signatures (the structure's, if it differs, alone:
-    leaves of different structures do not correspond)."""
+    leaves of different structures do not correspond). ``skip``: leading positional arguments
+    the caller did not pass (aot_module's parameters and buffers)."""
     if old[0] != new[0]:
-        return [f"the structure of the arguments changed: {_structure(old[0])} -> {_structure(new[0])}"]
+        return ["the structure of the arguments changed: "
+                f"{_structure(old[0], skip)} -> {_structure(new[0], skip)}"]
     if len(old[1]) != len(new[1]):
         return [f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"]
     found = [_leaf_change(name, a, b)
@@ -193,13 +197,13 @@ def _kind(key: tuple[Any, ...]) -> str:
     return "a plain tensor" if len(key) == len(_FIELDS) else _show(key)
 
 
-def _structure(s: pytree.TreeSpec | int) -> str:
+def _structure(s: pytree.TreeSpec | int, skip: int = 0) -> str:
     if isinstance(s, int):
-        return f"{s} positional tensor(s)"
+        return f"{s - skip} positional tensor(s)"
     args_spec, kwargs_spec = s.child(0), s.child(1)
     kwargs = ", ".join(f"{k}=" for k in kwargs_spec.context)
-    return f"{args_spec.num_children} positional argument(s) ({args_spec.num_leaves} leaves)" + (
-        f" and keywords {kwargs}" if kwargs else "")
+    return (f"{args_spec.num_children - skip} positional argument(s) "
+            f"({args_spec.num_leaves - skip} leaves)" + (f" and keywords {kwargs}" if kwargs else ""))
 
 
 def _show(x: Any) -> str:
