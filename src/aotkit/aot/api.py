@@ -44,6 +44,7 @@ from aotkit.aot.trace import (
     require_graph_backward,
     reseeding_refused,
     set_default_rng_state,
+    tangent_format,
     trace_inference,
     trace_joint,
     trace_with_fallback,
@@ -252,6 +253,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
+        tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
+                         for o in fw_out_fakes],
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
         state_after=watched.after,
     )

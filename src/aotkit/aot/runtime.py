@@ -45,6 +45,9 @@ class CompiledGraphs:
     bw_compiler: Compiler | None = None
     num_saved_tensors: int = 0
     differentiable: list[bool] = field(default_factory=list)
+    # Per forward output: its tangent's memory format (Note [Tangents in the outputs' memory
+    # format]).
+    tangent_formats: list[Any] = field(default_factory=list)
     # The backward graph with backward() under an autocast state (Note [Autocast around backward]).
     backward_under: Callable[[AutocastState], fx.GraphModule] | None = None
     # The compiled backward per autocast state of backward() (Note [Autocast around backward]).
@@ -116,10 +119,13 @@ class CompiledGraphs:
         return compiled
 
 
-def _dense(grad: torch.Tensor) -> torch.Tensor:
-    """The layout the backward graph was traced for: contiguous and strided (the grad of a
-    sparse output arrives sparse; eager's own backward densifies it too)."""
-    return grad.contiguous() if grad.layout is torch.strided else grad.to_dense()
+def _dense(grad: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """The layout the backward graph was traced for: strided (the grad of a sparse output
+    arrives sparse; eager's own backward densifies it too) in the output's memory format
+    (Note [Tangents in the outputs' memory format])."""
+    if grad.layout is not torch.strided:
+        grad = grad.to_dense()
+    return grad.contiguous(memory_format=memory_format)
 
 
 class CompiledFunction(torch.autograd.Function):
@@ -148,7 +154,8 @@ class CompiledFunction(torch.autograd.Function):
         if graphs.backward_error is not None:
             raise RuntimeError(graphs.backward_error)
         tangents = [
-            _dense(g) for g, d in zip(grads[:-1], graphs.differentiable, strict=True) if d
+            _dense(g, f) for g, d, f in zip(grads[:-1], graphs.differentiable,
+                                            graphs.tangent_formats, strict=True) if d
         ]
         *saved, anchor = ctx.saved_tensors
         args = [*ctx.saved_syms, *saved, *tangents]

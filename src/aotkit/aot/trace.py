@@ -882,7 +882,27 @@ def _view_of_copied_input(primal: torch.Tensor, new: torch.Tensor, out: torch.Te
 def _tangent_like(out: Any) -> Any:
     if not isinstance(out, torch.Tensor):
         return None
-    return torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device,
+                       memory_format=tangent_format(out))
+
+
+# Note [Tangents in the outputs' memory format]
+# A gradient usually arrives laid out like the output it belongs to (a channels_last
+# activation's grad is channels_last). Traced and passed contiguous, every such grad was copied
+# before the backward ran, and channels_last kernels (BatchNorm's backward) then ran in another
+# layout than eager's, rounding differently. So a tangent is traced in its output's memory
+# format, channels_last (3d) or contiguous, and the runtime lays each grad out so (a no-op when
+# it already is). Sizes that are symbolic keep contiguous tangents: asking a symbolic tensor
+# for its format would add guards.
+def tangent_format(out: torch.Tensor) -> torch.memory_format:
+    """The memory format of ``out``'s tangent. See Note [Tangents in the outputs' memory format]."""
+    if out.layout is not torch.strided or not all(isinstance(n, int) for n in (*out.shape, *out.stride())):
+        return torch.contiguous_format
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
+    if channels_last is not None and not out.is_contiguous() and out.is_contiguous(
+            memory_format=channels_last):
+        return channels_last
+    return torch.contiguous_format
 
 
 def _refuse_traced_constants(gm: fx.GraphModule) -> None:
