@@ -934,6 +934,18 @@ def test_numpy_inside_is_a_trace_error_naming_the_line():
         aotkit.aot_function(to_numpy, compilers.nop)(rand(3, grad=True))
 
 
+@pytest.mark.parametrize("shape", [(3,), (2, 3)])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_tolist_inside_is_a_trace_error_naming_the_line(shape, dynamic):
+    """A 2-d .tolist() raised PyTorch's raw RuntimeError (unallocated storage, symbolic sizes)."""
+
+    def listed(x):
+        return x * len(x.tolist())
+
+    with pytest.raises(TraceError, match=r"in listed: (.|\n)*Fix: "):
+        aotkit.aot_function(listed, compilers.nop, dynamic=dynamic)(torch.ones(shape))
+
+
 def test_data_dependent_control_flow_is_a_trace_error():
     def branchy(x):
         if x.sum() > 0:  # data-dependent branch

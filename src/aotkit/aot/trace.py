@@ -218,6 +218,16 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
                 "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
                 "use_reentrant=False (PyTorch's recommended setting)."
             ) from exc
+        if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
+            raise _data_dependent(what, exc) from exc  # .tolist() of a fake tensor, 2-d or more
+        if "on tensor with symbolic sizes/strides" in str(exc):
+            raise TraceError(
+                f"{what} could not be traced: it calls code that needs concrete sizes, or the "
+                f"data itself (.tolist()), on a tensor with symbolic sizes ({_first_line(exc)}).\n"
+                f"  at {user_frame(exc)}\n"
+                "Fix: move that code out of the compiled function, or compile with "
+                "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
+            ) from exc
         if ".numpy() is not supported" in str(exc):
             raise TraceError(
                 f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
