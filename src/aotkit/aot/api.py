@@ -23,7 +23,6 @@ from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
     AutocastState,
-    GlobalState,
     ShapeGuard,
     autocast_state,
     describe_change,
@@ -32,18 +31,16 @@ from aotkit.aot.signature import (
     signature,
 )
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
+from aotkit.aot.state import StateWatch
 from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.trace import (
     COMPILE_LOCK,
     Fallback,
     FlatFn,
     autocast_as,
-    default_rng_state,
     make_fake,
     refuse_kept_outputs,
     require_graph_backward,
-    reseeding_refused,
-    set_default_rng_state,
     tangent_format,
     trace_inference,
     trace_joint,
@@ -176,7 +173,7 @@ def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], o
 def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
                     mode: FakeTensorMode, from_dynamo: bool) -> CompiledGraphs:
     counters.bump("aot", "traces")
-    flat_fn = watched = _StateWatch(flat_fn, name)
+    flat_fn = watched = StateWatch(flat_fn, name)
     forward_autocast = autocast_state()
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -258,35 +255,6 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
         state_after=watched.after,
     )
-
-
-class _StateWatch:
-    """``flat_fn``, called in the caller's global state and putting it back after; remembers
-    the state its first call left. See Note [Global state the function leaves changed]."""
-
-    def __init__(self, flat_fn: FlatFn, name: str) -> None:
-        self.flat_fn = flat_fn
-        self.name = name
-        self.after: GlobalState | None = None
-        self.calls = 0
-
-    def __call__(self, *args: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        before, rng = GlobalState.now(), default_rng_state()
-        try:
-            out = self.flat_fn(*args)
-        finally:
-            after = GlobalState.now()
-            if after != before:
-                before.restore()
-            reseeded = rng != default_rng_state()
-            if reseeded:
-                set_default_rng_state(rng)
-        if reseeded:
-            raise reseeding_refused(self.name)
-        if self.calls == 0 and after != before:
-            self.after = after
-        self.calls += 1
-        return out
 
 
 # Note [Saved tensors the forward changes]

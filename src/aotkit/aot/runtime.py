@@ -17,13 +17,8 @@ from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
-from aotkit.aot.signature import (
-    AUTOCAST_DEVICES,
-    NO_AUTOCAST,
-    AutocastState,
-    GlobalState,
-    autocast_state,
-)
+from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
+from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError

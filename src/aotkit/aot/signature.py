@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,39 +77,6 @@ def autocast_state() -> AutocastState:
     off: graphs traced under autocast carry its casts, so a new dtype needs a new graph."""
     return tuple(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d)
                  for d in AUTOCAST_DEVICES)
-
-
-# Note [Global state the function leaves changed]
-# A function may switch grad mode, autocast or the default dtype and not switch it back
-# (``torch.set_grad_enabled(False)`` at its end; Dynamo's graphs of such code call
-# ``_set_grad_enabled``). Eager leaves the state switched; traced, the switch happened once per
-# tracing pass, and it leaked into the next pass, which then traced other dtypes or grad modes.
-# So every call of the function while tracing starts in the caller's state and puts it back
-# afterwards; the state the first call left is recorded, and the runtime switches to it after
-# each call, as eager's call leaves it (the state before is part of the signature, so it is the
-# traced one). Reseeding the global generator (``torch.manual_seed`` inside) cannot be replayed
-# that way: the graph draws its random numbers at run time from the caller's generator state,
-# so it is refused.
-@dataclass(frozen=True)
-class GlobalState:
-    """Grad mode, autocast and the default dtype. See Note [Global state the function leaves
-    changed]."""
-
-    grad: bool
-    autocast: AutocastState
-    default_dtype: torch.dtype
-
-    @staticmethod
-    def now() -> GlobalState:
-        return GlobalState(torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype())
-
-    def restore(self) -> None:
-        torch._C._set_grad_enabled(self.grad)
-        for device, dtype in zip(AUTOCAST_DEVICES, self.autocast, strict=True):
-            torch.set_autocast_enabled(device, bool(dtype))
-            if dtype:
-                torch.set_autocast_dtype(device, dtype)
-        torch.set_default_dtype(self.default_dtype)
 
 
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride",

@@ -33,6 +33,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
+from aotkit.aot.state import default_rng_state, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import (
     FakeTensor,
@@ -500,30 +501,6 @@ _GRADLESS_READS = frozenset({
     torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.new_full.default,
 })
-
-
-def default_rng_state() -> bytes:
-    """The default CPU generator's state, read outside every tracing mode."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
-        return torch.get_rng_state().numpy().tobytes()
-
-
-def set_default_rng_state(state: bytes) -> None:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
-        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-
-
-def reseeding_refused(what: str) -> UnsupportedError:
-    return UnsupportedError(
-        f"{what} reseeds the global random number generator (torch.manual_seed inside the "
-        "function); its compiled graphs draw random numbers from the caller's generator state, "
-        "so the reseeding would happen only while tracing.\nFix: seed outside the compiled "
-        "function, or draw from a torch.Generator passed as an argument."
-    )
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
