@@ -9,8 +9,10 @@ Read an option as an attribute, change it for a block with :func:`patch`::
     ...     aotkit.config.recompile_limit
     2
 
-Options flagged ``in_cache_key`` change generated code; :func:`cache_key` returns their values so
-a persistent cache can key on them.
+Options with an ``in_cache_key`` part change what that part generates (``"aot"``: AOT graphs
+and how they run; ``"min_cut"``: what the min-cut partitioner saves; ``"compiled_autograd"``:
+compiled autograd's graphs); :func:`cache_key` returns their values, so compiled entries (and a
+persistent cache) key on the parts that concern them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Option:
     type: type
     default: Any
     help: str
-    in_cache_key: bool = False
+    in_cache_key: str | None = None  # the part whose generated code it changes
     bounds: tuple[float, float] | None = None  # inclusive, for numeric options
 
     @property
@@ -44,7 +46,7 @@ class Option:
 _OPTIONS: dict[str, Option] = {}
 
 
-def _define(name: str, type_: type, default: Any, help: str, *, in_cache_key: bool = False,
+def _define(name: str, type_: type, default: Any, help: str, *, in_cache_key: str | None = None,
             bounds: tuple[float, float] | None = None) -> None:
     _OPTIONS[name] = Option(name, type_, default, help, in_cache_key, bounds)
 
@@ -62,7 +64,7 @@ _define("bind_aten_calls", bool, True,
         "Python binding for it (torch.mm, Tensor.view) where that binding makes exactly the "
         "traced dispatcher call, instead of through torch.ops (about 1 us less per op); off, "
         "they run the torch.ops calls as traced. See Note [Binding ATen calls].",
-        in_cache_key=True)
+        in_cache_key="aot")
 _define("record_stack_traces", bool, False,
         "Record the Python stack of every traced op in node.meta['stack_trace'] (slows the "
         "first call by ~20%). Plain functions need torch >= 2.13 (older releases keep only "
@@ -77,18 +79,18 @@ _define("compiled_autograd_cudagraphs", bool, False,
         "CUDA graphs are requested for compiled-autograd backward graphs: CPU 0-dim tensor inputs "
         "that only feed ATen ops or built-in backward formulas move to the GPU, so the graph has "
         "no CPU inputs. Only applies when the graph already has CUDA inputs.",
-        in_cache_key=True)
+        in_cache_key="compiled_autograd")
 _define("compiled_autograd_lower", bool, True,
         "Compiled autograd lowers each captured backward to the ATen ops of its formulas (hooks "
         "and custom Function backwards stay calls) before compiling it, guarded by the sizes it "
         "was lowered for; off, the compiler gets the captured graph of opaque formula calls. See "
         "Note [Lowering captured backwards].",
-        in_cache_key=True)
+        in_cache_key="compiled_autograd")
 _define("activation_memory_budget", float, 1.0,
         "For min_cut_rematerialization_partition: the share (0..1) of saved-activation memory to "
         "keep between the least the partitioner can save (0: recompute everything but random "
         "ops) and its default cut (1: recompute only cheap pointwise and view ops).",
-        in_cache_key=True, bounds=(0.0, 1.0))
+        in_cache_key="min_cut", bounds=(0.0, 1.0))
 
 
 def _parse(option: Option, text: str) -> Any:
@@ -126,12 +128,13 @@ def _check(option: Option, value: Any) -> Any:
 
 
 _values: dict[str, Any] = {}
-_key: list[tuple[tuple[str, Any], ...]] = []  # cache_key(), computed once per set of values
+# cache_key() per set of parts, computed once per set of values
+_keys: dict[tuple[str, ...], tuple[tuple[str, Any], ...]] = {}
 
 
 def _write(name: str, value: Any) -> None:
     _values[name] = value
-    _key.clear()
+    _keys.clear()
 
 
 def _load_environment() -> None:
@@ -172,11 +175,19 @@ def options() -> dict[str, Option]:
     return dict(_OPTIONS)
 
 
-def cache_key() -> tuple[tuple[str, Any], ...]:
-    """The values of the options that change generated code, for cache keys."""
-    if not _key:  # called at every call of a compiled function: see aotkit.aot.signature
-        _key.append(tuple((n, _values[n]) for n, o in _OPTIONS.items() if o.in_cache_key))
-    return _key[0]
+def cache_key(*parts: str) -> tuple[tuple[str, Any], ...]:
+    """The values of the options that change what ``parts`` generate (every part by default),
+    for cache keys.
+
+        >>> import aotkit
+        >>> aotkit.config.cache_key("aot")
+        (('bind_aten_calls', True),)
+    """
+    key = _keys.get(parts)
+    if key is None:  # called at every call of a compiled function: see aotkit.aot.signature
+        key = _keys[parts] = tuple((n, _values[n]) for n, o in _OPTIONS.items()
+                                   if o.in_cache_key and (not parts or o.in_cache_key in parts))
+    return key
 
 
 class _ConfigModule(types.ModuleType):

@@ -258,6 +258,22 @@ def test_a_new_rank_under_dynamic_shapes_is_named_as_such():
     assert reason.why == "number of dimensions of args[0] changed: 2 -> 1"
 
 
+def test_options_of_other_parts_do_not_recompile():
+    """The min-cut budget and compiled autograd's options were in every entry's key: changing
+    them recompiled default-partition functions (and used up their recompile limit)."""
+    x = torch.randn(3, requires_grad=True)
+    plain = aotkit.aot_function(lambda x: x.sin(), compilers.nop)
+    min_cut = aotkit.aot_function(lambda x: x.sin(), compilers.nop,
+                                  partition_fn=aotkit.min_cut_rematerialization_partition)
+    for budget in (1.0, 0.5, 0.25):
+        with config.patch(activation_memory_budget=budget,
+                          compiled_autograd_lower=budget == 1.0):
+            plain(x)
+            min_cut(x)
+    assert (plain.num_entries, min_cut.num_entries) == (1, 3)
+    assert config.cache_key("aot") == (("bind_aten_calls", True),)
+
+
 def _scaled_sine(x):
     y = x.sin()
     return y * 2

@@ -1537,7 +1537,7 @@ def test_reseeding_inside_is_refused():
         torch.manual_seed(0)
         return x + torch.rand(3)
 
-    torch.manual_seed(1)
+    torch.manual_seed(1)  # a reseed shows as a new initial seed
     state = torch.get_rng_state()
     with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
         aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
@@ -1552,6 +1552,7 @@ def test_reseeding_inside_fork_rng_is_refused():
             torch.manual_seed(0)
             return x + torch.rand(3)
 
+    torch.manual_seed(1)  # a reseed shows as a new initial seed
     with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
         aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
 
@@ -1572,3 +1573,25 @@ def test_channels_last_gradients_are_bit_identical_to_eager():
     for compiled, eager in zip(*results, strict=True):
         assert torch.equal(compiled, eager)
         assert compiled.stride() == eager.stride()
+
+
+def test_random_numbers_drawn_by_another_thread_are_no_reseed():
+    """The generator's state moves when another thread draws; that was taken for a reseed."""
+    import threading
+
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            torch.randn(10)
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    try:
+        for _ in range(5):
+            f = aotkit.aot_function(lambda x: torch.nn.functional.dropout(x.sin(), 0.3),
+                                    compilers.nop)
+            f(torch.randn(64, requires_grad=True)).sum().backward()
+    finally:
+        stop.set()
+        thread.join()

@@ -91,6 +91,15 @@ class AotOptions:
     inference_compiler: Compiler | None = None
     dynamic: bool = False
 
+    @property
+    def config_parts(self) -> tuple[str, ...]:
+        """The parts of aotkit.config whose options change these graphs: the min-cut budget
+        only where the partitioner may read it (not default_partition, nor a partial that
+        fixes its own ``activation_memory_budget``)."""
+        fn = self.partition_fn
+        fixed = isinstance(fn, functools.partial) and "activation_memory_budget" in fn.keywords
+        return ("aot",) if fn is default_partition or fixed else ("aot", "min_cut")
+
     def __post_init__(self) -> None:
         for role in ("fw_compiler", "bw_compiler", "partition_fn", "inference_compiler"):
             value = getattr(self, role)
@@ -138,7 +147,7 @@ def _rebasing(flat_fn: FlatFn, options: AotOptions, name: str) -> Callable[
     entries: dict[tuple[Any, ...], tuple[CompiledGraphs, dict[int, int]]] = {}
 
     def rebase(layout: OverlapLayout, args: list[Any]) -> tuple[CompiledGraphs, dict[int, int]]:
-        key = (signature(len(args), args, False), layout)
+        key = (signature(len(args), args, False, options.config_parts), layout)
         found = entries.get(key)
         if found is None:
             with COMPILE_LOCK:
@@ -431,6 +440,7 @@ class AotFunction:
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
+        self._config_parts = options.config_parts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch._C._functorch.peek_interpreter_stack() is not None:
@@ -441,7 +451,7 @@ class AotFunction:
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
-        key = signature(structure, leaves, self.options.dynamic)
+        key = signature(structure, leaves, self.options.dynamic, self._config_parts)
         found = self._find(key, leaves)
         if found is None:
             with COMPILE_LOCK:  # another thread may have compiled it meanwhile

@@ -49,9 +49,11 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     return (type(leaf), leaf)
 
 
-def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool) -> tuple[Any, ...]:
+def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
+              config_parts: tuple[str, ...] = ("aot", "min_cut")) -> tuple[Any, ...]:
     """The key of one call: argument structure (a TreeSpec, or the count of a call made of
-    positional tensors only), every leaf, grad/autocast modes, backend flags."""
+    positional tensors only), every leaf, grad/autocast modes, backend flags, and the options
+    of ``config_parts`` (:func:`aotkit.config.cache_key`)."""
     return (
         structure,
         tuple(leaf_key(x, dynamic) for x in leaves),
@@ -63,7 +65,7 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         torch.backends.cudnn.enabled,
         torch.are_deterministic_algorithms_enabled(),
         torch.get_default_dtype(),  # factories inside (torch.ones(3)) trace to it
-        config.cache_key(),
+        config.cache_key(*config_parts),
     )
 
 

@@ -24,7 +24,9 @@ from aotkit.errors import UnsupportedError
 # each call, as eager's call leaves it (the state before is part of the signature, so it is the
 # traced one). Reseeding the global generator (``torch.manual_seed`` inside) cannot be replayed
 # that way: the graph draws its random numbers at run time from the caller's generator state,
-# so it is refused.
+# so it is refused. A reseed shows in the generator's initial seed (its state would also move
+# when another thread draws a number while we trace); reseeding with the seed it already has
+# does not show and is not caught.
 @dataclass(frozen=True)
 class GlobalState:
     """Grad mode, autocast and the default dtype. See Note [Global state the function leaves
@@ -83,14 +85,14 @@ class StateWatch:
         self.calls = 0
 
     def __call__(self, *args: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        before, rng = GlobalState.now(), default_rng_state()
+        before, rng, seed = GlobalState.now(), default_rng_state(), torch.initial_seed()
         try:
             out = self.flat_fn(*args)
         finally:
             after = GlobalState.now()
             if after != before:
                 before.restore()
-            reseeded = rng != default_rng_state()
+            reseeded = torch.initial_seed() != seed
             if reseeded:
                 set_default_rng_state(rng)
         if reseeded:

@@ -33,7 +33,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
-from aotkit.aot.state import default_rng_state, reseeding_refused
+from aotkit.aot.state import reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import (
     FakeTensor,
@@ -343,7 +343,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.generators: list[torch.Generator] = []
         self.first_pass_generators: list[torch.Generator] | None = None
         self.pass_id = next(_PASS_IDS)
-        self.rng_state = default_rng_state()
+        self.seed = torch.initial_seed()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -453,8 +453,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         state the function leaves changed]), which tracing never advances."""
         leaves = pytree.tree_leaves((args, kwargs))
         if torch.Tag.nondeterministic_seeded in func.tags and not any(
-                isinstance(g, torch.Generator) for g in leaves) \
-                and self.rng_state != default_rng_state():
+                isinstance(g, torch.Generator) for g in leaves) and torch.initial_seed() != self.seed:
             raise reseeding_refused(self.what)
         for g in leaves:
             if not isinstance(g, torch.Generator) or any(g is h for h in self.generators):

@@ -41,8 +41,8 @@ def default_partition(
     partition report says so.
     """
     if has_checkpointed_regions(joint_gm):
-        fw_gm, bw_gm = min_cut_rematerialization_partition(
-            joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        fw_gm, bw_gm = min_cut_rematerialization_partition(  # the budget is min-cut's option
+            joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, activation_memory_budget=1.0)
         fw_gm.meta["partition"] = dataclasses.replace(
             fw_gm.meta["partition"], partitioner="default_partition (checkpointed regions are "
             "recomputed: partitioned by min_cut_rematerialization_partition)")
