@@ -129,6 +129,10 @@ def test_graph_without_inductor_decompositions_is_refused() -> None:
     f = aotkit.aot_function(lambda x: torch.nn.functional.gelu(x), inductor)
     with pytest.raises(CompilerError, match=r"(?s)aten.gelu.default.*decompositions=inductor"):
         f(torch.randn(3))
+    # native_dropout has a lowering, one that asserts unless fallback_random is set
+    g = aotkit.aot_function(lambda x: torch.nn.functional.dropout(x * 2, 0.5), inductor)
+    with pytest.raises(CompilerError, match=r"(?s)native_dropout.*decompositions=inductor"):
+        g(torch.randn(3, requires_grad=True))
 
 
 def test_graph_kinds() -> None:

@@ -133,12 +133,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
 def _refuse_undecomposed(gm: fx.GraphModule) -> None:
     """Inductor lowers an op in its decomposition table only if it also has a lowering for it;
     otherwise it fails deep inside with an assertion. Say which ops and how to fix it."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.lowering import lowerings
 
     table = select_decomp_table()
-    ops = sorted({str(n.target) for n in gm.graph.nodes
-                  if n.op == "call_function" and n.target in table and n.target not in lowerings})
+    # native_dropout's lowering only runs with fallback_random; otherwise it asserts that the
+    # decomposition (rand + compare) reached Inductor's RNG pass instead.
+    asserting = set() if inductor_config.fallback_random else {torch.ops.aten.native_dropout.default}
+    ops = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and (
+        n.target in asserting or (n.target in table and n.target not in lowerings))})
     if ops:
         raise CompilerError(
             f"inductor: the graph holds {', '.join(ops)}, which Inductor compiles only "
