@@ -37,6 +37,18 @@ def test_demo_subprocess_reports_figures() -> None:
     assert "result: OK" in out
 
 
+def test_demo_saved_activations_describe_the_model_it_trained() -> None:
+    """--no-dropout trained a model without dropout but reported the dropout model's saved
+    activations."""
+    from aotkit.demo import run_demo
+
+    report = run_demo(steps=2, dropout=False)
+    assert report.problems == []
+    (decision,) = [d for d in report.other_decisions if "[partition]" in d]
+    saved = int(re.search(r"(\d+) activation bytes", decision)[1])
+    assert report.partitions["default"].saved_bytes == saved
+
+
 def _perturbed_compile(model: torch.nn.Module, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: model(x) * 1.001
 

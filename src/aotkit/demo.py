@@ -227,7 +227,8 @@ def run_demo(steps: int = 10, threads: int | None = 1, dropout: bool = True,
     if finished:
         problems = compare(eager.result, compiled.result)
     explanation = aotkit.explain()
-    partitions = {name: capture_graphs("transformer", partition_fn=fn)[0].gm.meta["partition"]
+    partitions = {name: capture_graphs("transformer", partition_fn=fn,
+                                       module=TinyTransformer.from_seed(seed, cfg))[0].gm.meta["partition"]
                   for name, fn in (("default", aotkit.default_partition),
                                    ("min_cut", aotkit.min_cut_rematerialization_partition))}
     return DemoReport(
@@ -325,10 +326,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Batch]] = {
 
 
 def capture_graphs(model: str = "transformer", training: bool = True,
-                   partition_fn: Callable[..., Any] = aotkit.default_partition) -> list[CapturedGraph]:
+                   partition_fn: Callable[..., Any] = aotkit.default_partition,
+                   module: nn.Module | None = None) -> list[CapturedGraph]:
     """The graphs ``aotkit.aot_module`` produces for one step of ``model`` ("transformer" or
-    "mlp"): forward and backward when ``training`` (split by ``partition_fn``), else the
-    inference graph.
+    "mlp"; ``module``, if given, is that model as built, else it is built from seed 0): forward
+    and backward when ``training`` (split by ``partition_fn``), else the inference graph.
 
     Example::
 
@@ -349,7 +351,7 @@ def capture_graphs(model: str = "transformer", training: bool = True,
         record.__name__ = f"record_{kind}"
         return record
 
-    module = make_model()
+    module = make_model() if module is None else module
     compiled = aotkit.aot_module(module, recorder("forward"), recorder("backward"),
                                  inference_compiler=recorder("inference"),
                                  partition_fn=partition_fn)
