@@ -1290,6 +1290,16 @@ def test_golden_graphs_of_cos_cos():
     """).strip()
 
 
+def test_aot_module_simplified_counts_the_callers_arguments():
+    """The weight and bias it adds were counted: "expects 3 inputs, got 4" for two arguments."""
+    lin, x = nn.Linear(3, 2), torch.randn(4, 3)
+    forward = aotkit.aot_module_simplified(lin, [x], compilers.nop)
+    torch.testing.assert_close(forward(x), lin(x))
+    for args in ((x, x), ()):
+        with pytest.raises(ArgumentError, match=rf"takes 1 argument\(s\).*got {len(args)}"):
+            forward(*args)
+
+
 def test_num_params_buffers_reaches_the_compilers():
     seen = []
 
@@ -1303,6 +1313,9 @@ def test_num_params_buffers_reaches_the_compilers():
     aotkit.aot_module(lin, recording)(torch.randn(4, 3))
     # forward; backward (its inputs are saved values and tangents); the module's forward
     assert seen == [1, None, 2]
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(ArgumentError, match="num_params_buffers must be a non-negative int"):
+            aotkit.aot_function(lambda w, x: x @ w, recording, num_params_buffers=bad)
 
 
 class _FullPrecisionRegion(nn.Module):

@@ -110,6 +110,12 @@ class AotOptions:
                     "a function such as aotkit.compilers.nop (compilers) or "
                     "aotkit.min_cut_rematerialization_partition (partition_fn)."
                 )
+        n = self.num_params_buffers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ArgumentError(
+                f"num_params_buffers must be a non-negative int, got {type(n).__name__} {n!r}.\n"
+                "Fix: pass how many leading arguments are parameters and buffers (0 if none)."
+            )
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
@@ -687,7 +693,13 @@ def aot_module_simplified(
         raise
     unflatten = graphs.meta.unflatten
 
+    expected = len(args)
+
     def forward(*runtime_args: Any) -> Any:
+        if len(runtime_args) != expected:
+            raise ArgumentError(f"{name} takes {expected} argument(s), as it was compiled for, "
+                                f"got {len(runtime_args)} (the module's parameters and buffers "
+                                "are passed for you).")
         return unflatten(run(graphs, [*tensors, *runtime_args]))
 
     forward.graphs = graphs  # type: ignore[attr-defined]
