@@ -49,6 +49,17 @@ def test_demo_saved_activations_describe_the_model_it_trained() -> None:
     assert report.partitions["default"].saved_bytes == saved
 
 
+def test_a_bad_environment_variable_is_a_usage_error_and_help_still_works() -> None:
+    env = {**os.environ, "AOTKIT_LOG_GRAPHS": "2", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "aotkit"]
+    helped = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env)
+    assert helped.returncode == 0 and "usage: aotkit" in helped.stdout
+    graphs = subprocess.run([*command, "graphs", "--model", "mlp"], capture_output=True,
+                            text=True, env=env)
+    assert graphs.returncode == 2 and "Traceback" not in graphs.stderr
+    assert "aotkit graphs: error: AOTKIT_LOG_GRAPHS='2' is not a boolean" in graphs.stderr
+
+
 def _perturbed_compile(model: torch.nn.Module, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: model(x) * 1.001
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aotkit import config
 from aotkit.errors import AotkitError
 
 __all__ = ["main"]
@@ -146,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     _check(args)
+    try:
+        config.check_environment()
+    except AotkitError as exc:
+        print(f"aotkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
     except AotkitError as exc:  # a deliberate error already says what failed and how to fix it

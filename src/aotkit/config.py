@@ -107,7 +107,7 @@ def _parse(option: Option, text: str) -> Any:
     except ValueError:
         raise ConfigError(
             f"{option.env_var}={text!r} is not a valid {option.type.__name__}.\nFix: set it "
-            f"to a {option.type.__name__} such as {option.default!r}, or unset it."
+            f"to a value such as {option.default!r}, or unset it."
         ) from None
 
 
@@ -137,10 +137,27 @@ def _write(name: str, value: Any) -> None:
     _keys.clear()
 
 
+#: A bad AOTKIT_* variable, raised at the first use of aotkit.config rather than at import, so
+#: that ``import aotkit`` and ``aotkit --help`` work and the error has a place to be reported.
+_environment_error: ConfigError | None = None
+
+
 def _load_environment() -> None:
+    global _environment_error
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
-        _write(option.name, option.default if text is None else _from_environment(option, text))
+        try:
+            value = option.default if text is None else _from_environment(option, text)
+        except ConfigError as exc:
+            _environment_error = _environment_error or exc
+            value = option.default
+        _write(option.name, value)
+
+
+def check_environment() -> None:
+    """Raise the ConfigError of a bad ``AOTKIT_*`` environment variable, if any."""
+    if _environment_error is not None:
+        raise _environment_error
 
 
 def _from_environment(option: Option, text: str) -> Any:
@@ -156,6 +173,7 @@ def _from_environment(option: Option, text: str) -> Any:
 def patch(**changes: Any) -> Iterator[None]:
     """Set options for the duration of a ``with`` block and restore them afterwards. Only
     the options named here are restored: others assigned inside the block keep their values."""
+    check_environment()
     saved: dict[str, Any] = {}
     try:
         for name, value in changes.items():
@@ -184,7 +202,8 @@ def cache_key(*parts: str) -> tuple[tuple[str, Any], ...]:
         (('bind_aten_calls', True),)
     """
     key = _keys.get(parts)
-    if key is None:  # called at every call of a compiled function: see aotkit.aot.signature
+    if key is None:
+        check_environment()  # called at every call of a compiled function: see aotkit.aot.signature
         key = _keys[parts] = tuple((n, _values[n]) for n, o in _OPTIONS.items()
                                    if o.in_cache_key and (not parts or o.in_cache_key in parts))
     return key
@@ -195,6 +214,7 @@ class _ConfigModule(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         if name in _values:
+            check_environment()
             return _values[name]
         raise AttributeError(_unknown(name))
 

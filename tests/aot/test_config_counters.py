@@ -93,7 +93,8 @@ def test_bad_env_values_name_the_variable_and_a_fix():
     for variable, value, why in (("AOTKIT_RECOMPILE_LIMIT", "-2", "at least 1"),
                                  ("AOTKIT_MAX_DECISIONS", "-2", "at least 0"),
                                  ("AOTKIT_RECOMPILE_LIMIT", "abc", "not a valid int")):
-        out = _python("import aotkit", **{variable: value})
+        assert _python("import aotkit", **{variable: value}).returncode == 0  # raised at use
+        out = _python("import aotkit; aotkit.config.debug_graphs", **{variable: value})
         assert out.returncode != 0
         assert f"ConfigError: {variable}='{value}'" in out.stderr and why in out.stderr
         assert "Fix: " in out.stderr and "direct cause" not in out.stderr
@@ -140,8 +141,9 @@ def test_env_override_is_parsed_in_a_fresh_process():
     assert out.stdout.split() == ["3", "True"]
 
 
-def test_bad_env_value_names_the_variable():
-    out = _python("import aotkit", AOTKIT_RECOMPILE_LIMIT="many")
+def test_bad_env_value_names_the_variable_at_first_use():
+    code = "import torch, aotkit; aotkit.aot_function(torch.sin, aotkit.compilers.nop)(torch.ones(1))"
+    out = _python(code, AOTKIT_RECOMPILE_LIMIT="many")
     assert out.returncode != 0
     assert "ConfigError" in out.stderr and "AOTKIT_RECOMPILE_LIMIT='many'" in out.stderr
 
