@@ -1300,6 +1300,18 @@ def test_aot_module_simplified_counts_the_callers_arguments():
             forward(*args)
 
 
+def test_a_decomposition_table_keyed_by_packets_is_refused():
+    """A packet key (aten.gelu) never matched a traced overload and was ignored silently."""
+    aten = torch.ops.aten
+    with pytest.raises(ArgumentError, match="not op overloads"):
+        aotkit.aot_function(torch.sin, compilers.nop, decompositions={aten.gelu: torch.sin})
+    with pytest.raises(ArgumentError, match="must be a mapping"):
+        aotkit.aot_function(torch.sin, compilers.nop, decompositions=[aten.gelu.default])
+    from aotkit.compilers import inductor  # overloads and higher-order ops: accepted
+
+    aotkit.aot_function(torch.sin, compilers.nop, decompositions=inductor.decompositions)
+
+
 def test_num_params_buffers_reaches_the_compilers():
     seen = []
 

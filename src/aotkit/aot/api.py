@@ -110,12 +110,34 @@ class AotOptions:
                     "a function such as aotkit.compilers.nop (compilers) or "
                     "aotkit.min_cut_rematerialization_partition (partition_fn)."
                 )
+        _check_decompositions(self.decompositions)
         n = self.num_params_buffers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ArgumentError(
                 f"num_params_buffers must be a non-negative int, got {type(n).__name__} {n!r}.\n"
                 "Fix: pass how many leading arguments are parameters and buffers (0 if none)."
             )
+
+
+def _check_decompositions(table: Any) -> None:
+    """A decomposition table maps op overloads (``aten.gelu.default``) to functions; a packet
+    key (``aten.gelu``) would never match a traced op and be ignored without a word."""
+    if table is None:
+        return
+    if not isinstance(table, Mapping):
+        raise ArgumentError(
+            f"decompositions must be a mapping from op overloads to functions, got "
+            f"{type(table).__name__}.\nFix: pass a dict such as "
+            "torch._decomp.get_decompositions([torch.ops.aten.gelu])."
+        )
+    bad = [k for k in table if not isinstance(k, torch._ops.OperatorBase)]
+    if bad:
+        raise ArgumentError(
+            f"decompositions has keys that are not op overloads: {bad[:3]}; traced ops are "
+            "overloads (aten.gelu.default), so these would never apply.\nFix: key each "
+            "overload (aten.gelu.default), or build the table with "
+            "torch._decomp.get_decompositions([...]), which expands packets."
+        )
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
