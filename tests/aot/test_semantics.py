@@ -1312,6 +1312,18 @@ def test_a_decomposition_table_keyed_by_packets_is_refused():
     aotkit.aot_function(torch.sin, compilers.nop, decompositions=inductor.decompositions)
 
 
+def test_a_compiled_function_keeps_the_functions_name_doc_and_signature():
+    import inspect
+
+    def double(x, scale=2):
+        """Doubles x."""
+        return x * scale
+
+    f = aotkit.aot_function(double, compilers.nop)
+    assert (f.__name__, f.__doc__, f.__wrapped__) == ("double", "Doubles x.", double)
+    assert str(inspect.signature(f)) == "(x, scale=2)"
+
+
 def test_num_params_buffers_reaches_the_compilers():
     seen = []
 

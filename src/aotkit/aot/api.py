@@ -460,6 +460,7 @@ class AotFunction:
             raise ArgumentError(f"aot_function compiles a callable, got {type(fn).__name__} "
                                 f"{fn!r}.\nFix: pass the function (or module) itself.")
         self.fn = fn
+        functools.update_wrapper(self, fn, updated=())  # __name__, __doc__, __wrapped__, ...
         self.options = options
         self._leaf_names = leaf_namer  # names in recompile reasons, e.g. ``args[1]['w']``
         # Whose signature the caller's arguments must fit, after how many leading ones we add
