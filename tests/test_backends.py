@@ -378,6 +378,25 @@ def test_torch_compile_of_an_aot_function_traces_the_function_once() -> None:
     assert counters["aot"]["traces"] == 1
 
 
+def test_a_model_that_reseeds_itself_runs_under_torch_compile() -> None:
+    """transformers' Reformer draws a seed and reseeds before its dropout; Dynamo gives
+    torch.seed() a graph of its own, which aot_function's reseed refusal must not refuse."""
+    import sys
+
+    class Reseeding(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seed = int(torch.seed() % sys.maxsize)
+            torch.manual_seed(self.seed)
+            return nn.functional.dropout(x, 0.5, training=True) * 1.0
+
+    model = Reseeding()
+    compiled = torch.compile(model, backend="aotkit")
+    for _ in range(2):
+        out = compiled(torch.ones(16))
+        torch.manual_seed(model.seed)
+        assert torch.equal(out, nn.functional.dropout(torch.ones(16), 0.5, training=True))
+
+
 def test_compiled_autograd_around_a_compiled_step_that_calls_backward() -> None:
     """The engine calls compiled autograd's capture under Dynamo's frame callback; Dynamo
     crashed compiling it ("Cannot call numel() on tensor with symbolic sizes")."""

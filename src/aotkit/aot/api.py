@@ -210,7 +210,7 @@ def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], o
 def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
                     mode: FakeTensorMode, from_dynamo: bool) -> CompiledGraphs:
     counters.bump("aot", "traces")
-    flat_fn = watched = StateWatch(flat_fn, name)
+    flat_fn = watched = StateWatch(flat_fn, name, refuse_reseeds=not from_dynamo)
     forward_autocast = autocast_state()
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -221,7 +221,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
 
     def trace(fallback: Fallback) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
         nonlocal training, grad_inside, backward_error
-        with tracing(mode, name, fallback=fallback) as generators:
+        with tracing(mode, name, fallback=fallback, reseeds=from_dynamo) as generators:
             meta, fw_out_fakes = analyze(flat_fn, args)
             grad_inside = not training and _turns_grad_on(meta, args)
             training = training or grad_inside
@@ -264,7 +264,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
         traced again in the forward's grad mode and autocast state, not the caller's."""
-        with tracing(mode, name, generators, fallback), torch.enable_grad(), \
+        with tracing(mode, name, generators, fallback, from_dynamo), torch.enable_grad(), \
                 autocast_as(forward_autocast):
             joint = trace_joint(flat_fn, primals, meta, fw_out_fakes, options.decompositions,
                                 autocast, grad_mode=not grad_inside)

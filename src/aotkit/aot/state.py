@@ -26,7 +26,8 @@ from aotkit.errors import UnsupportedError
 # that way: the graph draws its random numbers at run time from the caller's generator state,
 # so it is refused. A reseed shows in the generator's initial seed (its state would also move
 # when another thread draws a number while we trace); reseeding with the seed it already has
-# does not show and is not caught.
+# does not show and is not caught. A graph from Dynamo is not refused: Dynamo decides what runs
+# where (it gives ``torch.seed()`` a graph of its own), as with PyTorch's own AOT autograd.
 @dataclass(frozen=True)
 class GlobalState:
     """Grad mode, autocast and the default dtype. See Note [Global state the function leaves
@@ -78,9 +79,10 @@ class StateWatch:
     the state its first call left. See Note [Global state the function leaves changed]."""
 
     def __init__(self, flat_fn: Callable[..., tuple[list[Any], pytree.TreeSpec]],
-                 name: str) -> None:
+                 name: str, refuse_reseeds: bool = True) -> None:
         self.flat_fn = flat_fn
         self.name = name
+        self.refuse_reseeds = refuse_reseeds
         self.after: GlobalState | None = None
         self.calls = 0
 
@@ -92,7 +94,7 @@ class StateWatch:
             after = GlobalState.now()
             if after != before:
                 before.restore()
-            reseeded = torch.initial_seed() != seed
+            reseeded = self.refuse_reseeds and torch.initial_seed() != seed
             if reseeded:
                 set_default_rng_state(rng)
         if reseeded:

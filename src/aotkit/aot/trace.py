@@ -162,16 +162,20 @@ def trace_with_fallback(trace: Callable[[Fallback], _T], mode: FakeTensorMode, w
 
 @contextlib.contextmanager
 def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generator] = (),
-            fallback: Fallback = None) -> Iterator[list[torch.Generator]]:
+            fallback: Fallback = None, reseeds: bool = False) -> Iterator[list[torch.Generator]]:
     """Enter the fake mode and turn tracing failures into errors that say what to change.
     Yields the generators the function draws from (made outside it); a later trace of the same
     function passes them back as ``generators``, so they are not taken for ones it creates.
-    The Python dispatcher is on with symbolic sizes; ``fallback`` as Note [Python dispatcher]."""
+    The Python dispatcher is on with symbolic sizes; ``fallback`` as Note [Python dispatcher].
+    ``reseeds``: reseeding the default generator is the caller's business (Dynamo's graphs),
+    not refused (Note [Global state the function leaves changed])."""
     python = fallback == "python_dispatcher" or _symbolic(mode)
     dispatcher = enable_python_dispatcher() if python else contextlib.nullcontext()
     onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     guard.generators.extend(generators)
+    if reseeds:
+        guard.seed = None
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
     # its ops there when it sees a trace); what it writes must not outlive our trace.
@@ -343,7 +347,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.generators: list[torch.Generator] = []
         self.first_pass_generators: list[torch.Generator] | None = None
         self.pass_id = next(_PASS_IDS)
-        self.seed = torch.initial_seed()
+        self.seed: int | None = torch.initial_seed()  # None: reseeding is not refused
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -453,7 +457,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         state the function leaves changed]), which tracing never advances."""
         leaves = pytree.tree_leaves((args, kwargs))
         if torch.Tag.nondeterministic_seeded in func.tags and not any(
-                isinstance(g, torch.Generator) for g in leaves) and torch.initial_seed() != self.seed:
+                isinstance(g, torch.Generator) for g in leaves) \
+                and self.seed is not None and torch.initial_seed() != self.seed:
             raise reseeding_refused(self.what)
         for g in leaves:
             if not isinstance(g, torch.Generator) or any(g is h for h in self.generators):

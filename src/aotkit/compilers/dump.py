@@ -476,9 +476,26 @@ from aotkit.compilers.dump import load_graph
 
 HERE = Path(__file__).resolve().parent
 DEVICES = {devices!r}  # where the traced inputs lived
+CUSTOM_OPS = {custom_ops!r}  # ops of other libraries the graph calls, and who registered them
+
+
+def import_custom_ops() -> bool:
+    for op, module in CUSTOM_OPS.items():
+        if module and module != "__main__":
+            __import__(module)
+        namespace, name = op.split("::")
+        if not hasattr(getattr(torch.ops, namespace), name):
+            how = ("copy the script code that registers it (it was defined in __main__)"
+                   if module == "__main__" else f"import {{module or 'the module that registers it'}}")
+            print(f"repro: the graph calls the custom op {{op}}, which is not registered in "
+                  f"this process: {{how}} at the top of repro.py.", file=sys.stderr)
+            return False
+    return True
 
 
 def main() -> int:
+    if not import_custom_ops():
+        return 2
     device = os.environ.get("AOTKIT_REPRO_DEVICE")
     cuda = [d for d in DEVICES if d.startswith("cuda")]
     if cuda and device is None and not torch.cuda.is_available():
@@ -508,6 +525,25 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 '''
+
+
+_BUILT_IN_NAMESPACES = {"aten", "prims", "prim", "quantized", "higher_order"}
+
+
+def _custom_ops(gm: fx.GraphModule) -> dict[str, str | None]:
+    """The graph's ops from other libraries (``torch.library``), each with the module that
+    defined it where PyTorch knows it (``custom_op``'s function)."""
+    from torch._library.custom_ops import OPDEFS
+
+    found: dict[str, str | None] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and target.namespace not in _BUILT_IN_NAMESPACES and not target.namespace.startswith("_"):
+            name = target._schema.name
+            opdef = OPDEFS.get(name)
+            found[name] = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+    return found
 
 
 def _fresh_folder(root: Path) -> Path:
@@ -549,7 +585,7 @@ def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         "not saved (debug_compile(..., dump_example_input=True) saves them)")
     _save(gm, example_inputs, target, "graph", values)
     devices = sorted({str(x.device) for x in example_inputs if isinstance(x, torch.Tensor)})
-    (target / "repro.py").write_text(_REPRO.format(devices=devices))
+    (target / "repro.py").write_text(_REPRO.format(devices=devices, custom_ops=_custom_ops(gm)))
     log.info("debug_compile: wrote the graph and a repro to %s (run: python %s)",
              target, target / "repro.py")
     return _run_saving_inputs(gm, target / "graph.tensors" if dump_example_input else None)
