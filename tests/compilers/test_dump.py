@@ -216,6 +216,32 @@ def test_debug_compile_repro_of_a_cuda_graph_needs_cuda_or_says_so(
     assert "repro: output 0: float32[3, 4] on cpu" in capsys.readouterr().out
 
 
+@torch.library.custom_op("aotkit_dump_test::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_triple.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_debug_compile_repro_of_a_custom_op_imports_its_module_or_says_which(
+        tmp_path: Path, capsys: Any) -> None:
+    """The repro failed with "'_OpNamespace' object has no attribute" for a custom op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    debug_compile(make_fx(lambda x: _triple(x) + 1)(torch.ones(3)), [torch.ones(3)],
+                  folder=tmp_path)
+    repro = (tmp_path / "graph_0" / "repro.py").read_text()
+    assert "{'aotkit_dump_test::triple': 'tests.compilers.test_dump'}" in repro
+    assert repro_main(tmp_path / "graph_0")() == 0  # registered in this process
+    elsewhere = run_repro(tmp_path / "graph_0")  # a process that cannot import tests.*
+    assert elsewhere.returncode == 2
+    assert "importing tests.compilers.test_dump, which registers aotkit_dump_test::triple" in (
+        elsewhere.stderr)
+
+
 def test_a_new_dump_replaces_stale_values_and_get_inputs_takes_the_folder(tmp_path: Path) -> None:
     first = graph_dumper_aot("g", tmp_path, dump_example_input=True)
     first(lambda x: x.sin())(torch.randn(2, 2))

@@ -482,7 +482,13 @@ CUSTOM_OPS = {custom_ops!r}  # ops of other libraries the graph calls, and who r
 def import_custom_ops() -> bool:
     for op, module in CUSTOM_OPS.items():
         if module and module != "__main__":
-            __import__(module)
+            try:
+                __import__(module)
+            except ImportError as exc:
+                print(f"repro: importing {{module}}, which registers {{op}}, failed ({{exc}}); "
+                      "run the repro where that module can be imported (its project's root, "
+                      "or with PYTHONPATH set).", file=sys.stderr)
+                return False
         namespace, name = op.split("::")
         if not hasattr(getattr(torch.ops, namespace), name):
             how = ("copy the script code that registers it (it was defined in __main__)"
