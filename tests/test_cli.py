@@ -140,6 +140,8 @@ def test_graphs_min_cut_budget_and_drawings(capsys: pytest.CaptureFixture[str],
     (["graphs", "--partition", "min_cut", "--budget", "abc"], "invalid budget value: 'abc'"),
     (["graphs", "--budget", "0.5"], "--budget applies to --partition min_cut"),
     (["graphs", "--inference", "--partition", "min_cut"], "it takes no --partition"),
+    (["graphs", "--inference", "--budget", "0.5"], "it takes no --partition or --budget"),
+    (["graphs", "--compiled-autograd", "--budget", "0.3"], "--partition or --budget"),
     (["graphs", "--draw", ""], "--draw needs a folder"),
     (["demo", "--seed", str(2**64)], "--seed must lie in [0, 2**63)"),
 ])

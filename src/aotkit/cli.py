@@ -114,12 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=1,
                       help="torch.set_num_threads (default 1: the model is tiny, and one "
                            "thread keeps the timings steady on a busy machine)")
-    demo.add_argument("--seed", type=int, default=0, help="model and dropout seed")
+    demo.add_argument("--seed", type=int, default=0, help="model and dropout seed (default 0)")
     demo.add_argument("--no-dropout", action="store_true", help="train with dropout off")
     demo.set_defaults(func=_demo, usage_error=demo.error)
 
     graphs = sub.add_parser("graphs", help="print the forward/backward graphs aotkit captures")
-    graphs.add_argument("--model", choices=["transformer", "mlp"], default="transformer")
+    graphs.add_argument("--model", choices=["transformer", "mlp"], default="transformer",
+                        help="which model's graphs (default: transformer)")
     graphs.add_argument("--code", action="store_true", help="also print each graph's code")
     graphs.add_argument("--inference", action="store_true",
                         help="capture the inference graph (torch.no_grad) instead")
@@ -169,15 +170,17 @@ def _check(args: argparse.Namespace) -> None:
         args.usage_error(f"--seed must lie in [0, 2**63), got {args.seed}")
     if args.command == "graphs" and args.draw == "":
         args.usage_error("--draw needs a folder (e.g. --draw graphs/)")
-    if args.command == "graphs" and args.inference and args.partition != "default":
+    if args.command != "graphs":
+        return
+    if args.inference and (args.partition != "default" or args.budget is not None):
         args.usage_error("--inference captures one forward-only graph: nothing to partition, "
                          "so it takes no --partition or --budget")
-    if args.command == "graphs" and args.budget is not None and args.partition != "min_cut":
-        args.usage_error("--budget applies to --partition min_cut")
-    if args.command == "graphs" and args.compiled_autograd and (
-            args.inference or args.partition != "default"):
+    if args.compiled_autograd and (args.inference or args.partition != "default"
+                                   or args.budget is not None):
         args.usage_error("--compiled-autograd captures the backward alone: it takes no "
-                         "--inference or --partition")
+                         "--inference, --partition or --budget")
+    if args.budget is not None and args.partition != "min_cut":
+        args.usage_error("--budget applies to --partition min_cut")
 
 
 if __name__ == "__main__":

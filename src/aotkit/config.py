@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +113,11 @@ def _parse(option: Option, text: str) -> Any:
 def _check(option: Option, value: Any) -> Any:
     if option.type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if option.type is str and isinstance(value, os.PathLike):  # debug_dir=Path(...)
+        value = os.fspath(value)
+    if option.type is str and value == "":
+        raise ConfigError(f"aotkit.config.{option.name} must not be empty.\nFix: name a folder, "
+                          f"e.g. its default {option.default!r}.")
     if not isinstance(value, option.type) or (option.type is int and isinstance(value, bool)):
         raise ConfigError(
             f"aotkit.config.{option.name} must be {option.type.__name__}, got {value!r}.\n"
@@ -169,23 +173,47 @@ def _from_environment(option: Option, text: str) -> Any:
         raise ConfigError(f"{option.env_var}={text!r}: {exc}") from None
 
 
-@contextlib.contextmanager
-def patch(**changes: Any) -> Iterator[None]:
-    """Set options for the duration of a ``with`` block and restore them afterwards. Only
-    the options named here are restored: others assigned inside the block keep their values."""
-    check_environment()
-    saved: dict[str, Any] = {}
-    try:
-        for name, value in changes.items():
-            if name not in _OPTIONS:
-                raise ConfigError(_unknown(name))
-            previous = _values[name]
-            _write(name, _check(_OPTIONS[name], value))
-            saved[name] = previous
-        yield
-    finally:
-        for name, value in saved.items():
-            _write(name, value)
+class patch(contextlib.ContextDecorator):  # a class so that one patch can be entered again
+    """Set options for the duration of a ``with`` block (or a decorated function's call) and
+    restore them afterwards. Only the options named here are restored: others assigned inside
+    the block keep their values. One ``patch`` object may be entered again, and nested.
+
+        >>> import aotkit
+        >>> fewer = aotkit.config.patch(recompile_limit=2)
+        >>> with fewer:
+        ...     aotkit.config.recompile_limit
+        2
+        >>> with fewer:
+        ...     aotkit.config.recompile_limit
+        2
+    """
+
+    def __init__(self, **changes: Any) -> None:
+        self.changes = changes
+        self._saved: list[dict[str, Any]] = []  # one per active entry
+
+    def __enter__(self) -> None:
+        check_environment()
+        saved: dict[str, Any] = {}
+        try:
+            for name, value in self.changes.items():
+                if name not in _OPTIONS:
+                    raise ConfigError(_unknown(name))
+                previous = _values[name]
+                _write(name, _check(_OPTIONS[name], value))
+                saved[name] = previous
+        except BaseException:
+            _restore(saved)
+            raise
+        self._saved.append(saved)
+
+    def __exit__(self, *exc: Any) -> None:
+        _restore(self._saved.pop())
+
+
+def _restore(saved: dict[str, Any]) -> None:
+    for name, value in saved.items():
+        _write(name, value)
 
 
 def options() -> dict[str, Option]:
@@ -221,9 +249,9 @@ class _ConfigModule(types.ModuleType):
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OPTIONS:
             _write(name, _check(_OPTIONS[name], value))
-        elif name.startswith("_") or name in self.__dict__:
+        elif name.startswith("_"):
             super().__setattr__(name, value)
-        else:
+        else:  # also the module's functions (config.patch = ...): not options
             raise ConfigError(_unknown(name))
 
     def __dir__(self) -> list[str]:

@@ -100,6 +100,25 @@ def test_bad_env_values_name_the_variable_and_a_fix():
         assert "Fix: " in out.stderr and "direct cause" not in out.stderr
 
 
+def test_a_patch_can_be_entered_again_and_paths_name_folders(tmp_path):
+    import pathlib
+
+    fewer, before = config.patch(recompile_limit=2), config.recompile_limit
+    for _ in range(2):
+        with fewer:
+            assert config.recompile_limit == 2
+            with fewer:  # nested
+                assert config.recompile_limit == 2
+            assert config.recompile_limit == 2
+        assert config.recompile_limit == before
+    with config.patch(debug_dir=pathlib.Path(tmp_path)):
+        assert config.debug_dir == str(tmp_path)
+    with pytest.raises(ConfigError, match="must not be empty"):
+        config.debug_dir = ""
+    with pytest.raises(ConfigError, match="has no option 'patch'"):
+        config.patch = 5
+
+
 def test_unknown_option_suggests_a_close_name():
     with pytest.raises(ConfigError, match="recompile_limit") as info:
         config.recompile_limt = 3
