@@ -780,7 +780,9 @@ def note_dynamo_recompile(name: str) -> None:
     if counters.counters["recompile"].get(name):  # Dynamo restarted this compile (specialize)
         return
     reason = dynamo_recompile_reason() or "Dynamo did not say which guard failed"
-    counters.record("recompile", name, f"Dynamo compiles this frame again: {reason}", logger=log)
+    counters.record("recompile", name, (
+        f"Dynamo compiles this frame again; a guard of its latest compiled version failed: "
+        f"{reason} (TORCH_LOGS=recompiles lists the failures of every version)"), logger=log)
 
 
 @functools.cache
