@@ -5,6 +5,7 @@ function runs both ways on cloned inputs (see eager_check.check_against_eager)."
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -661,3 +662,20 @@ def test_view_of_mutated_input_laid_out_differently_is_refused():
     x = rand(3, 4)
     with torch.no_grad(), pytest.raises(UnsupportedError, match="laid that value out differently"):
         f(x)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_output_written_through_a_view_is_no_view(grad):
+    """Note [Outputs that are views only inside the graph]: detach_() on it raised "Can't
+    detach views in-place" (PyTorch's aot_eager too)."""
+
+    def fn(b):
+        x = b * 1
+        x.transpose(0, 1)[0].add_(1)
+        return x
+
+    result = check_against_eager(fn, rand(3, 4, grad=True), backward=grad,
+                                 context=contextlib.nullcontext if grad else torch.no_grad)
+    out = result.aot_out
+    assert not out._is_view() and out.stride() == result.eager_out.stride()
+    out.detach_()

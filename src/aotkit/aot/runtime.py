@@ -76,15 +76,26 @@ class CompiledGraphs:
         ) and len(graph_outputs) == self.num_fw_outputs
         # See Note [Replaying views]: only graphs returning views need view functions recorded.
         self.returns_views = any(o.alias in _VIEW_ALIASES for o in self.meta.outputs)
+        start = len(self.returned_mutations)
+        self.plain_outputs = [start + self.graph_output_position[flat]
+                              for flat, o in enumerate(self.meta.outputs) if o.alias is Alias.NONE]
 
     def run_forward(self, args: list[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
         when it returns views, their view functions recorded (Note [Replaying views])."""
         with torch._C._DisableAutocast():
             if not self.returns_views:
-                return self.fw(args)
-            with torch.autograd._force_original_view_tracking(True):
-                return self.fw(args)
+                outs = self.fw(args)
+            else:
+                with torch.autograd._force_original_view_tracking(True):
+                    outs = self.fw(args)
+        for i in self.plain_outputs:  # Note [Outputs that are views only inside the graph]
+            out = outs[i]
+            if isinstance(out, torch.Tensor) and out._is_view() and not any(
+                    out._base is a for a in args):
+                outs = list(outs)
+                outs[i] = out.detach()
+        return outs
 
     def backward_fn(self, autocast: AutocastState = NO_AUTOCAST) -> Callable[[list[Any]], Any]:
         """The compiled backward for backward() under ``autocast``, compiled on first use (the
@@ -258,6 +269,15 @@ def _run_on_bases(graphs: CompiledGraphs, layout: OverlapLayout, args: list[Any]
     for position, index in returned.items():
         outs[position] = args[index]
     return outs
+
+
+# Note [Outputs that are views only inside the graph]
+# ``x = b * 1; x.t()[0].add_(1); return x``: eager's x is a tensor of its own, but
+# functionalization computes its final value as a view of the write's result, so the graph
+# returns a view of a tensor nobody else sees, and ``x.detach_()`` (or anything refusing views)
+# failed. Such an output is handed out detached inside the forward: same memory and strides, no
+# view, its autograd link made by the Function as for any output. Outputs eager returns as
+# views are other aliases (Note [Aliased outputs]); a view of an input stays as it is.
 
 
 # Note [Versions of inputs mutated in the graph]
