@@ -397,6 +397,21 @@ def test_a_model_that_reseeds_itself_runs_under_torch_compile() -> None:
         assert torch.equal(out, nn.functional.dropout(torch.ones(16), 0.5, training=True))
 
 
+def test_a_factory_before_a_default_dtype_switch_keeps_the_callers_dtype() -> None:
+    """Dynamo calls the backend in the default dtype its trace left (float64 here): pinning
+    factories to their traced dtype made y float64 (Note [Factories follow the default dtype])."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.ones(2)
+        torch.set_default_dtype(torch.float64)
+        return y
+
+    try:
+        assert torch.compile(f, backend="aotkit")(torch.ones(2)).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_compiled_autograd_around_a_compiled_step_that_calls_backward() -> None:
     """The engine calls compiled autograd's capture under Dynamo's frame callback; Dynamo
     crashed compiling it ("Cannot call numel() on tensor with symbolic sizes")."""

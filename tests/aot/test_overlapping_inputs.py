@@ -114,6 +114,7 @@ def test_overlapping_inputs_through_torch_compile():
 
 @pytest.mark.parametrize("make, why", [
     (lambda x: (x[:4], x[2:].view(torch.int32)), "different dtypes"),
+    (lambda x: (x[:4], torch._neg_view(x)[2:6]), "negative view"),  # as_strided drops the bit
     (lambda x: (x.detach()[:4], x.detach()[2:].requires_grad_()), "not views of one common"),
 ])
 def test_refused_layouts_say_why(make, why):
@@ -141,3 +142,16 @@ def test_a_layout_change_under_torch_compile_runs_the_right_graph():
         x, expected = torch.zeros(8), torch.zeros(8)
         torch.testing.assert_close(compiled(*split(x)), fn(*split(expected)))
         torch.testing.assert_close(x, expected)
+
+
+def test_views_returned_under_no_grad_are_views_of_the_callers_tensor():
+    """Under no_grad the base was a detached tensor, so an output's _base was not eager's."""
+
+    def fn(a, b):
+        a.mul_(2)
+        return b[1:]
+
+    x = torch.arange(8.0)
+    out = aotkit.aot_function(fn, compilers.nop)(x[:4], x[2:6])
+    assert out._base is x
+    torch.testing.assert_close(out, torch.tensor([6.0, 4.0, 5.0]))

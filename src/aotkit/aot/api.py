@@ -243,7 +243,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         if from_dynamo:
             tensorify_float_inputs(gm, mode, name)
         drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
-        pin_factory_dtypes(gm)
+        if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
+            pin_factory_dtypes(gm)
         return gm
 
     if not training:

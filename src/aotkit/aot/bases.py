@@ -71,9 +71,12 @@ class OverlapLayout:
 
     def _base(self, group: _Group, args: Sequence[Any]) -> torch.Tensor:
         members = [args[i] for i in group.members]
+        root = _root(members)
         if torch.is_grad_enabled() and any(m.requires_grad for m in members):
-            return _root(members).as_strided((group.length,), (1,), 0)
-        return members[0].detach().as_strided((group.length,), (1,), 0)
+            return root.as_strided((group.length,), (1,), 0)
+        with torch.no_grad():  # still a view of the root: outputs' _base is eager's
+            return (members[0].detach() if root is None else root).as_strided(
+                (group.length,), (1,), 0)
 
     def wrap(self, flat_fn: FlatFn, returned: dict[int, int]) -> FlatFn:
         """``flat_fn`` as a function of :meth:`graph_args`; fills ``returned`` (output position
@@ -120,6 +123,9 @@ def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) ->
     which = f"inputs {', '.join(map(str, members))}"
     if len({t.dtype for t in tensors}) > 1:
         raise _refused(name, which, "are views of one memory in different dtypes")
+    if any(t.is_conj() or t.is_neg() for t in tensors):  # as_strided would drop the bit
+        raise _refused(name, which, "share memory and one of them is a conjugate or negative "
+                       "view (x.conj(), x.imag of a conjugate)")
     if any(meta.inputs[i].mutates_metadata for i in members):
         raise _refused(name, which, "share memory and one of them has its shape or strides "
                        "changed in place (t_(), as_strided_(), ...)")

@@ -412,15 +412,19 @@ def _replayable(out: torch.Tensor, source: _ViewSource, info: OutputInfo) -> boo
 
 def _replayed_on_input(source: _ViewSource, out: torch.Tensor, name: str) -> torch.Tensor:
     """See Note [Views of inputs with gaps]."""
-    if source.new_value is not None and out._is_view() and out._base is source.new_value:
+    new = source.new_value
+    if new is not None and out._is_view() and out._base is new:
         return out._view_func_unsafe(source.base)
+    if new is not None and _same_storage(out, new) and (out.shape, out.stride(), out.storage_offset()) \
+            == (new.shape, new.stride(), new.storage_offset()):
+        return source.base  # the whole input (``x.detach()`` after writing x)
     raise UnsupportedError(
         f"{name}: the function mutates input {source.input_index} (strides "
         f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
-        "view of it, and the compiled graph returned that view as a tensor of its own, so "
-        "aotkit cannot place it in the input's memory as eager does.\nFix: pass a contiguous "
-        "input (x.contiguous()), return a clone of the view, or use a compiler that runs the "
-        "graph's view ops (aotkit.compilers.nop)."
+        "view of it, which the compiled graph returned without the view ops that made it (a "
+        "tensor of its own, as Inductor's are, or a detached view), so aotkit cannot place it "
+        "in the input's memory as eager does.\nFix: pass a contiguous input (x.contiguous()), "
+        "or return a clone of the view."
     )
 
 

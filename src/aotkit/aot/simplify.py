@@ -110,7 +110,9 @@ def _replace_uses(node: fx.Node, by: fx.Node, keep_outputs: int | None) -> None:
 # default dtype *then*. The signature holds the caller's default dtype, but a function that
 # switches it inside (``torch.set_default_dtype(torch.float64)`` before a factory) had its
 # factories run in the caller's dtype. So every op that makes a tensor from no tensor input and
-# leaves its dtype to the default gets the dtype it traced to.
+# leaves its dtype to the default gets the dtype it traced to. Not in Dynamo's graphs: Dynamo may
+# call its backend in the default dtype its own trace of such a function left, and its factories
+# then run as PyTorch's AOT autograd runs them.
 def pin_factory_dtypes(gm: fx.GraphModule) -> int:
     """Give factory calls without a dtype the dtype they traced to; returns how many changed.
     See Note [Factories follow the default dtype].
