@@ -267,3 +267,39 @@ def test_inner_tensors_of_a_subclass_carry_no_grad_as_in_eager(how: str) -> None
     assert [o.requires_grad for o in out] == [e.requires_grad for e in expected] == [False, True]
     torch.testing.assert_close(out[0], expected[0])
     assert_same(out[1], expected[1])
+
+
+@pytest.mark.parametrize("through", ["aot_function", "torch.compile"])
+def test_a_subclass_without_elements_keeps_its_gradient(through: str) -> None:
+    """Empty parts were taken for a jagged tensor's cached lengths: no grad, .grad None."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.sin().sum(0) * w
+
+    run = aotkit.aot_function(f, aotkit.compilers.nop) if through == "aot_function" else (
+        torch.compile(f, backend="aotkit"))
+    grads = []
+    for call in (f, run):
+        x = TwoTensor(torch.ones(0, 3), torch.ones(0, 3)).requires_grad_(True)
+        w = TwoTensor(torch.ones(3), torch.ones(3)).requires_grad_(True)
+        out = call(x, w)
+        assert out.requires_grad
+        out.sum().backward()
+        grads.append((x.grad.shape, w.grad.a))
+    assert grads[1][0] == grads[0][0] == (0, 3)
+    torch.testing.assert_close(grads[1][1], grads[0][1])
+
+
+def test_mutating_a_subclass_argument_under_autograd_is_refused() -> None:
+    """Its parts took the mutation, the subclass not its history: leaf.grad came out 1, not 2."""
+
+    def f(x: torch.Tensor) -> None:
+        x.mul_(2)
+
+    leaf = TwoTensor(torch.ones(4), torch.ones(4)).requires_grad_(True)
+    with pytest.raises(UnsupportedError, match="mutates a tensor subclass argument"):
+        aotkit.aot_function(f, aotkit.compilers.nop)(leaf.clone())
+    with torch.no_grad():  # no history to keep
+        x = TwoTensor(torch.ones(4), torch.ones(4))
+        aotkit.aot_function(f, aotkit.compilers.nop)(x)
+    torch.testing.assert_close(x.a, torch.full((4,), 2.0))

@@ -163,6 +163,14 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
     with COMPILE_LOCK:  # Note [One compile at a time]
         graphs = _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
     graphs.boundary = boundary
+    if boundary is not None and graphs.training and any(
+            graphs.meta.inputs[i].mutated for i in boundary.subclass_parts()):
+        raise UnsupportedError(
+            f"{name} mutates a tensor subclass argument in place while autograd records; "
+            "aotkit flattens subclasses into their parts, so the argument would not take the "
+            "mutation's autograd history (its gradients would be wrong).\nFix: return the new "
+            "value instead of mutating (y = x * 2), or mutate under torch.no_grad()."
+        )
     if graphs.mutates_inputs:
         graphs.rebase = _rebasing(flat_fn, options, name)
     return graphs

@@ -103,10 +103,12 @@ def layout_of(t: torch.Tensor) -> Layout:
 
 
 def _carries_grad(t: torch.Tensor, part: torch.Tensor) -> bool:
-    """Only floating-point parts with elements carry a subclass's gradient: not a jagged
-    tensor's offsets, nor the empty tensors that hold its cached sequence lengths in their
-    sizes."""
-    return t.requires_grad and (part.is_floating_point() or part.is_complex()) and part.numel() != 0
+    """Only floating-point parts carry a subclass's gradient: not a jagged tensor's offsets,
+    nor the empty tensors that hold its cached sequence lengths in their sizes (an empty part
+    of a subclass that has elements; a subclass with no elements has empty parts that still
+    carry its gradient)."""
+    return t.requires_grad and (part.is_floating_point() or part.is_complex()) and (
+        part.numel() != 0 or t.numel() == 0)
 
 
 def _is_symbol(s: Any, exprs: bool) -> bool:
@@ -232,6 +234,16 @@ class Boundary:
         """The boundary for ``args``, or None when no argument is a subclass."""
         layouts = [layout_of(a) if is_subclass(a) else None for a in args]
         return Boundary(layouts) if any(layouts) else None
+
+    def subclass_parts(self) -> list[int]:
+        """Positions, among the graphs' inputs, of the subclass arguments' parts."""
+        positions, i = [], 0
+        for layout in self.inputs:
+            n = 1 if layout is None else layout.num_plain
+            if layout is not None:
+                positions.extend(range(i, i + n))
+            i += n
+        return positions
 
     def trace_inputs(self, args: Sequence[Any]) -> list[Any]:
         """The graphs' inputs for ``args`` (fake or real): each subclass replaced by its parts
