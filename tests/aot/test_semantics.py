@@ -1632,3 +1632,18 @@ def test_random_numbers_drawn_by_another_thread_are_no_reseed():
     finally:
         stop.set()
         thread.join()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_async_assert_stays_in_the_graph(grad):
+    """torch._assert_async without a message was dropped as dead code (aot_eager drops it too)."""
+
+    def fn(x):
+        torch._assert_async(x.sum() > 100)
+        return x * 2
+
+    f = aotkit.aot_function(fn, compilers.nop)
+    with pytest.raises(RuntimeError, match="single nonzero value"):
+        f(torch.ones(3, requires_grad=grad))
+    torch.testing.assert_close(f(torch.full((3,), 50.0, requires_grad=grad)),
+                               torch.full((3,), 100.0))

@@ -156,10 +156,15 @@ def is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+# Side effects FX's list misses: the sink of effect tokens, and torch._assert_async without a
+# message (its .msg overload is listed), which eager raises from and graphs dropped as dead.
+_ALSO_IMPURE = {torch.ops.prims._sink_tokens.default, torch.ops.aten._assert_async.default}
+
+
 def is_impure(node: fx.Node) -> bool:
-    """FX's impurity plus the sink of effect tokens, which FX does not know: dead-code
-    elimination with this predicate keeps ordered side effects such as linalg error checks."""
-    return node.is_impure() or node.target is torch.ops.prims._sink_tokens.default
+    """FX's impurity plus the side effects it does not know: dead-code elimination with this
+    predicate keeps ordered side effects such as linalg error checks and async asserts."""
+    return node.is_impure() or node.target in _ALSO_IMPURE
 
 
 def has_effects(node: fx.Node) -> bool:
