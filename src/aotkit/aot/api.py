@@ -790,8 +790,9 @@ def note_dynamo_recompile(name: str) -> None:
         return
     reason = dynamo_recompile_reason() or "Dynamo did not say which guard failed"
     counters.record("recompile", name, (
-        f"Dynamo compiles this frame again; a guard of its latest compiled version failed: "
-        f"{reason} (TORCH_LOGS=recompiles lists the failures of every version)"), logger=log)
+        f"Dynamo compiles this frame again; a guard of the compiled version it tried first "
+        f"failed: {reason} (TORCH_LOGS=recompiles lists the failures of every version)"),
+        logger=log)
 
 
 @functools.cache
@@ -805,11 +806,15 @@ class _DynamoLimitFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 4:
             limit_type, limit, function, reason = record.args[:4]  # type: ignore[index,misc]
+            sizes = "size mismatch" in str(reason) or "stride mismatch" in str(reason)
+            fix = ("let the changing sizes be dynamic (torch._dynamo.mark_dynamic, or "
+                   "torch.compile(..., dynamic=True))" if sizes else
+                   "keep the guarded value stable, or pass a Python value that changes from "
+                   "call to call as a tensor")
             counters.record("fallback", f"torch.compile({function})", (
                 f"Dynamo compiled it torch._dynamo.config.{limit_type} = {limit} times and "
-                f"runs it eagerly from now on (last recompile: {reason}).\nFix: let the "
-                "changing sizes be dynamic (torch._dynamo.mark_dynamic, or torch.compile(..., "
-                f"dynamic=True)), or raise torch._dynamo.config.{limit_type}."), logger=log)
+                f"runs it eagerly from now on (last recompile: {reason}).\nFix: {fix}, or "
+                f"raise torch._dynamo.config.{limit_type}."), logger=log)
         return True
 
 
