@@ -160,9 +160,11 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
         flat_fn = boundary.wrap_fn(flat_fn)
         with mode:
             args = boundary.trace_inputs(args)
+    watched = StateWatch(flat_fn, name, refuse_reseeds=not from_dynamo)
     with COMPILE_LOCK:  # Note [One compile at a time]
-        graphs = _compile_graphs(flat_fn, args, options, name, mode, from_dynamo)
+        graphs = _compile_graphs(watched, args, options, name, mode, from_dynamo)
     graphs.boundary = boundary
+    graphs.state_after = watched.after  # Note [Global state the function leaves changed]
     if boundary is not None and graphs.training and any(
             graphs.meta.inputs[i].mutated for i in boundary.subclass_parts()):
         raise UnsupportedError(
@@ -218,7 +220,6 @@ def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], o
 def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
                     mode: FakeTensorMode, from_dynamo: bool) -> CompiledGraphs:
     counters.bump("aot", "traces")
-    flat_fn = watched = StateWatch(flat_fn, name, refuse_reseeds=not from_dynamo)
     forward_autocast = autocast_state()
     training = torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -248,17 +249,10 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         trace, mode, name)
 
     def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-        if from_dynamo:
-            tensorify_float_inputs(gm, mode, name)
-        drop_noop_views(gm, keep_outputs=meta.num_fw_outputs if training else None)
-        if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
-            pin_factory_dtypes(gm)
-        return gm
+        return _simplify(gm, mode, name, from_dynamo, meta.num_fw_outputs if training else None)
 
     if not training:
-        graphs = _compile_inference(simplify(gm), meta, options, name, len(args))
-        graphs.state_after = watched.after
-        return graphs
+        return _compile_inference(simplify(gm), meta, options, name, len(args))
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
@@ -299,8 +293,18 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
-        state_after=watched.after,
     )
+
+
+def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: bool,
+              keep_outputs: int | None) -> fx.GraphModule:
+    """The clean-ups of aotkit.aot.simplify a traced graph gets before it is partitioned."""
+    if from_dynamo:
+        tensorify_float_inputs(gm, mode, name)
+    drop_noop_views(gm, keep_outputs=keep_outputs)
+    if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
+        pin_factory_dtypes(gm)
+    return gm
 
 
 # Note [Saved tensors the forward changes]

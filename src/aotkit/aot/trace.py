@@ -209,46 +209,54 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     except UnsupportedOperatorException as exc:
         raise _no_fake_kernel(what, exc, _symbolic(mode)) from exc
     except RuntimeError as exc:
-        if is_nested_compile_refusal(exc):
-            raise UnsupportedError(
-                f"{what} calls a function or module compiled with torch.compile; aotkit cannot "
-                "trace through it (Dynamo refuses to run under a trace, and inlining it would "
-                "change what torch.compiler.is_compiling() tells it).\nFix: call the original "
-                "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
-                "or compile the whole function with torch.compile(backend=\"aotkit\")."
-            ) from exc
-        if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
-            raise UnsupportedError(
-                f"{what} uses torch.utils.checkpoint with use_reentrant=True, which cannot be "
-                "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
-                "use_reentrant=False (PyTorch's recommended setting)."
-            ) from exc
-        if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
-            raise _data_dependent(what, exc) from exc  # .tolist() of a fake tensor, 2-d or more
-        if "on tensor with symbolic sizes/strides" in str(exc):
-            raise TraceError(
-                f"{what} could not be traced: it calls code that needs concrete sizes, or the "
-                f"data itself (.tolist()), on a tensor with symbolic sizes ({_first_line(exc)}).\n"
-                f"  at {user_frame(exc)}\n"
-                "Fix: move that code out of the compiled function, or compile with "
-                "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
-            ) from exc
-        if ".numpy() is not supported" in str(exc):
-            raise TraceError(
-                f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
-                "which hold no data, and a graph cannot contain NumPy code.\n"
-                f"  at {user_frame(exc)}\n"
-                "Fix: do the NumPy work outside the compiled function, or compile it with "
-                "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
-            ) from exc
-        # A kernel without a fake implementation read the (absent) data of a fake tensor.
-        if "data is not allocated yet" not in str(exc):
+        error = _runtime_error(what, exc)
+        if error is exc:
             raise
-        raise _data_dependent(what, exc) from exc
+        raise error from exc
     finally:
         _GUARD.reset(token)
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(node_meta)
+
+
+def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
+    """The error a RuntimeError raised while tracing becomes: one that says what to change where
+    we know the cause, else ``exc`` itself."""
+    if is_nested_compile_refusal(exc):
+        return UnsupportedError(
+            f"{what} calls a function or module compiled with torch.compile; aotkit cannot "
+            "trace through it (Dynamo refuses to run under a trace, and inlining it would "
+            "change what torch.compiler.is_compiling() tells it).\nFix: call the original "
+            "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
+            "or compile the whole function with torch.compile(backend=\"aotkit\")."
+        )
+    if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
+        return UnsupportedError(
+            f"{what} uses torch.utils.checkpoint with use_reentrant=True, which cannot be "
+            "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
+            "use_reentrant=False (PyTorch's recommended setting)."
+        )
+    if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
+        return _data_dependent(what, exc)  # .tolist() of a fake tensor, 2-d or more
+    if "on tensor with symbolic sizes/strides" in str(exc):
+        return TraceError(
+            f"{what} could not be traced: it calls code that needs concrete sizes, or the "
+            f"data itself (.tolist()), on a tensor with symbolic sizes ({_first_line(exc)}).\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: move that code out of the compiled function, or compile with "
+            "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
+        )
+    if ".numpy() is not supported" in str(exc):
+        return TraceError(
+            f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
+            "which hold no data, and a graph cannot contain NumPy code.\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: do the NumPy work outside the compiled function, or compile it with "
+            "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
+        )
+    if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
+        return _data_dependent(what, exc)
+    return exc
 
 
 def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
