@@ -143,6 +143,11 @@ def set_autograd_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
         return _engine().set_autograd_compiler(factory, dynamic)
 
 
+def compiled_autograd_is_off() -> bool:
+    """Whether a :func:`compiled_autograd_off` block (``disable()``, a trace) is open."""
+    return _slot_off > 0
+
+
 @contextlib.contextmanager
 def compiled_autograd_off() -> Iterator[None]:
     """No compiled autograd inside the block, in any thread (Note [The engine's compiler

@@ -332,3 +332,13 @@ def test_recapture_reason_is_only_this_captures() -> None:
     (recapture,) = aotkit.explain().of_kind("recapture")
     assert "new autograd node" in capture.why
     assert "new autograd node" not in recapture.why and "(4, 3)" in recapture.why
+
+
+def test_enable_inside_disable_runs_eagerly_and_says_so() -> None:
+    w = torch.ones(3, requires_grad=True)
+    with aotkit.compiled_autograd.disable(), aotkit.compiled_autograd.enable(nop):
+        (w * 2).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+    assert counts() == (0, 0)
+    [decision] = aotkit.explain().of_kind("fallback")
+    assert "enable() inside disable()" in decision.why

@@ -76,6 +76,10 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
             counters.record("cache_clear", "compiled_autograd", "a capture failed in an earlier "
                             "enable() block; the engine's cached graphs are dropped", logger=log)
         compat.set_autograd_verbose_logger(_engine_log)
+        if compat.compiled_autograd_is_off():
+            counters.record("fallback", "compiled_autograd",
+                            "enable() inside disable(): backwards run eagerly until the "
+                            "disable() block ends (disable() wins)", logger=log)
         session.set_active(new)
         engine = compat.execution_engine()
         compat.set_execution_engine(runtime.Engine(engine))
