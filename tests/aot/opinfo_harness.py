@@ -18,10 +18,23 @@ from torch.utils import _pytree as pytree
 
 Compile = Callable[[Callable[..., Any]], Callable[..., Any]]
 
-# OpInfo's random ops reseed to 42 inside their own wrapper; a trace cannot capture that call,
-# so the compiled graph draws from the caller's state. Seeding the caller with the same value
-# makes eager and compiled draw the same numbers.
+# OpInfo's random ops reseed to 42 inside their own wrapper (wrapper_set_seed), which aotkit
+# refuses to trace: the graph draws from the caller's generator. While checking, that wrapper
+# calls the op alone and the caller seeds with the same value before each call, eager or not.
 SEED = 42
+
+
+@contextlib.contextmanager
+def seeded_by_the_caller() -> Iterator[None]:
+    """OpInfo's ``wrapper_set_seed`` without its reseed (see SEED)."""
+    from torch.testing._internal import common_methods_invocations as ops
+
+    wrapper = ops.wrapper_set_seed
+    ops.wrapper_set_seed = lambda op, *args, **kwargs: op(*args, **kwargs)
+    try:
+        yield
+    finally:
+        ops.wrapper_set_seed = wrapper
 
 
 def supported_ops(dtype: torch.dtype = torch.float32) -> list[Any]:
@@ -167,7 +180,12 @@ def check(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     sample itself is broken); compiled errors propagate as they are; disagreements raise
     :class:`ParityError` naming what differs.
     """
-    process = process or (lambda out: out)
+    with seeded_by_the_caller():
+        _check(fn, args, kwargs, compile_fn, process or (lambda out: out))
+
+
+def _check(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           compile_fn: Compile, process: Callable[[Any], Any]) -> None:
     eager_inputs = copy_inputs((args, kwargs))
     try:
         expected = forward(fn, *eager_inputs)

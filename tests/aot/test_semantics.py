@@ -3,6 +3,7 @@ the same outputs, aliasing, input mutations and gradients (see eager_check.check
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 
 import pytest
@@ -1592,6 +1593,38 @@ def test_reseeding_inside_fork_rng_is_refused():
     torch.manual_seed(1)  # a reseed shows as a new initial seed
     with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
         aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
+
+
+@pytest.mark.parametrize("drawn_before", [False, True])
+@pytest.mark.parametrize("forked", [False, True])
+def test_reseeding_with_the_seed_in_use_is_refused(drawn_before, forked):
+    """Note [Catching a reseed]: reseeding with the current seed left the initial seed as it was,
+    so the graph ran without the reseed and its second call drew other numbers than eager's."""
+
+    def fn(x):
+        with torch.random.fork_rng() if forked else contextlib.nullcontext():
+            torch.manual_seed(0)
+            return x + torch.rand(3)
+
+    torch.manual_seed(0)
+    if drawn_before:
+        torch.rand(5)
+    state = torch.get_rng_state()
+    with pytest.raises(UnsupportedError, match=r"torch\.manual_seed"):
+        aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is as it was
+
+
+def test_a_trace_leaves_a_freshly_seeded_generator_as_it_was():
+    """Note [Catching a reseed] moves a freshly seeded generator while tracing; the draws after
+    the call must be eager's."""
+    f = aotkit.aot_function(lambda x: x + torch.rand(3), compilers.nop)
+    results = []
+    for fn in (lambda x: x + torch.rand(3), f):
+        torch.manual_seed(0)
+        results.append((fn(torch.zeros(3)), torch.rand(2)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def test_channels_last_gradients_are_bit_identical_to_eager():

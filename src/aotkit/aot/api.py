@@ -160,7 +160,7 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
         flat_fn = boundary.wrap_fn(flat_fn)
         with mode:
             args = boundary.trace_inputs(args)
-    watched = StateWatch(flat_fn, name, refuse_reseeds=not from_dynamo)
+    watched = StateWatch(flat_fn)
     with COMPILE_LOCK:  # Note [One compile at a time]
         graphs = _compile_graphs(watched, args, options, name, mode, from_dynamo)
     graphs.boundary = boundary

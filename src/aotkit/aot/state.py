@@ -3,6 +3,7 @@ and the default generator. See Note [Global state the function leaves changed]."
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,9 @@ from aotkit.errors import UnsupportedError
 # each call, as eager's call leaves it (the state before is part of the signature, so it is the
 # traced one). Reseeding the global generator (``torch.manual_seed`` inside) cannot be replayed
 # that way: the graph draws its random numbers at run time from the caller's generator state,
-# so it is refused. A reseed shows in the generator's initial seed (its state would also move
-# when another thread draws a number while we trace); reseeding with the seed it already has
-# does not show and is not caught. A graph from Dynamo is not refused: Dynamo decides what runs
-# where (it gives ``torch.seed()`` a graph of its own), as with PyTorch's own AOT autograd.
+# so it is refused (ReseedWatch, set up by aotkit.aot.trace.tracing). A graph from Dynamo is not
+# refused: Dynamo decides what runs where (it gives ``torch.seed()`` a graph of its own), as
+# with PyTorch's own AOT autograd.
 @dataclass(frozen=True)
 class GlobalState:
     """Grad mode, autocast and the default dtype. See Note [Global state the function leaves
@@ -52,17 +52,64 @@ class GlobalState:
 
 def default_rng_state() -> bytes:
     """The default CPU generator's state, read outside every tracing mode."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
+    with _outside_modes():
         return torch.get_rng_state().numpy().tobytes()
 
 
 def set_default_rng_state(state: bytes) -> None:
+    with _outside_modes():
+        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+def _outside_modes() -> contextlib.ExitStack:
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
-        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    stack = contextlib.ExitStack()
+    stack.enter_context(_disable_current_modes())
+    stack.enter_context(torch._C.DisableTorchFunction())
+    return stack
+
+
+def _seeded_state(seed: int, draws: int = 0) -> bytes:
+    """A CPU generator's state right after ``manual_seed(seed)`` and ``draws`` draws."""
+    with _outside_modes():
+        generator = torch.Generator().manual_seed(seed)
+        if draws:
+            torch.empty(draws).uniform_(generator=generator)
+        return generator.get_state().numpy().tobytes()
+
+
+# Note [Catching a reseed]
+# Tracing runs random ops on fake tensors, which never advance the default generator, so the
+# function's ``torch.manual_seed(s)`` is the only thing that moves it during a trace (another
+# thread drawing numbers moves it too, which must not count). A reseed with a new seed shows in
+# ``torch.initial_seed()``. One with the seed already in use shows as the state going back to
+# where ``manual_seed(s)`` puts it; when the generator is there already (no draw since the
+# caller seeded), the watch first moves it one draw on, so that going back shows. The caller's
+# state is put back when the trace ends.
+class ReseedWatch:
+    """Whether the default generator has been reseeded since this watch began. See Note
+    [Catching a reseed]."""
+
+    def __init__(self) -> None:
+        self.seed = torch.initial_seed()
+        self.state = default_rng_state()
+        self.fresh = _seeded_state(self.seed)
+        self.watched = self.state
+        if self.state == self.fresh:
+            self.watched = _seeded_state(self.seed, draws=1)
+            set_default_rng_state(self.watched)
+
+    def reseeded(self) -> bool:
+        if torch.initial_seed() != self.seed:
+            return True
+        now = default_rng_state()
+        return now != self.watched and now == self.fresh
+
+    def end(self) -> None:
+        """Put the caller's generator state back where the watch moved it or a reseed did."""
+        if self.watched != self.state or self.reseeded():
+            set_default_rng_state(self.state)
 
 
 def reseeding_refused(what: str) -> UnsupportedError:
@@ -78,27 +125,19 @@ class StateWatch:
     """``flat_fn``, called in the caller's global state and putting it back after; remembers
     the state its first call left. See Note [Global state the function leaves changed]."""
 
-    def __init__(self, flat_fn: Callable[..., tuple[list[Any], pytree.TreeSpec]],
-                 name: str, refuse_reseeds: bool = True) -> None:
+    def __init__(self, flat_fn: Callable[..., tuple[list[Any], pytree.TreeSpec]]) -> None:
         self.flat_fn = flat_fn
-        self.name = name
-        self.refuse_reseeds = refuse_reseeds
         self.after: GlobalState | None = None
         self.calls = 0
 
     def __call__(self, *args: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        before, rng, seed = GlobalState.now(), default_rng_state(), torch.initial_seed()
+        before = GlobalState.now()
         try:
             out = self.flat_fn(*args)
         finally:
             after = GlobalState.now()
             if after != before:
                 before.restore()
-            reseeded = self.refuse_reseeds and torch.initial_seed() != seed
-            if reseeded:
-                set_default_rng_state(rng)
-        if reseeded:
-            raise reseeding_refused(self.name)
         if self.calls == 0 and after != before:
             self.after = after
         self.calls += 1

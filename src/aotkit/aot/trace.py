@@ -33,7 +33,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line, user_frame
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
-from aotkit.aot.state import reseeding_refused
+from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import (
     FakeTensor,
@@ -174,8 +174,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     guard.generators.extend(generators)
-    if reseeds:
-        guard.seed = None
+    guard.seeds = None if reseeds else ReseedWatch()
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
     # its ops there when it sees a trace); what it writes must not outlive our trace.
@@ -187,6 +186,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         with mode, dispatcher, onednn, _EagerDropout(), compiled_autograd_off(), \
                 _saved_tensor_hooks_deferred(), torch.autograd.set_detect_anomaly(False), guard:
             yield guard.generators
+        if guard.seeds is not None and guard.seeds.reseeded():
+            raise reseeding_refused(what)
     except data_dependent_errors() as exc:
         raise _data_dependent(what, exc) from exc
     except AttributeError as exc:
@@ -215,6 +216,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         raise error from exc
     finally:
         _GUARD.reset(token)
+        if guard.seeds is not None:
+            guard.seeds.end()
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(node_meta)
 
@@ -355,7 +358,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.generators: list[torch.Generator] = []
         self.first_pass_generators: list[torch.Generator] | None = None
         self.pass_id = next(_PASS_IDS)
-        self.seed: int | None = torch.initial_seed()  # None: reseeding is not refused
+        self.seeds: ReseedWatch | None = None  # None: reseeding is not refused
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -466,7 +469,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         leaves = pytree.tree_leaves((args, kwargs))
         if torch.Tag.nondeterministic_seeded in func.tags and not any(
                 isinstance(g, torch.Generator) for g in leaves) \
-                and self.seed is not None and torch.initial_seed() != self.seed:
+                and self.seeds is not None and self.seeds.reseeded():
             raise reseeding_refused(self.what)
         for g in leaves:
             if not isinstance(g, torch.Generator) or any(g is h for h in self.generators):
