@@ -248,8 +248,9 @@ def test_budget_change_recompiles_with_a_reason() -> None:
 
 @pytest.mark.parametrize(("partition", "saved"), [
     ("default", "saved 2 tensor(s) (0 of them inputs), 32 activation bytes, 0 symint(s)"),
-    ("min_cut", "saved 1 tensor(s) (1 of them inputs), 0 activation bytes, 0 symint(s); "
-                "recomputed 2 op(s): aten.exp.default, aten.exp.default"),
+    # The output exp(exp(x)), which its backward reads, is saved (Note [Min-cut partitioning]).
+    ("min_cut", "saved 2 tensor(s) (1 of them inputs), 16 activation bytes, 0 symint(s); "
+                "recomputed 1 op(s): aten.exp.default"),
 ])
 def test_partition_is_reported_in_explain_and_the_log(partition: str, saved: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -261,7 +262,7 @@ def test_partition_is_reported_in_explain_and_the_log(partition: str, saved: str
     [decision] = aotkit.explain().of_kind("partition")
     assert decision.why == f"{name}: {saved}"
     assert any(decision.why in r.getMessage() for r in caplog.records)
-    assert aotkit.counters.counters["partition"]["saved_bytes"] == (32 if partition == "default" else 0)
+    assert aotkit.counters.counters["partition"]["saved_bytes"] == (32 if partition == "default" else 16)
 
 
 def test_user_partition_fn_is_described_from_its_forward_graph() -> None:
@@ -444,3 +445,29 @@ def test_selective_checkpointing_policy_saves_what_it_names() -> None:
                            context_fn=context_fn).report
     assert "aten.mm.default" not in report.recomputed
     assert "aten.relu.default" in report.recomputed
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, w: (x * w).exp(),
+    lambda x, w: (x * w).sigmoid(),
+    lambda x, w: torch.relu(x * w).t(),  # an output that is a view of what the backward reads
+])
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_an_output_the_backward_reads_is_saved(fn: Callable[..., Any], partition: str) -> None:
+    """Note [Min-cut partitioning]: eager's exp saves its result, so changing the output in
+    place before backward() raises, and a .data write changes the gradients. Min-cut recomputed
+    the output from the inputs instead: no error, and the gradients of the value before."""
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    x0, w0 = torch.randn(3, 3), torch.randn(3, 3)
+    for call in (fn, f):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            call(x, w).add_(1).sum().backward()
+    grads = []
+    for call in (fn, f):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = call(x, w)
+        y.data.add_(1)
+        y.sum().backward()
+        grads.append((x.grad, w.grad))
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

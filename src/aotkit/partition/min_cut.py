@@ -9,8 +9,13 @@ unbounded; the source feeds n_in of every node the backward may not recompute (g
 random, side-effecting and RNN ops, and expensive ops: matmul, convolution, attention, large
 reductions), and n_out of every forward node the backward reads feeds the sink. A minimum cut
 crosses exactly the nodes to save; a node whose n_in lies on the sink side is recomputed.
-Costs are bytes (symbolic sizes through their hints); graph inputs cost no bytes (the caller
-holds them anyway). Ties go to later nodes, which leaves fewer ops to recompute.
+Costs are bytes (symbolic sizes through their hints); graph inputs and the forward's outputs
+(and the values outputs are views of) cost no bytes: the caller holds them anyway. Such a value
+the backward reads, itself or through views (autograd's ``detach``), is always saved, never
+recomputed: eager's formula reads it so (``exp``'s backward its result), and changing it in
+place before ``backward()`` must raise eager's "modified by an inplace operation", not give
+gradients of the value before the change. Ties go to later nodes, which leaves fewer ops to
+recompute.
 SymInts stay out of the network: every forward SymInt the backward needs is saved.
 
 Note [Activation checkpointing]
@@ -143,11 +148,14 @@ class _Network:
         forward_code = ancestors([*self.parts.fw_outputs, *self.fw_effects])
         self.checkpointed, region_outputs = _checkpointed_regions(self.fw_tensors, pinned,
                                                                   forward_code)
+        self.read_by_bw = self._read_by_backward(tangent_side)
+        self.held = {_viewed(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
+        read_whole = {_viewed(n) for n in self.read_by_bw}
         self.must_save = [n for n in self.fw_tensors
-                          if n.meta.get("recompute") in _SAVE or n in region_outputs]
+                          if n.meta.get("recompute") in _SAVE or n in region_outputs
+                          or (n in self.held and n in read_whole)]
         self.expensive = [n for n in self.fw_tensors
                           if n not in pinned and n not in self.checkpointed and not _cheap(n)]
-        self.read_by_bw = self._read_by_backward(tangent_side)
 
     def _read_by_backward(self, tangent_side: set[fx.Node]) -> set[fx.Node]:
         bw_nodes = ancestors([*self.parts.bw_outputs, *self.bw_effects]) & tangent_side
@@ -197,7 +205,7 @@ class _Network:
         """Bytes (scaled) plus a tie-break for later nodes; None where a node cannot be saved."""
         if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed:
             return None
-        size = 0 if node.op == "placeholder" else nbytes(node)
+        size = 0 if node.op == "placeholder" or node in self.held else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
 
     def split(self, cut: _Cut) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -263,6 +271,14 @@ def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
         else:
             lo = mid + 1
     return best
+
+
+def _viewed(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a chain of views of (``node`` itself if it is no view)."""
+    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
+            and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _pinned(node: fx.Node) -> bool:
