@@ -347,6 +347,43 @@ def test_hooks_on_independent_branches_run_in_eager_order() -> None:
     torch.testing.assert_close(actual, expected)
 
 
+def _shared_leaf(a: torch.Tensor, b: torch.Tensor, log: list[str]) -> torch.Tensor:
+    ea = a.exp()
+    return (a - b.cos()).sum() + ea.sum()
+
+
+def _shared_intermediate(a: torch.Tensor, b: torch.Tensor, log: list[str]) -> torch.Tensor:
+    v1, v3 = b * 1.7, b.tanh()
+    v1.register_hook(lambda g: log.append("v1"))
+    v3.register_hook(lambda g: log.append("v3"))
+    return a.sin().sum() + v3.sin().sum() * 2 + v1.sum() * 3
+
+
+def _ready_together(a: torch.Tensor, b: torch.Tensor, log: list[str]) -> torch.Tensor:
+    # maximum's backward makes both leaves' gradients ready at once, eager's queue takes a's
+    # first; accumulations were then moved right after their gradients, b's before a's sum.
+    return torch.maximum(a, b).sum() + a.exp().sum()
+
+
+@pytest.mark.parametrize("loss", [_shared_leaf, _shared_intermediate, _ready_together])
+def test_hooks_follow_eager_order_where_a_gradient_is_summed(loss: Callable[..., Any]) -> None:
+    """A gradient summed from two branches was due when the engine recorded the sum, while
+    capturing eager's earlier branch: the later branch and the leaf's hooks ran too early. And
+    where eager's order was known, accumulations were still moved right after their gradients,
+    which swapped two leaves made ready at once."""
+
+    def step(log: list[str]) -> Any:
+        a, b = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        for name, w in (("a", a), ("b", b)):
+            w.register_post_accumulate_grad_hook(lambda p, n=name: log.append(f"acc {n}"))
+        loss(a, b, log).backward()
+        return a.grad, b.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log
+    torch.testing.assert_close(actual, expected)
+
+
 def test_roots_alike_in_structure_keep_eager_order() -> None:
     """Several backward roots of the same structure: node names cannot tell which root order the
     engine took, so calls keep the capture's order (which is eager's here) and say so."""

@@ -290,7 +290,6 @@ class Capture(GraphBuilder):
             for key in ("val", "tensor_meta"):
                 node.meta.pop(key, None)
         self._follow_eager_order(graph)
-        passes.place_accumulations_eagerly(graph)
         passes.eliminate_dead_code(graph)
         gm = fx.GraphModule(self.tracer.root, graph, f"CompiledAutograd{self.id}")
         if log.isEnabledFor(logging.INFO):
@@ -305,7 +304,8 @@ class Capture(GraphBuilder):
         return CompiledBackward(gm, self.session, variant, to_cuda, captured_for), variant.compiled
 
     def _follow_eager_order(self, graph: fx.Graph) -> None:
-        """Put the recorded calls in eager's node order. See Note [Eager node order]."""
+        """Put the recorded calls in eager's node order (See Note [Eager node order]); where it
+        is unknown, at least accumulate into ``.grad`` as soon as the gradient is ready."""
         if self.eager_order is None:
             why, ranks = self.order_unknown, None
         else:
@@ -319,6 +319,7 @@ class Capture(GraphBuilder):
                 "and gradients summed over several branches may round differently from eager, "
                 "for this backward and every later one this graph replays (roots passed in "
                 "another order included)", logger=log)
+            passes.place_accumulations_eagerly(graph)
             return
         passes.sum_in_eager_order(graph, ranks)
         passes.follow_node_order(graph, ranks)

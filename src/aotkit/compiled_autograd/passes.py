@@ -91,9 +91,18 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
     node being recorded when it was made; a value is due as early as its earliest reader. A
     pre-hook (``nodecall`` None: engines differ on whether they name the node before or after
     running its pre-hooks) belongs to the node reading its result. The graph's nodes need not
-    be in a valid order beforehand (``sum_in_eager_order`` leaves them out of it)."""
+    be in a valid order beforehand (``sum_in_eager_order`` leaves them out of it).
+
+    A gradient sum belongs to the latest producer of its addends: eager adds a gradient to the
+    input buffer when its producer runs. The engine records the sum while capturing whichever
+    producer it reaches second, possibly eager's earlier one, which made the sum, and through it
+    the later producer's whole branch, due too early (a leaf's hooks ran before those of a
+    branch eager runs first)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     own = _recorded_ranks(nodes, ranks)
+    for node in nodes:
+        if _is_buffer_sum(node):
+            own[node] = _latest_addend(node, own)
     due: dict[fx.Node, float] = {}
     for node in reversed(nodes):
         readers = [due[u] for u in node.users if u in due]
@@ -114,6 +123,12 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
                 waiting[user] -= 1
                 if waiting[user] == 0:
                     heapq.heappush(ready, (due[user], position[user], user))
+
+
+def _latest_addend(node: fx.Node, own: Mapping[fx.Node, float]) -> float:
+    """The rank of the latest producer of a (chain of) gradient sum's addends."""
+    return max((_latest_addend(a, own) if _is_buffer_sum(a) else own.get(a, -1.0)
+                for a in node.all_input_nodes), default=own[node])
 
 
 def _recorded_ranks(nodes: list[fx.Node], ranks: Mapping[int, int]) -> dict[fx.Node, float]:
