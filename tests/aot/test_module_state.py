@@ -279,7 +279,46 @@ def test_tensor_attributes_forward_assigns_are_read_at_every_call():
         torch.testing.assert_close(twin.ema, eager.ema)
         torch.testing.assert_close(twin.cached, eager.cached)
     (reason,) = aotkit.explain().of_kind("recompile")
-    assert reason.why.startswith("forward assigns plain tensor attribute(s) ['ema', 'cached']")
+    assert reason.why.startswith("plain tensor attribute(s) ['ema', 'cached'] assigned anew")
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scale = torch.ones(3)  # a plain attribute, set from outside between calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_tensor_attributes_replaced_from_outside_are_read_from_then_on():
+    """A plain tensor attribute replaced between calls (``model.scale = ...``) kept its traced
+    value in the graph: the outputs ignored the new one."""
+    torch.manual_seed(0)
+    eager = _Scaled()
+    twin = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    x = torch.randn(2, 3)
+    for scale in (None, torch.full((3,), 2.0), torch.full((3,), -1.0)):
+        if scale is not None:
+            eager.scale, twin.scale = scale, scale.clone()
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+    with torch.no_grad():  # read as an input now: in-place changes show too
+        eager.scale.zero_()
+        twin.scale.zero_()
+    torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert reason.why.startswith("plain tensor attribute(s) ['scale'] assigned anew")
+
+
+def test_a_tensor_attribute_replaced_by_one_requiring_grad_is_refused():
+    model = _Scaled()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    compiled(torch.randn(2, 3))
+    model.scale = torch.ones(3, requires_grad=True)
+    with pytest.raises(UnsupportedError, match=r"'scale' was replaced by a tensor that requires"):
+        compiled(torch.randn(2, 3))
 
 
 def test_a_new_submodule_never_gets_a_freed_ones_graph():

@@ -64,6 +64,10 @@ class _Layout:
     slots: list[_Slot]
     attributes: list[tuple[str, dict[str, Any]]]  # every module's name and __dict__
     hooks: list[tuple[str, str, Any]]  # (module name or "every module", kind, hook)
+    # Plain tensor attributes read while tracing, constants of the graph: qualified name ->
+    # (the module's __dict__, key, the tensor read). See Note [Module state as graph inputs].
+    constants: dict[str, tuple[dict[str, Any], str, torch.Tensor]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -106,6 +110,9 @@ class AotModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         key, state = _collect(self.orig_module, self._attributes)
         compiled = self._compiled.get(key)
+        if compiled is not None and compiled.layout.constants and self._read_replaced(compiled):
+            key, state = _collect(self.orig_module, self._attributes)
+            compiled = self._compiled.get(key)
         if compiled is None:
             with COMPILE_LOCK:  # Note [One compile at a time]
                 compiled = self._compiled.get(key) or self._compile_for(key)
@@ -113,10 +120,32 @@ class AotModule(nn.Module):
         out, assigned = compiled.fn(*state, *args, **kwargs)
         for name, value in assigned.items():
             module, attribute = _assign(self.orig_module, name, value)
+            if name in compiled.layout.constants:  # forward's own assignment: not a change
+                compiled.layout.constants[name] = (module.__dict__, attribute, value)
             if not value.requires_grad and attribute not in module._buffers \
                     and attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
+
+    def _read_replaced(self, compiled: _Compiled) -> bool:
+        """Plain tensor attributes replaced since the last call (``model.scale = ...``), which
+        the graph holds as constants, are read as inputs from now on (Note [Module state as
+        graph inputs]); whether there were any."""
+        replaced = [(name, d, key) for name, (d, key, value) in compiled.layout.constants.items()
+                    if d.get(key) is not value and isinstance(d.get(key), torch.Tensor)]
+        for name, d, key in replaced:
+            if d[key].requires_grad:
+                raise UnsupportedError(
+                    f"aot_module({type(self.orig_module).__name__}): the plain tensor attribute "
+                    f"{name!r} was replaced by a tensor that requires grad; its compiled graphs "
+                    "hold the earlier value as a constant, and a tensor requiring grad cannot be "
+                    "read as state without tying each call's graph to the last one's.\nFix: "
+                    "register it as a parameter (or a buffer, detached), or pass it as an "
+                    "argument of forward."
+                )
+            module = self.orig_module.get_submodule(name.rpartition(".")[0])
+            self._attributes[id(module)] = (*self._attributes.get(id(module), ()), key)
+        return bool(replaced)
 
     def _compile_for(self, key: Hashable) -> _Compiled:
         module = self.orig_module
@@ -294,8 +323,13 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> _Layo
                     names.append(qualified)
                 slots.append(_Slot(table, key, index[id(t)], qualified, kind != "parameter",
                                    kind == "attribute"))
+    lifted = {(id(s.table), s.key) for s in slots}
+    constants = {f"{n}.{k}" if n else k: (m.__dict__, k, v) for n, m in modules
+                 for k, v in m.__dict__.items()
+                 if isinstance(v, torch.Tensor) and (id(m.__dict__), k) not in lifted}
     return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
-        [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]))
+        [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]),
+        constants)
 
 
 @contextlib.contextmanager
@@ -412,8 +446,8 @@ def _describe(old: _Layout, new: _Layout) -> str:
         reasons.append("submodules changed (added, removed, replaced or re-registered)")
     read = [s.name for s in new.slots if s.is_attribute and s.name not in old.names]
     if read:
-        reasons.append(f"forward assigns plain tensor attribute(s) {read}: read as inputs from "
-                       "now on, so each call sees what the last one assigned")
+        reasons.append(f"plain tensor attribute(s) {read} assigned anew (by forward or from "
+                       "outside): read as inputs from now on, so each call sees the current value")
     reasons += _state_changes(old, new, read)
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
