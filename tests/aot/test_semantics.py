@@ -911,6 +911,49 @@ def test_double_backward_mixed_with_eager_terms_raises():
         penalty.backward()
 
 
+
+def test_double_backward_raises_under_saved_tensor_hooks():
+    """The anchor is kept on ctx there (Note [Refusing double backward]); the guard must hold."""
+    f = aotkit.aot_function(lambda x: x.sin() * x, compilers.nop)
+    x = rand(3, grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = f(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad(g.sum(), x)
+
+
+def test_a_pack_hook_keeping_its_tensor_does_not_keep_the_call_alive():
+    """The anchor went through the pack hook with its grad_fn: a cycle through C++ the garbage
+    collector cannot free, which kept every call's saved tensors and inputs alive."""
+    import gc
+    import weakref
+
+    f = aotkit.aot_function(lambda x, w: (x @ w).exp().sum(), compilers.nop)
+    w = rand(8, 8, grad=True)
+    x = rand(8, 8, grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(weakref.ref(t)), t)[1],
+                                                  lambda t: t):
+        out = f(x, w)
+    alive = weakref.ref(x)
+    del out, x
+    gc.collect()
+    assert alive() is None
+    assert sum(r() is not None for r in saved) == 1  # w, which the test holds
+
+
+def test_a_second_backward_through_a_graph_that_saves_nothing_accumulates():
+    """As in eager, where no formula saved a tensor; the saved anchor made it raise."""
+    check_against_eager(lambda x: (x + 1).sum(), rand(3, grad=True))
+    for fn in (lambda x: (x + 1).sum(), aotkit.aot_function(lambda x: (x + 1).sum(), compilers.nop)):
+        x = torch.ones(2, requires_grad=True)
+        out = fn(x)
+        out.backward()
+        out.backward()
+        assert x.grad.tolist() == [2.0, 2.0]
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 

@@ -146,7 +146,7 @@ class CompiledFunction(torch.autograd.Function):
             saved = _unshare_with_mutated_inputs(saved, args, graphs.returned_mutations)
         ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
         anchor = torch.empty(0)
-        ctx.save_for_backward(*saved, anchor)
+        _save(ctx, saved, anchor)
         ctx.graphs = graphs
         fw_outs = _distinct_non_differentiable(outs[:n], graphs.non_differentiable)
         ctx.mark_non_differentiable(
@@ -163,7 +163,7 @@ class CompiledFunction(torch.autograd.Function):
             _dense(g, f) for g, d, f in zip(grads[:-1], graphs.differentiable,
                                             graphs.tangent_formats, strict=True) if d
         ]
-        *saved, anchor = ctx.saved_tensors
+        saved, anchor = _saved(ctx)
         args = [*ctx.saved_syms, *saved, *tangents]
         backward = graphs.backward_fn(autocast_state())
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
@@ -182,6 +182,34 @@ class CompiledFunction(torch.autograd.Function):
 # CompiledFunction that it saves for backward. Unpacked there under create_graph, the anchor's
 # grad_fn is this very node, whose edges lead to the inputs. It costs one empty tensor per call,
 # holds no memory, and is never differentiated unless a second backward runs.
+#
+# The anchor is an output of the very node that saves it. Saved through save_for_backward,
+# autograd stores it without its grad_fn, so no reference cycle forms; but a saved-tensor pack
+# hook that keeps the tensor it is given (an identity hook counting bytes, an offload hook
+# keeping small tensors) holds the anchor with its grad_fn: a cycle through C++ that the
+# garbage collector cannot see, which kept every call's saved tensors alive. So while such hooks
+# are active the anchor is a plain attribute of ctx instead, a cycle the collector frees. So it
+# is too when nothing else is saved: a second backward then runs, as eager's does when no
+# formula saved anything, instead of raising that the saved tensors were freed.
+def _save(ctx: Any, saved: Sequence[Any], anchor: torch.Tensor) -> None:
+    """Save ``saved`` and the anchor (Note [Refusing double backward])."""
+    if saved and torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+        ctx.save_for_backward(*saved, anchor)
+    else:
+        ctx.anchor = anchor
+        ctx.nothing_saved = not saved
+        ctx.save_for_backward(*saved)
+
+
+def _saved(ctx: Any) -> tuple[list[Any], torch.Tensor]:
+    """The saved tensors and the anchor, as :func:`_save` kept them."""
+    if not hasattr(ctx, "anchor"):
+        *saved, anchor = ctx.saved_tensors
+        return saved, anchor
+    # Reading saved_tensors after a backward raises even when there were none.
+    return [] if ctx.nothing_saved else list(ctx.saved_tensors), ctx.anchor
+
+
 class _DoubleBackwardGuard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str, anchor: torch.Tensor, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
