@@ -533,3 +533,26 @@ def test_adding_or_removing_a_hook_after_compiling_recompiles():
     torch.testing.assert_close(_step(compiled, x), _step(eager, x))  # the first entry again
     _assert_same_state(twin, eager)
     assert compiled.num_entries == 2
+
+
+def test_quantization_aware_training_from_a_fresh_model_matches_eager():
+    """A per-channel fake-quant observer resizes its scale from (1,) to the channel count inside
+    its kernel; functionalization returned the new size while the buffer kept the old one, and
+    writing it back raised a bare RuntimeError (after updating other buffers)."""
+    import torch.ao.quantization as quant
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(quant.QuantStub(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3),
+                          quant.DeQuantStub())
+    eager.qconfig = quant.get_default_qat_qconfig("x86")
+    quant.prepare_qat(eager, inplace=True)
+    twin = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x), rtol=0, atol=0)
+        _assert_same_state(twin, eager)
+    for (name, got), want in zip(twin.state_dict().items(), eager.state_dict().values(),
+                                 strict=True):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

@@ -370,11 +370,29 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
         with contextlib.nullcontext() if tracked else torch.no_grad():
             inp.as_strided_(new.size(), new.stride(), offset)
     if info.mutates_data:
+        if inp.shape != new.shape:
+            _resize_as_eager(inp, new)
         if info.mutation_is_differentiable and torch.is_grad_enabled():
             inp.copy_(new)
         else:
             with torch.no_grad():
                 inp.copy_(new)
+
+
+def _resize_as_eager(inp: torch.Tensor, new: torch.Tensor) -> None:
+    """An op that resizes its argument inside its kernel (a fake-quant observer growing
+    ``scale`` from (1,) to its channel count) is functionalized into a new value of the new size,
+    while the input keeps its size; the caller's tensor is resized first, as the kernel resizes
+    it in eager. A view or a tensor requiring grad cannot be resized (eager's kernel fails too)."""
+    if inp._base is not None or inp.requires_grad:
+        raise UnsupportedError(
+            f"the compiled function resizes an input of shape {tuple(inp.shape)} to "
+            f"{tuple(new.shape)} in place (an op that resizes its argument, such as a "
+            "quantization observer), but that input is a view or requires grad, which cannot be "
+            "resized.\nFix: pass a tensor of the final size, or one of its own (.clone())."
+        )
+    with torch.no_grad():
+        inp.resize_(new.shape)
 
 
 @dataclass
