@@ -278,6 +278,22 @@ def test_generator_made_outside_the_function_advances_like_eager():
                                                 .requires_grad_(grad)), e)
 
 
+@pytest.mark.parametrize("op", ["exponential_", "geometric_", "cauchy_", "log_normal_"])
+def test_a_generator_passed_to_a_sampler_without_generator_support_is_refused(op):
+    """Functionalization traces these samplers through references that take no generator: a
+    bare AssertionError from inside PyTorch."""
+    gen = torch.Generator().manual_seed(0)
+    args = (0.3,) if op == "geometric_" else ()
+
+    def fn(x):
+        return x * getattr(torch.empty_like(x), op)(*args, generator=gen)
+
+    fn(torch.ones(3))  # eager runs it
+    with pytest.raises(UnsupportedError, match=r"torch\.Generator|generator") as info:
+        aotkit.aot_function(fn, compilers.nop)(torch.ones(3))
+    assert "Fix:" in str(info.value)
+
+
 # --- activation checkpointing ----------------------------------------------------------------
 
 

@@ -209,6 +209,15 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         ) from exc
     except UnsupportedOperatorException as exc:
         raise _no_fake_kernel(what, exc, _symbolic(mode)) from exc
+    except AssertionError as exc:
+        if "generator is not supported in refs" not in str(exc):
+            raise
+        raise UnsupportedError(  # exponential_, geometric_, cauchy_, log_normal_
+            f"{what} passes a torch.Generator to a random op whose functional form PyTorch "
+            f"traces through a reference implementation that takes no generator ({exc}).\nFix: "
+            "draw from the default generator (seeded with torch.manual_seed), or compile with "
+            "torch.compile(fn, backend='aotkit'), which runs the op eagerly."
+        ) from exc
     except RuntimeError as exc:
         error = _runtime_error(what, exc)
         if error is exc:
