@@ -294,6 +294,17 @@ def test_a_generator_passed_to_a_sampler_without_generator_support_is_refused(op
     assert "Fix:" in str(info.value)
 
 
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="FX before 2.13 holds no generator")
+def test_a_new_generator_at_each_call_says_to_pass_the_same_one():
+    compiled = aotkit.aot_function(lambda x, g: x + torch.rand(x.shape, generator=g),
+                                   compilers.nop)
+    for seed in range(2):
+        compiled(torch.zeros(3), torch.Generator().manual_seed(seed))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "args[1] is another torch.Generator object" in reason.why
+    assert "pass the same one at every call" in reason.why
+
+
 # --- activation checkpointing ----------------------------------------------------------------
 
 

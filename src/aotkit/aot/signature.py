@@ -137,6 +137,10 @@ def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
                          for f, x, y in changed)
     if _is_subclass_key(a) or _is_subclass_key(b):
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
+    if a[0] is b[0] is torch.Generator:
+        return (f"{name} is another torch.Generator object (a graph draws from the generator it "
+                "was traced with; pass the same one at every call, reseeding it outside with "
+                "g.manual_seed(...))")
     return f"{name} changed: {_show(a)} -> {_show(b)}"
 
 
