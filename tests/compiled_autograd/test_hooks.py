@@ -450,8 +450,10 @@ def _register(kind: str, hook: Callable[..., Any], w: torch.Tensor, k: torch.Ten
     ("tensor", lambda g: g.double(), RuntimeError, "float64"),
     ("post", lambda gis, gos: (gis[0].double(), None), RuntimeError, "float64"),
     ("post_acc", lambda p: p.grad * 2, RuntimeError, "must return None"),
+    ("post_acc", lambda p: (1, 2), TypeError, "returned tuple"),
 ], ids=["leaf-size", "tensor-size", "tensor-float", "pre-count", "pre-size", "post-count",
-        "post-list", "leaf-dtype", "tensor-dtype", "post-dtype", "post-acc-returns"])
+        "post-list", "leaf-dtype", "tensor-dtype", "post-dtype", "post-acc-returns",
+        "post-acc-returns-tuple"])
 def test_hook_results_are_checked_like_eager(kind: str, hook: Callable[..., Any],
                                              error: type[Exception], match: str) -> None:
     def step() -> None:

@@ -123,10 +123,11 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     result = hook(*args)
     if result is None:
         return args[0]
-    if hook_type == "post_acc_grad_hook":
-        raise HookResultError(
-            "a post-accumulate-grad hook returned a value; such hooks must return None "
-            "(modify param.grad in place instead)."
+    if hook_type == "post_acc_grad_hook":  # eager: a TypeError unless it is a tensor
+        error = HookResultError if isinstance(result, torch.Tensor) else HookResultTypeError
+        raise error(
+            f"a post-accumulate-grad hook returned {type(result).__name__}; such hooks must "
+            "return None (modify param.grad in place instead)."
         )
     if hook_type == "tensor_pre_hook":
         _check_grad(hook, result, args[0])
