@@ -304,9 +304,10 @@ class CompiledBackward:
         return UnsupportedError(
             f"compiled autograd: {self.captured.__class__.__name__} failed on a replay with "
             f"values it was not captured for ({changed}): "
-            f"{type(exc).__name__}: {exc}\nIf that is a shape error, the new value changed the "
-            "backward's structure (a split whose split size changed), which PyTorch's engine "
-            "does not notice when sizes are dynamic. Fix: "
+            f"{type(exc).__name__}: {exc}\nThe graph was captured, or compiled by "
+            "compiler_fn, for a backward whose formulas depend on that value (a split whose "
+            "split size changed; a compiler specializing an interpolation's output size), "
+            "which PyTorch's engine does not notice when sizes are dynamic. Fix: "
             "aotkit.compiled_autograd.enable(compiler_fn, dynamic=False), which captures again "
             "for new sizes, or run this backward under aotkit.compiled_autograd.disable()."
         )
