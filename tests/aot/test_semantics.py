@@ -890,6 +890,23 @@ def test_rng_state_after_call_matches_eager():
     torch.testing.assert_close(torch.rand(4), after_aot)
 
 
+def test_a_closed_over_module_switched_to_eval_is_traced_again():
+    """Note [Training flags of modules the function calls]: model.eval() after the first call
+    did not show, and the graph went on dropping out (PyTorch's aot_function too)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)).requires_grad_(False)
+    x = torch.randn(2, 4, requires_grad=True)
+    compiled = aotkit.aot_function(lambda x: model(x), compilers.nop)
+    for training in (True, False, True, False):
+        model.train(training)
+        torch.manual_seed(1)
+        expected = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(compiled(x), expected)
+    assert compiled.num_entries == 2  # one per flag, each reused
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "the training flag of Dropout" in reason.why and "True -> False" in reason.why
+
+
 # --- double backward -------------------------------------------------------------------------
 
 
