@@ -1675,6 +1675,34 @@ def test_reseeding_with_the_seed_in_use_is_refused(drawn_before, forked):
     assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is as it was
 
 
+def _forked(x):
+    with torch.random.fork_rng():
+        return x + torch.rand(3)
+
+
+def _restored(x):
+    state = torch.get_rng_state()
+    out = x + torch.rand(3)
+    torch.set_rng_state(state)
+    return out
+
+
+@pytest.mark.parametrize("fn", [_forked, _restored], ids=["fork_rng", "set_rng_state"])
+def test_restoring_the_generator_state_inside_is_refused(fn):
+    """Note [Catching a reseed]: fake draws never move the generator, so the restore changed
+    nothing while tracing, and the graph's draws moved the caller's generator at run time
+    (the next torch.rand differed from eager's; PyTorch's aot_function too)."""
+    torch.manual_seed(0)
+    torch.rand(1)
+    state = torch.get_rng_state()
+    with pytest.raises(UnsupportedError, match=r"set_rng_state") as info:
+        aotkit.aot_function(fn, compilers.nop)(torch.zeros(3))
+    assert "test_semantics.py" in str(info.value) and "Fix:" in str(info.value)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.set_rng_state(state)  # other threads and eager code keep the real function
+    assert torch.set_rng_state is torch.random.set_rng_state
+
+
 def test_a_trace_leaves_a_freshly_seeded_generator_as_it_was():
     """Note [Catching a reseed] moves a freshly seeded generator while tracing; the draws after
     the call must be eager's."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 
@@ -9,6 +10,9 @@ import torch
 
 _AOTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# A context manager's exit (torch.random.fork_rng restoring the state) runs in contextlib: the
+# user's line is the ``with`` statement's.
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 
 def user_frame(exc: BaseException) -> str:
@@ -26,7 +30,8 @@ def current_user_line() -> str:
 
 def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
     frames = [f for f in frames if not os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_TORCH_DIR)]
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_TORCH_DIR)
+            and os.path.abspath(f.filename) != _CONTEXTLIB]
     # The data dependence may sit in a library check (torch.nn.functional): show that line too.
     library = [f for f in frames if os.path.abspath(f.filename).startswith(
         (_TORCH_DIR + "nn" + os.sep, _TORCH_DIR + "functional.py"))]

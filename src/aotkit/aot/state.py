@@ -4,6 +4,7 @@ and the default generator. See Note [Global state the function leaves changed]."
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,12 +56,12 @@ class GlobalState:
 def default_rng_state() -> bytes:
     """The default CPU generator's state, read outside every tracing mode."""
     with _outside_modes():
-        return torch.get_rng_state().numpy().tobytes()
+        return torch.default_generator.get_state().numpy().tobytes()
 
 
 def set_default_rng_state(state: bytes) -> None:
     with _outside_modes():
-        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        torch.default_generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 def _outside_modes() -> contextlib.ExitStack:
@@ -88,12 +89,17 @@ def _seeded_state(seed: int, draws: int = 0) -> bytes:
 # ``torch.initial_seed()``. One with the seed already in use shows as the state going back to
 # where ``manual_seed(s)`` puts it; when the generator is there already (no draw since the
 # caller seeded), the watch first moves it one draw on, so that going back shows. The caller's
-# state is put back when the trace ends.
+# state is put back when the trace ends. Setting a saved state back (``torch.set_rng_state``,
+# which ``torch.random.fork_rng`` calls on exit) shows nothing at all: fake draws never moved
+# the state. So while the watch lasts, ``torch.set_rng_state`` called by the traced thread
+# raises (the graph's draws move the caller's generator at run time, which the restore was
+# meant to undo); reading the state stays allowed (``torch.utils.checkpoint`` reads it).
 class ReseedWatch:
     """Whether the default generator has been reseeded since this watch began. See Note
     [Catching a reseed]."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str) -> None:
+        self._unpatch = _refuse_state_restores(what)
         self.seed = torch.initial_seed()
         self.state = default_rng_state()
         self.fresh = _seeded_state(self.seed)
@@ -110,8 +116,38 @@ class ReseedWatch:
 
     def end(self) -> None:
         """Put the caller's generator state back where the watch moved it or a reseed did."""
+        self._unpatch()
         if self.watched != self.state or self.reseeded():
             set_default_rng_state(self.state)
+
+
+def _refuse_state_restores(what: str) -> Callable[[], None]:
+    """Make ``torch.set_rng_state`` raise in this thread; returns what undoes that. See Note
+    [Catching a reseed]."""
+    from aotkit.aot.frames import current_user_line
+
+    thread = threading.get_ident()
+    original = torch.random.set_rng_state, torch.set_rng_state
+
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        # Another thread's, or fork_rng's exit while an error (a reseed refused) propagates.
+        if threading.get_ident() != thread or sys.exc_info()[1] is not None:
+            return original[0](new_state)
+        raise UnsupportedError(
+            f"{what} sets the global random number generator's state (torch.set_rng_state, "
+            f"which torch.random.fork_rng calls on exit) at {current_user_line()}; its compiled "
+            "graphs draw random numbers from the caller's generator when they run, and the "
+            "restore would happen only while tracing.\nFix: call fork_rng/set_rng_state "
+            "outside the compiled function, or draw from a torch.Generator passed as an "
+            "argument."
+        )
+
+    torch.random.set_rng_state = torch.set_rng_state = set_rng_state
+
+    def unpatch() -> None:
+        torch.random.set_rng_state, torch.set_rng_state = original
+
+    return unpatch
 
 
 def reseeding_refused(what: str) -> UnsupportedError:

@@ -174,7 +174,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     guard.generators.extend(generators)
-    guard.seeds = None if reseeds else ReseedWatch()
+    guard.seeds = None if reseeds else ReseedWatch(what)
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
     # its ops there when it sees a trace); what it writes must not outlive our trace.
