@@ -9,7 +9,7 @@ import traceback
 import torch
 
 _AOTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # A context manager's exit (torch.random.fork_rng restoring the state) runs in contextlib: the
 # user's line is the ``with`` statement's.
 _CONTEXTLIB = os.path.abspath(contextlib.__file__)
@@ -30,11 +30,11 @@ def current_user_line() -> str:
 
 def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
     frames = [f for f in frames if not os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(_TORCH_DIR)
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(TORCH_DIR)
             and os.path.abspath(f.filename) != _CONTEXTLIB]
     # The data dependence may sit in a library check (torch.nn.functional): show that line too.
     library = [f for f in frames if os.path.abspath(f.filename).startswith(
-        (_TORCH_DIR + "nn" + os.sep, _TORCH_DIR + "functional.py"))]
+        (TORCH_DIR + "nn" + os.sep, TORCH_DIR + "functional.py"))]
     shown = []
     if library and (not user or frames.index(library[-1]) > frames.index(user[-1])):
         shown.append(library[-1])

@@ -4,6 +4,7 @@ and the default generator. See Note [Global state the function leaves changed]."
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.aot.signature import AUTOCAST_DEVICES, AutocastState, autocast_state
 from aotkit.errors import UnsupportedError
 
@@ -121,17 +123,23 @@ class ReseedWatch:
             set_default_rng_state(self.state)
 
 
+def _called_by_user(filename: str) -> bool:
+    """A call from the user's code, or from ``torch.random.fork_rng`` (which the user called)."""
+    path = os.path.abspath(filename)
+    return not path.startswith(TORCH_DIR) or path == TORCH_DIR + "random.py"
+
+
 def _refuse_state_restores(what: str) -> Callable[[], None]:
     """Make ``torch.set_rng_state`` raise in this thread; returns what undoes that. See Note
     [Catching a reseed]."""
-    from aotkit.aot.frames import current_user_line
-
     thread = threading.get_ident()
     original = torch.random.set_rng_state, torch.set_rng_state
 
     def set_rng_state(new_state: torch.Tensor) -> None:
-        # Another thread's, or fork_rng's exit while an error (a reseed refused) propagates.
-        if threading.get_ident() != thread or sys.exc_info()[1] is not None:
+        # Another thread's; fork_rng's exit while an error (a reseed refused) propagates;
+        # PyTorch's own (Dynamo keeps the state across its tracing of torch.cond's branches).
+        if threading.get_ident() != thread or sys.exc_info()[1] is not None \
+                or not _called_by_user(sys._getframe(1).f_code.co_filename):
             return original[0](new_state)
         raise UnsupportedError(
             f"{what} sets the global random number generator's state (torch.set_rng_state, "
