@@ -312,14 +312,20 @@ def test_tensor_attributes_replaced_from_outside_are_read_from_then_on():
     assert reason.why.startswith("plain tensor attribute(s) ['scale'] assigned anew")
 
 
-def test_a_tensor_attribute_replaced_by_one_requiring_grad_is_refused():
-    model = _Scaled()
-    compiled = aotkit.aot_module(model, compilers.nop)
-    compiled(torch.randn(2, 3))
-    model.scale = torch.ones(3, requires_grad=True)
-    with pytest.raises(UnsupportedError, match=r"'scale' was replaced by a tensor that requires"):
-        compiled(torch.randn(2, 3))
-
+def test_weight_norm_recomputed_by_an_eager_call_between_compiled_ones_still_runs():
+    """An eager call recomputes old-style weight_norm's plain ``weight`` attribute (requiring
+    grad, never read before its pre-hook sets it): that replacement must not be refused."""
+    torch.manual_seed(0)
+    eager = nn.utils.weight_norm(nn.Linear(3, 3))
+    torch.manual_seed(0)
+    twin = nn.utils.weight_norm(nn.Linear(3, 3))  # weight_norm modules cannot be deepcopied
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        twin(x)  # a validation pass on the original module
+        eager(x)
+    _assert_same_state(twin, eager)
 
 def test_a_new_submodule_never_gets_a_freed_ones_graph():
     """Python reuses a freed module's id; entries die with their modules."""

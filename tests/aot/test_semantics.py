@@ -960,17 +960,6 @@ def test_a_pack_hook_keeping_its_tensor_does_not_keep_the_call_alive():
     assert sum(r() is not None for r in saved) == 1  # w, which the test holds
 
 
-def test_a_second_backward_through_a_graph_that_saves_nothing_accumulates():
-    """As in eager, where no formula saved a tensor; the saved anchor made it raise."""
-    check_against_eager(lambda x: (x + 1).sum(), rand(3, grad=True))
-    for fn in (lambda x: (x + 1).sum(), aotkit.aot_function(lambda x: (x + 1).sum(), compilers.nop)):
-        x = torch.ones(2, requires_grad=True)
-        out = fn(x)
-        out.backward()
-        out.backward()
-        assert x.grad.tolist() == [2.0, 2.0]
-
-
 # --- errors ------------------------------------------------------------------------------------
 
 

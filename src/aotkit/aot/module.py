@@ -43,9 +43,13 @@ log = logging.getLogger("aotkit.aot")
 # seen assigning it a tensor that does not require grad (a running average, a cache), it
 # becomes state like a buffer (a slot in its module's ``__dict__``, an input read at every
 # call), so the next call reads what the last one assigned. That layout is compiled at the next
-# call, with a recompile decision naming the attributes. A tensor that requires grad (an
-# activation a hook keeps, old-style weight_norm's weight) stays out: read as an input it
-# would tie each call's graph to the last one's, which eager's forward does not read.
+# call, with a recompile decision naming the attributes. So does one replaced from outside
+# between calls (``model.scale = ...``: the layout lists the modules' tensor attributes, and
+# every call checks they are still there; one forward never reads costs a recompile). A tensor
+# that requires grad (an activation a hook keeps, old-style weight_norm's weight, recomputed
+# by an eager call in between) stays out: read as an input it would tie each call's graph to
+# the last one's, which eager's forward does not read. So a state forward reads and assigns
+# without ``.detach()`` in grad mode, or one requiring grad set from outside, is read as traced.
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
@@ -130,21 +134,20 @@ class AotModule(nn.Module):
     def _read_replaced(self, compiled: _Compiled) -> bool:
         """Plain tensor attributes replaced since the last call (``model.scale = ...``), which
         the graph holds as constants, are read as inputs from now on (Note [Module state as
-        graph inputs]); whether there were any."""
-        replaced = [(name, d, key) for name, (d, key, value) in compiled.layout.constants.items()
-                    if d.get(key) is not value and isinstance(d.get(key), torch.Tensor)]
-        for name, d, key in replaced:
-            if d[key].requires_grad:
-                raise UnsupportedError(
-                    f"aot_module({type(self.orig_module).__name__}): the plain tensor attribute "
-                    f"{name!r} was replaced by a tensor that requires grad; its compiled graphs "
-                    "hold the earlier value as a constant, and a tensor requiring grad cannot be "
-                    "read as state without tying each call's graph to the last one's.\nFix: "
-                    "register it as a parameter (or a buffer, detached), or pass it as an "
-                    "argument of forward."
-                )
+        graph inputs]); whether there were any. One replaced by a tensor that requires grad
+        stays out, as forward's own such assignments do."""
+        constants = compiled.layout.constants
+        replaced = []
+        for name, (d, key, value) in constants.items():
+            new = d.get(key)
+            if new is value or not isinstance(new, torch.Tensor):
+                continue
+            if new.requires_grad:
+                constants[name] = (d, key, new)
+                continue
             module = self.orig_module.get_submodule(name.rpartition(".")[0])
             self._attributes[id(module)] = (*self._attributes.get(id(module), ()), key)
+            replaced.append(name)
         return bool(replaced)
 
     def _compile_for(self, key: Hashable) -> _Compiled:

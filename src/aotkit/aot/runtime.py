@@ -188,12 +188,12 @@ class CompiledFunction(torch.autograd.Function):
 # hook that keeps the tensor it is given (an identity hook counting bytes, an offload hook
 # keeping small tensors) holds the anchor with its grad_fn: a cycle through C++ that the
 # garbage collector cannot see, which kept every call's saved tensors alive. So while such hooks
-# are active the anchor is a plain attribute of ctx instead, a cycle the collector frees. So it
-# is too when nothing else is saved: a second backward then runs, as eager's does when no
-# formula saved anything, instead of raising that the saved tensors were freed.
+# are active the anchor is a plain attribute of ctx instead, a cycle the collector frees. (A
+# second backward without retain_graph raises as the saved anchor is freed, which eager does
+# whenever a formula saved anything, ``x * 2``'s scalar included.)
 def _save(ctx: Any, saved: Sequence[Any], anchor: torch.Tensor) -> None:
     """Save ``saved`` and the anchor (Note [Refusing double backward])."""
-    if saved and torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
         ctx.save_for_backward(*saved, anchor)
     else:
         ctx.anchor = anchor
