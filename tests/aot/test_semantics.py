@@ -1692,6 +1692,46 @@ def test_restoring_the_generator_state_inside_is_refused(fn):
     assert torch.set_rng_state is torch.random.set_rng_state
 
 
+def test_fork_rng_without_a_draw_inside_runs_like_eager():
+    def fn(x):
+        with torch.random.fork_rng():
+            return x.sin() * 2
+
+    torch.manual_seed(0)
+    x = torch.randn(3)
+    state = torch.get_rng_state()
+    torch.testing.assert_close(aotkit.aot_function(fn, compilers.nop)(x), fn(x))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_generator_state_read_while_tracing_is_the_callers():
+    """Note [Catching a reseed]: the watch used to move a freshly seeded generator one draw on
+    while tracing; a state read inside (and another thread's draws) saw the moved one."""
+    def fn(x):
+        return x + torch.get_rng_state()[:16].float().sum()
+
+    torch.manual_seed(0)
+    expected = fn(torch.zeros(2))
+    torch.manual_seed(0)
+    torch.testing.assert_close(aotkit.aot_function(fn, compilers.nop)(torch.zeros(2)), expected)
+
+
+def test_a_patched_rng_function_kept_past_the_trace_works_after_it():
+    kept = []
+
+    def fn(x):
+        kept.append((torch.manual_seed, torch.set_rng_state))
+        return x + 1
+
+    aotkit.aot_function(fn, compilers.nop)(torch.zeros(2))
+    manual_seed, set_rng_state = kept[0]
+    state = torch.get_rng_state()
+    manual_seed(3)
+    set_rng_state(state)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.manual_seed is torch.random.manual_seed
+
+
 def test_a_trace_leaves_a_freshly_seeded_generator_as_it_was():
     """Note [Catching a reseed] moves a freshly seeded generator while tracing; the draws after
     the call must be eager's."""

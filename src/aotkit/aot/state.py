@@ -75,52 +75,82 @@ def _outside_modes() -> contextlib.ExitStack:
     return stack
 
 
-def _seeded_state(seed: int, draws: int = 0) -> bytes:
-    """A CPU generator's state right after ``manual_seed(seed)`` and ``draws`` draws."""
+def _seeded_state(seed: int) -> bytes:
+    """A CPU generator's state right after ``manual_seed(seed)``."""
     with _outside_modes():
-        generator = torch.Generator().manual_seed(seed)
-        if draws:
-            torch.empty(draws).uniform_(generator=generator)
-        return generator.get_state().numpy().tobytes()
+        return torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
 
 
 # Note [Catching a reseed]
 # Tracing runs random ops on fake tensors, which never advance the default generator, so the
-# function's ``torch.manual_seed(s)`` is the only thing that moves it during a trace (another
-# thread drawing numbers moves it too, which must not count). A reseed with a new seed shows in
-# ``torch.initial_seed()``. One with the seed already in use shows as the state going back to
-# where ``manual_seed(s)`` puts it; when the generator is there already (no draw since the
-# caller seeded), the watch first moves it one draw on, so that going back shows. The caller's
-# state is put back when the trace ends. Setting a saved state back (``torch.set_rng_state``,
-# which ``torch.random.fork_rng`` calls on exit) shows nothing at all: fake draws never moved
-# the state. So while the watch lasts, ``torch.set_rng_state`` called by the traced thread
-# raises (the graph's draws move the caller's generator at run time, which the restore was
-# meant to undo); reading the state stays allowed (``torch.utils.checkpoint`` reads it).
+# function's ``torch.manual_seed(s)`` or ``torch.set_rng_state(saved)`` is the only thing of the
+# traced thread that moves it (another thread drawing numbers moves it too, which must not
+# count, and the generator must not move under that thread either). While the watch lasts:
+# - ``torch.manual_seed`` called by the traced thread's own code raises at the call;
+# - a reseed that went around that (``from torch import manual_seed`` before tracing) shows in
+#   ``torch.initial_seed()``, or, with the seed already in use, as the state going back to
+#   where ``manual_seed(s)`` puts it (caught only if a draw came since the caller seeded);
+# - ``torch.set_rng_state`` called by that code (``torch.random.fork_rng`` calls it on exit)
+#   raises once the trace has drawn from the default generator: the graph's draws move the
+#   caller's generator at run time, which the restore was meant to undo. A restore with no draw
+#   before it changes nothing, and reading the state stays allowed (``torch.utils.checkpoint``
+#   reads it).
+# PyTorch's own calls (Dynamo tracing torch.cond's branches keeps the state) are not refused.
 class ReseedWatch:
     """Whether the default generator has been reseeded since this watch began. See Note
     [Catching a reseed]."""
 
     def __init__(self, what: str) -> None:
-        self._unpatch = _refuse_state_restores(what)
+        self.what = what
+        self.draws = 0  # draws from the default generator traced so far
         self.seed = torch.initial_seed()
         self.state = default_rng_state()
         self.fresh = _seeded_state(self.seed)
-        self.watched = self.state
-        if self.state == self.fresh:
-            self.watched = _seeded_state(self.seed, draws=1)
-            set_default_rng_state(self.watched)
+        self._unpatch = self._patch()
 
     def reseeded(self) -> bool:
         if torch.initial_seed() != self.seed:
             return True
         now = default_rng_state()
-        return now != self.watched and now == self.fresh
+        return now != self.state and now == self.fresh
 
     def end(self) -> None:
-        """Put the caller's generator state back where the watch moved it or a reseed did."""
+        """Undo the patches; put the caller's generator state back where a reseed moved it."""
         self._unpatch()
-        if self.watched != self.state or self.reseeded():
+        if self.reseeded():
             set_default_rng_state(self.state)
+
+    def _patch(self) -> Callable[[], None]:
+        thread = threading.get_ident()
+        active = [True]
+        originals = (torch.random.manual_seed, torch.random.set_rng_state)
+
+        def refused(caller: str) -> bool:
+            # Another thread's call; a call after the watch ended (a module imported while
+            # tracing kept the patched function); fork_rng's exit while an error propagates;
+            # PyTorch's own calls.
+            return (active[0] and threading.get_ident() == thread
+                    and sys.exc_info()[1] is None and _called_by_user(caller))
+
+        def manual_seed(seed: int) -> Any:
+            if refused(sys._getframe(1).f_code.co_filename):
+                raise reseeding_refused(f"{self.what} (at {current_user_line()})")
+            return originals[0](seed)
+
+        def set_rng_state(new_state: torch.Tensor) -> None:
+            if self.draws and refused(sys._getframe(1).f_code.co_filename):
+                raise _restore_refused(self.what)
+            return originals[1](new_state)
+
+        torch.random.manual_seed = torch.manual_seed = manual_seed
+        torch.random.set_rng_state = torch.set_rng_state = set_rng_state
+
+        def unpatch() -> None:
+            active[0] = False
+            torch.random.manual_seed = torch.manual_seed = originals[0]
+            torch.random.set_rng_state = torch.set_rng_state = originals[1]
+
+        return unpatch
 
 
 def _called_by_user(filename: str) -> bool:
@@ -129,33 +159,14 @@ def _called_by_user(filename: str) -> bool:
     return not path.startswith(TORCH_DIR) or path == TORCH_DIR + "random.py"
 
 
-def _refuse_state_restores(what: str) -> Callable[[], None]:
-    """Make ``torch.set_rng_state`` raise in this thread; returns what undoes that. See Note
-    [Catching a reseed]."""
-    thread = threading.get_ident()
-    original = torch.random.set_rng_state, torch.set_rng_state
-
-    def set_rng_state(new_state: torch.Tensor) -> None:
-        # Another thread's; fork_rng's exit while an error (a reseed refused) propagates;
-        # PyTorch's own (Dynamo keeps the state across its tracing of torch.cond's branches).
-        if threading.get_ident() != thread or sys.exc_info()[1] is not None \
-                or not _called_by_user(sys._getframe(1).f_code.co_filename):
-            return original[0](new_state)
-        raise UnsupportedError(
-            f"{what} sets the global random number generator's state (torch.set_rng_state, "
-            f"which torch.random.fork_rng calls on exit) at {current_user_line()}; its compiled "
-            "graphs draw random numbers from the caller's generator when they run, and the "
-            "restore would happen only while tracing.\nFix: call fork_rng/set_rng_state "
-            "outside the compiled function, or draw from a torch.Generator passed as an "
-            "argument."
-        )
-
-    torch.random.set_rng_state = torch.set_rng_state = set_rng_state
-
-    def unpatch() -> None:
-        torch.random.set_rng_state, torch.set_rng_state = original
-
-    return unpatch
+def _restore_refused(what: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what} sets the global random number generator's state (torch.set_rng_state, "
+        f"which torch.random.fork_rng calls on exit) at {current_user_line()} after drawing "
+        "random numbers; its compiled graphs draw from the caller's generator when they run, "
+        "and the restore would happen only while tracing.\nFix: call fork_rng/set_rng_state "
+        "outside the compiled function, or draw from a torch.Generator passed as an argument."
+    )
 
 
 def reseeding_refused(what: str) -> UnsupportedError:

@@ -476,10 +476,11 @@ class _OutsideTensorGuard(TorchDispatchMode):
         each call from the seed. Also: the default generator reseeded inside (Note [Global
         state the function leaves changed]), which tracing never advances."""
         leaves = pytree.tree_leaves((args, kwargs))
-        if torch.Tag.nondeterministic_seeded in func.tags and not any(
-                isinstance(g, torch.Generator) for g in leaves) \
-                and self.seeds is not None and self.seeds.reseeded():
-            raise reseeding_refused(self.what)
+        if torch.Tag.nondeterministic_seeded in func.tags and self.seeds is not None \
+                and not any(isinstance(g, torch.Generator) for g in leaves):
+            if self.seeds.reseeded():
+                raise reseeding_refused(self.what)
+            self.seeds.draws += 1  # Note [Catching a reseed]
         for g in leaves:
             if not isinstance(g, torch.Generator) or any(g is h for h in self.generators):
                 continue
