@@ -907,6 +907,23 @@ def test_a_closed_over_module_switched_to_eval_is_traced_again():
     assert "the training flag of Dropout" in reason.why and "True -> False" in reason.why
 
 
+def test_a_module_the_function_switches_itself_is_traced_once():
+    """Its flag is the function's doing: recording the flag the trace left made every call
+    after ``model.train()`` a recompile, until RecompileLimitError."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)).requires_grad_(False)
+
+    def evaluate(x):
+        model.eval()
+        return model(x)
+
+    compiled = aotkit.aot_function(evaluate, compilers.nop)
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(10):
+        model.train()
+        torch.testing.assert_close(compiled(x), evaluate(x))
+    assert compiled.num_entries == 1
+
+
 # --- double backward -------------------------------------------------------------------------
 
 

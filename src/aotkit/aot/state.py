@@ -208,34 +208,47 @@ class StateWatch:
 # dropping out. So the modules a trace calls are recorded with their flags (a global forward
 # pre-hook while tracing, in the tracing thread only), and an entry is used only while every
 # recorded module that is still alive has its traced flag; otherwise the function is traced
-# again, with a recompile decision naming the module. aot_module keeps the flags in its layout
+# again, with a recompile decision naming the module. A module the function switches itself
+# (``model.eval()`` inside; ``Module.train`` is watched too while tracing) is not recorded: its
+# flag is the function's doing, the same at every call. aot_module keeps the flags in its layout
 # key instead, and Dynamo's graphs call no modules.
 ModuleFlags = tuple[tuple["weakref.ref[torch.nn.Module]", bool], ...]
 
 
 @contextlib.contextmanager
-def modules_called(watch: bool = True) -> Iterator[list[torch.nn.Module]]:
-    """The modules whose forward runs in this thread inside the block, in call order (none
-    unless ``watch``)."""
-    called: list[torch.nn.Module] = []
+def modules_called(watch: bool = True) -> Iterator[list[tuple[torch.nn.Module, bool]]]:
+    """The modules whose forward runs in this thread inside the block, with their training
+    flags then, in call order; none unless ``watch``. Modules the block itself switches
+    (``model.eval()`` inside the function) are left out: their flag is the function's doing."""
+    called: list[tuple[torch.nn.Module, bool]] = []
     if not watch:
         yield called
         return
     thread = threading.get_ident()
+    switched: list[torch.nn.Module] = []
+    original_train = torch.nn.Module.train
 
     def record(module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() == thread and not any(m is module for m in called):
-            called.append(module)
+        if threading.get_ident() == thread and not any(m is module for m, _ in called):
+            called.append((module, module.training))
+
+    def train(module: torch.nn.Module, mode: bool = True) -> torch.nn.Module:
+        if threading.get_ident() == thread:
+            switched.append(module)
+        return original_train(module, mode)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    torch.nn.Module.train = train  # type: ignore[method-assign]
     try:
         yield called
     finally:
         handle.remove()
+        torch.nn.Module.train = original_train  # type: ignore[method-assign]
+        called[:] = [(m, t) for m, t in called if not any(m is s for s in switched)]
 
 
-def module_flags(modules: list[torch.nn.Module]) -> ModuleFlags:
-    return tuple((weakref.ref(m), m.training) for m in modules)
+def module_flags(modules: list[tuple[torch.nn.Module, bool]]) -> ModuleFlags:
+    return tuple((weakref.ref(m), training) for m, training in modules)
 
 
 def flags_hold(flags: ModuleFlags) -> bool:
