@@ -66,13 +66,12 @@ def set_default_rng_state(state: bytes) -> None:
         torch.default_generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
-def _outside_modes() -> contextlib.ExitStack:
+@contextlib.contextmanager
+def _outside_modes() -> Iterator[None]:
     from torch.utils._python_dispatch import _disable_current_modes
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(_disable_current_modes())
-    stack.enter_context(torch._C.DisableTorchFunction())
-    return stack
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 def _seeded_state(seed: int) -> bytes:
