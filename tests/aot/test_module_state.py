@@ -251,6 +251,63 @@ def test_tensor_attributes_set_in_forward_are_set_after_each_call():
         torch.testing.assert_close(getattr(twin, attribute), getattr(eager, attribute))
 
 
+class _GrowingCache(nn.Module):
+    """A rotary-style cache grown when a longer sequence arrives, keyed on a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cached_len = 0
+        self.cos: torch.Tensor | None = None
+        self.last_len: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if n > self.cached_len:
+            self.cos = torch.arange(float(n)).cos()
+            self.cached_len = n
+        self.last_len = n
+        return self.lin(x) * self.cos[:n, None]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_cache_keyed_on_a_python_int_grows_as_in_eager(dynamic):
+    """Note [Attributes forward assigns]: each tracing pass starts from the call's own state (the
+    metadata pass's ``cached_len`` made the joint trace skip the recompute and read the old
+    cache), and plain Python values forward assigns are set after each call (a SymInt as each
+    call's int)."""
+    eager, twin, _ = _pair(_GrowingCache())
+    compiled = aotkit.aot_module(twin, compilers.nop, dynamic=dynamic)
+    for n in (3, 3, 6, 2, 6, 9):
+        x = torch.randn(2, n, 4)
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        _assert_same_state(twin, eager)
+        assert (twin.cached_len, twin.last_len) == (eager.cached_len, eager.last_len) == (
+            max(eager.cached_len, n), n)
+        assert type(twin.last_len) is int and type(twin.cos) is torch.Tensor
+        torch.testing.assert_close(twin.cos, eager.cos)
+
+
+def test_forward_assigning_a_container_of_tensors_is_refused():
+    """Its tensors would be tracing values left on the module, then constants of the next trace."""
+
+    class KeepsList(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.kept: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.kept = [y.detach()]
+            return y
+
+    model = KeepsList()
+    with pytest.raises(UnsupportedError, match="assigned 'kept' a list holding tensors"):
+        aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
+    assert model.kept == []
+
+
 def test_tensor_attributes_forward_assigns_are_read_at_every_call():
     """Note [Module state as graph inputs]: once forward is seen assigning a plain tensor
     attribute, later calls read its current value (the graph had the first value baked in)."""
@@ -326,6 +383,25 @@ def test_weight_norm_recomputed_by_an_eager_call_between_compiled_ones_still_run
         twin(x)  # a validation pass on the original module
         eager(x)
     _assert_same_state(twin, eager)
+
+
+def test_weight_norm_called_under_no_grad_first_then_trained():
+    """The no_grad call leaves a weight that does not require grad, so ``weight`` is read as an
+    input from then on; each training call's graph ignores it (the pre-hook recomputes it) and
+    must not link to the last call's graph, freed by its backward (Note [Inputs without a
+    gradient])."""
+    torch.manual_seed(0)
+    eager = nn.utils.weight_norm(nn.Linear(4, 3))
+    torch.manual_seed(0)
+    twin = nn.utils.weight_norm(nn.Linear(4, 3))
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x))
+    for _ in range(3):
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+    _assert_same_state(twin, eager)
+
 
 def test_a_new_submodule_never_gets_a_freed_ones_graph():
     """Python reuses a freed module's id; entries die with their modules."""

@@ -4,6 +4,7 @@ the same outputs, aliasing, input mutations and gradients (see eager_check.check
 from __future__ import annotations
 
 import contextlib
+import copy
 import textwrap
 
 import pytest
@@ -95,6 +96,101 @@ def test_outputs_that_do_not_require_grad():
         return y, x.detach() * 2, y.argmax(), (x > 0).long().sum(dim=0), x.shape[0]
 
     check_against_eager(fn, rand(4, 3, grad=True))
+
+
+@pytest.mark.parametrize("freed", [True, False])
+def test_inputs_without_a_gradient_are_not_linked_to_the_graph_that_made_them(freed):
+    """``y`` is ignored or read under no_grad: eager's backward never visits the graph that made
+    it. A freed one must not raise, a live one must not give its leaves zero gradients
+    (Note [Inputs without a gradient])."""
+
+    def fn(x, y, z):
+        with torch.no_grad():
+            s = z.sum()
+        return x * 2 + y.detach() * s
+
+    exp = aotkit.aot_function(torch.exp, compilers.nop)  # runs zero tangents when visited
+
+    def run(f):
+        w = torch.ones(3, requires_grad=True)
+        x = torch.ones(3, requires_grad=True)
+        z = exp(w)  # z's graph: eager never reaches w through it
+        y = w * 3
+        if freed:
+            (y.sum() + z.sum()).backward()
+            w.grad = None
+        f(x, y, z).sum().backward()
+        return x.grad, w.grad
+
+    x_grad, w_grad = run(aotkit.aot_function(fn, compilers.nop))
+    eager_x_grad, eager_w_grad = run(fn)
+    torch.testing.assert_close(x_grad, eager_x_grad)
+    assert w_grad is None and eager_w_grad is None
+
+
+def _two_heads(x, y, w):
+    return (x @ w).tanh(), (y * w.sum()).sin()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_inputs_only_unused_outputs_need_get_none_like_eager(dynamic):
+    """Note [Outputs backward does not reach]: a loss using the first output only leaves ``.grad``
+    None (not zeros) for what fed the second only, and allow_unused=False raises as in eager."""
+    compiled = aotkit.aot_function(_two_heads, compilers.nop, dynamic=dynamic)
+    for f in (_two_heads, compiled):
+        for n in (2, 3):
+            x, y, w = rand(n, 3, grad=True), rand(4, grad=True), rand(3, 3, grad=True)
+            a, _ = f(x, y, w)
+            a.sum().backward()
+            assert y.grad is None
+            torch.testing.assert_close(w.grad, torch.autograd.grad(
+                _two_heads(x, y, w)[0].sum(), w)[0])
+            with pytest.raises(RuntimeError, match="appears to not have been used"):
+                torch.autograd.grad(f(x, y, w)[0].sum(), [x, y])
+    assert counters.counters["aot"]["traces"] == (2 if not dynamic else 1)
+
+
+def test_a_head_the_loss_does_not_use_is_left_alone_by_the_optimizer():
+    """Zero grads would let AdamW's weight decay move the unused head; eager leaves it."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.a = nn.Linear(4, 2)
+            self.b = nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.body(x).relu()
+            return self.a(h), self.b(h)
+
+    torch.manual_seed(0)
+    eager = TwoHeads()
+    twin = copy.deepcopy(eager)
+    for model, run in ((eager, eager), (twin, aotkit.aot_module(twin, compilers.nop))):
+        opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            run(torch.ones(3, 4))[0].sum().backward()
+            opt.step()
+        assert model.b.weight.grad is None
+    for p, q in zip(twin.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_no_gradient_flows_through_a_chain_of_compiled_functions_the_loss_does_not_reach():
+    """The second function's unused output feeds on the first's output: nothing runs upstream,
+    so its leaf keeps ``.grad`` None, and a freed upstream graph is not visited."""
+    first = aotkit.aot_function(lambda w: w.exp(), compilers.nop)
+    second = aotkit.aot_function(lambda x, y: (x * 2, y * 3), compilers.nop)
+    x, w = rand(3, grad=True), rand(3, grad=True)
+    y = first(w)
+    y.sum().backward(retain_graph=False)
+    w.grad = None
+    a, _ = second(x, y)
+    a.sum().backward()
+    assert w.grad is None
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
 
 
 def test_integer_and_bool_tensor_inputs():
@@ -944,6 +1040,18 @@ def test_double_backward_mixed_with_eager_terms_raises():
     with pytest.raises(UnsupportedError, match="double backward"):
         penalty.backward()
 
+
+def test_double_backward_through_the_incoming_gradient_raises():
+    """The double-vjp trick differentiates the grads with respect to ``grad_outputs``; it got
+    zeros (torch.autograd.functional.jvp) instead of the refusal."""
+    f = aotkit.aot_function(lambda x: x.sin() * x, compilers.nop)
+    x, v = rand(3), rand(3)
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.functional.jvp(f, x, v)
+    u = torch.zeros(3, requires_grad=True)
+    (g,) = torch.autograd.grad(f(x.requires_grad_()), x, u, create_graph=True)
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad(g, u, v)
 
 
 def test_double_backward_raises_under_saved_tensor_hooks():

@@ -247,6 +247,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                     flat_fn, args, meta, options.decompositions,
                     options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
+            _refuse_leaves_made_inside(meta, name)
             gm, backward_error = _trace_joint_or_defer_error(
                 flat_fn, primals, meta, fw_out_fakes, options.decompositions, not grad_inside)
             require_graph_backward(gm, fallback)
@@ -299,8 +300,32 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],
+        tangent_specs=[_tangent_spec(o) for o in fw_out_fakes],
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
+        gradless=() if backward_error else _gradless(bw_gm, args, meta),
     )
+
+
+def _tangent_spec(out: Any) -> tuple[Any, torch.dtype, torch.device] | None:
+    """Shape (None where symbolic), dtype and device of a zero tangent for ``out``."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    shape = out.shape if all(isinstance(d, int) for d in out.shape) else None
+    return shape, out.dtype, out.device
+
+
+def _gradless(bw_gm: fx.GraphModule, args: Sequence[Any], meta: AotMeta) -> tuple[int, ...]:
+    """Inputs requiring grad that the backward gives no gradient and the function neither
+    mutates nor returns views of (Note [Inputs without a gradient]). Not for a backward that
+    only raises."""
+    grads = bw_gm.graph.output_node().args[0]
+    viewed = {o.base for o in meta.outputs if o.alias in (Alias.OF_INPUT, Alias.IS_INPUT)}
+    linked = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    cut = tuple(i for i in linked if grads[i] is None and i not in meta.mutated_inputs
+                and i not in viewed)
+    # Outputs require grad only if some input does: one grown from a leaf made inside (a
+    # subclass wrapper built from parts) must still require grad, as eager's does.
+    return () if len(cut) == len(linked) and any(meta.fw_output_differentiable()) else cut
 
 
 def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: bool,
@@ -407,6 +432,23 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
             "mode is off, so aotkit compiled it for inference without autograd.\nFix: create "
             "tensors that require grad outside the function and pass them in, and call the "
             "function in the grad mode it needs instead of switching inside it."
+        )
+
+
+def _refuse_leaves_made_inside(meta: AotMeta, name: str) -> None:
+    """An output that is a leaf made inside the function (``t.detach().requires_grad_()``,
+    ``torch.zeros(..., requires_grad=True)``) is a leaf in eager, whose ``.grad`` backward fills;
+    handed back through the compiled function it would be a non-leaf, its gradient lost."""
+    fresh = [i for i, o in enumerate(meta.outputs)
+             if o.alias is Alias.NONE and o.is_tensor and o.requires_grad and not o.linked]
+    if fresh:
+        raise UnsupportedError(
+            f"{name} returns output(s) {fresh}: tensors made inside the function that require "
+            "grad without history (leaves: requires_grad_() on a detached tensor, or "
+            "requires_grad=True at creation). Eager hands them back as leaves whose .grad "
+            "backward fills; a compiled function's outputs are not leaves, so their gradient "
+            "would be lost.\nFix: create such a tensor outside the function and pass it in, "
+            "then read its .grad there."
         )
 
 

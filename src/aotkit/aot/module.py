@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
+from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
@@ -124,6 +125,8 @@ class AotModule(nn.Module):
         out, assigned = compiled.fn(*state, *args, **kwargs)
         for name, value in assigned.items():
             module, attribute = _assign(self.orig_module, name, value)
+            if not isinstance(value, torch.Tensor):
+                continue
             if name in compiled.layout.constants:  # forward's own assignment: not a change
                 compiled.layout.constants[name] = (module.__dict__, attribute, value)
             if not value.requires_grad and attribute not in module._buffers \
@@ -170,7 +173,7 @@ class AotModule(nn.Module):
         _record_hooks(name, layout.hooks)
         names = layout.names
 
-        def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
             with _filled(layout, flat[: len(names)]) as assigned:
                 out = module(*flat[len(names):], **kwargs)
             return out, assigned
@@ -235,6 +238,22 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
     """Which of ``m``'s attributes read as state hold a tensor now."""
     d = m.__dict__
     return tuple(n for n in attributes.get(id(m), ()) if isinstance(d.get(n), torch.Tensor))
+
+
+# Note [Attributes forward assigns]
+# Tracing runs forward more than once (a metadata pass, the joint trace, a retrace under
+# autocast), and the compiled graph runs no Python. So whatever forward assigns to a module
+# attribute is put back after each tracing pass, so that every pass starts from the state the
+# call started from (a rotary cache keyed on ``self.cached_len`` recomputed in the first pass
+# was skipped by the second, which then read the cache the first pass had put back), and the
+# last pass's values are returned by the graph and assigned after every call, as eager assigns
+# them: tensors (Note [Module state as graph inputs]) and plain Python values alike, a SymInt
+# read from a dynamic size becoming each call's int. A container holding tensors is refused:
+# the next trace would read its tensors as constants; one holding only the module's own
+# parameters and buffers (RNN's ``_flat_weights``) is a view of its state, put back after the
+# trace as it was (forward rebuilds it when it finds it stale). Other objects (RNN's weakrefs
+# to its parameters, a config object) stay as forward left them. A counter forward increments
+# (``self.calls += 1``) therefore holds what one traced call left, not a count of calls.
 
 
 # Note [Module hooks]
@@ -337,21 +356,21 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> _Layo
 
 
 @contextlib.contextmanager
-def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str, Any]]:
     """Point every slot at its state tensor while forward runs; restore them after. Yields the
-    buffers forward assigned anew (filled in when it returns)."""
+    buffers and attributes forward assigned anew (filled in when it returns)."""
     slots = layout.slots
     originals = [s.table[s.key] for s in slots]
     keys = [(table, dict.fromkeys(table)) for table in layout.tables]
     attributes = [(prefix, d, dict(d)) for prefix, d in layout.attributes]
     for s in slots:
         s.table[s.key] = state[s.index]
-    assigned: dict[str, torch.Tensor] = {}
+    assigned: dict[str, Any] = {}
     try:
         yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
         state_slots = {(id(s.table), s.key) for s in slots if s.is_attribute}
-        assigned.update(_attributes_assigned(attributes, state_slots))
+        assigned.update(_attributes_assigned(attributes, state_slots, {id(t) for t in state}))
     finally:
         for table, before in keys:
             for key in [k for k in table if k not in before]:
@@ -363,24 +382,54 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],
-                         state_slots: set[tuple[int, str]]) -> dict[str, torch.Tensor]:
-    """Plain tensor attributes forward set (``self.cache = ...``, old-style weight_norm's
-    ``module.weight``): returned by the graph and set after each call, as eager sets them.
-    Those read as state (``state_slots``) are the slots' business."""
+                         state_slots: set[tuple[int, str]], state: set[int]) -> dict[str, Any]:
+    """Plain attributes forward set (``self.cache = ...``, old-style weight_norm's
+    ``module.weight``, ``self.cached_len = n``): returned by the graph and set after each call,
+    as eager sets them (Note [Attributes forward assigns]). Those read as state
+    (``state_slots``) are the slots' business, and so is a container of state tensors only
+    (``state``: RNN's ``_flat_weights``, rebuilt from the parameters it is given)."""
     assigned = {}
     for prefix, d, before in attributes:
         for key, value in d.items():
-            if (id(d), key) in state_slots:
+            if (id(d), key) in state_slots or (key in before and before[key] is value):
                 continue
-            if isinstance(value, torch.Tensor) and before.get(key) is not value:
-                assigned[f"{prefix}.{key}" if prefix else key] = value
+            name = f"{prefix}.{key}" if prefix else key
+            kind = _kind(value)
+            if kind == "tensors" and not all(
+                    id(t) in state for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)):
+                raise UnsupportedError(
+                    f"the module's forward assigned {name!r} a {type(value).__name__} holding "
+                    "tensors; aot_module sets tensors and plain Python values that forward "
+                    "assigns to attributes after each call, not containers of tensors (the "
+                    "next trace would read them as constants).\nFix: assign each tensor to an "
+                    "attribute or buffer of its own, return them from forward, or use "
+                    "torch.compile(model, backend='aotkit').")
+            if kind in ("tensor", "value"):
+                assigned[name] = value
     return assigned
 
 
+_VALUES = (int, float, complex, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _kind(value: Any) -> str:
+    """How an attribute forward assigned is handled (Note [Attributes forward assigns]):
+    "tensor", "value" (plain Python values, SymInts), "tensors" (a container holding tensors)
+    or "object" (anything else)."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    leaves = pytree.tree_leaves(value)
+    if any(isinstance(v, torch.Tensor) for v in leaves):
+        return "tensors"
+    return "value" if all(isinstance(v, _VALUES) for v in leaves) else "object"
+
+
 def _restore_attributes(d: dict[str, Any], before: dict[str, Any]) -> None:
-    """Tracing values must not stay on the module: put back what forward replaced."""
+    """Put back what forward assigned, objects aside: tracing values must not stay on the
+    module, and the next tracing pass must start from the state the call started from (Note
+    [Attributes forward assigns])."""
     for key, value in list(d.items()):
-        if isinstance(value, torch.Tensor) and before.get(key) is not value:
+        if (key not in before or before[key] is not value) and _kind(value) != "object":
             if key in before:
                 d[key] = before[key]
             else:
@@ -416,9 +465,9 @@ def _assigned_in_forward(slots: Sequence[_Slot], state: Sequence[torch.Tensor],
     return assigned
 
 
-def _assign(root: nn.Module, name: str, value: torch.Tensor) -> tuple[nn.Module, str]:
-    """Set a buffer or plain tensor attribute that forward assigned while it was traced;
-    returns the module and the attribute."""
+def _assign(root: nn.Module, name: str, value: Any) -> tuple[nn.Module, str]:
+    """Set a buffer or plain attribute that forward assigned while it was traced; returns the
+    module and the attribute."""
     prefix, _, key = name.rpartition(".")
     module = root.get_submodule(prefix)
     (module._buffers if key in module._buffers else module.__dict__)[key] = value

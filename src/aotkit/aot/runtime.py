@@ -58,6 +58,11 @@ class CompiledGraphs:
     rebase: Callable[[OverlapLayout, list[Any]], tuple[CompiledGraphs, dict[int, int]]] | None = None
     # Grad mode, autocast and default dtype as the function leaves them, where it changes them.
     state_after: GlobalState | None = None
+    # Inputs requiring grad that get no gradient (Note [Inputs without a gradient]).
+    gradless: tuple[int, ...] = ()
+    # Per forward output: (shape, dtype, device) of a zero tangent, the shape None where it is
+    # symbolic (Note [Outputs backward does not reach]).
+    tangent_specs: list[tuple[Any, torch.dtype, torch.device] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -79,6 +84,28 @@ class CompiledGraphs:
         start = len(self.returned_mutations)
         self.plain_outputs = [start + self.graph_output_position[flat]
                               for flat, o in enumerate(self.meta.outputs) if o.alias is Alias.NONE]
+        self.symbolic_tangents = any(spec is not None and spec[0] is None
+                                     for spec in self.tangent_specs)
+        self._reached: list[int] | None = None  # Note [Outputs backward does not reach]
+
+    def reached_by(self) -> list[int]:
+        """Per backward output (an input's gradient), a bit mask of the tangents it depends on
+        (bit k: the k-th differentiable output's), read off the backward graph once."""
+        if self._reached is None:
+            assert self.bw_gm is not None
+            placeholders = list(self.bw_gm.graph.find_nodes(op="placeholder"))
+            num_tangents = sum(self.differentiable)
+            masks: dict[fx.Node, int] = {
+                node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
+            for node in self.bw_gm.graph.nodes:
+                if node.op != "placeholder":
+                    mask = 0
+                    for arg in node.all_input_nodes:
+                        mask |= masks.get(arg, 0)
+                    masks[node] = mask
+            self._reached = [masks.get(g, 0) if isinstance(g, fx.Node) else 0
+                             for g in self.bw_gm.graph.output_node().args[0]]
+        return self._reached
 
     def run_forward(self, args: list[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
@@ -148,6 +175,9 @@ class CompiledFunction(torch.autograd.Function):
         anchor = torch.empty(0)
         _save(ctx, saved, anchor)
         ctx.graphs = graphs
+        ctx.set_materialize_grads(False)  # Note [Outputs backward does not reach]
+        if graphs.symbolic_tangents:
+            ctx.shapes = [o.shape if isinstance(o, torch.Tensor) else None for o in outs[:n]]
         fw_outs = _distinct_non_differentiable(outs[:n], graphs.non_differentiable)
         ctx.mark_non_differentiable(
             *(fw_outs[i] for i in graphs.non_differentiable if isinstance(fw_outs[i], torch.Tensor))
@@ -159,19 +189,49 @@ class CompiledFunction(torch.autograd.Function):
         graphs: CompiledGraphs = ctx.graphs
         if graphs.backward_error is not None:
             raise RuntimeError(graphs.backward_error)
-        tangents = [
-            _dense(g, f) for g, d, f in zip(grads[:-1], graphs.differentiable,
-                                            graphs.tangent_formats, strict=True) if d
-        ]
+        grads = grads[:-1]  # the anchor's
+        tangents = [g for g, d in zip(grads, graphs.differentiable, strict=True) if d]
+        unreached = sum(1 << k for k, g in enumerate(tangents) if g is None)
+        if unreached:
+            if unreached == (1 << len(tangents)) - 1:
+                return (None,) * (1 + graphs.num_inputs)
+            grads = _zeros_for_unreached(ctx, graphs, grads)
+        tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
+                                                   graphs.tangent_formats, strict=True) if d]
         saved, anchor = _saved(ctx)
         args = [*ctx.saved_syms, *saved, *tangents]
         backward = graphs.backward_fn(autocast_state())
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
             with torch.no_grad(), torch._C._DisableAutocast():
                 input_grads = backward(args)
-            return (None, *_refuse_double_backward(graphs.name, anchor, input_grads))
-        with torch._C._DisableAutocast():
-            return (None, *backward(args))
+            input_grads = _refuse_double_backward(graphs.name, anchor, tangents, input_grads)
+        else:
+            with torch._C._DisableAutocast():
+                input_grads = backward(args)
+        if unreached:
+            input_grads = [None if mask and not mask & ~unreached else g
+                           for g, mask in zip(input_grads, graphs.reached_by(), strict=True)]
+        return (None, *input_grads)
+
+
+# Note [Outputs backward does not reach]
+# A backward from a loss that uses some outputs only (one head of two, ``a, b = f(x, y)`` with
+# ``a.sum().backward()``) never reaches, in eager, the ops that made the others: inputs that
+# only fed them keep ``.grad`` None (optimizers skip them; zeros would move them under weight
+# decay or momentum), ``autograd.grad(..., allow_unused=False)`` raises, and the graphs that
+# made those inputs are not visited. One Function node stands for all of the compiled outputs,
+# so its backward is told which got no gradient (materialize_grads off: None instead of zeros).
+# With none reached it returns no gradients without running anything; otherwise the backward
+# graph runs with zeros for the missing tangents, and each input's gradient that depends on
+# missing tangents only (a bit mask per input, read off the backward graph once) is None.
+def _zeros_for_unreached(ctx: Any, graphs: CompiledGraphs, grads: Sequence[Any]) -> list[Any]:
+    out = list(grads)
+    for i, (g, d) in enumerate(zip(grads, graphs.differentiable, strict=True)):
+        if d and g is None:
+            shape, dtype, device = graphs.tangent_specs[i]  # type: ignore[misc]
+            out[i] = torch.zeros(ctx.shapes[i] if shape is None else shape, dtype=dtype,
+                                 device=device)
+    return out
 
 
 # Note [Refusing double backward]
@@ -181,7 +241,10 @@ class CompiledFunction(torch.autograd.Function):
 # backward raises. The guard reaches the inputs through an "anchor": an empty extra output of
 # CompiledFunction that it saves for backward. Unpacked there under create_graph, the anchor's
 # grad_fn is this very node, whose edges lead to the inputs. It costs one empty tensor per call,
-# holds no memory, and is never differentiated unless a second backward runs.
+# holds no memory, and is never differentiated unless a second backward runs. The guard also
+# takes the incoming gradients that require grad: a second backward with respect to them (a
+# jvp through the double-vjp trick, a penalty reaching parameters before the compiled part)
+# must raise too, not see the grads as constants and answer zeros.
 #
 # The anchor is an output of the very node that saves it. Saved through save_for_backward,
 # autograd stores it without its grad_fn, so no reference cycle forms; but a saved-tensor pack
@@ -212,9 +275,10 @@ def _saved(ctx: Any) -> tuple[list[Any], torch.Tensor]:
 
 class _DoubleBackwardGuard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str, anchor: torch.Tensor, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, name: str, num_links: int, anchor: torch.Tensor,  # type: ignore[override]
+                *links_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.name = name
-        return tuple(g.view_as(g) for g in grads)
+        return tuple(g.view_as(g) for g in links_and_grads[num_links:])
 
     @staticmethod
     def backward(ctx: Any, *unused: Any) -> Any:  # type: ignore[override]
@@ -225,12 +289,15 @@ class _DoubleBackwardGuard(torch.autograd.Function):
         )
 
 
-def _refuse_double_backward(name: str, anchor: torch.Tensor, grads: Sequence[Any]) -> list[Any]:
+def _refuse_double_backward(name: str, anchor: torch.Tensor, tangents: Sequence[torch.Tensor],
+                            grads: Sequence[Any]) -> list[Any]:
     """See Note [Refusing double backward]."""
     tensors = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
     if not tensors:
         return list(grads)
-    guarded = _DoubleBackwardGuard.apply(name, anchor, *(grads[i] for i in tensors))
+    links = [t for t in tangents if t.requires_grad]
+    guarded = _DoubleBackwardGuard.apply(name, len(links), anchor, *links,
+                                         *(grads[i] for i in tensors))
     out = list(grads)
     for i, g in zip(tensors, guarded, strict=True):
         out[i] = g
@@ -279,13 +346,34 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         with torch.enable_grad():
             fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
     elif graphs.training:
-        fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
+        fw_outs = CompiledFunction.apply(graphs, *_cut_gradless(graphs.gradless, args))[:-1]
     else:
         with torch.no_grad():
             fw_outs = graphs.run_forward(list(args))
         for i in graphs.mutated_in_graph:  # Note [Versions of inputs mutated in the graph]
             torch.autograd.graph.increment_version(args[i])
     return epilogue(graphs, args, fw_outs)
+
+
+# Note [Inputs without a gradient]
+# Eager links an output to an input only through the ops that use it differentiably; an input
+# the function ignores (old-style weight_norm recomputes ``module.weight`` before reading it) or
+# reads under no_grad gets no edge, so backward never visits the graph that made it. Handed to
+# CompiledFunction as they are, such inputs would get an edge each, and backward would run their
+# graphs with zero gradients: a graph already freed raised "backward through the graph a second
+# time", and one still alive gave its leaves zero gradients where eager leaves None (which
+# optimizers skip). The backward graph says which inputs get no gradient; the Function sees a
+# detached alias of each (same memory and version counter), while mutations and aliased outputs
+# still use the caller's tensor. Mutated inputs keep their edge, as eager's in-place op does,
+# and so do inputs outputs view: their views are regenerated on the caller's tensor, with
+# eager's view nodes (Note [Replaying views]).
+def _cut_gradless(gradless: tuple[int, ...], args: list[Any]) -> list[Any]:
+    if not gradless:
+        return args
+    args = list(args)
+    for i in gradless:
+        args[i] = args[i].detach()
+    return args
 
 
 def _run_on_bases(graphs: CompiledGraphs, layout: OverlapLayout, args: list[Any]) -> list[Any]:
