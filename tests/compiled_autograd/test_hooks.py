@@ -234,6 +234,33 @@ def test_accumulate_into_existing_grads_and_retain_graph() -> None:
     assert counts() == (1, 1)  # both backwards share one structure: the second replays
 
 
+@pytest.mark.parametrize("setup", ["grad_dtype float64", "half .grad, grad_dtype None",
+                                   "float64 .grad and grad_dtype"])
+def test_accumulation_into_a_grad_of_another_dtype(setup: str) -> None:
+    """``grad_dtype`` (float32 grads for a bfloat16 parameter, say): the captured accumulation
+    keeps ``.grad``'s dtype, and a leaf whose ``.grad`` has another dtype can be faked."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("Tensor.grad_dtype arrived in PyTorch 2.10")
+
+    def step(log: list[str]) -> Any:
+        p = torch.randn(4, requires_grad=True)
+        if setup == "grad_dtype float64":
+            p.grad_dtype = torch.float64
+        elif setup == "half .grad, grad_dtype None":
+            p.grad_dtype = None
+            p.grad = torch.ones(4, dtype=torch.float16)
+        else:
+            p.grad_dtype = torch.float64
+            p.grad = torch.ones(4, dtype=torch.float64)
+        for _ in range(2):
+            (p * 2).exp().sum().backward()
+        return p.grad
+
+    _, _, expected, actual = both(step)
+    assert actual.dtype == expected.dtype != torch.float32
+    torch.testing.assert_close(actual, expected)
+
+
 def test_in_place_on_view_backward() -> None:
     def step(log: list[str]) -> Any:
         w = torch.randn(4, 3, requires_grad=True)

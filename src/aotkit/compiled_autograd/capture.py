@@ -221,8 +221,10 @@ class Capture(GraphBuilder):
             variable, variable_grad, grad, has_post_hooks)
         # The engine's snapshot of .grad is dropped: see Note [Accumulate into the current .grad].
         proxy = self._call(runtime.call_accumulate_grad, (variable, grad, has_post_hooks))
-        with disable_proxy_modes_tracing():
-            result = torch.empty_like(variable)
+        with disable_proxy_modes_tracing():  # .grad keeps its dtype, else takes grad_dtype
+            dtype = variable.grad.dtype if variable.grad is not None else (
+                getattr(variable, "grad_dtype", None) or variable.dtype)
+            result = torch.empty_like(variable, dtype=dtype)
         self.bind([result], [proxy])
         variable.grad = result
         return None if old_protocol else result
