@@ -275,6 +275,40 @@ def test_out_argument_of_a_dtype_the_result_cannot_take_raises_like_eager(op, dy
     assert refused
 
 
+_IN_PLACE_CASTS = {  # (function, input): eager refuses the result's dtype
+    "uint8 input mul_(2.7)": (lambda x: x.mul_(2.7), lambda: torch.tensor([3, 100], dtype=torch.uint8)),
+    "int64 intermediate mul_(2.5)": (lambda x: x.clone().mul_(2.5), lambda: torch.tensor([3, 7])),
+    "bool input mul_(2)": (lambda x: x.mul_(2), lambda: torch.tensor([True, False])),
+    "half input mul_(1j)": (lambda x: x.mul_(1j), lambda: torch.tensor([1.0, 2.0], dtype=torch.half)),
+}
+
+
+@pytest.mark.parametrize("case", _IN_PLACE_CASTS)
+@pytest.mark.parametrize("through", ["function", "torch_compile"])
+def test_in_place_op_whose_result_cannot_be_cast_back_raises_like_eager(case, through):
+    """Note [Dtypes of out= arguments]: functionalization's copy truncated the result."""
+    fn, make = _IN_PLACE_CASTS[case]
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        fn(make())
+    run = aotkit.aot_function(fn, compilers.nop) if through == "function" else torch.compile(
+        fn, backend="aotkit")
+    x = make()
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        run(x)
+    assert torch.equal(x, before)
+
+
+def test_in_place_ops_with_other_dtypes_eager_accepts_still_run():
+    def fn(x, counts):
+        y = x.half().mul_(2.7)  # float scalar into a half tensor
+        counts.add_(torch.tensor(3, dtype=torch.int32))  # int32 0-dim into int64
+        z = counts.clone().fill_(2.5)  # fill_ casts in eager
+        return y, z, x.clamp_(0.5), x[0].half().mul_(0.5)
+
+    check_against_eager(fn, torch.randn(3), torch.zeros(3, dtype=torch.int64), backward=False)
+
+
 def test_out_arguments_of_other_dtypes_eager_accepts_still_run():
     def fn(x, flags, total):
         torch.eq(x, 1.0, out=flags)  # bool out of a float comparison

@@ -406,7 +406,9 @@ class _OutsideTensorGuard(TorchDispatchMode):
         functionalization would get a write to overlapping memory, or an out= argument of a
         dtype the result cannot be cast to, wrong."""
         if _writes_out_argument(func):
-            _check_out_dtype(func, args, kwargs)
+            _check_out_dtype(func, args, kwargs, "meta")
+        elif _may_not_cast_in_place(func, args, kwargs):
+            _check_out_dtype(func, args, kwargs, "cpu")
         for t in _written(func, args, kwargs):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
@@ -565,19 +567,44 @@ def _written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.
 # Float can't be cast to the desired output type Long"). Before such an op is functionalized it
 # runs on meta tensors of the same dtypes and ranks (one element per dimension), which raise
 # eager's dtype errors; errors about anything else are left to the traced op. (Torch.compile's
-# fake tensors run out= ops unfunctionalized, so Dynamo graphs never reach this.)
+# fake tensors run out= ops unfunctionalized, so Dynamo graphs never reach this.) In-place ops
+# likewise: ``int_tensor.mul_(2.5)`` became ``mul`` and a truncating copy, ``bool.mul_(2)`` and
+# ``half.mul_(1j)`` too, so an in-place op given an argument of another dtype (a float scalar
+# for an integer tensor, a wider tensor) runs the same way, on one-element CPU tensors: meta
+# kernels of in-place ops skip the cast check. Random ops are left out (they would draw).
 def _writes_out_argument(func: torch._ops.OpOverload) -> bool:
     return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
                for a in func._schema.arguments)
 
 
-def _check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+def _may_not_cast_in_place(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """An in-place op whose other arguments have another dtype than ``self`` (a Python float
+    for an integer tensor): its result may not cast back (Note [Dtypes of out= arguments])."""
+    schema = func._schema.arguments
+    if not (args and schema and schema[0].alias_info is not None and schema[0].alias_info.is_write
+            and isinstance(args[0], torch.Tensor)) or torch.Tag.inplace_view in func.tags \
+            or torch.Tag.nondeterministic_seeded in func.tags \
+            or func.overloadpacket is torch.ops.aten.copy_:
+        return False
+    dtype = args[0].dtype
+    for x in (*args[1:], *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            if x.dtype != dtype:
+                return True
+        elif isinstance(x, complex) and not dtype.is_complex or isinstance(x, float) and not (
+                dtype.is_floating_point or dtype.is_complex) or (
+                isinstance(x, int) and not isinstance(x, bool) and dtype is torch.bool):
+            return True
+    return False
+
+
+def _check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device: str) -> None:
     """See Note [Dtypes of out= arguments]."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     def meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return torch.empty((1,) * x.dim(), dtype=x.dtype, device="meta")
+            return torch.zeros((1,) * x.dim(), dtype=x.dtype, device=device)
         return x
 
     with _disable_current_modes():
