@@ -587,15 +587,19 @@ def _may_not_cast_in_place(func: torch._ops.OpOverload, args: Any, kwargs: Any) 
             or func.overloadpacket is torch.ops.aten.copy_:
         return False
     dtype = args[0].dtype
-    for x in (*args[1:], *kwargs.values()):
-        if isinstance(x, torch.Tensor):
-            if x.dtype != dtype:
-                return True
-        elif isinstance(x, complex) and not dtype.is_complex or isinstance(x, float) and not (
-                dtype.is_floating_point or dtype.is_complex) or (
-                isinstance(x, int) and not isinstance(x, bool) and dtype is torch.bool):
-            return True
-    return False
+    return any(x.dtype != dtype if isinstance(x, torch.Tensor) else _wider_scalar(x, dtype)
+               for x in (*args[1:], *kwargs.values()))
+
+
+def _wider_scalar(x: Any, dtype: torch.dtype) -> bool:
+    """A Python number of a kind ``dtype`` cannot hold (a float for an integer tensor)."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return dtype is torch.bool
+    if isinstance(x, float):
+        return not (dtype.is_floating_point or dtype.is_complex)
+    return isinstance(x, complex) and not dtype.is_complex
 
 
 def _check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device: str) -> None:
