@@ -1135,6 +1135,14 @@ def test_data_dependent_control_flow_is_a_trace_error():
     assert "test_semantics.py" in message
 
 
+def test_an_output_whose_size_depends_on_data_is_named_as_such():
+    """Not blamed on Python control flow: the op and the user's line are named."""
+    f = aotkit.aot_function(lambda x: x[x > 0] * 2, compilers.nop)
+    with pytest.raises(TraceError, match=r"aten\.nonzero\.default returns a tensor whose size "
+                       r"depends on tensor data(.|\n)*x\[x > 0\]"):
+        f(rand(4, grad=True))
+
+
 def test_data_dependence_inside_a_library_call_names_both_lines():
     def loss(x, var):
         return F.gaussian_nll_loss(x * 2, x, var)  # checks torch.any(var < 0) in Python

@@ -669,6 +669,14 @@ def _data_dependent(what: str, exc: BaseException) -> TraceError:
             "Fix: call it with inputs that do not require grad (or under torch.no_grad()), or "
             "compile with torch.compile(fn, backend=\"aotkit\"), which runs the loop eagerly."
         )
+    if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
+        return TraceError(
+            f"{what} could not be traced: {exc.func} returns a tensor whose size depends on "
+            "tensor data, which this trace cannot represent.\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: move the op out of the compiled function, or use torch.compile(fn, "
+            "backend=\"aotkit\"), which runs it eagerly between graphs."
+        )
     return TraceError(
         f"{what} could not be traced: Python control flow or a Python value depends on "
         f"tensor data ({type(exc).__name__}: {_first_line(exc)}).\n"
