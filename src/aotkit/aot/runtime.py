@@ -218,12 +218,14 @@ class CompiledFunction(torch.autograd.Function):
 # A backward from a loss that uses some outputs only (one head of two, ``a, b = f(x, y)`` with
 # ``a.sum().backward()``) never reaches, in eager, the ops that made the others: inputs that
 # only fed them keep ``.grad`` None (optimizers skip them; zeros would move them under weight
-# decay or momentum), ``autograd.grad(..., allow_unused=False)`` raises, and the graphs that
-# made those inputs are not visited. One Function node stands for all of the compiled outputs,
-# so its backward is told which got no gradient (materialize_grads off: None instead of zeros).
-# With none reached it returns no gradients without running anything; otherwise the backward
-# graph runs with zeros for the missing tangents, and each input's gradient that depends on
-# missing tangents only (a bit mask per input, read off the backward graph once) is None.
+# decay or momentum), and ``autograd.grad(..., allow_unused=False)`` raises. One Function node
+# stands for all of the compiled outputs, so its backward is told which got no gradient
+# (materialize_grads off: None instead of zeros). With none reached it returns no gradients
+# without running anything; otherwise the backward graph runs with zeros for the missing
+# tangents, and each input's gradient that depends on missing tangents only (a bit mask per
+# input, read off the backward graph once) is None. The engine still visits the nodes behind
+# such inputs, with no gradient: a compiled function's returns at once (so a chain of them
+# runs nothing), an eager graph freed by an earlier backward raises (README, known gaps).
 def _zeros_for_unreached(ctx: Any, graphs: CompiledGraphs, grads: Sequence[Any]) -> list[Any]:
     out = list(grads)
     for i, (g, d) in enumerate(zip(grads, graphs.differentiable, strict=True)):
