@@ -234,6 +234,32 @@ def test_output_view_taken_under_no_grad():
             view.mul_(2)
 
 
+@pytest.mark.parametrize("base", ["intermediate", "input"])
+@pytest.mark.parametrize("view", ["split", "slice"])
+@pytest.mark.parametrize("through", ["function", "torch_compile"])
+def test_view_of_a_view_taken_under_no_grad_passes_no_gradient_on(base, view, through):
+    """Note [Views cut by no_grad]: eager's outer view requires grad, yet its chain stops at the
+    no_grad view; regenerated from the base it passed 100x its gradient into the base."""
+
+    def fn(x):
+        y = x * 1 if base == "intermediate" else x
+        with torch.no_grad():
+            v = y.view(-1)
+        out = v.split_with_sizes([1, 1])[1] if view == "split" else v[1:]
+        return y * 1, out
+
+    run = aotkit.aot_function(fn, compilers.nop) if through == "function" else torch.compile(
+        fn, backend="aotkit")
+    results = []
+    for f in (fn, run):
+        leaf = torch.tensor([1.0, 2.0], requires_grad=True)
+        y, out = f(leaf * 1)
+        assert out.requires_grad and out._base is not None
+        ((y * torch.tensor([1.0, 10.0])).sum() + 100 * out.sum()).backward()
+        results.append(leaf.grad)
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_tensor_requiring_grad_made_inside_an_inference_call_is_unsupported():
     def make_leaf(x):
         return x * torch.ones(3, requires_grad=True)

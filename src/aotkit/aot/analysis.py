@@ -78,6 +78,9 @@ class OutputInfo:
     linked: bool = True
     # A view taken under no_grad: eager gives it requires_grad but no grad_fn (no link to base).
     no_grad_view: bool = False
+    # A view of a view taken under no_grad: eager gives it a grad_fn whose chain stops there,
+    # so no gradient reaches the base (Note [Views cut by no_grad]).
+    cut_view: bool = False
     # The view reads its storage conjugated / negated (``x.conj()``, ``x.conj().imag``); see
     # Note [Conjugate and negative views].
     is_conj: bool = False
@@ -465,7 +468,29 @@ def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Ten
     # make_fx later records in node.meta), so these are eager's bits.
     return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out, base_value),
                       linked=linked, no_grad_view=no_grad_view,
+                      cut_view=linked and _cut_from(out, base_value),
                       is_conj=out.is_conj(), is_neg=out.is_neg(), is_view=out._is_view())
+
+
+# Note [Views cut by no_grad]
+# ``with torch.no_grad(): v = y.view(-1)`` then ``v[1:]`` outside: eager's ``v[1:]`` requires
+# grad (its base does) and has a grad_fn, but that node's edge stops at ``v``, which has none,
+# so no gradient reaches ``y``. Regenerated as a view of ``y`` in grad mode it would pass its
+# gradient on (a wrong gradient for whatever made ``y``). Such an output is regenerated under
+# no_grad and then viewed once more in grad mode: a view of the base, requiring grad, whose
+# chain stops as eager's does.
+def _cut_from(out: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``out``'s chain of view nodes stops before reaching ``base``'s history."""
+    stop = base.grad_fn
+    node = out.grad_fn
+    while node is not None and node is not stop:
+        edges = [fn for fn, _ in node.next_functions if fn is not None]
+        if not edges:
+            return type(node).__name__ != "AccumulateGrad"
+        if len(edges) != 1:
+            return False
+        node = edges[0]
+    return False
 
 
 def _non_tensor_info(out: Any) -> OutputInfo:

@@ -500,6 +500,10 @@ def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, na
     base = source.base
     if not info.is_view:  # ``x.detach()``, ``x[1:].detach()``: shares memory, is no view
         return _as_view(source, out, info, name).detach().requires_grad_(info.requires_grad)
+    if info.cut_view and base.requires_grad:  # Note [Views cut by no_grad]
+        with torch.no_grad():
+            view = _as_view(source, out, info, name)
+        return view.view_as(view)
     if info.linked or not base.requires_grad:
         return _as_view(source, out, info, name)
     if info.no_grad_view:  # eager: requires_grad, no grad_fn, still a view of base
