@@ -175,6 +175,20 @@ def test_setting_requires_grad_of_an_input_is_refused(how):
                     "sets requires_grad on input 0")
 
 
+@pytest.mark.parametrize("how, match", [
+    (lambda x: x.detach_(), "detaches input 0 in place"),
+    (lambda x: x.requires_grad_(False), "changes requires_grad of a tensor that is not a leaf"),
+], ids=["detach_", "requires_grad_false"])
+def test_detaching_an_input_is_refused(how, match):
+    """Eager detaches the caller's leaf; aot_function kept it requiring grad (detach_) or raised a
+    bare RuntimeError (requires_grad_(False))."""
+    def fn(x):
+        how(x)
+        return x, x * 2
+
+    _assert_refused(fn, (torch.ones(2, requires_grad=True),), match)
+
+
 @pytest.mark.parametrize("resize", [lambda x: x.resize_(5, 5), lambda x: x.resize_as_(torch.ones(9)),
                                     lambda x: x[1:].resize_(8)], ids=["resize_", "resize_as_", "view"])
 def test_resize_growing_an_input_is_refused(resize):

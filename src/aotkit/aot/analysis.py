@@ -263,6 +263,11 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
             f"the compiled function sets requires_grad on input {index} (requires_grad_() or "
             ".requires_grad = True), which aotkit cannot apply to the caller's tensor.\nFix: "
             "set requires_grad before calling, or use torch.compile(fn, backend='aotkit').")
+    if arg.requires_grad and not f_arg.requires_grad:
+        raise UnsupportedError(
+            f"the compiled function detaches input {index} in place (detach_()), which aotkit "
+            "cannot apply to the caller's tensor.\nFix: detach it before calling (or use "
+            "x.detach() inside), or use torch.compile(fn, backend='aotkit').")
     return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad)
 
 

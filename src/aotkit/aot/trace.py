@@ -268,6 +268,15 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
         )
     if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
         return _data_dependent(what, exc)
+    if "you can only change requires_grad flags of leaf variables" in str(exc):
+        return UnsupportedError(
+            f"{what} changes requires_grad of a tensor that is not a leaf here "
+            f"({_first_line(exc)}). Inputs are not leaves inside aotkit's trace, and a change "
+            "to the caller's tensor could not be applied anyway.\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: set requires_grad before calling (or use x.detach() inside), or use "
+            "torch.compile(fn, backend=\"aotkit\")."
+        )
     return exc
 
 
