@@ -189,6 +189,15 @@ def test_detaching_an_input_is_refused(how, match):
     _assert_refused(fn, (torch.ones(2, requires_grad=True),), match)
 
 
+def test_a_view_taken_under_inference_mode_inside_is_refused():
+    def fn(x):
+        with torch.inference_mode():
+            x.t()
+        return x * 2
+
+    _assert_refused(fn, (torch.ones(2, 2, requires_grad=True),), "inside torch.inference_mode")
+
+
 @pytest.mark.parametrize("resize", [lambda x: x.resize_(5, 5), lambda x: x.resize_as_(torch.ones(9)),
                                     lambda x: x[1:].resize_(8)], ids=["resize_", "resize_as_", "view"])
 def test_resize_growing_an_input_is_refused(resize):

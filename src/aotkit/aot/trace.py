@@ -268,6 +268,14 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
         )
     if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
         return _data_dependent(what, exc)
+    if "for inference tensor" in str(exc):  # a view of an input taken under inference_mode
+        return UnsupportedError(
+            f"{what} takes a view of a tensor inside torch.inference_mode(), which tracing "
+            f"cannot represent ({_first_line(exc)}).\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: use torch.no_grad() inside the compiled function, or enter inference_mode "
+            "around the call instead."
+        )
     if "you can only change requires_grad flags of leaf variables" in str(exc):
         return UnsupportedError(
             f"{what} changes requires_grad of a tensor that is not a leaf here "
