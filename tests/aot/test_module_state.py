@@ -288,6 +288,33 @@ def test_a_cache_keyed_on_a_python_int_grows_as_in_eager(dynamic):
         torch.testing.assert_close(twin.cos, eager.cos)
 
 
+@pytest.mark.parametrize("wrap", ["parametrizations.weight_norm", "prune"])
+def test_an_rnn_with_computed_weights_trains_as_in_eager(wrap):
+    """The RNN rebuilds its ``_flat_weights`` list from the computed weights in forward: a cache
+    of a module PyTorch defines, put back after tracing, not a container refused."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        lstm = nn.LSTM(3, 4, batch_first=True)
+        if wrap == "prune":
+            prune.l1_unstructured(lstm, "weight_hh_l0", amount=0.5)
+        else:
+            lstm = torch.nn.utils.parametrizations.weight_norm(lstm, "weight_ih_l0")
+        return lstm
+
+    eager, twin = make(), make()
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    for _ in range(2):
+        x = torch.randn(2, 5, 3)
+        with torch.backends.mkldnn.flags(enabled=False):
+            out, expected = compiled(x)[0], eager(x)[0]
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+    for p, q in zip(twin.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_forward_assigning_a_container_of_tensors_is_refused():
     """Its tensors would be tracing values left on the module, then constants of the next trace."""
 

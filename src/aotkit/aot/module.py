@@ -73,6 +73,9 @@ class _Layout:
     # (the module's __dict__, key, the tensor read). See Note [Module state as graph inputs].
     constants: dict[str, tuple[dict[str, Any], str, torch.Tensor]] = dataclasses.field(
         default_factory=dict)
+    # ``__dict__`` ids of modules PyTorch defines (their caches: Note [Attributes forward
+    # assigns]).
+    pytorch_modules: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -249,11 +252,12 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 # last pass's values are returned by the graph and assigned after every call, as eager assigns
 # them: tensors (Note [Module state as graph inputs]) and plain Python values alike, a SymInt
 # read from a dynamic size becoming each call's int. A container holding tensors is refused:
-# the next trace would read its tensors as constants; one holding only the module's own
-# parameters and buffers (RNN's ``_flat_weights``) is a view of its state, put back after the
-# trace as it was (forward rebuilds it when it finds it stale). Other objects (RNN's weakrefs
-# to its parameters, a config object) stay as forward left them. A counter forward increments
-# (``self.calls += 1``) therefore holds what one traced call left, not a count of calls.
+# the next trace would read its tensors as constants; one kept by a module PyTorch defines
+# (RNN's ``_flat_weights``: its weights, computed ones under weight_norm or pruning) is a
+# cache, put back after the trace as it was (forward rebuilds it when it finds it stale).
+# Other objects (RNN's weakrefs to its parameters, a config object) stay as forward left them.
+# A counter forward increments (``self.calls += 1``) holds what one traced call left, not a
+# count of calls.
 
 
 # Note [Module hooks]
@@ -352,7 +356,7 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> _Layo
                  if isinstance(v, torch.Tensor) and (id(m.__dict__), k) not in lifted}
     return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
         [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]),
-        constants)
+        constants, {id(m.__dict__) for _, m in modules if type(m).__module__.startswith("torch.")})
 
 
 @contextlib.contextmanager
@@ -370,7 +374,7 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
         yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
         state_slots = {(id(s.table), s.key) for s in slots if s.is_attribute}
-        assigned.update(_attributes_assigned(attributes, state_slots, {id(t) for t in state}))
+        assigned.update(_attributes_assigned(attributes, state_slots, layout.pytorch_modules))
     finally:
         for table, before in keys:
             for key in [k for k in table if k not in before]:
@@ -382,12 +386,13 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],
-                         state_slots: set[tuple[int, str]], state: set[int]) -> dict[str, Any]:
+                         state_slots: set[tuple[int, str]], pytorch_modules: set[int]
+                         ) -> dict[str, Any]:
     """Plain attributes forward set (``self.cache = ...``, old-style weight_norm's
     ``module.weight``, ``self.cached_len = n``): returned by the graph and set after each call,
     as eager sets them (Note [Attributes forward assigns]). Those read as state
-    (``state_slots``) are the slots' business, and so is a container of state tensors only
-    (``state``: RNN's ``_flat_weights``, rebuilt from the parameters it is given)."""
+    (``state_slots``) are the slots' business, and a container of tensors a module PyTorch
+    defines keeps (RNN's ``_flat_weights``) is a cache its forward rebuilds."""
     assigned = {}
     for prefix, d, before in attributes:
         for key, value in d.items():
@@ -395,8 +400,7 @@ def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[st
                 continue
             name = f"{prefix}.{key}" if prefix else key
             kind = _kind(value)
-            if kind == "tensors" and not all(
-                    id(t) in state for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)):
+            if kind == "tensors" and id(d) not in pytorch_modules:
                 raise UnsupportedError(
                     f"the module's forward assigned {name!r} a {type(value).__name__} holding "
                     "tensors; aot_module sets tensors and plain Python values that forward "
