@@ -178,6 +178,19 @@ def test_a_head_the_loss_does_not_use_is_left_alone_by_the_optimizer():
         torch.testing.assert_close(p, q)
 
 
+def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():
+    """Note [Outputs backward does not reach]: the engine still calls a leaf's hooks, so a leaf
+    with hooks gets zeros (hooks written for eager index their gradient), one without None."""
+    seen = []
+    x, y, w = rand(2, 3, grad=True), rand(4, grad=True), rand(3, 3, grad=True)
+    y.register_hook(lambda g: seen.append(g.clamp(-1, 1)))
+    y.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.div_(2)))
+    a, _ = aotkit.aot_function(_two_heads, compilers.nop)(x, y, w)
+    a.sum().backward()
+    assert len(seen) == 2 and not y.grad.any()
+    assert w.grad is not None and x.grad is not None
+
+
 def test_no_gradient_flows_through_a_chain_of_compiled_functions_the_loss_does_not_reach():
     """The second function's unused output feeds on the first's output: nothing runs upstream,
     so its leaf keeps ``.grad`` None, and a freed upstream graph is not visited."""

@@ -209,8 +209,10 @@ class CompiledFunction(torch.autograd.Function):
             with torch._C._DisableAutocast():
                 input_grads = backward(args)
         if unreached:
-            input_grads = [None if mask and not mask & ~unreached else g
-                           for g, mask in zip(input_grads, graphs.reached_by(), strict=True)]
+            hooked = _hooked_leaves(ctx, graphs)
+            input_grads = [None if mask and not mask & ~unreached and i not in hooked else g
+                           for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(),
+                                                             strict=True))]
         return (None, *input_grads)
 
 
@@ -225,7 +227,21 @@ class CompiledFunction(torch.autograd.Function):
 # tangents, and each input's gradient that depends on missing tangents only (a bit mask per
 # input, read off the backward graph once) is None. The engine still visits the nodes behind
 # such inputs, with no gradient: a compiled function's returns at once (so a chain of them
-# runs nothing), an eager graph freed by an earlier backward raises (README, known gaps).
+# runs nothing), an eager graph freed by an earlier backward raises (README, known gaps), and a
+# leaf's hooks run, which eager would not call: so a leaf with tensor or post-accumulate-grad
+# hooks gets its zero gradient, as PyTorch's AOT autograd gives it, rather than None, which
+# hooks written for eager do not expect.
+def _hooked_leaves(ctx: Any, graphs: CompiledGraphs) -> set[int]:
+    """Inputs that are leaves with hooks (ctx.next_functions lists the tensor inputs)."""
+    tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
+    hooked = set()
+    for i, (node, _) in zip(tensors, ctx.next_functions, strict=True):
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and (leaf._backward_hooks or leaf._post_accumulate_grad_hooks):
+            hooked.add(i)
+    return hooked
+
+
 def _zeros_for_unreached(ctx: Any, graphs: CompiledGraphs, grads: Sequence[Any]) -> list[Any]:
     out = list(grads)
     for i, (g, d) in enumerate(zip(grads, graphs.differentiable, strict=True)):
