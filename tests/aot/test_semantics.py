@@ -273,6 +273,42 @@ def test_view_of_a_view_taken_under_no_grad_passes_no_gradient_on(base, view, th
     torch.testing.assert_close(results[1], results[0])
 
 
+def _feature_and_score(x, w):
+    feat = (x @ w).detach().requires_grad_()  # a leaf: its gradient is read after backward
+    aux = torch.zeros((), requires_grad=True)  # a placeholder loss
+    return feat, aux, (x @ w).tanh().sum()
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_leaves_made_inside_come_back_as_leaves(grad):
+    """Note [Leaves made inside]: eager returns them as leaves whose .grad backward fills."""
+    compiled = aotkit.aot_function(_feature_and_score, compilers.nop)
+    results = []
+    for f in (_feature_and_score, compiled):
+        torch.manual_seed(0)
+        x, w = rand(2, 3), rand(3, 3, grad=True)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            feat, aux, score = f(x, w)
+        assert feat.is_leaf and aux.is_leaf and feat.requires_grad and aux.requires_grad
+        if grad:
+            (feat.pow(2).sum() + aux + score).backward()
+            results.append((feat.grad, aux.grad, w.grad))
+    if grad:
+        torch.testing.assert_close(results[1], results[0])
+
+
+def test_output_computed_from_a_leaf_made_inside_is_refused():
+    """Eager's backward through ``feat.sin()`` fills the returned leaf's .grad: the graph
+    cannot, so this is refused rather than losing that gradient."""
+
+    def fn(x):
+        feat = (x * 2).detach().requires_grad_()
+        return feat, feat.sin()
+
+    with pytest.raises(UnsupportedError, match="computes another output from it"):
+        aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True))
+
+
 def test_tensor_requiring_grad_made_inside_an_inference_call_is_unsupported():
     def make_leaf(x):
         return x * torch.ones(3, requires_grad=True)

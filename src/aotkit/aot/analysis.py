@@ -90,6 +90,11 @@ class OutputInfo:
     # Placed by replaying its view ops on its input (Note [Views of inputs with gaps]).
     replay_only: bool = False
 
+    @property
+    def fresh_leaf(self) -> bool:
+        """A leaf made inside the function (Note [Leaves made inside])."""
+        return self.alias is Alias.NONE and self.is_tensor and self.requires_grad and not self.linked
+
 
 @dataclass
 class AotMeta:
@@ -122,6 +127,7 @@ class AotMeta:
         mutations = [self.inputs[i].mutation_is_differentiable for i in self.mutated_inputs]
         users = [
             self.outputs[i].requires_grad and self.outputs[i].alias is Alias.NONE
+            and not self.outputs[i].fresh_leaf
             for i in self.graph_user_outputs()
         ]
         return mutations + users + list(self.intermediate_bases_requires_grad)
@@ -412,7 +418,38 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
             infos.append(_view_of_output_info(out, f_outs, bases))  # the user does not get
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
+    _check_leaves_made_inside(infos, f_outs)
     return infos, bases
+
+
+# Note [Leaves made inside]
+# A tensor the function makes into a leaf (``torch.zeros((), requires_grad=True)`` as a
+# placeholder loss, ``feat.detach().requires_grad_()`` to read a feature map's gradient) is
+# returned by eager as a leaf: no history, ``.grad`` filled by backward. The runtime hands such an
+# output back as a fresh leaf of its own (a non-differentiable graph output, detached and set to
+# require grad), the gradient the caller reads landing in its ``.grad``. If another output is
+# computed from it (``feat.sin()``), eager's backward through that output fills the leaf's
+# ``.grad`` too, which the graph cannot do (the leaf is no graph input): refused.
+def _check_leaves_made_inside(infos: list[OutputInfo], f_outs: list[Any]) -> None:
+    leaves = {id(f_outs[k]): k for k, o in enumerate(infos) if o.fresh_leaf}
+    if not leaves:
+        return
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in f_outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) in leaves:
+            raise UnsupportedError(
+                f"the compiled function returns a tensor it made into a leaf (output "
+                f"{leaves[id(leaf)]}: requires_grad_() on a detached tensor, or "
+                "requires_grad=True at creation) and computes another output from it; eager's "
+                "backward through that output fills the leaf's .grad, which a compiled "
+                "function cannot.\nFix: create the leaf outside the function and pass it in.")
+        stack.extend(fn for fn, _ in node.next_functions)
 
 
 # Note [Views made by custom Functions]

@@ -247,7 +247,6 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                     flat_fn, args, meta, options.decompositions,
                     options.keep_inference_input_mutations), generators
             _refuse_leaf_metadata_mutation(meta, args, name)
-            _refuse_leaves_made_inside(meta, name)
             gm, backward_error = _trace_joint_or_defer_error(
                 flat_fn, primals, meta, fw_out_fakes, options.decompositions, not grad_inside)
             require_graph_backward(gm, fallback)
@@ -425,30 +424,14 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
     """The inference graph runs without autograd; eager would still hand back a fresh output
     that requires grad when the function makes one itself (``torch.ones(..., requires_grad=True)``
     or ``torch.enable_grad()`` inside a call made under no_grad)."""
-    fresh = [o for o in meta.outputs if o.alias is Alias.NONE and o.is_tensor and o.requires_grad]
+    fresh = [o for o in meta.outputs if o.alias is Alias.NONE and o.is_tensor and o.requires_grad
+             and not o.fresh_leaf]  # a leaf made inside is handed back as one
     if fresh or any(meta.intermediate_bases_requires_grad):
         raise UnsupportedError(
             f"{name} returns a tensor that requires grad although no input requires grad or grad "
             "mode is off, so aotkit compiled it for inference without autograd.\nFix: create "
             "tensors that require grad outside the function and pass them in, and call the "
             "function in the grad mode it needs instead of switching inside it."
-        )
-
-
-def _refuse_leaves_made_inside(meta: AotMeta, name: str) -> None:
-    """An output that is a leaf made inside the function (``t.detach().requires_grad_()``,
-    ``torch.zeros(..., requires_grad=True)``) is a leaf in eager, whose ``.grad`` backward fills;
-    handed back through the compiled function it would be a non-leaf, its gradient lost."""
-    fresh = [i for i, o in enumerate(meta.outputs)
-             if o.alias is Alias.NONE and o.is_tensor and o.requires_grad and not o.linked]
-    if fresh:
-        raise UnsupportedError(
-            f"{name} returns output(s) {fresh}: tensors made inside the function that require "
-            "grad without history (leaves: requires_grad_() on a detached tensor, or "
-            "requires_grad=True at creation). Eager hands them back as leaves whose .grad "
-            "backward fills; a compiled function's outputs are not leaves, so their gradient "
-            "would be lost.\nFix: create such a tensor outside the function and pass it in, "
-            "then read its .grad there."
         )
 
 

@@ -77,7 +77,7 @@ class CompiledGraphs:
                                  if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
-            o.alias is Alias.NONE for o in self.meta.outputs
+            o.alias is Alias.NONE and not o.fresh_leaf for o in self.meta.outputs
         ) and len(graph_outputs) == self.num_fw_outputs
         # See Note [Replaying views]: only graphs returning views need view functions recorded.
         self.returns_views = any(o.alias in _VIEW_ALIASES for o in self.meta.outputs)
@@ -449,7 +449,9 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
             results.append(info.constant)
             continue
         out = graph_outs[position[flat]]
-        if info.alias is Alias.NONE:
+        if info.fresh_leaf:  # Note [Leaves made inside]
+            results.append(out.detach().requires_grad_())
+        elif info.alias is Alias.NONE:
             results.append(out)
         elif info.alias is Alias.IS_INPUT:
             results.append(args[info.base])
