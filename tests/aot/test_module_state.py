@@ -315,6 +315,61 @@ def test_an_rnn_with_computed_weights_trains_as_in_eager(wrap):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+class _ActNorm(nn.Module):
+    """Data-dependent initialisation on the first call, guarded by a Python flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.initialized = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            with torch.no_grad():
+                self.bias.copy_(-x.mean(0))
+            self.initialized = True
+        return self.lin(x) + self.bias
+
+
+def test_a_flag_forward_sets_is_traced_again_from_its_new_value():
+    """Note [Attributes forward assigns]: the first graph initialises; replayed at every call it
+    re-initialised the bias each step (before: the flag set by the metadata pass made the
+    graph skip the initialisation altogether)."""
+    eager, twin, compiled = _pair(_ActNorm())
+    for model, run in ((eager, eager), (twin, compiled)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(0)
+        for _ in range(4):
+            opt.zero_grad()
+            run(torch.randn(8, 4) + 3).pow(2).mean().backward()
+            opt.step()
+    _assert_same_state(twin, eager)
+    assert twin.initialized is True
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "initialized False -> True" in reason.why
+
+
+def test_a_value_forward_changes_at_every_call_runs_into_the_limit_naming_it():
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.lin(x)
+
+    model = Counting()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    with aotkit.config.patch(recompile_limit=3), pytest.raises(
+            RecompileLimitError, match=r"calls 2 -> 3(.|\n)*step counter"):
+        for _ in range(5):
+            compiled(torch.ones(1, 2))
+    assert model.calls == 3  # as eager counts, until the limit
+
+
 def test_forward_assigning_a_container_of_tensors_is_refused():
     """Its tensors would be tracing values left on the module, then constants of the next trace."""
 

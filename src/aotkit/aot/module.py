@@ -76,6 +76,12 @@ class _Layout:
     # ``__dict__`` ids of modules PyTorch defines (their caches: Note [Attributes forward
     # assigns]).
     pytorch_modules: set[int] = dataclasses.field(default_factory=set)
+    # Plain values forward changes, as the graph was traced from (Note [Attributes forward
+    # assigns]); filled while tracing with the others it assigns, and those it computes from
+    # symbolic sizes (each call's own value, never guarded).
+    guarded_values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    values_traced_from: dict[str, Any] = dataclasses.field(default_factory=dict)
+    symbolic_values: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -107,6 +113,9 @@ class AotModule(nn.Module):
         # Plain tensor attributes forward assigns, by module id (Note [Module state as graph
         # inputs]).
         self._attributes: dict[int, tuple[str, ...]] = {}
+        # Plain Python attributes forward changes, part of the layout key (Note [Attributes
+        # forward assigns]), by module id.
+        self._guarded: dict[int, tuple[str, ...]] = {}
         # Layouts compiled so far, freed ones included (a layout per step is a runaway).
         self._layouts_compiled = 0
 
@@ -116,10 +125,10 @@ class AotModule(nn.Module):
         return sum(c.fn.num_entries for c in self._compiled.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        key, state = _collect(self.orig_module, self._attributes)
+        key, state = _collect(self.orig_module, self._attributes, self._guarded)
         compiled = self._compiled.get(key)
         if compiled is not None and compiled.layout.constants and self._read_replaced(compiled):
-            key, state = _collect(self.orig_module, self._attributes)
+            key, state = _collect(self.orig_module, self._attributes, self._guarded)
             compiled = self._compiled.get(key)
         if compiled is None:
             with COMPILE_LOCK:  # Note [One compile at a time]
@@ -129,6 +138,7 @@ class AotModule(nn.Module):
         for name, value in assigned.items():
             module, attribute = _assign(self.orig_module, name, value)
             if not isinstance(value, torch.Tensor):
+                self._guard(compiled, name, module, attribute)
                 continue
             if name in compiled.layout.constants:  # forward's own assignment: not a change
                 compiled.layout.constants[name] = (module.__dict__, attribute, value)
@@ -136,6 +146,15 @@ class AotModule(nn.Module):
                     and attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
+
+    def _guard(self, compiled: _Compiled, name: str, module: nn.Module, attribute: str) -> None:
+        """A plain value forward assigned that differs from the one the graph was traced from
+        makes the attribute part of the layout key (Note [Attributes forward assigns])."""
+        traced = compiled.layout.values_traced_from.get(name, _MISSING)
+        if name in compiled.layout.symbolic_values or attribute in self._guarded.get(
+                id(module), ()) or _same(traced, module.__dict__[attribute]):
+            return
+        self._guarded[id(module)] = (*self._guarded.get(id(module), ()), attribute)
 
     def _read_replaced(self, compiled: _Compiled) -> bool:
         """Plain tensor attributes replaced since the last call (``model.scale = ...``), which
@@ -159,7 +178,7 @@ class AotModule(nn.Module):
     def _compile_for(self, key: Hashable) -> _Compiled:
         module = self.orig_module
         _refuse_uninitialized(module)
-        layout = _layout(module, self._attributes)
+        layout = _layout(module, self._attributes, self._guarded)
         name = f"aot_module({type(module).__name__})"
         if self._last is not None:
             why = _describe(self._last.layout, layout)
@@ -168,8 +187,9 @@ class AotModule(nn.Module):
                     f"{name} has been compiled for {self._layouts_compiled} module layouts "
                     f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
                     "Fix: keep the module's layout stable (replace a submodule's parameters in "
-                    "place instead of the submodule, keep training flags), or raise the limit "
-                    "with aotkit.config.patch(recompile_limit=...)."
+                    "place instead of the submodule, keep training flags, keep a Python value "
+                    "forward changes at every call, such as a step counter, in a buffer), or "
+                    "raise the limit with aotkit.config.patch(recompile_limit=...)."
                 )
             counters.record("recompile", name, why, logger=log)
         self._layouts_compiled += 1
@@ -200,7 +220,8 @@ class AotModule(nn.Module):
         submodules): a copy or an unpickled module is compiled anew on its first call, with its
         training flag, hooks and attributes as they were."""
         state = super().__getstate__()
-        state = {**state, "_compiled": {}, "_last": None, "_attributes": {}, "_layouts_compiled": 0}
+        state = {**state, "_compiled": {}, "_last": None, "_attributes": {}, "_guarded": {},
+                 "_layouts_compiled": 0}
         return state
 
 
@@ -213,10 +234,11 @@ def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], 
     return forget
 
 
-def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]
-             ) -> tuple[Hashable, list[torch.Tensor]]:
+def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
+             guarded: Mapping[int, tuple[str, ...]]) -> tuple[Hashable, list[torch.Tensor]]:
     """The module's layout key and its state tensors, in one walk (this runs at every call).
-    ``attributes``: plain tensor attributes read as state, by module id."""
+    ``attributes``: plain tensor attributes read as state, ``guarded``: plain values the key
+    holds, by module id."""
     key: list[Any] = []
     params: list[Any] = []
     buffers: list[Any] = []
@@ -231,6 +253,8 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]
         if attributes and (names := _tensor_attributes(m, attributes)):
             key.append(("attributes", *names))
             values.extend(m.__dict__[n] for n in names)
+        if guarded and (names := guarded.get(id(m))):
+            key.append(("values", *(_hashable(m.__dict__.get(n, _MISSING)) for n in names)))
     if any(every := _global_hook_tables()):
         key.append(tuple(map(tuple, every)))
     state, slots = _unique([*params, *buffers, *values])
@@ -256,8 +280,11 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 # (RNN's ``_flat_weights``: its weights, computed ones under weight_norm or pruning) is a
 # cache, put back after the trace as it was (forward rebuilds it when it finds it stale).
 # Other objects (RNN's weakrefs to its parameters, a config object) stay as forward left them.
-# A counter forward increments (``self.calls += 1``) holds what one traced call left, not a
-# count of calls.
+# The graph holds the branches forward took for the values it was traced from, so a plain value
+# forward changes (an ActNorm-style ``self.initialized = True``, a cache length) joins the
+# layout key from then on: the next call traces again from the new value (a recompile naming
+# it), and a value forward changes at every call (``self.calls += 1``) runs into the recompile
+# limit, whose fix names it. A value computed from symbolic sizes is each call's own, unguarded.
 
 
 # Note [Module hooks]
@@ -330,7 +357,8 @@ def _unique(tensors: Iterable[torch.Tensor | None]) -> tuple[list[torch.Tensor],
     return out, tuple(slots)
 
 
-def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> _Layout:
+def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
+            guarded: Mapping[int, tuple[str, ...]]) -> _Layout:
     modules = list(root.named_modules())
     modes = [(n or type(root).__name__, m.training) for n, m in modules]
     index: dict[int, int] = {}
@@ -356,7 +384,9 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]]) -> _Layo
                  if isinstance(v, torch.Tensor) and (id(m.__dict__), k) not in lifted}
     return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
         [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]),
-        constants, {id(m.__dict__) for _, m in modules if type(m).__module__.startswith("torch.")})
+        constants, {id(m.__dict__) for _, m in modules if type(m).__module__.startswith("torch.")},
+        {f"{n}.{k}" if n else k: m.__dict__.get(k, _MISSING) for n, m in modules
+         for k in guarded.get(id(m), ())})
 
 
 @contextlib.contextmanager
@@ -374,7 +404,7 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
         yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
         state_slots = {(id(s.table), s.key) for s in slots if s.is_attribute}
-        assigned.update(_attributes_assigned(attributes, state_slots, layout.pytorch_modules))
+        assigned.update(_attributes_assigned(attributes, state_slots, layout))
     finally:
         for table, before in keys:
             for key in [k for k in table if k not in before]:
@@ -386,8 +416,7 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],
-                         state_slots: set[tuple[int, str]], pytorch_modules: set[int]
-                         ) -> dict[str, Any]:
+                         state_slots: set[tuple[int, str]], layout: _Layout) -> dict[str, Any]:
     """Plain attributes forward set (``self.cache = ...``, old-style weight_norm's
     ``module.weight``, ``self.cached_len = n``): returned by the graph and set after each call,
     as eager sets them (Note [Attributes forward assigns]). Those read as state
@@ -400,7 +429,7 @@ def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[st
                 continue
             name = f"{prefix}.{key}" if prefix else key
             kind = _kind(value)
-            if kind == "tensors" and id(d) not in pytorch_modules:
+            if kind == "tensors" and id(d) not in layout.pytorch_modules:
                 raise UnsupportedError(
                     f"the module's forward assigned {name!r} a {type(value).__name__} holding "
                     "tensors; aot_module sets tensors and plain Python values that forward "
@@ -410,10 +439,35 @@ def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[st
                     "torch.compile(model, backend='aotkit').")
             if kind in ("tensor", "value"):
                 assigned[name] = value
+            if kind == "value":
+                layout.values_traced_from[name] = before.get(key, _MISSING)
+                if any(isinstance(v, _SYMBOLIC) for v in pytree.tree_leaves(value)):
+                    layout.symbolic_values.add(name)
     return assigned
 
 
-_VALUES = (int, float, complex, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_VALUES = (int, float, complex, str, type(None), *_SYMBOLIC)
+_MISSING = object()  # an attribute not set
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an == that does not give a bool
+        return False
+
+
+def _shown(value: Any) -> str:
+    return "(not set)" if value is _MISSING else repr(value)
+
+
+def _hashable(value: Any) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
 
 
 def _kind(value: Any) -> str:
@@ -505,6 +559,12 @@ def _describe(old: _Layout, new: _Layout) -> str:
     if read:
         reasons.append(f"plain tensor attribute(s) {read} assigned anew (by forward or from "
                        "outside): read as inputs from now on, so each call sees the current value")
+    was = {**old.values_traced_from, **old.guarded_values}  # what the old graph was traced from
+    changed = [f"{n} {_shown(was.get(n, _MISSING))} -> {_shown(v)}"
+               for n, v in new.guarded_values.items() if not _same(was.get(n, _MISSING), v)]
+    if changed:
+        reasons.append(f"plain attribute(s) forward assigns changed ({', '.join(changed)}): "
+                       "traced again from the current values")
     reasons += _state_changes(old, new, read)
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
