@@ -288,14 +288,18 @@ def test_a_cache_keyed_on_a_python_int_grows_as_in_eager(dynamic):
         torch.testing.assert_close(twin.cos, eager.cos)
 
 
-@pytest.mark.parametrize("wrap", ["parametrizations.weight_norm", "prune"])
+class _MyLSTM(nn.LSTM):
+    """A user's subclass: its ``_flat_weights`` is still PyTorch's cache."""
+
+
+@pytest.mark.parametrize("wrap", ["parametrizations.weight_norm", "prune", "subclass"])
 def test_an_rnn_with_computed_weights_trains_as_in_eager(wrap):
     """The RNN rebuilds its ``_flat_weights`` list from the computed weights in forward: a cache
     of a module PyTorch defines, put back after tracing, not a container refused."""
 
     def make() -> nn.Module:
         torch.manual_seed(0)
-        lstm = nn.LSTM(3, 4, batch_first=True)
+        lstm = (_MyLSTM if wrap == "subclass" else nn.LSTM)(3, 4, batch_first=True)
         if wrap == "prune":
             prune.l1_unstructured(lstm, "weight_hh_l0", amount=0.5)
         else:

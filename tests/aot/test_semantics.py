@@ -191,6 +191,16 @@ def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():
     assert w.grad is not None and x.grad is not None
 
 
+def test_hooks_behind_an_eager_op_the_loss_does_not_reach_see_a_tensor():
+    """The None would reach ``v``'s hook through ``v * 1``'s backward: zeros go there."""
+    v = rand(3, grad=True)
+    v.register_hook(lambda g: g * 2)
+    x, w = rand(2, 3, grad=True), rand(3, 3, grad=True)
+    a, _ = aotkit.aot_function(_two_heads, compilers.nop)(x, v * 1, w)
+    a.sum().backward()
+    assert not v.grad.any()
+
+
 def test_no_gradient_flows_through_a_chain_of_compiled_functions_the_loss_does_not_reach():
     """The second function's unused output feeds on the first's output: nothing runs upstream,
     so its leaf keeps ``.grad`` None, and a freed upstream graph is not visited."""

@@ -384,9 +384,15 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
                  if isinstance(v, torch.Tensor) and (id(m.__dict__), k) not in lifted}
     return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
         [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]),
-        constants, {id(m.__dict__) for _, m in modules if type(m).__module__.startswith("torch.")},
+        constants, {id(m.__dict__) for _, m in modules if _defined_by_pytorch(m)},
         {f"{n}.{k}" if n else k: m.__dict__.get(k, _MISSING) for n, m in modules
          for k in guarded.get(id(m), ())})
+
+
+def _defined_by_pytorch(m: nn.Module) -> bool:
+    """An instance of a module class PyTorch defines (``nn.LSTM``, or a user's subclass of it)."""
+    return any(c.__module__.startswith("torch.") for c in type(m).__mro__
+               if c is not nn.Module and c is not object)
 
 
 @contextlib.contextmanager

@@ -209,8 +209,8 @@ class CompiledFunction(torch.autograd.Function):
             with torch._C._DisableAutocast():
                 input_grads = backward(args)
         if unreached:
-            hooked = _hooked_leaves(ctx, graphs)
-            input_grads = [None if mask and not mask & ~unreached and i not in hooked else g
+            quiet = _quiet_inputs(ctx, graphs)
+            input_grads = [None if mask and not mask & ~unreached and i in quiet else g
                            for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(),
                                                              strict=True))]
         return (None, *input_grads)
@@ -225,21 +225,25 @@ class CompiledFunction(torch.autograd.Function):
 # (materialize_grads off: None instead of zeros). With none reached it returns no gradients
 # without running anything; otherwise the backward graph runs with zeros for the missing
 # tangents, and each input's gradient that depends on missing tangents only (a bit mask per
-# input, read off the backward graph once) is None. The engine still visits the nodes behind
-# such inputs, with no gradient: a compiled function's returns at once (so a chain of them
-# runs nothing), an eager graph freed by an earlier backward raises (README, known gaps), and a
-# leaf's hooks run, which eager would not call: so a leaf with tensor or post-accumulate-grad
-# hooks gets its zero gradient, as PyTorch's AOT autograd gives it, rather than None, which
-# hooks written for eager do not expect.
-def _hooked_leaves(ctx: Any, graphs: CompiledGraphs) -> set[int]:
-    """Inputs that are leaves with hooks (ctx.next_functions lists the tensor inputs)."""
+# input, read off the backward graph once) is None, where that None goes nowhere else: into a
+# leaf without hooks (a parameter: ``.grad`` stays None) or into another compiled call (which
+# returns at once, so a chain of them runs nothing). The engine still visits whatever node is
+# behind an input, with no gradient, and would hand None to hooks eager never calls (a hook on
+# the leaf, or on a tensor an eager op between made): there the zero gradient goes, as
+# PyTorch's AOT autograd sends it. (An eager graph freed by an earlier backward raises when
+# visited: README, known gaps.)
+def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
+    """Inputs whose missing gradient may be None: hook-free leaves and compiled calls'
+    outputs (ctx.next_functions lists the tensor inputs)."""
     tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
-    hooked = set()
+    quiet = set()
     for i, (node, _) in zip(tensors, ctx.next_functions, strict=True):
         leaf = getattr(node, "variable", None)
-        if leaf is not None and (leaf._backward_hooks or leaf._post_accumulate_grad_hooks):
-            hooked.add(i)
-    return hooked
+        hook_free_leaf = leaf is not None and not (
+            leaf._backward_hooks or leaf._post_accumulate_grad_hooks)
+        if hook_free_leaf or isinstance(node, CompiledFunction._backward_cls):
+            quiet.add(i)
+    return quiet
 
 
 def _zeros_for_unreached(ctx: Any, graphs: CompiledGraphs, grads: Sequence[Any]) -> list[Any]:
