@@ -1059,6 +1059,28 @@ def test_random_ops_differ_between_calls():
     assert not torch.equal(f(x), f(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.float32])
+@pytest.mark.parametrize("through", ["function", "torch_compile"])
+def test_random_from_to_draws_eager_values(dtype, through):
+    """Note [Ops FX cannot print]: ``random_(a, b)`` failed to trace with a SyntaxError
+    (``torch.ops.aten.random.from``); it now draws eager's numbers, also into a transposed view."""
+
+    def fn(x):
+        return x.random_(2, 9), (x * 1).t().random_(0, 100)
+
+    run = aotkit.aot_function(fn, compilers.nop) if through == "function" else torch.compile(
+        fn, backend="aotkit")
+    results = []
+    for f in (fn, run):
+        torch.manual_seed(0)
+        x = torch.zeros(3, 4, dtype=dtype)
+        results.append((*f(x), x, torch.rand(2)))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        assert torch.equal(actual, expected) and actual.stride() == expected.stride()
+    with pytest.raises(UnsupportedError, match="without an upper bound"):
+        aotkit.aot_function(lambda x: x.random_(3, None), compilers.nop)(torch.zeros(2))
+
+
 def test_rng_state_after_call_matches_eager():
     def fn(x):
         return F.dropout(x, 0.3, training=True)

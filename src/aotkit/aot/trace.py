@@ -1000,8 +1000,28 @@ def _refuse_traced_constants(gm: fx.GraphModule) -> None:
             )
 
 
+# Note [Ops FX cannot print]
+# FX prints an ATen call as ``torch.ops.aten.random.from(...)``, which is no Python when the
+# overload's name is a keyword: ``x.random_(0, 10)`` failed to trace with a SyntaxError. Such an
+# overload is decomposed into one FX can print that draws the same numbers: ``random.from(x,
+# a, b)`` is ``random.to(x, b - a) + a`` (ATen's kernel takes one draw modulo the range and
+# adds the start), bit for bit in every dtype and layout. A user's decomposition wins.
+def _random_from(x: torch.Tensor, start: int, end: int | None, *,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    if end is None:
+        raise UnsupportedError(
+            f"random_({start}) without an upper bound cannot be traced (FX cannot print "
+            "aten.random.from, and no other op draws its full range).\nFix: pass the upper "
+            "bound, random_(from, to).")
+    return torch.ops.aten.random.to(x, end - start, generator=generator) + start
+
+
+_PRINTABLE = {getattr(torch.ops.aten.random, "from"): _random_from}
+
+
 def _make_fx(fn: Callable[..., Any], args: list[Any], decompositions: Mapping[Any, Any] | None) -> fx.GraphModule:
-    gm = make_fx(fn, decomposition_table=dict(decompositions or {}), tracing_mode="real",
+    gm = make_fx(fn, decomposition_table={**_PRINTABLE, **(decompositions or {})},
+                 tracing_mode="real",
                  record_stack_traces=config.record_stack_traces)(*args)
     _refuse_traced_constants(gm)
     # Flat placeholders and a plain list output: every graph is ``forward(primals_1, ...)``.
