@@ -121,8 +121,23 @@ def ddp_compile_and_compiled_autograd(rank: int) -> dict[str, Any]:
         return train(model, lambda _, x: compiled_autograd_backward(compiled, x), rank, 64)
 
 
+def ddp_over_aot_module(rank: int) -> dict[str, Any]:
+    """DDP wraps the compiled module (its reducer's hooks fire on the parameters' gradients);
+    aot_module over DDP is refused, naming this."""
+    torch.manual_seed(0)
+    try:
+        aotkit.aot_module(DDP(nn.Linear(2, 2)), aotkit.compilers.nop)
+    except aotkit.errors.ArgumentError as exc:
+        assert "DistributedDataParallel(aot_module(model" in str(exc)
+    else:
+        raise AssertionError("aot_module(DDP(...)) was not refused")
+    torch.manual_seed(0)
+    model = DDP(aotkit.aot_module(Net(64), aotkit.compilers.nop))
+    return train(model, loss_backward, rank, 64)
+
+
 SCENARIOS = [ddp_compile, ddp_compiled_autograd, ddp_compile_and_compiled_autograd,
-             fsdp2_compiled_autograd]
+             fsdp2_compiled_autograd, ddp_over_aot_module]
 
 
 def main(rank: int, world: int, store_file: str) -> None:

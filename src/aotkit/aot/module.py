@@ -625,6 +625,12 @@ def aot_module(
     if not isinstance(mod, nn.Module):
         raise ArgumentError(f"aot_module compiles an nn.Module, got {type(mod).__name__}.\n"
                             "Fix: use aotkit.aot_function for plain functions.")
+    if isinstance(mod, nn.parallel.DistributedDataParallel):
+        raise ArgumentError(
+            "aot_module cannot compile DistributedDataParallel: its forward prepares the "
+            "gradient reducer in Python at every call, which a compiled graph runs only while "
+            "tracing.\nFix: wrap the compiled module instead, DistributedDataParallel("
+            "aot_module(model, ...)), or use torch.compile(ddp_model, backend='aotkit').")
     options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, 0,
                          keep_inference_input_mutations, inference_compiler, dynamic)
     return AotModule(mod, options)
