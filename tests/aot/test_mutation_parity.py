@@ -195,7 +195,11 @@ def test_a_view_taken_under_inference_mode_inside_is_refused():
             x.t()
         return x * 2
 
-    _assert_refused(fn, (torch.ones(2, 2, requires_grad=True),), "inside torch.inference_mode")
+    _assert_refused(fn, (torch.ones(2, 2, requires_grad=True),), "enters torch.inference_mode")
+    x = torch.ones(2, 2, requires_grad=True)  # Dynamo's graph enters it as a call of its own
+    torch.testing.assert_close(torch.compile(fn, backend="aotkit")(x), fn(x))
+    with torch.inference_mode():  # around the call
+        assert aotkit.aot_function(lambda x: x.t() * 2, compilers.nop)(x).is_inference()
 
 
 @pytest.mark.parametrize("resize", [lambda x: x.resize_(5, 5), lambda x: x.resize_as_(torch.ones(9)),

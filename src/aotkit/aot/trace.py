@@ -175,6 +175,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     guard = _OutsideTensorGuard(what, dynamic=mode.shape_env is not None)
     guard.generators.extend(generators)
     guard.seeds = None if reseeds else ReseedWatch(what)
+    # Dynamo's graphs enter and leave inference mode as calls of their own, which trace.
+    guard.refuse_inference_mode = not reseeds and not torch.is_inference_mode_enabled()
     token = _GUARD.set(guard)
     # Tracing code writes torch.fx.traceback's current node meta (selective checkpointing tags
     # its ops there when it sees a trace); what it writes must not outlive our trace.
@@ -268,14 +270,6 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
         )
     if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
         return _data_dependent(what, exc)
-    if "for inference tensor" in str(exc):  # a view of an input taken under inference_mode
-        return UnsupportedError(
-            f"{what} takes a view of a tensor inside torch.inference_mode(), which tracing "
-            f"cannot represent ({_first_line(exc)}).\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: use torch.no_grad() inside the compiled function, or enter inference_mode "
-            "around the call instead."
-        )
     if "you can only change requires_grad flags of leaf variables" in str(exc):
         return UnsupportedError(
             f"{what} changes requires_grad of a tensor that is not a leaf here "
@@ -385,11 +379,19 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.first_pass_generators: list[torch.Generator] | None = None
         self.pass_id = next(_PASS_IDS)
         self.seeds: ReseedWatch | None = None  # None: reseeding is not refused
+        self.refuse_inference_mode = False  # set by tracing()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: its body dispatches
             return func(*args, **kwargs)
+        if self.refuse_inference_mode and torch.is_inference_mode_enabled():
+            raise UnsupportedError(
+                f"{self.what} enters torch.inference_mode() inside: its tensors (inference "
+                f"tensors, without version counters or autograd) cannot be traced.\n"
+                f"  at {current_user_line()}\n"
+                "Fix: use torch.no_grad() inside the compiled function, enter inference_mode "
+                "around the call instead, or use torch.compile(fn, backend='aotkit').")
         self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
