@@ -201,6 +201,20 @@ def test_hooks_behind_an_eager_op_the_loss_does_not_reach_see_a_tensor():
     assert not v.grad.any()
 
 
+def test_a_hook_between_two_compiled_calls_the_loss_does_not_reach_sees_a_tensor():
+    """``y`` is the first call's output, hooked, and feeds the second call's unused output."""
+    first = aotkit.aot_function(lambda v: v.sin() * 2, compilers.nop)
+    second = aotkit.aot_function(lambda z, y: (z.exp(), (y * 3).cos()), compilers.nop)
+    x, z = rand(4, grad=True), rand(4, grad=True)
+    seen = []
+    y = first(x * 1)
+    y.register_hook(lambda g: seen.append(g * 1))
+    a, _ = second(z, y)
+    a.sum().backward()
+    assert len(seen) == 1 and not seen[0].any()
+    torch.testing.assert_close(z.grad, z.detach().exp())
+
+
 def test_no_gradient_flows_through_a_chain_of_compiled_functions_the_loss_does_not_reach():
     """The second function's unused output feeds on the first's output: nothing runs upstream,
     so its leaf keeps ``.grad`` None, and a freed upstream graph is not visited."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,6 +183,9 @@ class CompiledFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(
             *(fw_outs[i] for i in graphs.non_differentiable if isinstance(fw_outs[i], torch.Tensor))
         )
+        # For a later compiled call's backward: do these outputs have hooks? (Note [Outputs
+        # backward does not reach])
+        ctx.outputs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in fw_outs]
         return (*fw_outs, anchor)
 
     @staticmethod
@@ -193,7 +197,8 @@ class CompiledFunction(torch.autograd.Function):
         tangents = [g for g, d in zip(grads, graphs.differentiable, strict=True) if d]
         unreached = sum(1 << k for k, g in enumerate(tangents) if g is None)
         if unreached:
-            if unreached == (1 << len(tangents)) - 1:
+            quiet = _quiet_inputs(ctx, graphs)
+            if unreached == (1 << len(tangents)) - 1 and len(quiet) == len(ctx.next_functions):
                 return (None,) * (1 + graphs.num_inputs)
             grads = _zeros_for_unreached(ctx, graphs, grads)
         tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
@@ -209,7 +214,6 @@ class CompiledFunction(torch.autograd.Function):
             with torch._C._DisableAutocast():
                 input_grads = backward(args)
         if unreached:
-            quiet = _quiet_inputs(ctx, graphs)
             input_grads = [None if mask and not mask & ~unreached and i in quiet else g
                            for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(),
                                                              strict=True))]
@@ -222,26 +226,30 @@ class CompiledFunction(torch.autograd.Function):
 # only fed them keep ``.grad`` None (optimizers skip them; zeros would move them under weight
 # decay or momentum), and ``autograd.grad(..., allow_unused=False)`` raises. One Function node
 # stands for all of the compiled outputs, so its backward is told which got no gradient
-# (materialize_grads off: None instead of zeros). With none reached it returns no gradients
-# without running anything; otherwise the backward graph runs with zeros for the missing
-# tangents, and each input's gradient that depends on missing tangents only (a bit mask per
-# input, read off the backward graph once) is None, where that None goes nowhere else: into a
-# leaf without hooks (a parameter: ``.grad`` stays None) or into another compiled call (which
-# returns at once, so a chain of them runs nothing). The engine still visits whatever node is
-# behind an input, with no gradient, and would hand None to hooks eager never calls (a hook on
-# the leaf, or on a tensor an eager op between made): there the zero gradient goes, as
-# PyTorch's AOT autograd sends it. (An eager graph freed by an earlier backward raises when
-# visited: README, known gaps.)
+# (materialize_grads off: None instead of zeros), and an input's gradient that depends on
+# missing tangents only (a bit mask per input, read off the backward graph once) is None where
+# that None goes nowhere else: into no edge, a leaf without hooks (a parameter: ``.grad`` stays
+# None) or another compiled call's output without hooks (that call applies the same rule; each
+# call keeps weak references to its outputs to tell). The engine still visits
+# whatever node is behind an input, with no gradient, and would hand None to hooks eager never
+# calls (a hook on the leaf, or on a tensor an eager op between made): there the zero gradient
+# goes, as PyTorch's AOT autograd sends it. With no output reached and every input quiet,
+# nothing runs; otherwise the backward graph runs with zeros for the missing tangents. (An
+# eager graph freed by an earlier backward raises when visited: README, known gaps.)
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
-    """Inputs whose missing gradient may be None: hook-free leaves and compiled calls'
-    outputs (ctx.next_functions lists the tensor inputs)."""
+    """Inputs whose missing gradient may be None: no edge, hook-free leaves and compiled
+    calls' outputs (ctx.next_functions lists the tensor inputs)."""
     tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
     quiet = set()
-    for i, (node, _) in zip(tensors, ctx.next_functions, strict=True):
+    for i, (node, slot) in zip(tensors, ctx.next_functions, strict=True):
         leaf = getattr(node, "variable", None)
-        hook_free_leaf = leaf is not None and not (
-            leaf._backward_hooks or leaf._post_accumulate_grad_hooks)
-        if hook_free_leaf or isinstance(node, CompiledFunction._backward_cls):
+        if isinstance(node, CompiledFunction._backward_cls):
+            ref = node.outputs[slot] if slot < len(node.outputs) else None
+            leaf = ref() if ref is not None else None  # the upstream output, hooks and all
+            hooked = leaf is not None and bool(leaf._backward_hooks)
+        else:
+            hooked = leaf is None or bool(leaf._backward_hooks or leaf._post_accumulate_grad_hooks)
+        if node is None or not hooked:
             quiet.add(i)
     return quiet
 
