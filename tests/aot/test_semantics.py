@@ -1091,8 +1091,20 @@ def test_random_from_to_draws_eager_values(dtype, through):
         results.append((*f(x), x, torch.rand(2)))
     for actual, expected in zip(results[1], results[0], strict=True):
         assert torch.equal(actual, expected) and actual.stride() == expected.stride()
-    with pytest.raises(UnsupportedError, match="without an upper bound"):
+    with pytest.raises(UnsupportedError, match="cannot be traced"):
         aotkit.aot_function(lambda x: x.random_(3, None), compilers.nop)(torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype, start, end, error", [
+    (torch.uint8, -2, 3, "from is out of bounds"),  # eager's checks
+    (torch.int32, 100, 2**31 + 100, "to - 1 is out of bounds"),
+    (torch.int64, 5, 5, "to be less than 'to'"),
+    (torch.bfloat16, -10**7, 10**7, "holds exactly"),  # eager warns and draws otherwise
+])
+def test_random_from_to_outside_what_eager_draws_exactly_raises(dtype, start, end, error):
+    f = aotkit.aot_function(lambda x: x.random_(start, end), compilers.nop)
+    with pytest.raises((RuntimeError, UnsupportedError), match=error):
+        f(torch.zeros(4, dtype=dtype))
 
 
 def test_rng_state_after_call_matches_eager():

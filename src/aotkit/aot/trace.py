@@ -12,6 +12,7 @@ import contextvars
 import inspect
 import itertools
 import logging
+import math
 import os
 import threading
 import traceback
@@ -1005,17 +1006,44 @@ def _refuse_traced_constants(gm: fx.GraphModule) -> None:
 # Note [Ops FX cannot print]
 # FX prints an ATen call as ``torch.ops.aten.random.from(...)``, which is no Python when the
 # overload's name is a keyword: ``x.random_(0, 10)`` failed to trace with a SyntaxError. Such an
-# overload is decomposed into one FX can print that draws the same numbers: ``random.from(x,
-# a, b)`` is ``random.to(x, b - a) + a`` (ATen's kernel takes one draw modulo the range and
-# adds the start), bit for bit in every dtype and layout. A user's decomposition wins.
+# overload is decomposed into ops FX can print that draw the same numbers: ATen's kernel takes
+# one draw modulo ``to - from`` (the same draw whatever the dtype), adds ``from`` in 64-bit
+# integers and casts, so ``random.to`` on an int64 tensor laid out like ``x``, plus ``from``,
+# cast to ``x``'s dtype, is eager's result bit for bit; eager's argument checks are repeated.
+# A user's decomposition wins.
 def _random_from(x: torch.Tensor, start: int, end: int | None, *,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-    if end is None:
+    if end is None or end - start > torch.iinfo(torch.int64).max:
         raise UnsupportedError(
-            f"random_({start}) without an upper bound cannot be traced (FX cannot print "
-            "aten.random.from, and no other op draws its full range).\nFix: pass the upper "
-            "bound, random_(from, to).")
-    return torch.ops.aten.random.to(x, end - start, generator=generator) + start
+            f"random_({start}, {end}) cannot be traced: FX cannot print aten.random.from, and "
+            "no other op draws a range this wide.\nFix: pass an upper bound less than 2**63 "
+            "above the lower one.")
+    _check_random_range(start, end, x.dtype)
+    draws = torch.ops.aten.random.to(torch.empty_like(x, dtype=torch.int64), end - start,
+                                     generator=generator)
+    return (draws + start).to(x.dtype)
+
+
+def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
+    """Eager's checks of ``random_(from, to)``; beyond the integers a floating dtype holds
+    exactly, where eager only warns, its draws are not reproduced: refused."""
+    if start >= end:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={start} "
+                           f">= to={end}")
+    if dtype.is_floating_point:
+        digits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # 24 for float32
+        if start < -(2**digits) or end - 1 > 2**digits:
+            raise UnsupportedError(
+                f"random_({start}, {end}) on a {dtype} tensor reaches beyond the integers "
+                f"{dtype} holds exactly (±2**{digits}), where eager warns "
+                "and its draws cannot be traced.\nFix: draw into an int64 tensor and convert, "
+                "or use a narrower range.")
+        return
+    low, high = (0, 1) if dtype is torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not low <= start <= high:
+        raise RuntimeError(f"from is out of bounds for {dtype}")
+    if not low <= end - 1 <= high:
+        raise RuntimeError(f"to - 1 is out of bounds for {dtype}")
 
 
 _PRINTABLE = {getattr(torch.ops.aten.random, "from"): _random_from}
