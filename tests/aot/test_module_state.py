@@ -388,10 +388,16 @@ def test_forward_assigning_a_container_of_tensors_is_refused():
             self.kept = [y.detach()]
             return y
 
-    model = KeepsList()
-    with pytest.raises(UnsupportedError, match="assigned 'kept' a list holding tensors"):
-        aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
-    assert model.kept == []
+    class SequentialKeepingList(nn.Sequential):  # a subclass of a module PyTorch defines
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.kept = [super().forward(x).detach()]
+            return self.kept[0] * 2
+
+    plain, subclass = KeepsList(), SequentialKeepingList(nn.Linear(4, 4))
+    for model in (plain, subclass):
+        with pytest.raises(UnsupportedError, match="assigned 'kept' a list holding tensors"):
+            aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
+    assert plain.kept == [] and not hasattr(subclass, "kept")  # no tracing value left
 
 
 def test_tensor_attributes_forward_assigns_are_read_at_every_call():

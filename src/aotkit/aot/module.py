@@ -276,9 +276,10 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 # last pass's values are returned by the graph and assigned after every call, as eager assigns
 # them: tensors (Note [Module state as graph inputs]) and plain Python values alike, a SymInt
 # read from a dynamic size becoming each call's int. A container holding tensors is refused:
-# the next trace would read its tensors as constants; one kept by a module PyTorch defines
-# (RNN's ``_flat_weights``: its weights, computed ones under weight_norm or pruning) is a
-# cache, put back after the trace as it was (forward rebuilds it when it finds it stale).
+# the next trace would read its tensors as constants; a private one kept by a module PyTorch
+# defines, or a subclass of one (RNN's ``_flat_weights``: its weights, computed ones under
+# weight_norm or pruning), is a cache, put back after the trace as it was (forward rebuilds it
+# when it finds it stale); a public one a subclass's forward sets (``self.feats``) is refused.
 # Other objects (RNN's weakrefs to its parameters, a config object) stay as forward left them.
 # The graph holds the branches forward took for the values it was traced from, so a plain value
 # forward changes (an ActNorm-style ``self.initialized = True``, a cache length) joins the
@@ -426,8 +427,8 @@ def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[st
     """Plain attributes forward set (``self.cache = ...``, old-style weight_norm's
     ``module.weight``, ``self.cached_len = n``): returned by the graph and set after each call,
     as eager sets them (Note [Attributes forward assigns]). Those read as state
-    (``state_slots``) are the slots' business, and a container of tensors a module PyTorch
-    defines keeps (RNN's ``_flat_weights``) is a cache its forward rebuilds."""
+    (``state_slots``) are the slots' business, and a private container of tensors a module
+    PyTorch defines keeps (RNN's ``_flat_weights``) is a cache its forward rebuilds."""
     assigned = {}
     for prefix, d, before in attributes:
         for key, value in d.items():
@@ -435,7 +436,7 @@ def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[st
                 continue
             name = f"{prefix}.{key}" if prefix else key
             kind = _kind(value)
-            if kind == "tensors" and id(d) not in layout.pytorch_modules:
+            if kind == "tensors" and not (id(d) in layout.pytorch_modules and key.startswith("_")):
                 raise UnsupportedError(
                     f"the module's forward assigned {name!r} a {type(value).__name__} holding "
                     "tensors; aot_module sets tensors and plain Python values that forward "
