@@ -421,9 +421,10 @@ def _refuse_leaf_metadata_mutation(meta: AotMeta, args: Sequence[Any], name: str
 
 
 def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
-    """The inference graph runs without autograd; eager would still hand back a fresh output
-    that requires grad when the function makes one itself (``torch.ones(..., requires_grad=True)``
-    or ``torch.enable_grad()`` inside a call made under no_grad)."""
+    """The inference graph runs without autograd; eager would still hand back an output that
+    requires grad when the function computes it from a tensor requiring grad it makes itself
+    (``x * torch.ones(..., requires_grad=True)``; a returned leaf is handed back as one, Note
+    [Leaves made inside])."""
     fresh = [o for o in meta.outputs if o.alias is Alias.NONE and o.is_tensor and o.requires_grad
              and not o.fresh_leaf]  # a leaf made inside is handed back as one
     if fresh or any(meta.intermediate_bases_requires_grad):
