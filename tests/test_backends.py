@@ -461,6 +461,28 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
             torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("capture", [True, False])
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
+def test_a_factory_sized_by_an_input_item(backend: str, capture: bool) -> None:
+    """Note [Items of Dynamo's inputs]: Dynamo's symbol for ``n.item()`` (``s33``) reached
+    Inductor's forward, which cannot bind it ("name 's33' is not defined")."""
+
+    def f(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return torch.ones(n.item(), 3) * x.sum()
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=capture):
+        for size in (5, 7, 2):
+            x = torch.randn(4, requires_grad=True)
+            x_eager = x.detach().clone().requires_grad_()
+            n = torch.tensor(size)
+            out, expected = compiled(x, n), f(x_eager, n)
+            torch.testing.assert_close(out, expected)
+            (out * torch.arange(size).unsqueeze(1)).sum().backward()
+            (expected * torch.arange(size).unsqueeze(1)).sum().backward()
+            torch.testing.assert_close(x.grad, x_eager.grad)
+
+
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
 def test_backward_reads_symbols_only_inside_expressions(backend: str) -> None:
     """Note [Binding symbols in the backward]: cat's, pad's and split's backwards read sizes
