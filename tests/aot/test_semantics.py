@@ -1120,7 +1120,7 @@ def test_rng_state_after_call_matches_eager():
 
 
 def test_a_closed_over_module_switched_to_eval_is_traced_again():
-    """Note [Training flags of modules the function calls]: model.eval() after the first call
+    """Note [What a trace reads besides its inputs]: model.eval() after the first call
     did not show, and the graph went on dropping out (PyTorch's aot_function too)."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5)).requires_grad_(False)
     x = torch.randn(2, 4, requires_grad=True)
@@ -2063,3 +2063,60 @@ def test_an_async_assert_stays_in_the_graph(grad):
         f(torch.ones(3, requires_grad=grad))
     torch.testing.assert_close(f(torch.full((3,), 50.0, requires_grad=grad)),
                                torch.full((3,), 100.0))
+
+
+def test_a_closed_over_module_unfrozen_after_compiling_is_refused():
+    """Note [What a trace reads besides its inputs]: frozen when traced, its weights were graph
+    constants; unfrozen afterwards, the graph ran on and dropped their gradients."""
+    feature = nn.Linear(4, 4).requires_grad_(False)
+    compiled = aotkit.aot_function(lambda x: feature(x).tanh().sum(), compilers.nop)
+    x = torch.randn(2, 4, requires_grad=True)
+    compiled(x).backward()
+    feature.requires_grad_(True)
+    with pytest.raises(UnsupportedError, match="requires grad"):
+        compiled(x)
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "reads as a constant" in reason.why and "now requires grad" in reason.why
+
+
+def test_a_replaced_parameter_of_a_closed_over_module_is_read_anew():
+    """``load_state_dict(..., assign=True)`` on a frozen teacher: the graph kept the old
+    weights (Note [What a trace reads besides its inputs])."""
+    teacher = nn.Linear(4, 4).requires_grad_(False)
+    compiled = aotkit.aot_function(lambda x: teacher(x).sum(), compilers.nop)
+    x = torch.randn(2, 4, requires_grad=True)
+    compiled(x)
+    fresh = {k: torch.randn_like(v) for k, v in teacher.state_dict().items()}
+    teacher.load_state_dict(fresh, assign=True)
+    torch.testing.assert_close(compiled(x), teacher(x).sum())
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "the parameter 'weight' of Linear" in reason.why and "replaced" in reason.why
+
+
+def test_a_module_passed_to_an_aot_module_is_watched():
+    """A teacher passed to forward as an argument: its training flag and replaced weights did
+    not show (the layout key holds the compiled module's own submodules only)."""
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, teacher: nn.Module) -> torch.Tensor:
+            return (self.fc(x) * teacher(x)).sum()
+
+    student = Student()
+    teacher = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False)
+    compiled = aotkit.aot_module(student, compilers.nop)
+    x = torch.randn(2, 4)
+    for change in (lambda: None, teacher.eval,
+                   lambda: setattr(teacher[0], "weight", nn.Parameter(torch.randn(4, 4), False))):
+        change()
+        torch.manual_seed(0)
+        out = compiled(x, teacher)
+        torch.manual_seed(0)
+        torch.testing.assert_close(out, student(x, teacher))
+    assert len(aotkit.explain().of_kind("recompile")) == 2
+    teacher.requires_grad_(True)
+    with pytest.raises(UnsupportedError, match="make that module part of the compiled one"):
+        compiled(x, teacher)

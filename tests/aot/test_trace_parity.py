@@ -48,7 +48,7 @@ def test_mutated_closed_over_tensor_is_refused_before_tracing_touches_it(mutate,
     message = str(info.value)
     assert "shape (2, 3)" in message and "torch.float32" in message
     assert "mutates in place" in message and "test_trace_parity.py" in message  # the user line
-    assert "Fix: pass it as an argument (or use aot_module for parameters/buffers)" in message
+    assert "Fix: pass it as an argument; for the parameters of a module" in message
 
 
 def test_mutated_closed_over_tensor_matches_eager_when_passed_as_argument():

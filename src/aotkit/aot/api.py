@@ -8,7 +8,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.reads import Reads, recording
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
     AutocastState,
@@ -33,12 +34,7 @@ from aotkit.aot.signature import (
 )
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
 from aotkit.aot.state import (
-    ModuleFlags,
     StateWatch,
-    flag_changes,
-    flags_hold,
-    module_flags,
-    modules_called,
 )
 from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.trace import (
@@ -493,11 +489,10 @@ class _Entry:
     graphs: CompiledGraphs
     tensor_positions: list[int]
     guard: ShapeGuard | None
-    # Note [Training flags of modules the function calls]
-    module_flags: ModuleFlags = ()
+    reads: Reads  # Note [What a trace reads besides its inputs]
 
     def accepts(self, tensors: list[Any]) -> bool:
-        return flags_hold(self.module_flags) and (self.guard is None or self.guard(tensors))
+        return self.reads.hold() and (self.guard is None or self.guard(tensors))
 
 
 class AotFunction:
@@ -509,7 +504,7 @@ class AotFunction:
     def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
                  leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
                  checked: tuple[Callable[..., Any], int] | None = None,
-                 watch_modules: bool = True) -> None:
+                 own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> None:
         if not callable(fn):
             raise ArgumentError(f"aot_function compiles a callable, got {type(fn).__name__} "
                                 f"{fn!r}.\nFix: pass the function (or module) itself.")
@@ -520,8 +515,8 @@ class AotFunction:
         # Whose signature the caller's arguments must fit, after how many leading ones we add
         # (aot_module passes the module's forward and its parameters and buffers).
         self._checked = checked or (fn, 0)
-        # Note [Training flags of modules the function calls]; aot_module's layout has them.
-        self._watch_modules = watch_modules
+        # Note [What a trace reads besides its inputs]: aot_module's layout has its own.
+        self._own_modules = own_modules
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
@@ -561,7 +556,7 @@ class AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
         hold compiler state that cannot be copied)."""
         return AotFunction(self.fn, self.options, self.name, self._leaf_names, self._checked,
-                           self._watch_modules)
+                           self._own_modules)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  key: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
@@ -582,10 +577,10 @@ class AotFunction:
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        with dynamo_frames_off(), modules_called(self._watch_modules) as modules:
+        with dynamo_frames_off(), recording(self._own_modules) as reads:
             graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
-        entry = _Entry(graphs, positions, guard, module_flags(modules))
+        entry = _Entry(graphs, positions, guard, reads)
         self._entries.setdefault(key, []).append(entry)
         return entry, [leaves[i] for i in positions]
 
@@ -606,8 +601,8 @@ class AotFunction:
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         failed = self._entries.get(key)
         names = self._leaf_names(args, kwargs)
-        if failed and not flags_hold(failed[-1].module_flags):
-            why = flag_changes(failed[-1].module_flags)
+        if failed and (change := failed[-1].reads.change()) is not None:
+            why = change
         elif failed and failed[-1].guard is not None:
             entry = failed[-1]
             leaves = pytree.tree_leaves((args, kwargs))

@@ -207,7 +207,7 @@ class AotModule(nn.Module):
         options = dataclasses.replace(self._options, num_params_buffers=len(names))
         compiled = _Compiled(AotFunction(call, options, name, leaf_namer,
                                          checked=(module.forward, len(names)),
-                                         watch_modules=False), layout)
+                                         own_modules=module.modules), layout)
         self._compiled[key] = compiled
         # The key names submodules by id, which Python reuses once a module is freed: an entry
         # dies with any of its modules, so a new module never finds an old module's graph.

@@ -7,7 +7,6 @@ import contextlib
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -198,70 +197,3 @@ class StateWatch:
             self.after = after
         self.calls += 1
         return out
-
-
-# Note [Training flags of modules the function calls]
-# A function that calls a module it closes over (``aot_function(lambda x: model(x))``) traces
-# the module's training flag as it is then: dropout and batch norm take their training or
-# evaluation path in the graph. ``model.eval()`` afterwards did not show: the graph went on
-# dropping out. So the modules a trace calls are recorded with their flags (a global forward
-# pre-hook while tracing, in the tracing thread only), and an entry is used only while every
-# recorded module that is still alive has its traced flag; otherwise the function is traced
-# again, with a recompile decision naming the module. A module the function switches itself
-# (``model.eval()`` inside; ``Module.train`` is watched too while tracing) is not recorded: its
-# flag is the function's doing, the same at every call. aot_module keeps the flags in its layout
-# key instead, and Dynamo's graphs call no modules.
-ModuleFlags = tuple[tuple["weakref.ref[torch.nn.Module]", bool], ...]
-
-
-@contextlib.contextmanager
-def modules_called(watch: bool = True) -> Iterator[list[tuple[torch.nn.Module, bool]]]:
-    """The modules whose forward runs in this thread inside the block, with their training
-    flags then, in call order; none unless ``watch``. Modules the block itself switches
-    (``model.eval()`` inside the function) are left out: their flag is the function's doing."""
-    called: list[tuple[torch.nn.Module, bool]] = []
-    if not watch:
-        yield called
-        return
-    thread = threading.get_ident()
-    switched: list[torch.nn.Module] = []
-    original_train = torch.nn.Module.train
-
-    def record(module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() == thread and not any(m is module for m, _ in called):
-            called.append((module, module.training))
-
-    def train(module: torch.nn.Module, mode: bool = True) -> torch.nn.Module:
-        if threading.get_ident() == thread:
-            switched.append(module)
-        return original_train(module, mode)
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
-    torch.nn.Module.train = train  # type: ignore[method-assign]
-    try:
-        yield called
-    finally:
-        handle.remove()
-        torch.nn.Module.train = original_train  # type: ignore[method-assign]
-        called[:] = [(m, t) for m, t in called if not any(m is s for s in switched)]
-
-
-def module_flags(modules: list[tuple[torch.nn.Module, bool]]) -> ModuleFlags:
-    return tuple((weakref.ref(m), training) for m, training in modules)
-
-
-def flags_hold(flags: ModuleFlags) -> bool:
-    """Every recorded module still alive has the training flag it was traced with."""
-    for ref, training in flags:
-        module = ref()
-        if module is not None and module.training != training:
-            return False
-    return True
-
-
-def flag_changes(flags: ModuleFlags) -> str:
-    """e.g. ``the training flag of Dropout (a module the function calls) changed: True -> False``."""
-    return "; ".join(
-        f"the training flag of {type(m).__name__} (a module the function calls, traced with "
-        f"its flag) changed: {training} -> {m.training}"
-        for ref, training in flags if (m := ref()) is not None and m.training != training)

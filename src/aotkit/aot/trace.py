@@ -39,6 +39,7 @@ from aotkit.aot.ops import (
     writes_out_argument,
     written_by,
 )
+from aotkit.aot.reads import note_constant
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
@@ -460,9 +461,12 @@ class _OutsideTensorGuard(TorchDispatchMode):
         if not any(t.is_floating_point() or t.is_complex() for t in _tensors(out)):
             return  # comparisons, indices, .item(): no gradient to lose
         for t in _tensors((args, kwargs)):
-            if t.requires_grad and self._outside(t) is not None:
+            if (base := self._outside(t)) is None:
+                continue
+            if t.requires_grad:
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
+            note_constant(base)  # Note [What a trace reads besides its inputs]
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
@@ -473,7 +477,9 @@ class _OutsideTensorGuard(TorchDispatchMode):
             "does not take as an argument (a closed-over variable, a global or an attribute) "
             f"and that {what}; aotkit traces such tensors as graph constants, so {so}.\n"
             + (f"  at {where}\n" if where != "<unknown location>" else "")
-            + "Fix: pass it as an argument (or use aot_module for parameters/buffers)."
+            + "Fix: pass it as an argument; for the parameters of a module the function "
+            "calls, make that module part of the compiled one (aot_module reads its own "
+            "parameters and buffers at every call) or use torch.compile(..., backend='aotkit')."
         )
 
     def begin_graph_pass(self) -> None:
