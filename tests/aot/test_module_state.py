@@ -730,3 +730,37 @@ def test_quantization_aware_training_from_a_fresh_model_matches_eager():
                                  strict=True):
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_an_aot_module_inside_a_compiled_module_is_part_of_its_graph():
+    """A compiled block inside a model compiled as a whole, never called before: its own
+    bookkeeping (the entries it compiles) was taken for attributes forward assigns, and the
+    tracing passes disagreed on the outputs ("zip() argument 2 is longer than argument 1")."""
+
+    class Net(nn.Module):
+        def __init__(self, compiled: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3))
+            self.block = aotkit.aot_module(block, aotkit.compilers.nop) if compiled else block
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(x))
+
+    eager, inner = Net(compiled=False), Net(compiled=True)
+    outer = aotkit.aot_module(inner, aotkit.compilers.nop)
+    x = torch.randn(3, 4)
+    for step in range(2):
+        torch.manual_seed(step)
+        expected = eager(x)
+        expected.sum().backward()
+        torch.manual_seed(step)
+        out = outer(x)
+        out.sum().backward()
+        torch.testing.assert_close(out, expected)
+        for (name, a), b in zip(eager.state_dict().items(), inner.state_dict().values(), strict=True):
+            torch.testing.assert_close(b, a, msg=name)
+        for a, b in zip(eager.parameters(), inner.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad)
+    assert inner.block.num_entries == 0  # traced as part of the outer graph only

@@ -18,7 +18,7 @@ from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.signature import leaf_names
-from aotkit.aot.trace import COMPILE_LOCK
+from aotkit.aot.trace import COMPILE_LOCK, tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
 
@@ -125,6 +125,8 @@ class AotModule(nn.Module):
         return sum(c.fn.num_entries for c in self._compiled.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if tracing_active():  # inside another compiled module's trace: part of its graph
+            return self.orig_module(*args, **kwargs)
         key, state = _collect(self.orig_module, self._attributes, self._guarded)
         compiled = self._compiled.get(key)
         if compiled is not None and compiled.layout.constants and self._read_replaced(compiled):
