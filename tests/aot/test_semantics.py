@@ -10,7 +10,14 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from eager_check import RecordingCompiler, assert_write_through, check_against_eager, rand, storage
+from eager_check import (
+    RecordingCompiler,
+    assert_write_through,
+    check_against_eager,
+    compare_once,
+    rand,
+    storage,
+)
 from torch import nn
 
 import aotkit
@@ -2120,3 +2127,38 @@ def test_a_module_passed_to_an_aot_module_is_watched():
     teacher.requires_grad_(True)
     with pytest.raises(UnsupportedError, match="make that module part of the compiled one"):
         compiled(x, teacher)
+
+
+def test_an_attribute_of_an_object_argument_changed_between_calls_traces_again():
+    """Note [Objects as arguments]: keyed by identity, an annealed temperature (and a replaced
+    tensor attribute, and a value one level down) left the graph stale."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Schedule:
+        warmup: bool
+
+    @dataclasses.dataclass
+    class Hparams:
+        temperature: float
+        mask: torch.Tensor
+        schedule: Schedule
+
+    def f(x, w, hp):
+        y = (x @ w / hp.temperature).softmax(-1) * hp.mask
+        return y * 2 if hp.schedule.warmup else y
+
+    compiled = aotkit.aot_function(f, compilers.nop)
+    hp = Hparams(1.0, torch.ones(3), Schedule(warmup=True))
+    x, w = torch.randn(2, 4), torch.randn(4, 3, requires_grad=True)
+    changes = [lambda: None, lambda: setattr(hp, "temperature", 0.1),
+               lambda: setattr(hp, "mask", torch.tensor([1.0, 0.0, 1.0])),
+               lambda: setattr(hp.schedule, "warmup", False)]
+    for change in changes:
+        change()
+        compare_once(f, compiled, (x, w, hp), {}, None, None, True, contextlib.nullcontext)
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reasons == [
+        "attribute temperature of args[2] changed: float 1.0 -> float 0.1",
+        "attribute mask of args[2] changed: a new tensor object -> a new tensor object",
+        "attribute warmup of args[2].schedule changed: bool True -> bool False"]

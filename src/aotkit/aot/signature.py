@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,11 +43,62 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         )
     if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
         return (type(leaf), repr(leaf))
-    try:
-        hash(leaf)
-    except TypeError:
-        return (type(leaf), id(leaf))
+    if _by_identity(leaf):
+        return _object_key(leaf, 0) if _has_attributes(leaf) else (type(leaf), id(leaf))
     return (type(leaf), leaf)
+
+
+# Note [Objects as arguments]
+# An argument that is neither a tensor nor a value (a dataclass of hyperparameters, an argparse
+# Namespace, any object compared by identity) is a constant of the graph, and tracing reads its
+# attributes as they are then (``x / hp.temperature``). Keyed by identity alone, an attribute
+# changed between calls (a temperature annealed each epoch) left the graph stale. So the key
+# holds the object's attributes too, through lists, tuples, dicts and such objects down to
+# _DEPTH levels: a tensor by identity (the graph holds the one it read as a constant, so
+# in-place changes show), a value by value. Deeper levels, containers of more than _ITEMS items,
+# modules (Note [What a trace reads besides its inputs]) and objects without a ``__dict__`` are
+# keyed by identity alone.
+_DEPTH = 3
+_ITEMS = 64
+_OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.ModuleType, torch.nn.Module, torch.Generator)
+
+
+class _Object(tuple):  # type: ignore[type-arg]
+    """The key of an object argument: ``(type, id, ((attribute, key), ...))``."""
+
+
+def _by_identity(value: Any) -> bool:
+    """Compared by identity: unhashable, or hashed as ``object`` hashes."""
+    hash_ = type(value).__hash__
+    return hash_ is None or hash_ is object.__hash__
+
+
+def _has_attributes(value: Any) -> bool:
+    return hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
+
+
+def _object_key(obj: Any, depth: int) -> _Object:
+    return _Object((type(obj), id(obj), tuple(
+        (name, _attribute_key(value, depth + 1)) for name, value in vars(obj).items())))
+
+
+def _attribute_key(value: Any, depth: int) -> Any:
+    """See Note [Objects as arguments]."""
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, id(value))
+    if isinstance(value, (float, complex)):
+        return (type(value), repr(value))
+    if isinstance(value, (list, tuple, dict)):
+        if depth >= _DEPTH or len(value) > _ITEMS:
+            return (type(value), id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return (type(value), tuple((k, _attribute_key(v, depth + 1)) for k, v in items))
+    if _by_identity(value):
+        if depth < _DEPTH and _has_attributes(value):
+            return _object_key(value, depth)
+        return (type(value), id(value))
+    return (type(value), value)
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
@@ -137,11 +189,30 @@ def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
                          for f, x, y in changed)
     if _is_subclass_key(a) or _is_subclass_key(b):
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
+    if isinstance(a, _Object) and isinstance(b, _Object) and a[:2] == b[:2]:
+        return "; ".join(_attribute_changes(name, a, b))
     if a[0] is b[0] is torch.Generator:
         return (f"{name} is another torch.Generator object (a graph draws from the generator it "
                 "was traced with; pass the same one at every call, reseeding it outside with "
                 "g.manual_seed(...))")
     return f"{name} changed: {_show(a)} -> {_show(b)}"
+
+
+def _attribute_changes(name: str, a: _Object, b: _Object) -> list[str]:
+    """e.g. ``attribute temperature of args[1] changed: float 1.0 -> float 0.1``."""
+    old, new = dict(a[2]), dict(b[2])
+    found = []
+    for attribute in [*old, *(k for k in new if k not in old)]:
+        x, y = old.get(attribute, "<unset>"), new.get(attribute, "<unset>")
+        if x == y:
+            continue
+        if isinstance(x, _Object) and isinstance(y, _Object) and x[:2] == y[:2]:
+            found += _attribute_changes(f"{name}.{attribute}", x, y)
+        else:
+            shown = [("a new tensor object" if isinstance(v, tuple) and v[:1] == (torch.Tensor,)
+                      else _show(v)) for v in (x, y)]
+            found.append(f"attribute {attribute} of {name} changed: {shown[0]} -> {shown[1]}")
+    return found or [f"an attribute of {name} changed"]
 
 
 def _field_name(field: str, value: Any) -> str:
