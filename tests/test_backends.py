@@ -567,3 +567,38 @@ def test_an_untraceable_backward_makes_dynamo_split_the_graph(backend: str) -> N
         breaks = aotkit.explain().of_kind("graph_break")  # Dynamo retries once before splitting
         assert breaks and all("aten.allclose" in d.why and "DataDependentOutputException" in d.why
                               for d in breaks)
+
+
+@pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
+def test_data_assignment_in_a_compiled_forward(backend: str) -> None:
+    """Dynamo turns ``p.data = ...`` into ``set_`` on the parameter (MoCo's momentum encoder,
+    weight clipping): refused before, now applied as eager applies it (Note [Storage changes
+    of inputs])."""
+
+    class Momentum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+            self.k = nn.Linear(4, 4).requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                for pq, pk in zip(self.q.parameters(), self.k.parameters(), strict=True):
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+            for p in self.q.parameters():
+                p.data = p.data.clamp(-0.3, 0.3)
+            return (self.q(x) * self.k(x)).sum()
+
+    torch.manual_seed(0)
+    eager = Momentum()
+    model = Momentum()
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        compiled(x).backward()
+        eager(x).backward()
+    for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, msg=name)
+    for a, b in zip(eager.q.parameters(), model.q.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)

@@ -138,13 +138,56 @@ def _assert_refused(fn: Any, args: tuple[Any, ...], match: str, **aot_kwargs: An
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_set_on_an_input_is_refused(dynamic):
-    def fn(x, y):
+def test_set_on_an_input_is_applied_to_the_callers_tensor(dynamic):
+    """Note [Storage changes of inputs]: the caller's tensor takes the new value's memory, as in
+    eager (it was refused); set_ to another input shares that input's memory."""
+
+    def swap(x, y):
         x.set_(y)
         return x + 1
 
-    _assert_refused(fn, (torch.zeros(3), torch.arange(4.0)), r"set_\(\.\.\.\) on input 0",
-                    dynamic=dynamic)
+    def swap_computed(x, y):
+        with torch.no_grad():
+            x.set_(y * 2)
+        return x.sum() + y
+
+    for fn in (swap, swap_computed):
+        compiled = aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)
+        for n in (4, 5):
+            x, y = torch.zeros(3), torch.arange(float(n))
+            x_eager, y_eager = x.clone(), y.clone()
+            torch.testing.assert_close(compiled(x, y), fn(x_eager, y_eager))
+            assert x.shape == x_eager.shape
+            torch.testing.assert_close(x, x_eager)
+            assert (storage(x) == storage(y)) == (storage(x_eager) == storage(y_eager))
+
+
+def test_set_on_a_parameter_under_no_grad_keeps_its_gradient():
+    """Weight clipping written as a swap: the gradient is the traced input's, as in eager."""
+
+    def clip(w, x):
+        with torch.no_grad():
+            w.set_(w.clamp(-0.5, 0.5))
+        return (w * x).sum()
+
+    check_against_eager(clip, torch.randn(4, requires_grad=True), torch.randn(4))
+
+
+def test_set_that_autograd_sees_or_that_reshapes_a_parameter_is_refused():
+    def seen(x, y):
+        x.set_(y)
+        return x * 2
+
+    def reshaped(w, y):
+        with torch.no_grad():
+            w.set_(y)
+        return w * 2
+
+    x = torch.zeros(3, requires_grad=True).clone()  # eager gives x a NotImplemented grad_fn
+    with pytest.raises(UnsupportedError, match="seen by autograd"):
+        aotkit.aot_function(seen, compilers.nop)(x, torch.arange(3.0))
+    _assert_refused(reshaped, (torch.zeros(3, requires_grad=True), torch.arange(4.0)),
+                    r"another shape \(\(3,\) -> \(4,\)\)")
 
 
 def test_assigning_data_of_an_input_is_refused():

@@ -54,10 +54,19 @@ class InputInfo:
     mutation_hidden: bool = False
     # After the call: ``x.add_(w)`` makes an input that did not require grad require it.
     requires_grad_after: bool = False
+    # ``x.set_(y)`` (``x.data = y`` under Dynamo) hands the input another tensor's memory
+    # (Note [Storage changes of inputs]).
+    swaps_storage: bool = False
 
     @property
     def mutated(self) -> bool:
-        return self.mutates_data or self.mutates_metadata
+        return self.mutates_data or self.mutates_metadata or self.swaps_storage
+
+    @property
+    def copied_in_graph(self) -> bool:
+        """Under keep_inference_input_mutations the graph copies this mutation into the input
+        itself; the others are returned and applied after the call."""
+        return self.mutates_data and not self.mutates_metadata and not self.swaps_storage
 
     @property
     def mutation_is_differentiable(self) -> bool:
@@ -249,7 +258,7 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
     torch._sync(f_arg)
     inner = f_arg.elem
     if torch._functionalize_was_storage_changed(inner):
-        raise _storage_change_error(f"x.set_(...) on input {index}", "")
+        return _storage_swap_info(index, arg, f_arg, grad_fn_before)
     data = torch._functionalize_has_data_mutation(inner)
     metadata = torch._functionalize_has_metadata_mutation(inner)
     if _resized_out(inner, arg):
@@ -279,10 +288,31 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
 
 # Note [Storage changes of inputs]
 # ``x.set_(y)``, ``x.data = y`` and a ``resize_`` that grows ``x`` give the caller's tensor new
-# memory. The runtime writes mutations back into the caller's tensor (copy_, as_strided_) and
-# cannot hand it another tensor's storage or grow it, so these are refused while tracing, where
-# the user can still move them out of the compiled function. Under dynamic shapes fake tensors
-# cannot be resized at all, so every resize_ is refused there.
+# memory. A ``set_`` (what Dynamo makes of ``p.data = ...``: MoCo's momentum encoder, weight
+# clipping) is applied as eager applies it: the graph returns the input's new value and the
+# runtime calls ``x.set_(new)`` on the caller's tensor, under no_grad. Refused: a set_ autograd
+# would see (grad mode on, on a tensor that requires grad), one that changes the shape of an
+# input requiring grad (its gradient must keep the shape it was traced with), and ``x.data =``
+# inside aot_function (the trace would not see it) and a growing ``resize_``, which the runtime
+# cannot replay, where the user can still move them out of the compiled function. Under dynamic
+# shapes fake tensors cannot be resized at all, so every resize_ is refused there.
+def _storage_swap_info(index: int, arg: torch.Tensor, f_arg: Any, grad_fn_before: Any) -> InputInfo:
+    if f_arg.grad_fn is not grad_fn_before or f_arg.requires_grad != arg.requires_grad:
+        raise UnsupportedError(
+            f"x.set_(...) on input {index} of the compiled function is seen by autograd (grad "
+            "mode on, a tensor that requires grad); aotkit applies such swaps after the call, "
+            "outside autograd.\nFix: do it under torch.no_grad() (or as x.data = ... under "
+            "torch.compile), or outside the compiled function.")
+    if arg.requires_grad and not known_equal(from_fun(f_arg).shape, arg.shape):
+        raise UnsupportedError(
+            f"x.set_(...) gives input {index} of the compiled function, which requires grad, "
+            f"another shape ({tuple(arg.shape)} -> {tuple(from_fun(f_arg).shape)}); its "
+            "gradient must keep the shape it was traced with.\nFix: do it outside the "
+            "compiled function.")
+    return InputInfo(True, arg.requires_grad, swaps_storage=True,
+                     requires_grad_after=arg.requires_grad)
+
+
 class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
     """Raises UnsupportedError for the storage changes of Note [Storage changes of inputs] that
     are visible as Python calls (``set_`` never reaches torch function; ``_input_info`` catches it)."""
@@ -300,8 +330,12 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
         if func is torch.Tensor.resize_ or func is torch.Tensor.resize_as_:
             self._check_resize(args[0], _requested_size(func, args, kwargs))
         elif func == _DATA_SETTER and any(args[0] is a for a in self.f_args):
-            raise _storage_change_error(f"x.data = ... on input {self._input_of(args[0])}",
-                                        current_user_line())
+            raise UnsupportedError(
+                f"x.data = ... on input {self._input_of(args[0])} of the compiled function (at "
+                f"{current_user_line()}) swaps its memory where the trace cannot see it.\nFix: "
+                "write x.set_(new) under torch.no_grad() (aotkit applies it to the caller's "
+                "tensor after the call), do it outside the compiled function, or use "
+                "torch.compile(fn, backend='aotkit').")
         elif func == _DATA_SETTER:  # the trace would keep the tensor's old value
             raise UnsupportedError(
                 f"t.data = ... inside the compiled function (at {current_user_line()}) swaps "

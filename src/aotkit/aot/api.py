@@ -443,7 +443,7 @@ def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name:
     counters.bump("aot", "inference_compiles")
     returned = meta.mutated_inputs
     if options.keep_inference_input_mutations:
-        returned = [i for i in returned if meta.inputs[i].mutates_metadata]
+        returned = [i for i in returned if not meta.inputs[i].copied_in_graph]
     return CompiledGraphs(name=name, meta=meta, fw=fw, returned_mutations=returned,
                           num_inputs=num_inputs)
 

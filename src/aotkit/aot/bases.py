@@ -126,9 +126,9 @@ def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) ->
     if any(t.is_conj() or t.is_neg() for t in tensors):  # as_strided would drop the bit
         raise _refused(name, which, "share memory and one of them is a conjugate or negative "
                        "view (x.conj(), x.imag of a conjugate)")
-    if any(meta.inputs[i].mutates_metadata for i in members):
-        raise _refused(name, which, "share memory and one of them has its shape or strides "
-                       "changed in place (t_(), as_strided_(), ...)")
+    if any(meta.inputs[i].mutates_metadata or meta.inputs[i].swaps_storage for i in members):
+        raise _refused(name, which, "share memory and one of them has its shape, strides or "
+                       "memory changed in place (t_(), as_strided_(), set_(), ...)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and _root(tensors) is None:
         raise _refused(name, which, "share memory, require grad and are not views of one "
                        "common tensor, through which their gradients could flow")

@@ -482,6 +482,10 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
 
 def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> None:
     """Make the caller's tensor show what the function did to it, in autograd too."""
+    if info.swaps_storage:  # Note [Storage changes of inputs]
+        with torch.no_grad():
+            inp.set_(new)
+        return
     if info.mutates_metadata:
         offset = new.storage_offset() if _same_storage(inp, new) else inp.storage_offset()
         # Like eager's x.t_() on a non-leaf: later grads to x must arrive in the new shape. (A

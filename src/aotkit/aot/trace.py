@@ -811,8 +811,7 @@ def _subclass_gradient(grad: torch.Tensor) -> UnsupportedError:
 def _copy_mutations_in_graph(primals: list[Any], outs: list[Any], meta: AotMeta) -> list[Any]:
     kept, copied = [], {}
     for k, i in enumerate(meta.mutated_inputs):
-        info = meta.inputs[i]
-        if info.mutates_data and not info.mutates_metadata:
+        if meta.inputs[i].copied_in_graph:
             primals[i].copy_(outs[k])
             copied[i] = outs[k]
         else:
