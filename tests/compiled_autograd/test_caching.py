@@ -342,3 +342,43 @@ def test_enable_inside_disable_runs_eagerly_and_says_so() -> None:
     assert counts() == (0, 0)
     [decision] = aotkit.explain().of_kind("fallback")
     assert "enable() inside disable()" in decision.why
+
+
+class _Backend:
+    def compile(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return gm
+
+
+def test_a_bound_method_or_partial_compiler_per_block_reuses_the_graph() -> None:
+    """Note [Compiler identity]: ``backend.compile`` is a new bound method at every access, and
+    every block dropped the engine's cache (5 steps, 5 captures)."""
+    import functools
+
+    backend = _Backend()
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for make in (lambda: backend.compile, lambda: functools.partial(lambda gm, tag: gm, tag="x")):
+        aotkit.compiled_autograd.reset()
+        aotkit.counters.reset()
+        for _ in range(3):
+            with aotkit.compiled_autograd.enable(make()):
+                _step(w, 2)
+        assert counts() == (1, 1)
+    with aotkit.compiled_autograd.enable(_Backend().compile):  # another object: a new compiler
+        _step(w, 2)
+    assert counts() == (2, 2)
+
+
+def test_a_dynamo_reset_inside_enable_keeps_capturing() -> None:
+    """Note [Compiler cleared inside enable()]: torch._dynamo.reset() emptied the engine's
+    compiler slot and the rest of the block ran eagerly, unrecorded."""
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(nop):
+        _step(w, 2)
+        torch._dynamo.reset()
+        _step(w, 2)
+        _step(w, 2)
+    assert counts() == (2, 2)  # once before the reset, once after
+    (decision,) = aotkit.explain().of_kind("cache_clear")
+    assert "torch._dynamo.reset()" in decision.why

@@ -19,14 +19,15 @@ def _dynamo_eager(gm: torch.fx.GraphModule) -> Any:
     return torch.compile(gm, backend="eager")
 
 
-def both(step: Callable[[list[str]], Any]) -> tuple[list[str], list[str], Any, Any]:
+def both(step: Callable[[list[str]], Any],
+         compiler: Callable[..., Any] = nop) -> tuple[list[str], list[str], Any, Any]:
     """Run ``step(log)`` eagerly and compiled with fresh seeded state; returns logs and results."""
     torch.manual_seed(0)
     eager_log: list[str] = []
     expected = step(eager_log)
     torch.manual_seed(0)
     compiled_log: list[str] = []
-    with aotkit.compiled_autograd.enable(nop):
+    with aotkit.compiled_autograd.enable(compiler):
         actual = step(compiled_log)
     return eager_log, compiled_log, expected, actual
 
@@ -235,7 +236,7 @@ def test_accumulate_into_existing_grads_and_retain_graph() -> None:
 
 
 @pytest.mark.parametrize("setup", ["grad_dtype float64", "half .grad, grad_dtype None",
-                                   "float64 .grad and grad_dtype"])
+                                   "float64 .grad and grad_dtype", "saved view, grad_dtype"])
 def test_accumulation_into_a_grad_of_another_dtype(setup: str) -> None:
     """``grad_dtype`` (float32 grads for a bfloat16 parameter, say): the captured accumulation
     keeps ``.grad``'s dtype, and a leaf whose ``.grad`` has another dtype can be faked."""
@@ -249,6 +250,13 @@ def test_accumulation_into_a_grad_of_another_dtype(setup: str) -> None:
         elif setup == "half .grad, grad_dtype None":
             p.grad_dtype = None
             p.grad = torch.ones(4, dtype=torch.float16)
+        elif setup == "saved view, grad_dtype":  # Linear saves weight.t(), a view of the leaf
+            p = torch.randn(3, 4, requires_grad=True)
+            p.grad_dtype = torch.float64
+            x = torch.randn(2, 4, requires_grad=True)
+            for _ in range(2):
+                (x @ p.t()).pow(2).sum().backward()
+            return p.grad
         else:
             p.grad_dtype = torch.float64
             p.grad = torch.ones(4, dtype=torch.float64)
@@ -315,6 +323,30 @@ def test_custom_function_backward_under_a_dynamo_compiler() -> None:
     with aotkit.compiled_autograd.enable(compiler):
         Double.apply(w).sum().backward()
     torch.testing.assert_close(w.grad, 2 + w.detach())
+
+
+@pytest.mark.parametrize("compiler", [nop, _dynamo_eager], ids=["nop", "torch.compile-eager"])
+def test_custom_function_named_ctx_and_vjp(compiler: Callable[..., Any]) -> None:
+    """A backward spelled ``vjp`` (its documented other name) was refused as undefined, and a
+    ``ctx.name`` attribute shadowed the node's ``name()`` the capture reads (TypeError)."""
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.name = "scale"
+            return x * 2
+
+        @staticmethod
+        def vjp(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2 if ctx.name == "scale" else g
+
+    def step(log: list[str]) -> Any:
+        w = torch.randn(3, requires_grad=True)
+        (Scale.apply(w) * w).sum().backward()
+        return w.grad
+
+    _, _, expected, actual = both(step, compiler)
+    torch.testing.assert_close(actual, expected)
 
 
 @pytest.mark.parametrize("compiler", [nop, _dynamo_eager], ids=["nop", "torch.compile-eager"])

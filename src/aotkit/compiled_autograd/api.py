@@ -63,7 +63,8 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
             raise _overlapping(outer)
         new = session.Session(compiler_fn, bool(dynamic))
         compat.hide_from_dynamo()  # the engine may capture under Dynamo's frame callback
-        prior = compat.set_autograd_compiler(functools.partial(capture.Capture, new), bool(dynamic))
+        factory = functools.partial(capture.Capture, new)
+        prior = compat.set_autograd_compiler(factory, bool(dynamic))
         if prior[0] is not None:
             compat.set_autograd_compiler(*prior)
             raise UnsupportedError(
@@ -82,7 +83,8 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
                             "disable() block ends (disable() wins)", logger=log)
         session.set_active(new)
         engine = compat.execution_engine()
-        compat.set_execution_engine(runtime.Engine(engine))
+        compat.set_execution_engine(runtime.Engine(
+            engine, functools.partial(_reinstall_if_cleared, factory, bool(dynamic))))
         runtime.note_removed_hooks(True)
     try:
         # Multithreaded device queues would call the capture object from several threads.
@@ -94,6 +96,28 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)
         compat.set_autograd_compiler(*prior)
+
+
+# Note [Compiler cleared inside enable()]
+# ``torch._dynamo.reset()`` / ``torch.compiler.reset()`` (before compiling another model, in a
+# test) empties the engine's compiler slot, and the rest of the enable() block ran eagerly
+# without a word. Every backward in the block first looks at the slot (enable() stands in for the
+# engine, Note [Final callbacks]); found empty outside a disable() window, it is set again and a
+# decision says so. Another compiler in the slot is left alone.
+def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
+    if compat.compiled_autograd_is_off():
+        return
+    prior = compat.set_autograd_compiler(factory, dynamic)
+    if prior[0] is factory:
+        return
+    if prior[0] is not None:
+        compat.set_autograd_compiler(*prior)
+        return
+    compat.set_autograd_verbose_logger(_engine_log)  # emptied too
+    counters.record("cache_clear", "compiled_autograd",
+                    "the engine's compiler slot was emptied inside enable() (torch._dynamo.reset() "
+                    "or torch.compiler.reset() does that); it is set again and backward graphs "
+                    "are captured anew", logger=log)
 
 
 # Note [Backwards in other threads]

@@ -70,28 +70,32 @@ class GraphBuilder:
                 "aotkit.compiled_autograd.disable()."
             )
         try:
-            grad = x.grad if x.is_leaf and x.requires_grad else None
-            if grad is None or grad.dtype == x.dtype:
+            leaf = x if x._base is None else x._base  # a view (a saved weight.t()) fakes its base
+            grad = leaf.grad if leaf.is_leaf and leaf.requires_grad else None
+            if grad is None or grad.dtype == leaf.dtype:
                 return self.fake_mode.from_tensor(x, source=_source("inputs", index))
-            return self._fake_with_other_grad_dtype(x, grad, index)
+            return self._fake_with_other_grad_dtype(x, leaf, grad, index)
         except Exception as exc:
             raise UnsupportedError(
                 f"compiled autograd cannot fake backward input {index} of type {type(x).__name__}"
                 f": {exc}. Workaround: run this backward under aotkit.compiled_autograd.disable()."
             ) from exc
 
-    def _fake_with_other_grad_dtype(self, x: torch.Tensor, grad: torch.Tensor, index: int
-                                    ) -> torch.Tensor:
-        """A leaf whose ``.grad`` has another dtype (``grad_dtype`` set, or None with a
-        ``.grad`` of its own dtype): faking copies ``.grad`` onto a fake that has the default
-        ``grad_dtype``, which refuses it, so the fake gets its ``grad_dtype`` first."""
-        x.grad = None
+    def _fake_with_other_grad_dtype(self, x: torch.Tensor, leaf: torch.Tensor,
+                                    grad: torch.Tensor, index: int) -> torch.Tensor:
+        """``x``, or the ``leaf`` it views, has a ``.grad`` of another dtype (``grad_dtype``
+        set, or None with a ``.grad`` of its own dtype): faking copies ``.grad`` onto a fake
+        that has the default ``grad_dtype``, which refuses it, so the leaf's fake gets its
+        ``grad_dtype`` first (the fake mode gives a view's base and the leaf one fake)."""
+        leaf.grad = None
         try:
             fake = self.fake_mode.from_tensor(x, source=_source("inputs", index))
         finally:
-            x.grad = grad
-        fake.grad_dtype = x.grad_dtype
-        fake.grad = self.fake_mode.from_tensor(grad)
+            leaf.grad = grad
+        fake_leaf = fake if fake._base is None else fake._base
+        if fake_leaf.grad is None:
+            fake_leaf.grad_dtype = leaf.grad_dtype
+            fake_leaf.grad = self.fake_mode.from_tensor(grad)
         return fake
 
     def symbol(self, value: Any, name: str, index: int, placeholder: fx.Proxy) -> Any:

@@ -184,9 +184,11 @@ class Capture(GraphBuilder):
                 "(a torch.compile'd forward). Workaround: compile the forward with "
                 "aotkit.aot_function/aot_module, or run backward under disable()."
             )
+        options: dict[str, Any] = {"tensor_inputs": tuple(m is not None for m in output_metadatas)}
+        if runtime.defines_vjp(forward_cls):
+            options["vjp"] = True
         proxy = self._call(runtime.call_backward,
-                           (self.hooks_p[backward_idx], list(saved_tensors), *inputs),
-                           {"tensor_inputs": tuple(m is not None for m in output_metadatas)})
+                           (self.hooks_p[backward_idx], list(saved_tensors), *inputs), options)
         with disable_proxy_modes_tracing():
             grads = [None if meta is None else
                      torch.empty(meta[3], layout=meta[0], device=meta[1], dtype=meta[2])

@@ -81,5 +81,6 @@ def _capture_order(roots: Sequence[Any], incoming: Counter[Any],
 def _same_names(calls: Sequence[Any], call_names: Mapping[int, str]) -> bool:
     if len(calls) + 1 < len(call_names):
         return False
-    return all(i == 0 or (i <= len(calls) and calls[i - 1].name() == name)
+    # type(node).name: a custom Function's node is its ctx, where ``ctx.name = ...`` may shadow it.
+    return all(i == 0 or (i <= len(calls) and type(calls[i - 1]).name(calls[i - 1]) == name)
                for i, name in call_names.items())

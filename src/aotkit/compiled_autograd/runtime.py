@@ -73,12 +73,24 @@ def lookup(name: str) -> Callable[..., Any]:
 
 
 def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any,
-                  tensor_inputs: Sequence[bool]) -> tuple[Any, ...]:
-    """Run a custom ``torch.autograd.Function``'s backward with the graph's saved tensors;
-    ``tensor_inputs`` says which forward inputs were tensors, for eager's checks of what the
-    backward returns."""
-    out = ctx._forward_cls.backward(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
+                  tensor_inputs: Sequence[bool], vjp: bool = False) -> tuple[Any, ...]:
+    """Run a custom ``torch.autograd.Function``'s backward (its ``vjp`` where ``vjp``, see
+    :func:`defines_vjp`) with the graph's saved tensors; ``tensor_inputs`` says which forward
+    inputs were tensors, for eager's checks of what the backward returns."""
+    user = ctx._forward_cls.vjp if vjp else ctx._forward_cls.backward
+    out = user(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
     return _checked_grads(ctx, out if isinstance(out, tuple) else (out,), tensor_inputs)
+
+
+def defines_vjp(cls: type) -> bool:
+    """Whether a custom Function defines its backward as ``vjp``, the method's other name."""
+    if cls.vjp is torch.autograd.Function.vjp:  # type: ignore[attr-defined]
+        return False
+    if cls.backward is not torch.autograd.Function.backward:  # type: ignore[attr-defined]
+        raise RuntimeError(  # eager refuses this too
+            f"{cls.__name__} defines both backward and vjp, two names for one method; define "
+            "only one of them.")
+    return True
 
 
 def _checked_grads(ctx: Any, grads: tuple[Any, ...], tensor_inputs: Sequence[bool]) -> tuple[Any, ...]:
@@ -265,10 +277,12 @@ _replay = threading.local()  # .queued: the running replay's callbacks; None out
 
 class Engine:
     """Stands in for ``Variable._execution_engine`` while enable() is active. See Note [Final
-    callbacks]."""
+    callbacks]; ``before_backward`` runs first at every backward (enable() checks there that its
+    compiler is still installed)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, before_backward: Callable[[], None]) -> None:
         self.engine = engine
+        self.before_backward = before_backward
 
     def queue_callback(self, callback: Callable[[], None]) -> None:
         queued = getattr(_replay, "queued", None)
@@ -278,6 +292,7 @@ class Engine:
             queued.append(callback)
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        self.before_backward()
         queued, _replay.queued = getattr(_replay, "queued", None), None
         try:
             return self.engine.run_backward(*args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import types
@@ -79,11 +80,19 @@ def set_active(session: Session | None) -> None:
 # object, or two Python functions made from one definition with the same defaults, globals,
 # closed-over objects and values of the globals they read (``enable(lambda gm: gm)`` in a
 # training loop makes a new, identical lambda every step; a lambda reading a global that changed
-# between blocks compiles differently). Those values are read when the block starts, so a
-# compiler is compared as it was when its block began.
+# between blocks compiles differently). Bound methods (``enable(backend.compile)`` makes a new
+# one at every attribute access) compare by their object and function, ``functools.partial``s by
+# their function and arguments. Those values are read when the block starts, so a compiler is
+# compared as it was when its block began.
 def compiler_identity(fn: Callable[..., Any]) -> tuple[Any, ...]:
     """What decides how ``fn`` compiles, compared object by object by :func:`same_compiler`.
     See Note [Compiler identity]."""
+    if isinstance(fn, types.MethodType):
+        return (types.MethodType, fn.__self__, *compiler_identity(fn.__func__))
+    if type(fn) is functools.partial:
+        keywords = sorted(fn.keywords)
+        return (functools.partial, *_sized(compiler_identity(fn.func)), *_sized(fn.args),
+                *_sized(tuple(keywords)), *_sized(tuple(fn.keywords[k] for k in keywords)))
     if not isinstance(fn, types.FunctionType):
         return (fn,)
     kwdefaults = fn.__kwdefaults__ or {}
