@@ -483,6 +483,24 @@ def test_a_factory_sized_by_an_input_item(backend: str, capture: bool) -> None:
             torch.testing.assert_close(x.grad, x_eager.grad)
 
 
+def test_an_op_deciding_on_an_input_item_under_the_nop_backend() -> None:
+    """Note [Items of Dynamo's inputs]: backend="aotkit" keeps Dynamo's symbol for ``n.item()``,
+    on which ``repeat`` can decide while tracing (read from data, it cannot)."""
+
+    def f(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return x.repeat(n.item()) * 2 + x.tile((n.item(),))
+
+    compiled = torch.compile(f, backend="aotkit", fullgraph=True)
+    for size in (2, 3):
+        x = torch.randn(3, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, expected = compiled(x, torch.tensor(size)), f(x_eager, torch.tensor(size))
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(x.grad, x_eager.grad)
+
+
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
 def test_backward_reads_symbols_only_inside_expressions(backend: str) -> None:
     """Note [Binding symbols in the backward]: cat's, pad's and split's backwards read sizes

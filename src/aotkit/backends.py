@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from aotkit import compilers
 from aotkit.aot import aot_module_simplified
 from aotkit.aot.api import Partitioner
 from aotkit.aot.boxing import Compiler, make_boxed_func
+from aotkit.compat import FakeTensor
 from aotkit.errors import ArgumentError
 from aotkit.partition import default_partition, min_cut_rematerialization_partition
 
@@ -140,12 +142,48 @@ def aotkit_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
     """
     _check_mode(mode, "aotkit_inductor")
     inductor = compilers.inductor
-    return aot_module_simplified(
-        gm, example_inputs,
-        fw_compiler=_no_dynamo(inductor.forward),
-        bw_compiler=_no_dynamo(inductor.backward),
-        inference_compiler=_no_dynamo(inductor.inference),
-        partition_fn=partition_from(options, default="min_cut"),
-        decompositions=inductor.decompositions,
-        keep_inference_input_mutations=True,
-    )
+    with _items_read_from_data(example_inputs):
+        return aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=_no_dynamo(inductor.forward),
+            bw_compiler=_no_dynamo(inductor.backward),
+            inference_compiler=_no_dynamo(inductor.inference),
+            partition_fn=partition_from(options, default="min_cut"),
+            decompositions=inductor.decompositions,
+            keep_inference_input_mutations=True,
+        )
+
+
+# Note [Items of Dynamo's inputs]
+# For ``n.item()`` of a scalar input, Dynamo makes a symbol it guards on (``s33`` for
+# ``L['n'].item()``) and remembers it on the fake input (``item_memo``), so tracing ``n.item()``
+# again answers that symbol. Our graphs are not handed it: nothing they receive binds it, and
+# the joint pass, whose ``item()`` on a functional tensor makes a fresh data-dependent symbol,
+# had to be told its tangent's size ``s33`` equals its own ``u0``, a check Inductor's code for the
+# forward could not evaluate ("name 's33' is not defined"). So under aotkit_inductor, integer
+# inputs have no remembered item while our passes trace: every ``item()`` is read from data, as
+# PyTorch's own AOT autograd reads it (ops that must decide on the value while tracing, such as
+# ``x.repeat(n.item())``, then fail as with ``backend="inductor"``). The nop compilers run on
+# real sizes and keep Dynamo's symbol, which such ops can decide on. Reading from data needs a
+# ShapeEnv that allows data-dependent scalars (``fullgraph=True`` or ``capture_scalar_outputs``);
+# without one, and for floats (Note [Float arguments from Dynamo]), the remembered symbol stays.
+@contextlib.contextmanager
+def _items_read_from_data(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """See Note [Items of Dynamo's inputs]. Dynamo hands real tensors; their fakes, which
+    aot_module_simplified finds the same way, hold the remembered items."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs)
+    fakes = [mode.from_tensor(x) if mode is not None and type(x) is torch.Tensor else x
+             for x in example_inputs]
+    remembered = [(f, f.item_memo) for f in fakes
+                  if isinstance(f, FakeTensor) and getattr(f, "item_memo", None) is not None
+                  and not f.dtype.is_floating_point and f.fake_mode.shape_env is not None
+                  and f.fake_mode.shape_env.allow_scalar_outputs]
+    for fake, _ in remembered:
+        fake.item_memo = None
+    try:
+        yield
+    finally:
+        for fake, memo in remembered:
+            fake.item_memo = memo

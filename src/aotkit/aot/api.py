@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -764,8 +763,7 @@ def aot_module_simplified(
     name = f"aot_module_simplified({_region(mod)})"
     note_dynamo_recompile(name)
     try:
-        with _items_read_from_data(fakes):
-            graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
+        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
     except AotkitError as exc:
         _let_dynamo_split(exc, name)
         raise
@@ -897,33 +895,6 @@ class _Inlining(fx.Interpreter):
                 "regions are inlined]): compiled as part of this graph, once per graph that "
                 "calls it"), logger=log)
         return _Inlining(subgraph, self.name).run(*operands)
-
-
-# Note [Items of Dynamo's inputs]
-# For ``n.item()`` of a scalar input, Dynamo makes a symbol it guards on (``s33`` for
-# ``L['n'].item()``) and remembers it on the fake input (``item_memo``), so tracing ``n.item()``
-# again answers that symbol. Our graphs are not handed it: nothing they receive binds it, and
-# the joint pass, whose ``item()`` on a functional tensor makes a fresh data-dependent symbol,
-# had to be told its tangent's size ``s33`` equals its own ``u0``, a check Inductor's code for the
-# forward could not evaluate ("name 's33' is not defined"). So while our passes trace, integer
-# inputs have no remembered item: every ``item()`` is read from data, as in any other graph.
-# That needs a ShapeEnv that allows data-dependent scalars (``fullgraph=True`` or
-# ``capture_scalar_outputs``); without one, and for floats (Note [Float arguments from
-# Dynamo]), the remembered symbol stays.
-@contextlib.contextmanager
-def _items_read_from_data(fakes: Sequence[Any]) -> Iterator[None]:
-    """See Note [Items of Dynamo's inputs]."""
-    remembered = [(f, f.item_memo) for f in fakes
-                  if isinstance(f, FakeTensor) and getattr(f, "item_memo", None) is not None
-                  and not f.dtype.is_floating_point and f.fake_mode.shape_env is not None
-                  and f.fake_mode.shape_env.allow_scalar_outputs]
-    for fake, _ in remembered:
-        fake.item_memo = None
-    try:
-        yield
-    finally:
-        for fake, memo in remembered:
-            fake.item_memo = memo
 
 
 def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
