@@ -183,6 +183,18 @@ def test_set_that_autograd_sees_or_that_reshapes_a_parameter_is_refused():
             w.set_(y)
         return w * 2
 
+    def swap_then_write(x, y):
+        x.set_(y)
+        x.add_(1)  # eager: x and y share memory, both see the write
+        return x * 2
+
+    def view_before_swap(x, y):
+        v = x[1:]
+        x.set_(y)
+        return v  # eager: a view of x's old memory
+
+    _assert_refused(swap_then_write, (torch.zeros(3), torch.arange(3.0)), "in-place write")
+    _assert_refused(view_before_swap, (torch.zeros(3), torch.arange(3.0)), "is a view of input 0")
     x = torch.zeros(3, requires_grad=True).clone()  # eager gives x a NotImplemented grad_fn
     with pytest.raises(UnsupportedError, match="seen by autograd"):
         aotkit.aot_function(seen, compilers.nop)(x, torch.arange(3.0))

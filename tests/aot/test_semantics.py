@@ -2097,7 +2097,7 @@ def test_a_replaced_parameter_of_a_closed_over_module_is_read_anew():
     teacher.load_state_dict(fresh, assign=True)
     torch.testing.assert_close(compiled(x), teacher(x).sum())
     (reason,) = aotkit.explain().of_kind("recompile")
-    assert "the parameter 'weight' of Linear" in reason.why and "replaced" in reason.why
+    assert "the parameter 'weight' (4, 4) of Linear" in reason.why and "replaced" in reason.why
 
 
 def test_a_module_passed_to_an_aot_module_is_watched():
@@ -2162,3 +2162,64 @@ def test_an_attribute_of_an_object_argument_changed_between_calls_traces_again()
         "attribute temperature of args[2] changed: float 1.0 -> float 0.1",
         "attribute mask of args[2] changed: a new tensor object -> a new tensor object",
         "attribute warmup of args[2].schedule changed: bool True -> bool False"]
+
+
+def test_functional_call_of_a_closed_over_module_traces_once():
+    """The parameters functional_call swaps in while tracing are inputs, not constants: taking
+    them for the module's own made every call a recompile (Note [What a trace reads besides
+    its inputs])."""
+    model = nn.Linear(4, 3)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+
+    def loss(params, x):
+        return torch.func.functional_call(model, params, (x,)).pow(2).sum()
+
+    compiled = aotkit.aot_function(loss, compilers.nop)
+    for _ in range(10):
+        check = compare_once(loss, compiled, (params, torch.randn(2, 4)), {}, None, None, True,
+                             contextlib.nullcontext)
+        assert check is not None
+    assert compiled.num_entries == 1 and not aotkit.explain().of_kind("recompile")
+
+
+def test_object_arguments_with_awkward_attributes_are_keyed_without_comparing_them():
+    """Note [Objects as arguments]: a frozen dataclass holding a list (unhashable), a dict keyed
+    by tensors, an attribute whose __eq__ raises and a NaN numpy scalar made anew at every call
+    are keyed without crashing or recompiling at every call."""
+    import dataclasses
+
+    import numpy as np
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        sizes: list
+
+    class Touchy:
+        def __eq__(self, other):
+            raise RuntimeError("do not compare me")
+
+        __hash__ = object.__hash__
+
+    class Box:
+        pass
+
+    def f(x, box):
+        return x * 2
+
+    compiled = aotkit.aot_function(f, compilers.nop)
+    box = Box()
+    x = torch.ones(2)
+    for _ in range(3):
+        box.frozen = Frozen([1, 2])
+        box.table = {torch.ones(1): 1}
+        box.touchy = Touchy()
+        box.nan = np.float32("nan")
+        torch.testing.assert_close(compiled(x, box), x * 2)
+        torch.testing.assert_close(compiled(x, Frozen([3])), x * 2)
+    # the tensor key is a new object each time, keyed by identity: one entry per box; the
+    # frozen dataclasses (equal, made anew), the touchy object and the NaN are keyed by value
+    assert compiled.num_entries == 4
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reasons[:2] == ["args[1] changed: a Box object -> a Frozen object",
+                           "args[1] changed: a Frozen object -> a Box object"]
+    assert reasons[2].startswith("attribute table of args[1] changed")

@@ -93,3 +93,29 @@ def test_modules_and_functions_compiled_in_parallel_threads_match_eager() -> Non
         half = len(grads) // 2
         for compiled, eager in zip(grads[:half], grads[half:], strict=True):
             torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_a_trace_in_another_thread_does_not_change_a_compiled_modules_layout():
+    """While a trace records the modules it calls (a global forward pre-hook, Note [What a trace
+    reads besides its inputs]), compiled modules in other threads took that hook for a user's
+    and compiled again, until RecompileLimitError."""
+    from aotkit.aot.reads import recording
+
+    model = aotkit.aot_module(torch.nn.Linear(4, 4), aotkit.compilers.nop)
+    x = torch.randn(2, 4)
+    model(x)
+    errors = []
+
+    def serve():
+        try:
+            for _ in range(3):
+                model(x)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    with recording():
+        thread = threading.Thread(target=serve)
+        thread.start()
+        thread.join()
+    assert not errors and model.num_entries == 1
+    assert not aotkit.explain().of_kind("recompile")

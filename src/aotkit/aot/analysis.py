@@ -192,7 +192,9 @@ def analyze(
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
+        _refuse_swaps_into_mutated_memory(inputs, f_args)
         outputs, bases = _output_infos(f_args, f_outs)
+        _refuse_views_of_swapped_inputs(inputs, outputs)
         outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
         meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases])
         fw_outs = [
@@ -296,6 +298,38 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
 # inside aot_function (the trace would not see it) and a growing ``resize_``, which the runtime
 # cannot replay, where the user can still move them out of the compiled function. Under dynamic
 # shapes fake tensors cannot be resized at all, so every resize_ is refused there.
+def _refuse_swaps_into_mutated_memory(inputs: Sequence[InputInfo], f_args: Sequence[Any]) -> None:
+    """A swapped input that shares memory with another input (``x.set_(y)``) is set to that
+    input's tensor after the call, as eager leaves it, unless either is also written in place:
+    the runtime writes the other one's new value and sets ``x`` to a copy, so the two would no
+    longer share memory. Such swaps, and one whose input is written besides, are refused."""
+    storages = {i: StorageWeakRef(from_fun(f).untyped_storage()) for i, f in enumerate(f_args)
+                if isinstance(f, torch.Tensor)}
+    for i, info in enumerate(inputs):
+        if not info.swaps_storage:
+            continue
+        sharing = [j for j, other in storages.items() if j != i and other == storages[i]]
+        if torch._functionalize_has_data_mutation(f_args[i].elem) or any(
+                inputs[j].mutates_data or inputs[j].mutates_metadata for j in sharing):
+            raise UnsupportedError(
+                f"x.set_(...) on input {i} of the compiled function is combined with an in-place "
+                "write to its new memory; aotkit applies the swap after the call and could not "
+                "keep the memory shared as eager does.\nFix: do the swap or the write outside "
+                "the compiled function, or swap to a fresh tensor (x.set_(y.clone())).")
+
+
+def _refuse_views_of_swapped_inputs(inputs: Sequence[InputInfo], outputs: Sequence[OutputInfo]) -> None:
+    """An output viewing a swapped input would be remade on the caller's tensor after the swap,
+    on its new memory, where eager's view (taken before the swap) keeps the old one."""
+    for k, out in enumerate(outputs):
+        if out.alias is Alias.OF_INPUT and inputs[out.base].swaps_storage:  # type: ignore[index]
+            raise UnsupportedError(
+                f"output {k} of the compiled function is a view of input {out.base}, whose memory "
+                "the function swaps with x.set_(...); aotkit cannot return a view of the memory "
+                "the input had before.\nFix: return a clone of the view, or do the swap outside "
+                "the compiled function.")
+
+
 def _storage_swap_info(index: int, arg: torch.Tensor, f_arg: Any, grad_fn_before: Any) -> InputInfo:
     if f_arg.grad_fn is not grad_fn_before or f_arg.requires_grad != arg.requires_grad:
         raise UnsupportedError(
@@ -303,7 +337,8 @@ def _storage_swap_info(index: int, arg: torch.Tensor, f_arg: Any, grad_fn_before
             "mode on, a tensor that requires grad); aotkit applies such swaps after the call, "
             "outside autograd.\nFix: do it under torch.no_grad() (or as x.data = ... under "
             "torch.compile), or outside the compiled function.")
-    if arg.requires_grad and not known_equal(from_fun(f_arg).shape, arg.shape):
+    if arg.requires_grad and torch.is_grad_enabled() \
+            and not known_equal(from_fun(f_arg).shape, arg.shape):
         raise UnsupportedError(
             f"x.set_(...) gives input {index} of the compiled function, which requires grad, "
             f"another shape ({tuple(arg.shape)} -> {tuple(from_fun(f_arg).shape)}); its "

@@ -620,7 +620,9 @@ class AotFunction:
                 f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
                 "Fix: pass dynamic=True if shapes vary; pass Python numbers that change from "
                 "call to call as tensors (torch.tensor(n)), since other arguments are constants "
-                "of the graph; keep dtypes/devices/requires_grad stable; or raise the limit "
+                "of the graph (the attributes of an object argument too: pass only what the "
+                "function reads, not an object holding a step counter); keep "
+                "dtypes/devices/requires_grad stable; or raise the limit "
                 "with aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the "
                 "reasons."
             )

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
+from aotkit.aot.reads import is_recording_hook
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import COMPILE_LOCK, tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
@@ -308,8 +309,14 @@ def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
 
 
 def _global_hook_tables() -> tuple[dict[int, Any], ...]:
-    return (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
-            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
+    """The global module hooks, but the one a trace in another thread records modules with
+    (Note [What a trace reads besides its inputs]): it is not the user's, and taken for a hook
+    it made every other thread's compiled modules compile again."""
+    tables = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+              nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
+    if not tables[0] or not any(is_recording_hook(h) for h in tables[0].values()):
+        return tables
+    return ({k: h for k, h in tables[0].items() if not is_recording_hook(h)}, *tables[1:])
 
 
 def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+import itertools
+import numbers
 import re
 import types
 from collections.abc import Sequence
@@ -43,8 +46,8 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         )
     if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
         return (type(leaf), repr(leaf))
-    if _by_identity(leaf):
-        return _object_key(leaf, 0) if _has_attributes(leaf) else (type(leaf), id(leaf))
+    if _by_identity(leaf) or not _hashable(leaf):
+        return _object_key(leaf, 0, [_BUDGET]) if _has_attributes(leaf) else (type(leaf), id(leaf))
     return (type(leaf), leaf)
 
 
@@ -55,17 +58,25 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # changed between calls (a temperature annealed each epoch) left the graph stale. So the key
 # holds the object's attributes too, through lists, tuples, dicts and such objects down to
 # _DEPTH levels: a tensor by identity (the graph holds the one it read as a constant, so
-# in-place changes show), a value by value. Deeper levels, containers of more than _ITEMS items,
+# in-place changes show), a number by its repr, a string, bool, None, enum, dtype or device by
+# value, anything else by identity (its own ``__eq__`` may raise or never hold). Deeper levels,
+# containers of more than _ITEMS items, values past the first _BUDGET of an argument,
 # modules (Note [What a trace reads besides its inputs]) and objects without a ``__dict__`` are
-# keyed by identity alone.
+# keyed by identity alone. Every attribute counts, read by the function or not: one changed at
+# every call (a step counter) is a recompile each time, until the recompile limit names it.
 _DEPTH = 3
 _ITEMS = 64
+_BUDGET = 256
 _OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.ModuleType, torch.nn.Module, torch.Generator)
+_PLAIN = frozenset({bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
 
 
 class _Object(tuple):  # type: ignore[type-arg]
-    """The key of an object argument: ``(type, id, ((attribute, key), ...))``."""
+    """The key of an object argument: ``(type, number of attributes, ((attribute, key), ...))``,
+    the attributes within the budget. Not its identity: equal objects made anew at every call
+    (``f(x, Hparams(0.1))``) share a graph."""
 
 
 def _by_identity(value: Any) -> bool:
@@ -74,31 +85,48 @@ def _by_identity(value: Any) -> bool:
     return hash_ is None or hash_ is object.__hash__
 
 
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:  # a frozen dataclass holding a list
+        return False
+    return True
+
+
 def _has_attributes(value: Any) -> bool:
     return hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
 
 
-def _object_key(obj: Any, depth: int) -> _Object:
-    return _Object((type(obj), id(obj), tuple(
-        (name, _attribute_key(value, depth + 1)) for name, value in vars(obj).items())))
+def _object_key(obj: Any, depth: int, budget: list[int]) -> _Object:
+    attributes = vars(obj)
+    keyed = itertools.islice(attributes.items(), max(budget[0], 0))
+    return _Object((type(obj), len(attributes), tuple(
+        (name, _attribute_key(value, depth + 1, budget)) for name, value in keyed)))
 
 
-def _attribute_key(value: Any, depth: int) -> Any:
-    """See Note [Objects as arguments]."""
+def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
+    """See Note [Objects as arguments]. ``budget``: how many more values may be keyed."""
+    budget[0] -= 1
+    kind = type(value)
+    if kind in _PLAIN:
+        return (kind, value)
+    if kind is float or kind is complex:  # nan != nan; -0.0 == 0.0
+        return (kind, repr(value))
     if isinstance(value, torch.Tensor):
         return (torch.Tensor, id(value))
-    if isinstance(value, (float, complex)):
-        return (type(value), repr(value))
-    if isinstance(value, (list, tuple, dict)):
-        if depth >= _DEPTH or len(value) > _ITEMS:
-            return (type(value), id(value))
+    if isinstance(value, enum.Enum):
+        return (kind, value)
+    if isinstance(value, numbers.Number):  # numpy scalars
+        return (kind, repr(value))
+    if depth >= _DEPTH or budget[0] < 0:
+        return (kind, id(value))
+    if isinstance(value, (list, tuple, dict)) and len(value) <= _ITEMS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        return (type(value), tuple((k, _attribute_key(v, depth + 1)) for k, v in items))
-    if _by_identity(value):
-        if depth < _DEPTH and _has_attributes(value):
-            return _object_key(value, depth)
-        return (type(value), id(value))
-    return (type(value), value)
+        return (type(value), tuple((_attribute_key(k, depth + 1, budget),
+                                    _attribute_key(v, depth + 1, budget)) for k, v in items))
+    if _has_attributes(value):
+        return _object_key(value, depth, budget)
+    return (type(value), id(value))
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
@@ -250,6 +278,8 @@ def _structure(s: pytree.TreeSpec | int, skip: int = 0) -> str:
 
 
 def _show(x: Any) -> str:
+    if isinstance(x, _Object):
+        return f"a {x[0].__name__} object"
     if isinstance(x, torch.Size):
         return str(tuple(x))
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], type):
