@@ -2223,3 +2223,23 @@ def test_object_arguments_with_awkward_attributes_are_keyed_without_comparing_th
     assert reasons[:2] == ["args[1] changed: a Box object -> a Frozen object",
                            "args[1] changed: a Frozen object -> a Box object"]
     assert reasons[2].startswith("attribute table of args[1] changed")
+
+
+def test_a_closed_over_module_assigning_a_buffer_is_left_usable():
+    """Its forward assigns a buffer; the trace is refused, and the module kept a tracing tensor
+    in that buffer ("Attempting to use FunctionalTensor on its own" in eager afterwards)."""
+
+    class Ema(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.ema = 0.9 * self.ema + 0.1 * x.mean(0).detach()
+            return x + self.ema
+
+    model = Ema()
+    with pytest.raises(UnsupportedError):
+        aotkit.aot_function(lambda x: model(x).sum(), compilers.nop)(torch.randn(3, 4))
+    assert type(model.ema) is torch.Tensor
+    torch.testing.assert_close(model(torch.ones(3, 4)), torch.full((3, 4), 1.1))

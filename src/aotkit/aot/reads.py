@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotkit.compat import FakeTensor, FunctionalTensor
+
 
 @dataclass(frozen=True)
 class _Flag:
@@ -141,6 +143,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         _ACTIVE.reset(token)
         handle.remove()
         nn.Module.train = original_train  # type: ignore[method-assign]
+        _put_back_tracing_tensors(held)
         reads.flags = [_Flag(weakref.ref(m), m.training) for m in called
                        if not any(m is s for s in switched)]
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
@@ -148,6 +151,16 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(constants.values())
+
+
+def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
+    """A called module whose forward assigns a parameter or buffer (``self.ema = ...``) was
+    left holding a tracing tensor, unusable outside the trace: its tensor from before is put
+    back (the trace, which cannot return it, is refused or reads it as a constant)."""
+    for slot in held:
+        now = slot.table.get(slot.name)
+        if now is not slot.tensor and isinstance(now, (FakeTensor, FunctionalTensor)):
+            slot.table[slot.name] = slot.tensor
 
 
 def is_recording_hook(hook: object) -> bool:
