@@ -193,7 +193,13 @@ def test_set_that_autograd_sees_or_that_reshapes_a_parameter_is_refused():
         x.set_(y)
         return v  # eager: a view of x's old memory
 
+    def swap_to_storage(x, y):
+        with torch.no_grad():
+            x.set_(y.untyped_storage(), 1, (2,), (1,))
+        return x * 2
+
     _assert_refused(swap_then_write, (torch.zeros(3), torch.arange(3.0)), "in-place write")
+    _assert_refused(swap_to_storage, (torch.zeros(3), torch.arange(3.0)), r"set_\(storage")
     _assert_refused(view_before_swap, (torch.zeros(3), torch.arange(3.0)), "is a view of input 0")
     x = torch.zeros(3, requires_grad=True).clone()  # eager gives x a NotImplemented grad_fn
     with pytest.raises(UnsupportedError, match="seen by autograd"):

@@ -253,6 +253,12 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
             "or compile the whole function with torch.compile(backend=\"aotkit\")."
         )
+    if "to a storage on different device" in str(exc):  # x.set_(storage, ...) of a fake x
+        return UnsupportedError(
+            f"{what} calls x.set_(storage, ...), which cannot be traced: tracing runs on fake "
+            "tensors, which cannot take a real tensor's storage.\nFix: pass a tensor instead "
+            "(x.set_(y), or x.set_(y.as_strided(size, stride, offset)) under torch.no_grad()), or "
+            "do it outside the compiled function.")
     if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
         return UnsupportedError(
             f"{what} uses torch.utils.checkpoint with use_reentrant=True, which cannot be "
