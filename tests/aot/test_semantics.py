@@ -2243,3 +2243,22 @@ def test_a_closed_over_module_assigning_a_buffer_is_left_usable():
         aotkit.aot_function(lambda x: model(x).sum(), compilers.nop)(torch.randn(3, 4))
     assert type(model.ema) is torch.Tensor
     torch.testing.assert_close(model(torch.ones(3, 4)), torch.full((3, 4), 1.1))
+
+
+def test_a_replaced_parameter_of_a_teacher_called_under_no_grad_is_read_anew():
+    """A teacher run under no_grad inside the function: its weights, read where no gradient
+    flows, were not among the tensors watched (Note [What a trace reads besides its inputs])."""
+    teacher = nn.Linear(4, 4)
+
+    def distill(x):
+        with torch.no_grad():
+            target = teacher(x)
+        return (x * target).sum()
+
+    compiled = aotkit.aot_function(distill, compilers.nop)
+    x = torch.randn(2, 4, requires_grad=True)
+    compiled(x)
+    teacher.load_state_dict({k: torch.randn_like(v) for k, v in teacher.state_dict().items()},
+                            assign=True)
+    torch.testing.assert_close(compiled(x), distill(x))
+    assert compiled.num_entries == 2

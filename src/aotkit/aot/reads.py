@@ -16,11 +16,11 @@ module's training flag took. Three changes would leave the graph silently stale:
   gradient was silently dropped, where tracing it that way is refused.
 
 So each trace records the modules whose forward runs (a global forward pre-hook, in the tracing
-thread only) with their flags, and the constants it reads where a gradient could flow (Note
-[Closed-over tensors]), among them the parameters and buffers of those modules it reads (not
+thread only) with their flags, and the constants it reads (Note [Closed-over tensors]), among
+them the parameters and buffers of those modules (a teacher called under no_grad included; not
 one ``torch.func.functional_call`` swapped in while tracing: an input), and an entry is used only
-while every recorded module still alive has its flag, still holds those tensors, and no such
-constant requires grad (checked before every call: flat lists, weak references to the modules,
+while every recorded module still alive has its flag, still holds those tensors, and no constant
+read where a gradient could flow requires grad (checked before every call: flat lists, weak references to the modules,
 about 27 us for a closed-over 12-layer TransformerEncoder); otherwise the function
 is traced again, with a recompile decision naming the change (a constant that now requires grad
 is then refused, with the fix). A module the function switches itself (``model.eval()``
@@ -94,15 +94,19 @@ class Reads:
         return "; ".join(changes) or None
 
 
-_ACTIVE: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
-    "aotkit_constants_read", default=None)
+# The constants read so far, and those read where a gradient could flow, by id.
+_ACTIVE: contextvars.ContextVar[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None] = \
+    contextvars.ContextVar("aotkit_constants_read", default=None)
 
 
-def note_constant(t: torch.Tensor) -> None:
-    """Called by the tracing guard for a constant read where a gradient could flow."""
-    constants = _ACTIVE.get()
-    if constants is not None:
-        constants.setdefault(id(t), t)
+def note_constant(t: torch.Tensor, grad: bool) -> None:
+    """Called by the tracing guard for every constant read; ``grad``: where a gradient could
+    flow (under no_grad none does, and its requires_grad does not matter)."""
+    active = _ACTIVE.get()
+    if active is not None:
+        active[0].setdefault(id(t), t)
+        if grad:
+            active[1].setdefault(id(t), t)
 
 
 @contextlib.contextmanager
@@ -116,6 +120,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
     switched: list[nn.Module] = []
     held: list[_Slot] = []  # every parameter and buffer of the modules called, when first called
     constants: dict[int, torch.Tensor] = {}
+    grad_constants: dict[int, torch.Tensor] = {}
     original_train = nn.Module.train
 
     def record(module: nn.Module, args: object) -> None:
@@ -136,7 +141,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
     record._aotkit_recording = True  # type: ignore[attr-defined]
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     nn.Module.train = train  # type: ignore[method-assign]
-    token = _ACTIVE.set(constants)
+    token = _ACTIVE.set((constants, grad_constants))
     try:
         yield reads
     finally:
@@ -150,7 +155,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         # one the function never reads, may change freely.
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
-        reads.constants = list(constants.values())
+        reads.constants = list(grad_constants.values())
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:

@@ -461,18 +461,20 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _check_grad_reads(self, func: torch._ops.OpOverload, args: Any, kwargs: Any,
                           out: Any) -> None:
         """After a read (reads have no effects): a gradient could flow back to an outside tensor
-        that requires grad only through floating outputs of an op that is differentiable."""
-        if not torch.is_grad_enabled() or func in _GRADLESS_READS:
+        that requires grad only through floating outputs of an op that is differentiable. Every
+        outside tensor read is noted (Note [What a trace reads besides its inputs])."""
+        outside = [(t, base) for t in _tensors((args, kwargs))
+                   if (base := self._outside(t)) is not None]
+        if not outside:
             return
-        if not any(t.is_floating_point() or t.is_complex() for t in _tensors(out)):
-            return  # comparisons, indices, .item(): no gradient to lose
-        for t in _tensors((args, kwargs)):
-            if (base := self._outside(t)) is None:
-                continue
-            if t.requires_grad:
+        # comparisons, indices, .item(): no gradient to lose
+        grad = torch.is_grad_enabled() and func not in _GRADLESS_READS and any(
+            t.is_floating_point() or t.is_complex() for t in _tensors(out))
+        for t, base in outside:
+            if grad and t.requires_grad:
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
-            note_constant(base)  # Note [What a trace reads besides its inputs]
+            note_constant(base, grad)
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
