@@ -192,7 +192,7 @@ def analyze(
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
-        _refuse_swaps_into_mutated_memory(inputs, f_args)
+        _refuse_swaps_into_mutated_memory(inputs, args, f_args)
         outputs, bases = _output_infos(f_args, f_outs)
         _refuse_views_of_swapped_inputs(inputs, outputs)
         outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
@@ -298,24 +298,33 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
 # inside aot_function (the trace would not see it) and a growing ``resize_``, which the runtime
 # cannot replay, where the user can still move them out of the compiled function. Under dynamic
 # shapes fake tensors cannot be resized at all, so every resize_ is refused there.
-def _refuse_swaps_into_mutated_memory(inputs: Sequence[InputInfo], f_args: Sequence[Any]) -> None:
+def _refuse_swaps_into_mutated_memory(inputs: Sequence[InputInfo], args: Sequence[Any],
+                                      f_args: Sequence[Any]) -> None:
     """A swapped input that shares memory with another input (``x.set_(y)``) is set to that
     input's tensor after the call, as eager leaves it, unless either is also written in place:
     the runtime writes the other one's new value and sets ``x`` to a copy, so the two would no
-    longer share memory. Such swaps, and one whose input is written besides, are refused."""
+    longer share memory. A write to ``x`` is refused too where its old memory is seen by another
+    input (``x`` a view, or viewed): it may have come before the swap, and be lost. A swap to a
+    fresh tensor followed by writes (``x.set_(y.clone()); x.add_(1)``) is fine."""
     storages = {i: StorageWeakRef(from_fun(f).untyped_storage()) for i, f in enumerate(f_args)
                 if isinstance(f, torch.Tensor)}
+    before = {i: StorageWeakRef(a.untyped_storage()) for i, a in enumerate(args)
+              if isinstance(a, torch.Tensor)}
     for i, info in enumerate(inputs):
         if not info.swaps_storage:
             continue
         sharing = [j for j, other in storages.items() if j != i and other == storages[i]]
-        if torch._functionalize_has_data_mutation(f_args[i].elem) or any(
+        seen_before = args[i]._base is not None or any(
+            j != i and other == before[i] for j, other in before.items())
+        written = torch._functionalize_has_data_mutation(f_args[i].elem)
+        if (written and (sharing or seen_before)) or any(
                 inputs[j].mutates_data or inputs[j].mutates_metadata for j in sharing):
             raise UnsupportedError(
                 f"x.set_(...) on input {i} of the compiled function is combined with an in-place "
-                "write to its new memory; aotkit applies the swap after the call and could not "
-                "keep the memory shared as eager does.\nFix: do the swap or the write outside "
-                "the compiled function, or swap to a fresh tensor (x.set_(y.clone())).")
+                "write to memory another input shares; aotkit applies the swap after the call "
+                "and could not keep that memory shared as eager does.\nFix: do the swap or the "
+                "write outside the compiled function, or swap to a fresh tensor "
+                "(x.set_(y.clone())).")
 
 
 def _refuse_views_of_swapped_inputs(inputs: Sequence[InputInfo], outputs: Sequence[OutputInfo]) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import numbers
 import re
+import struct
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +47,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
         return (type(leaf), repr(leaf))
     if _by_identity(leaf) or not _hashable(leaf):
-        return _object_key(leaf, 0, [_BUDGET]) if _has_attributes(leaf) else (type(leaf), id(leaf))
+        return _object_key(leaf, 0, [_BUDGET]) if _plain_object(leaf) else _Identity(leaf)
     return (type(leaf), leaf)
 
 
@@ -59,10 +59,12 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # holds the object's attributes too, through lists, tuples, dicts and such objects down to
 # _DEPTH levels: a tensor by identity (the graph holds the one it read as a constant, so
 # in-place changes show), a number by its repr, a string, bool, None, enum, dtype or device by
-# value, anything else by identity (its own ``__eq__`` may raise or never hold). Deeper levels,
-# containers of more than _ITEMS items, values past the first _BUDGET of an argument,
-# modules (Note [What a trace reads besides its inputs]) and objects without a ``__dict__`` are
-# keyed by identity alone. Every attribute counts, read by the function or not: one changed at
+# value, anything else by identity (its own ``__eq__`` may raise or never hold), holding a
+# reference so that the id is not reused. Only objects keeping all their state in ``__dict__``
+# are keyed by attributes (not ``functools.partial``, a ``list`` subclass, slotted classes);
+# they, deeper levels, containers of more than _ITEMS items, objects past the first _BUDGET
+# values of an argument and modules (Note [What a trace reads besides its inputs]) are keyed by
+# identity alone. Every attribute counts, read by the function or not: one changed at
 # every call (a step counter) is a recompile each time, until the recompile limit names it.
 _DEPTH = 3
 _ITEMS = 64
@@ -93,15 +95,45 @@ def _hashable(value: Any) -> bool:
     return True
 
 
-def _has_attributes(value: Any) -> bool:
-    return hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
+def _plain_object(value: Any) -> bool:
+    """An instance of Python classes that keep all its state in ``__dict__``: no slots, no
+    base written in C but ``object`` (``functools.partial``, a ``list`` subclass and
+    ``random.Random`` keep theirs elsewhere)."""
+    if isinstance(value, _OPAQUE) or not hasattr(value, "__dict__"):
+        return False
+    cls = type(value)
+    return cls.__basicsize__ <= _PLAIN_SIZE and not any("__slots__" in vars(c) for c in cls.__mro__)
 
 
-def _object_key(obj: Any, depth: int, budget: list[int]) -> _Object:
+# An instance no bigger than an ``object`` and its ``__dict__`` pointer keeps no state in C
+# (``functools.partial``: 64 bytes on CPython 3.11, a plain class's instance: 24).
+_PLAIN_SIZE = object.__basicsize__ + struct.calcsize("P")
+
+
+class _Identity:
+    """A key part compared by identity that holds its object, so that its id is not reused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __repr__(self) -> str:
+        return f"a {type(self.value).__name__} object"
+
+
+def _object_key(obj: Any, depth: int, budget: list[int]) -> _Object | _Identity:
     attributes = vars(obj)
-    keyed = itertools.islice(attributes.items(), max(budget[0], 0))
+    if len(attributes) > budget[0]:
+        return _Identity(obj)
     return _Object((type(obj), len(attributes), tuple(
-        (name, _attribute_key(value, depth + 1, budget)) for name, value in keyed)))
+        (name, _attribute_key(value, depth + 1, budget)) for name, value in attributes.items())))
 
 
 def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
@@ -113,20 +145,20 @@ def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
     if kind is float or kind is complex:  # nan != nan; -0.0 == 0.0
         return (kind, repr(value))
     if isinstance(value, torch.Tensor):
-        return (torch.Tensor, id(value))
+        return _Identity(value)
     if isinstance(value, enum.Enum):
         return (kind, value)
     if isinstance(value, numbers.Number):  # numpy scalars
         return (kind, repr(value))
     if depth >= _DEPTH or budget[0] < 0:
-        return (kind, id(value))
+        return _Identity(value)
     if isinstance(value, (list, tuple, dict)) and len(value) <= _ITEMS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         return (type(value), tuple((_attribute_key(k, depth + 1, budget),
                                     _attribute_key(v, depth + 1, budget)) for k, v in items))
-    if _has_attributes(value):
+    if _plain_object(value):
         return _object_key(value, depth, budget)
-    return (type(value), id(value))
+    return _Identity(value)
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
@@ -203,7 +235,15 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
     return found
 
 
-def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
+def _leaf_change(name: str, a: Any, b: Any) -> str:
+    if isinstance(a, _Identity) and isinstance(b, _Identity) and type(a.value) is type(b.value):
+        if isinstance(b.value, torch.Generator):
+            return (f"{name} is another torch.Generator object (a graph draws from the generator "
+                    "it was traced with; pass the same one at every call, reseeding it outside "
+                    "with g.manual_seed(...))")
+        return f"{name} is another {type(b.value).__name__} object"
+    if not (isinstance(a, tuple) and isinstance(b, tuple)):
+        return f"{name} changed: {_show(a)} -> {_show(b)}"
     if _is_subclass_key(a) and _is_subclass_key(b) and a[0] == b[0]:
         parts = _part_names(a[0])
         for part, x, y in zip(parts, a[1:], b[1:], strict=True):
@@ -219,10 +259,6 @@ def _leaf_change(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
     if isinstance(a, _Object) and isinstance(b, _Object) and a[:2] == b[:2]:
         return "; ".join(_attribute_changes(name, a, b))
-    if a[0] is b[0] is torch.Generator:
-        return (f"{name} is another torch.Generator object (a graph draws from the generator it "
-                "was traced with; pass the same one at every call, reseeding it outside with "
-                "g.manual_seed(...))")
     return f"{name} changed: {_show(a)} -> {_show(b)}"
 
 
@@ -236,10 +272,11 @@ def _attribute_changes(name: str, a: _Object, b: _Object) -> list[str]:
             continue
         if isinstance(x, _Object) and isinstance(y, _Object) and x[:2] == y[:2]:
             found += _attribute_changes(f"{name}.{attribute}", x, y)
+        elif isinstance(x, _Identity) and isinstance(y, _Identity):
+            found.append(f"attribute {attribute} of {name} is another "
+                         f"{type(y.value).__name__} object")
         else:
-            shown = [("a new tensor object" if isinstance(v, tuple) and v[:1] == (torch.Tensor,)
-                      else _show(v)) for v in (x, y)]
-            found.append(f"attribute {attribute} of {name} changed: {shown[0]} -> {shown[1]}")
+            found.append(f"attribute {attribute} of {name} changed: {_show(x)} -> {_show(y)}")
     return found or [f"an attribute of {name} changed"]
 
 
@@ -250,7 +287,8 @@ def _field_name(field: str, value: Any) -> str:
 
 def _is_subclass_key(key: tuple[Any, ...]) -> bool:
     """Is this ``leaf_key`` a subclass's: ``(Layout.key, *its parts' keys)``?"""
-    return bool(key) and isinstance(key[0], tuple) and bool(key[0]) and isinstance(key[0][0], type)
+    return isinstance(key, tuple) and bool(key) and isinstance(key[0], tuple) and bool(key[0]) \
+        and isinstance(key[0][0], type)
 
 
 def _part_names(layout_key: tuple[Any, ...]) -> list[str]:
@@ -265,7 +303,7 @@ def _kind(key: tuple[Any, ...]) -> str:
     if _is_subclass_key(key):
         cls, attrs, ctx, requires_grad, *_ = key[0]
         return f"{cls.__name__}(parts {', '.join(attrs)}; context {ctx}; requires_grad={requires_grad})"
-    return "a plain tensor" if len(key) == len(_FIELDS) else _show(key)
+    return "a plain tensor" if isinstance(key, tuple) and len(key) == len(_FIELDS) else _show(key)
 
 
 def _structure(s: pytree.TreeSpec | int, skip: int = 0) -> str:
@@ -278,6 +316,8 @@ def _structure(s: pytree.TreeSpec | int, skip: int = 0) -> str:
 
 
 def _show(x: Any) -> str:
+    if isinstance(x, _Identity):
+        return repr(x)
     if isinstance(x, _Object):
         return f"a {x[0].__name__} object"
     if isinstance(x, torch.Size):
