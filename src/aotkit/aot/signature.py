@@ -76,9 +76,9 @@ _PLAIN = frozenset({bool, int, str, bytes, type(None), torch.dtype, torch.device
 
 
 class _Object(tuple):  # type: ignore[type-arg]
-    """The key of an object argument: ``(type, number of attributes, ((attribute, key), ...))``,
-    the attributes within the budget. Not its identity: equal objects made anew at every call
-    (``f(x, Hparams(0.1))``) share a graph."""
+    """The key of an object argument: ``(type, number of attributes, ((attribute, key), ...))``.
+    Not its identity: equal objects made anew at every call (``f(x, Hparams(0.1))``) share a
+    graph."""
 
 
 def _by_identity(value: Any) -> bool:
