@@ -306,6 +306,8 @@ def _refuse_swaps_into_mutated_memory(inputs: Sequence[InputInfo], args: Sequenc
     longer share memory. A write to ``x`` is refused too where its old memory is seen by another
     input (``x`` a view, or viewed): it may have come before the swap, and be lost. A swap to a
     fresh tensor followed by writes (``x.set_(y.clone()); x.add_(1)``) is fine."""
+    if not any(info.swaps_storage for info in inputs):
+        return
     storages = {i: StorageWeakRef(from_fun(f).untyped_storage()) for i, f in enumerate(f_args)
                 if isinstance(f, torch.Tensor)}
     before = {i: StorageWeakRef(a.untyped_storage()) for i, a in enumerate(args)

@@ -32,9 +32,7 @@ from aotkit.aot.signature import (
     signature,
 )
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
-from aotkit.aot.state import (
-    StateWatch,
-)
+from aotkit.aot.state import StateWatch
 from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.trace import (
     COMPILE_LOCK,

@@ -116,8 +116,8 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
     reads = Reads()
     own = {id(m) for m in own_modules()} if own_modules is not None else set()
     thread = threading.get_ident()
-    called: list[nn.Module] = []
-    switched: list[nn.Module] = []
+    called: dict[int, nn.Module] = {}  # by id, in call order
+    switched: set[int] = set()
     held: list[_Slot] = []  # every parameter and buffer of the modules called, when first called
     constants: dict[int, torch.Tensor] = {}
     grad_constants: dict[int, torch.Tensor] = {}
@@ -128,14 +128,14 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         # inside our trace) and cannot trace get_ident: the modules such a branch calls stay
         # unrecorded.
         if torch.compiler.is_compiling() or threading.get_ident() != thread \
-                or id(module) in own or any(m is module for m in called):
+                or id(module) in own or id(module) in called:
             return
-        called.append(module)
+        called[id(module)] = module
         held.extend(_slots(module))
 
     def train(module: nn.Module, mode: bool = True) -> nn.Module:
         if threading.get_ident() == thread:
-            switched.append(module)
+            switched.add(id(module))
         return original_train(module, mode)
 
     record._aotkit_recording = True  # type: ignore[attr-defined]
@@ -149,8 +149,8 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         handle.remove()
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
-        reads.flags = [_Flag(weakref.ref(m), m.training) for m in called
-                       if not any(m is s for s in switched)]
+        reads.flags = [_Flag(weakref.ref(m), m.training) for i, m in called.items()
+                       if i not in switched]
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
