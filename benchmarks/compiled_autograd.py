@@ -28,6 +28,7 @@ Run::
 
     .venv/bin/python benchmarks/compiled_autograd.py            # markdown table on stdout
     .venv/bin/python benchmarks/compiled_autograd.py --steps 500 --profile
+    python benchmarks/compiled_autograd.py --device cuda
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import pstats
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import aotkit
-from _timing import paired_medians
+from _timing import clock, describe_device, paired_medians
 from aotkit.models import MLP, make_mlp_batch
 
 NOP_TARGET = 1.1        # nop compiled backward / eager backward
@@ -70,21 +70,22 @@ COMPILERS: dict[str, Callable[[torch.fx.GraphModule], Callable[..., object]] | N
 }
 
 
-def make_mlp() -> tuple[nn.Module, LossFn]:
-    x, target = make_mlp_batch(seed=0)
-    return MLP.from_seed(0), lambda model: F.mse_loss(model(x), target)
+def make_mlp(device: str) -> tuple[nn.Module, LossFn]:
+    x, target = (t.to(device) for t in make_mlp_batch(seed=0))
+    return MLP.from_seed(0).to(device), lambda model: F.mse_loss(model(x), target)
 
 
-def make_transformer() -> tuple[nn.Module, LossFn]:
+def make_transformer(device: str) -> tuple[nn.Module, LossFn]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=256,
                                            dropout=0.0, batch_first=True)
         x, target = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
-    return layer, lambda model: F.mse_loss(model(x), target)
+    x, target = x.to(device), target.to(device)
+    return layer.to(device), lambda model: F.mse_loss(model(x), target)
 
 
-MODELS: dict[str, Callable[[], tuple[nn.Module, LossFn]]] = {
+MODELS: dict[str, Callable[[str], tuple[nn.Module, LossFn]]] = {
     "mlp": make_mlp, "transformer": make_transformer,
 }
 
@@ -114,23 +115,25 @@ class GradientMismatch(Exception):
     pass
 
 
-def make_backward(model: nn.Module, loss_fn: LossFn,
-                  compiler_fn: Callable[..., object] | None) -> Callable[[], float]:
-    """A function that runs the forward, then times one backward (compiled unless eager)."""
+def make_backward(model: nn.Module, loss_fn: LossFn, compiler_fn: Callable[..., object] | None,
+                  device: str = "cpu") -> Callable[[], float]:
+    """A function that runs the forward, then times one backward (compiled unless eager) to
+    the end of its kernels."""
     params = list(model.parameters())
+    now = clock(device)
 
     def backward() -> float:
         for p in params:
             p.grad = None
         loss = loss_fn(model)
         if compiler_fn is None:
-            start = time.perf_counter()
+            start = now()
             loss.backward()
-            return time.perf_counter() - start
+            return now() - start
         with aotkit.compiled_autograd.enable(compiler_fn):
-            start = time.perf_counter()
+            start = now()
             loss.backward()
-            return time.perf_counter() - start
+            return now() - start
 
     return backward
 
@@ -160,14 +163,15 @@ def describe(exc: BaseException) -> tuple[str, str]:
     return cell, "\n".join(detail)
 
 
-def measure(model_name: str, compiler: str, steps: int, warmup: int) -> Timing:
+def measure(model_name: str, compiler: str, steps: int, warmup: int,
+            device: str = "cpu") -> Timing:
     """First backward, gradient check, then ``steps`` backwards interleaved with eager's."""
     reset_all()
-    model, loss_fn = MODELS[model_name]()
+    model, loss_fn = MODELS[model_name](device)
     reference = copy.deepcopy(model)
     timing = Timing(model_name, compiler)
-    backward = make_backward(model, loss_fn, COMPILERS[compiler])
-    eager_backward = make_backward(reference, loss_fn, None)
+    backward = make_backward(model, loss_fn, COMPILERS[compiler], device)
+    eager_backward = make_backward(reference, loss_fn, None, device)
     try:
         timing.first = backward()
     except Exception as exc:  # a compiler that cannot handle the graph is a result, not a crash
@@ -183,19 +187,20 @@ def measure(model_name: str, compiler: str, steps: int, warmup: int) -> Timing:
     return timing
 
 
-def warm_up_machinery() -> None:
+def warm_up_machinery(device: str) -> None:
     """Compiled autograd on a tiny Linear, and one tiny Inductor compile (imports, C++ headers)."""
-    layer = nn.Linear(4, 4)
+    layer = nn.Linear(4, 4).to(device)
     with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
-        layer(torch.randn(2, 4)).sum().backward()
-    torch.compile(lambda x: torch.sin(x) + 1, backend="inductor", fullgraph=True)(torch.randn(4))
+        layer(torch.randn(2, 4, device=device)).sum().backward()
+    torch.compile(lambda x: torch.sin(x) + 1, backend="inductor",
+                  fullgraph=True)(torch.randn(4, device=device))
     reset_all()
 
 
 def profile_nop(model_name: str, calls: int, top: int = 15) -> str:
     """cProfile of ``calls`` steady nop-compiled backwards (the forward runs outside)."""
     reset_all()
-    model, loss_fn = MODELS[model_name]()
+    model, loss_fn = MODELS[model_name]("cpu")
     params = list(model.parameters())
     profiler = cProfile.Profile()
     with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
@@ -256,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for all")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--compilers", nargs="+", choices=list(COMPILERS), default=list(COMPILERS))
+    parser.add_argument("--device", default="cpu", help="where models and batches live")
     parser.add_argument("--warm-inductor-cache", action="store_true",
                         help="use Inductor's usual on-disk cache instead of a fresh one")
     parser.add_argument("--profile", action="store_true",
@@ -270,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir = tempfile.mkdtemp(prefix="aotkit-bench-inductor-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     try:
-        warm_up_machinery()
-        timings = [measure(m, c, args.steps, args.warmup)
+        warm_up_machinery(args.device)
+        timings = [measure(m, c, args.steps, args.warmup, args.device)
                    for m in args.models for c in args.compilers]
     except GradientMismatch as exc:
         print(f"compiled gradients differ from eager; stopped before timing them.\n{exc}", file=sys.stderr)
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
 
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPU(s); "
+    print(f"torch {torch.__version__}, {describe_device(args.device)}, {args.threads} thread(s), {os.cpu_count()} CPU(s); "
           f"backward only (forward untimed); steady = median of {args.steps} backwards after "
           f"{args.warmup} warm-up ones, each paired with an eager backward on a copy whose "
           f"median is the 'vs eager' reference; Inductor cache: "

@@ -19,6 +19,7 @@ Run::
 
     .venv/bin/python benchmarks/overhead.py            # markdown table on stdout
     .venv/bin/python benchmarks/overhead.py --cold --steps 100
+    python benchmarks/overhead.py --device cuda --variants eager aotkit aot_eager inductor aotkit_inductor
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import aotkit
-from _timing import paired_medians
+from _timing import clock, describe_device, paired_medians
 from aotkit.models import MLP, TinyTransformer, make_mlp_batch, make_token_batch
 
 FIRST_CALL_TARGET = 0.3   # aotkit first call / aot_eager first call
@@ -83,27 +83,29 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def make_step(model_name: str, variant: str) -> Callable[[], float]:
-    """A fresh model wrapped for ``variant``; the returned function trains one step and
-    returns its time (forward + backward + SGD step)."""
+def make_step(model_name: str, variant: str, device: str = "cpu") -> Callable[[], float]:
+    """A fresh model on ``device`` wrapped for ``variant``; the returned function trains one
+    step and returns its time (forward + backward + SGD step, kernels finished)."""
     make_model, make_batch = MODELS[model_name]
-    model = make_model()
+    model = make_model().to(device)
     run = wrap(model, variant)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x, target = make_batch(seed=0)
+    x, target = (t.to(device) for t in make_batch(seed=0))
+    now = clock(device)
 
     def step() -> float:
-        start = time.perf_counter()
+        start = now()
         loss = loss_of(run(x), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return time.perf_counter() - start
+        return now() - start
 
     return step
 
 
-def measure(model_name: str, variant: str, steps: int, warmup: int, repeats: int = 1) -> Timing:
+def measure(model_name: str, variant: str, steps: int, warmup: int, repeats: int = 1,
+            device: str = "cpu") -> Timing:
     """Time one variant's first step (median over ``repeats`` fresh models, Dynamo and aotkit
     reset before each), then the median of ``steps`` steps after ``warmup``, interleaved step
     by step with an eager copy of the model so that both see the same machine load."""
@@ -112,31 +114,31 @@ def measure(model_name: str, variant: str, steps: int, warmup: int, repeats: int
         torch._dynamo.reset()
         aotkit.counters.reset()
         torch.manual_seed(0)
-        step = make_step(model_name, variant)
+        step = make_step(model_name, variant, device)
         firsts.append(step())
     first = statistics.median(firsts)
-    eager_step = make_step(model_name, "eager")
+    eager_step = make_step(model_name, "eager", device)
     steady, paired_eager = paired_medians(step, eager_step, warmup, steps)
     traces = aotkit.counters.counters["aot"]["traces"]
     return Timing(model_name, variant, first, steady, paired_eager, traces)
 
 
-def warm_up_machinery() -> None:
+def warm_up_machinery(variants: list[str], device: str) -> None:
     """Compile a tiny training step with each backend once (imports, lazy tables, Dynamo)."""
-    for variant in ("dynamo", "aotkit", "aot_eager", "aot_module"):
+    for variant in variants:
         torch._dynamo.reset()
-        run = wrap(nn.Linear(4, 4), variant)
-        run(torch.randn(2, 4)).sum().backward()
+        run = wrap(nn.Linear(4, 4).to(device), variant)
+        run(torch.randn(2, 4, device=device)).sum().backward()
     torch._dynamo.reset()
     aotkit.counters.reset()
 
 
-def cold_first_call(model_name: str, variant: str, threads: int) -> float:
+def cold_first_call(model_name: str, variant: str, threads: int, device: str) -> float:
     """First-step time of ``variant`` in a fresh Python process."""
     code = (
         "import sys, json, torch; sys.path.insert(0, sys.argv[1]); import overhead; "
         f"torch.set_num_threads({threads}); "
-        f"print(json.dumps(overhead.measure({model_name!r}, {variant!r}, 1, 0).first))"
+        f"print(json.dumps(overhead.measure({model_name!r}, {variant!r}, 1, 0, device={device!r}).first))"
     )
     here = str(Path(__file__).resolve().parent)
     proc = subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True,
@@ -151,8 +153,9 @@ def table(timings: list[Timing], cold: dict[tuple[str, str], float]) -> str:
         header += " cold first call (s) | cold vs aot_eager |"
     rows = [header, "|" + "---|" * (header.count("|") - 1)]
     for t in timings:
-        ref_first = by[(t.model, "aot_eager")].first
-        row = (f"| {t.model} | {t.variant} | {t.first:.3f} | {t.first / ref_first:.2f}x | "
+        ref = by.get((t.model, "aot_eager"))
+        vs_ref = f"{t.first / ref.first:.2f}x" if ref else "-"
+        row = (f"| {t.model} | {t.variant} | {t.first:.3f} | {vs_ref} | "
                f"{t.steady * 1e3:.3f} | {t.steady_vs_eager:.3f}x | {t.traces} |")
         if cold:
             c, ref = cold.get((t.model, t.variant)), cold.get((t.model, "aot_eager"))
@@ -165,7 +168,7 @@ def verdicts(timings: list[Timing], cold: dict[tuple[str, str], float]) -> list[
     by = {(t.model, t.variant): t for t in timings}
     lines = []
     for model in MODELS:
-        if (model, "aotkit") not in by:
+        if (model, "aotkit") not in by or (model, "aot_eager") not in by:
             continue
         aot = by[(model, "aotkit")]
         first = aot.first / by[(model, "aot_eager")].first
@@ -193,18 +196,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="first calls (fresh model each) to take the median of")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for all")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        help="eager, dynamo, aot_module or any torch.compile backend name")
+    parser.add_argument("--device", default="cpu", help="where models and batches live")
     parser.add_argument("--cold", action="store_true",
                         help="also time each compiled variant's first call in a fresh process")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    warm_up_machinery()
-    timings = [measure(m, v, args.steps, args.warmup, args.repeats)
-               for m in args.models for v in VARIANTS]
-    cold = {(m, v): cold_first_call(m, v, args.threads)
-            for m in args.models for v in VARIANTS if args.cold and v not in ("eager", "dynamo")}
+    if "eager" not in args.variants:
+        args.variants.insert(0, "eager")
+    warm_up_machinery([v for v in args.variants if v != "eager"], args.device)
+    timings = [measure(m, v, args.steps, args.warmup, args.repeats, args.device)
+               for m in args.models for v in args.variants]
+    cold = {(m, v): cold_first_call(m, v, args.threads, args.device)
+            for m in args.models for v in args.variants
+            if args.cold and v not in ("eager", "dynamo")}
 
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPU(s); "
+    print(f"torch {torch.__version__}, {describe_device(args.device)}, {args.threads} "
+          f"thread(s), {os.cpu_count()} CPU(s); "
           f"step = forward + backward + SGD step; first call = median of {args.repeats} "
           f"(fresh model, Dynamo reset); steady = median of {args.steps} steps after "
           f"{args.warmup} warm-up steps, each followed by an eager step whose median is the "

@@ -794,9 +794,12 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
     outs = [o for o, d in zip(fw_outs, differentiable, strict=True) if d]
     grads: list[Any] = [None] * len(f_primals)
     if wrt and outs:
-        found = torch.autograd.grad(
-            outs, [f_primals[i] for i in wrt], f_tangents, allow_unused=True
-        )
+        # The engine would run CUDA nodes on its device thread, beside CPU nodes on this one:
+        # two threads in one fake mode trip over its in-kernel flag. Trace on this thread.
+        with torch.autograd.set_multithreading_enabled(False):
+            found = torch.autograd.grad(
+                outs, [f_primals[i] for i in wrt], f_tangents, allow_unused=True
+            )
         for i, g in zip(wrt, found, strict=True):
             if is_subclass(g):
                 raise _subclass_gradient(g)
