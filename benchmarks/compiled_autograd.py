@@ -11,7 +11,11 @@ Each runs under ``aotkit.compiled_autograd.enable(compiler_fn)`` with
 - ``eager``: no compiled autograd (eager against eager: the noise floor);
 - ``nop``: ``aotkit.compiled_autograd.nop``, the captured graph (lowered to ATen) run op by op
   from Python, its ATen calls bound to PyTorch's Python bindings;
-- ``inductor``: ``torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)``.
+- ``inductor``: ``torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)``;
+- ``pytorch_inductor``: PyTorch's own compiled autograd
+  (``torch._dynamo.compiled_autograd._enable``) with the same Inductor compiler, for
+  reference. The two implementations cannot share a process (each binds the engine's backward
+  formulas to itself), so this row runs in a fresh process, warmed up the same way.
 
 "first" is the first backward after ``aotkit.compiled_autograd.reset()`` (capture and compile
 included); "steady" is the median of ``--steps`` backwards after ``--warmup``. Every compiled
@@ -34,18 +38,22 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import io
+import json
 import math
 import os
 import pstats
 import shutil
+import subprocess
 import sys
 import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +75,15 @@ def inductor(gm: torch.fx.GraphModule) -> Callable[..., object]:
 
 COMPILERS: dict[str, Callable[[torch.fx.GraphModule], Callable[..., object]] | None] = {
     "eager": None, "nop": aotkit.compiled_autograd.nop, "inductor": inductor,
+    "pytorch_inductor": inductor,
 }
+
+
+def enabler(compiler: str) -> Callable[..., contextlib.AbstractContextManager[None]]:
+    """The ``enable`` that installs ``compiler``: PyTorch's for the ``pytorch_`` rows."""
+    if compiler.startswith("pytorch_"):
+        return torch._dynamo.compiled_autograd._enable
+    return aotkit.compiled_autograd.enable
 
 
 def make_mlp(device: str) -> tuple[nn.Module, LossFn]:
@@ -115,12 +131,13 @@ class GradientMismatch(Exception):
     pass
 
 
-def make_backward(model: nn.Module, loss_fn: LossFn, compiler_fn: Callable[..., object] | None,
+def make_backward(model: nn.Module, loss_fn: LossFn, compiler: str,
                   device: str = "cpu") -> Callable[[], float]:
     """A function that runs the forward, then times one backward (compiled unless eager) to
     the end of its kernels."""
     params = list(model.parameters())
     now = clock(device)
+    compiler_fn, enable = COMPILERS[compiler], enabler(compiler)
 
     def backward() -> float:
         for p in params:
@@ -130,7 +147,7 @@ def make_backward(model: nn.Module, loss_fn: LossFn, compiler_fn: Callable[..., 
             start = now()
             loss.backward()
             return now() - start
-        with aotkit.compiled_autograd.enable(compiler_fn):
+        with enable(compiler_fn):
             start = now()
             loss.backward()
             return now() - start
@@ -140,6 +157,7 @@ def make_backward(model: nn.Module, loss_fn: LossFn, compiler_fn: Callable[..., 
 
 def reset_all() -> None:
     aotkit.compiled_autograd.reset()
+    torch._dynamo.compiled_autograd.reset()
     torch._dynamo.reset()
     aotkit.counters.reset()
 
@@ -170,8 +188,8 @@ def measure(model_name: str, compiler: str, steps: int, warmup: int,
     model, loss_fn = MODELS[model_name](device)
     reference = copy.deepcopy(model)
     timing = Timing(model_name, compiler)
-    backward = make_backward(model, loss_fn, COMPILERS[compiler], device)
-    eager_backward = make_backward(reference, loss_fn, None, device)
+    backward = make_backward(model, loss_fn, compiler, device)
+    eager_backward = make_backward(reference, loss_fn, "eager", device)
     try:
         timing.first = backward()
     except Exception as exc:  # a compiler that cannot handle the graph is a result, not a crash
@@ -181,16 +199,35 @@ def measure(model_name: str, compiler: str, steps: int, warmup: int,
     eager_backward()
     check_grads(f"{model_name}/{compiler}", model, reference)
     timing.steady, timing.paired_eager = paired_medians(backward, eager_backward, warmup, steps)
-    stats = aotkit.counters.counters["compiled_autograd"]
+    stats = (torch._dynamo.utils.counters if compiler.startswith("pytorch_")
+             else aotkit.counters.counters)["compiled_autograd"]
     timing.captures, timing.compiles = stats["captures"], stats["compiles"]
     reset_all()
     return timing
 
 
-def warm_up_machinery(device: str) -> None:
-    """Compiled autograd on a tiny Linear, and one tiny Inductor compile (imports, C++ headers)."""
+def measure_in_fresh_process(model_name: str, compiler: str, steps: int, warmup: int,
+                             device: str) -> Timing:
+    """``measure`` in a new Python process: PyTorch's compiled autograd row."""
+    code = ("import sys, json, dataclasses; sys.path.insert(0, sys.argv[1]); "
+            "import compiled_autograd as b; "
+            f"b.warm_up_machinery({device!r}, {compiler!r}); "
+            f"t = b.measure({model_name!r}, {compiler!r}, {steps}, {warmup}, {device!r}); "
+            "print(json.dumps(dataclasses.asdict(t)))")
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise GradientMismatch(f"{model_name}/{compiler} in a fresh process:\n{proc.stderr}")
+    return Timing(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def warm_up_machinery(device: str, compiler: str = "nop") -> None:
+    """Compiled autograd (aotkit's, or PyTorch's for a ``pytorch_`` compiler) on a tiny Linear,
+    and one tiny Inductor compile (imports, C++ headers)."""
     layer = nn.Linear(4, 4).to(device)
-    with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+    nop = (lambda gm: gm) if compiler.startswith("pytorch_") else aotkit.compiled_autograd.nop
+    with enabler(compiler)(nop):
         layer(torch.randn(2, 4, device=device)).sum().backward()
     torch.compile(lambda x: torch.sin(x) + 1, backend="inductor",
                   fullgraph=True)(torch.randn(4, device=device))
@@ -277,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     try:
         warm_up_machinery(args.device)
-        timings = [measure(m, c, args.steps, args.warmup, args.device)
-                   for m in args.models for c in args.compilers]
+        timings = [(measure_in_fresh_process if c.startswith("pytorch_") else measure)(
+            m, c, args.steps, args.warmup, args.device)
+            for m in args.models for c in args.compilers]
     except GradientMismatch as exc:
         print(f"compiled gradients differ from eager; stopped before timing them.\n{exc}", file=sys.stderr)
         return 1
