@@ -36,7 +36,7 @@ from torch import nn
 from torch._inductor.utils import fresh_cache
 
 import aotkit
-from _timing import paired_medians
+from _timing import describe_device, paired_medians
 from overhead import MODELS, Timing, make_step
 
 STEADY_TARGET = 1.0  # aotkit_inductor steady step / inductor steady step
@@ -45,7 +45,7 @@ VARIANTS = ("eager", "inductor", "aotkit_inductor")
 Step = Callable[[], float]
 
 
-def first_step(model_name: str, variant: str, repeats: int) -> tuple[float, Step]:
+def first_step(model_name: str, variant: str, repeats: int, device: str) -> tuple[float, Step]:
     """Median first-step time over ``repeats`` fresh models, each compiled into a fresh Inductor
     cache; returns it and the last model's step function (its graphs are compiled)."""
     firsts = []
@@ -54,31 +54,33 @@ def first_step(model_name: str, variant: str, repeats: int) -> tuple[float, Step
         aotkit.counters.reset()
         torch.manual_seed(0)
         with fresh_cache():
-            step = make_step(model_name, variant)
+            step = make_step(model_name, variant, device)
             firsts.append(step())
     return statistics.median(firsts), step
 
 
-def measure(model_name: str, steps: int, warmup: int, repeats: int) -> tuple[list[Timing], float]:
+def measure(model_name: str, steps: int, warmup: int, repeats: int,
+            device: str = "cpu") -> tuple[list[Timing], float]:
     """Every variant's timing for one model, and the steady-step ratio aotkit_inductor /
     inductor taken with the two interleaved."""
     timings, compiled = [], {}
     for variant in VARIANTS:
-        first, step = first_step(model_name, variant, repeats)
-        steady, eager = paired_medians(step, make_step(model_name, "eager"), warmup, steps)
+        first, step = first_step(model_name, variant, repeats, device)
+        steady, eager = paired_medians(step, make_step(model_name, "eager", device), warmup,
+                                       steps)
         timings.append(Timing(model_name, variant, first, steady, eager))
         compiled[variant] = step
     ours, theirs = paired_medians(compiled["aotkit_inductor"], compiled["inductor"], warmup, steps)
     return timings, ours / theirs
 
 
-def warm_up_machinery() -> None:
+def warm_up_machinery(device: str) -> None:
     """Compile a tiny training step with each backend once (imports, lazy tables, Dynamo)."""
     for variant in VARIANTS[1:]:
         torch._dynamo.reset()
         with fresh_cache():
-            run = torch.compile(nn.Linear(4, 4), backend=variant)
-            run(torch.randn(2, 4)).sum().backward()
+            run = torch.compile(nn.Linear(4, 4).to(device), backend=variant)
+            run(torch.randn(2, 4, device=device)).sum().backward()
     torch._dynamo.reset()
     aotkit.counters.reset()
 
@@ -109,16 +111,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="first calls (fresh model and Inductor cache each) to take the median of")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for all")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--device", default="cpu", help="where models and batches live")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    warm_up_machinery()
+    warm_up_machinery(args.device)
     timings, ratios = [], {}
     for model in args.models:
-        model_timings, ratios[model] = measure(model, args.steps, args.warmup, args.repeats)
+        model_timings, ratios[model] = measure(model, args.steps, args.warmup, args.repeats,
+                                               args.device)
         timings += model_timings
 
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPU(s); "
+    print(f"torch {torch.__version__}, {describe_device(args.device)}, {args.threads} "
+          f"thread(s), {os.cpu_count()} CPU(s); "
           f"step = forward + backward + SGD step; first call = median of {args.repeats} (fresh "
           f"model, Dynamo reset, fresh Inductor cache); steady = median of {args.steps} steps "
           f"after {args.warmup} warm-up steps, interleaved with an eager copy ('vs eager') and, "
