@@ -314,3 +314,32 @@ def test_compiled_autograd_cuda_graph_takes_the_moved_cpu_scalar() -> None:
     [decision] = aotkit.explain().of_kind("cuda_scalars")
     assert "moved inputs [" in decision.why and "moved inputs []" not in decision.why
     assert not dynamo_counters["inductor"].get("cudagraph_skips"), dict(dynamo_counters["inductor"])
+
+
+def _backward_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the backward allocates above what was live when it started."""
+    loss = model(x).square().sum()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def test_backward_peak_memory_is_eagers() -> None:
+    """Saved activations are freed as the backward graph uses them, as eager's engine frees
+    each node's (Note [Freeing inputs as the graph goes])."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.GELU()))
+                             ).cuda()
+
+    x = torch.randn(512, 1024, device="cuda")
+    eager, model = build(), build()
+    compiled = aotkit.aot_module(model, nop)
+    _backward_peak(compiled, x)  # compiles the backward
+    model.zero_grad(set_to_none=True)
+    eager_peak, peak = _backward_peak(eager, x), _backward_peak(compiled, x)
+    _assert_grads_equal(model, eager)
+    assert peak <= eager_peak * 1.1 + 2**20, (peak, eager_peak)

@@ -111,12 +111,12 @@ class CompiledGraphs:
     def run_forward(self, args: list[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
         when it returns views, their view functions recorded (Note [Replaying views])."""
-        with torch._C._DisableAutocast():
+        with torch._C._DisableAutocast():  # a copy: the graph may empty its list
             if not self.returns_views:
-                outs = self.fw(args)
+                outs = self.fw(list(args))
             else:
                 with torch.autograd._force_original_view_tracking(True):
-                    outs = self.fw(args)
+                    outs = self.fw(list(args))
         for i in self.plain_outputs:  # Note [Outputs that are views only inside the graph]
             out = outs[i]
             if isinstance(out, torch.Tensor) and out._is_view() and not any(
@@ -204,7 +204,10 @@ class CompiledFunction(torch.autograd.Function):
         tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
                                                    graphs.tangent_formats, strict=True) if d]
         saved, anchor = _saved(ctx)
+        if isinstance(ctx, torch.autograd.function.BackwardCFunction):  # not replayed by CA
+            ctx.maybe_clear_saved_tensors()  # Note [Freeing inputs as the graph goes]
         args = [*ctx.saved_syms, *saved, *tangents]
+        del saved
         backward = graphs.backward_fn(autocast_state())
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
             with torch.no_grad(), torch._C._DisableAutocast():

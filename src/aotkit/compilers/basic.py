@@ -14,8 +14,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from aotkit import counters
-from aotkit.aot.boxing import make_boxed_func
-from aotkit.compat import hide_from_dynamo
+from aotkit.aot.boxing import make_boxed_func, run_boxed
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import MetadataMismatchError
 from aotkit.partition.draw import draw_graph
@@ -35,9 +34,7 @@ def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any
         >>> f(torch.zeros(1))
         tensor([0.])
     """
-    bound = bind_aten_calls(gm)
-    hide_from_dynamo(bound)  # Note [aotkit's code is not user code to Dynamo]
-    return make_boxed_func(bound.forward)
+    return run_boxed(bind_aten_calls(gm))  # Note [Freeing inputs as the graph goes]
 
 
 def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
