@@ -204,6 +204,12 @@ def replay_ctx(ctx: Any, saved_tensors: list[torch.Tensor]) -> Any:
     return FakeBackwardCFunction(ctx, saved_tensors)
 
 
+def source_name(source: Any) -> str:
+    """A Dynamo ``Source``'s name, e.g. ``L['arg0'].size()[1]``: a method before torch 2.13."""
+    name = source.name
+    return name() if callable(name) else name
+
+
 def call_cpp_tensor_pre_hooks(hook_id: int, grad: torch.Tensor) -> torch.Tensor:
     """Run the C++ tensor pre-hooks (``retain_grad``) the engine registered under ``hook_id``."""
     return _engine().call_cpp_tensor_pre_hooks(hook_id, grad)

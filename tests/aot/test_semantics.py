@@ -977,6 +977,34 @@ def test_dynamic_entry_guards_sizes_made_constant_while_tracing():
             torch.testing.assert_close(f(x), fn(x), msg=lambda m, n=name, s=shape: f"{n} {s}: {m}")
 
 
+def test_dynamic_recompile_names_the_line_that_fixed_the_size():
+    import math
+
+    def fn(x):
+        return x / math.sqrt(x.shape[-1])
+
+    f = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    for cols in (4, 5):
+        x = rand(3, cols)
+        torch.testing.assert_close(f(x), fn(x))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "args[0].size()[1] == 4" in reason.why
+    if torch.__version__ >= "2.13":  # older ShapeEnvs record aotkit's frame, not the user's
+        assert f"the trace fixed it at {__file__}:" in reason.why and "in fn" in reason.why
+
+
+def test_recompile_limit_under_dynamic_does_not_advise_dynamic():
+    f = aotkit.aot_function(lambda x: x * float(x.shape[0]), compilers.nop, dynamic=True)
+    with aotkit.config.patch(recompile_limit=2):
+        f(rand(3))
+        f(rand(4))
+        with pytest.raises(aotkit.errors.RecompileLimitError) as info:
+            f(rand(5))
+    message = str(info.value)
+    assert "pass dynamic=True" not in message
+    assert "made constants while tracing" in message and "torch.compile" in message
+
+
 def test_dynamic_shapes_with_mutation_and_aliasing():
     def fn(x, w):
         x.t_()

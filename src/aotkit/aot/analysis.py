@@ -265,10 +265,9 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
     metadata = torch._functionalize_has_metadata_mutation(inner)
     if _resized_out(inner, arg):
         metadata = True
-        if not statically_known_true(_extent(inner) <= arg.untyped_storage().nbytes()):
-            raise _storage_change_error(f"an out= argument (input {index}) resized to the "
-                                        "result's size (or, with dynamic shapes, not provably "
-                                        "within its memory)", "")
+        if not _extent(inner) <= arg.untyped_storage().nbytes():  # a shape guard if symbolic
+            raise _storage_change_error(f"input {index} resized in place beyond its memory "
+                                        "(an out= argument, resize_ or as_strided_)", "")
     # A mutation autograd saw changed the input's autograd history (its grad_fn); one made
     # under no_grad or through a detached alias left it as it was. Functionalization's own
     # no_grad flag is not used: a custom Function's forward mutates under no_grad and then
@@ -414,9 +413,13 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
 # is read from the inner tensor. Growing beyond the input's memory is refused like resize_, and
 # so is a size that symbolic shapes cannot prove to fit.
 def _resized_out(inner: torch.Tensor, arg: torch.Tensor) -> bool:
-    # Shapes only: an out= of the right shape keeps its strides, and after a data mutation the
-    # inner tensor's strides are those of the new value, not the input's.
-    return not known_equal(inner.shape, arg.shape)
+    """Did the function give the input another shape (an out= argument, ``as_strided_``)?
+    Shapes only: an out= of the right shape keeps its strides, and after a data mutation the
+    inner tensor's strides are those of the new value, not the input's. With dynamic shapes the
+    comparison is a shape guard: ``cat([a, a], out=out)`` holds for sizes where ``out`` is
+    twice ``a``, and the entry is kept for those."""
+    return inner.dim() != arg.dim() or any(
+        not bool(m == n) for m, n in zip(inner.shape, arg.shape, strict=True))
 
 
 def _extent(t: torch.Tensor) -> Any:

@@ -616,15 +616,27 @@ class AotFunction:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries} input signature(s) "
                 f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
-                "Fix: pass dynamic=True if shapes vary; pass Python numbers that change from "
-                "call to call as tensors (torch.tensor(n)), since other arguments are constants "
-                "of the graph (the attributes of an object argument too: pass only what the "
-                "function reads, not an object holding a step counter); keep "
-                "dtypes/devices/requires_grad stable; or raise the limit "
-                "with aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the "
-                "reasons."
+                f"Fix: {_varying_shapes_fix(self.options.dynamic)}; pass Python numbers that "
+                "change from call to call as tensors (torch.tensor(n)), since other arguments "
+                "are constants of the graph (the attributes of an object argument too: pass only "
+                "what the function reads, not an object holding a step counter), or, for "
+                "numbers used as sizes (x[:n]), use torch.compile(fn, backend='aotkit', "
+                "dynamic=True), which keeps them symbolic; keep dtypes/devices/requires_grad "
+                "stable; or raise the limit with aotkit.config.patch(recompile_limit=...). See "
+                "aotkit.explain() for the reasons."
             )
         counters.record("recompile", self.name, why, logger=log)
+
+
+def _varying_shapes_fix(dynamic: bool) -> str:
+    if not dynamic:
+        return "pass dynamic=True if shapes vary"
+    return ("sizes still recompiling under dynamic=True were made constants while tracing (a "
+            "size turned into a Python number: int(), float() or math.* of x.shape, a size "
+            "compared with a number, an RNN's loop over time; the recompile reason names the "
+            "line where the trace can tell): compute such numbers with torch ops on tensors, or "
+            "use torch.compile(fn, backend='aotkit', dynamic=True), which traces Python "
+            "arithmetic on sizes symbolically")
 
 
 def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedError:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import numbers
+import os
 import re
 import struct
+import traceback
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config
 from aotkit.aot.subclass import is_subclass, layout_of, parts
-from aotkit.compat import guard_globals
+from aotkit.compat import guard_globals, source_name
 from aotkit.errors import UnsupportedError
 
 
@@ -383,5 +385,34 @@ class ShapeGuard:
             if not self.shape_env.evaluate_guards_expression(guard, tensors):
                 readable = re.sub(r"L\['t(\d+)'\]", lambda m: names[int(m.group(1))], guard)
                 shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
-                return f"sizes fail the shape guard {readable} of the dynamic entry ({shapes})"
+                origin = self._origin(guard)
+                where = f"; the trace fixed it at {origin}" if origin else ""
+                return (f"sizes fail the shape guard {readable} of the dynamic entry "
+                        f"({shapes}){where}")
         return "sizes fail the shape guards of the dynamic entry"
+
+    def _origin(self, guard: str) -> str | None:
+        """The user's line where the trace compared or fixed the sizes ``guard`` reads
+        (``x / math.sqrt(x.shape[-1])`` makes a size a Python number), if the ShapeEnv kept it."""
+        wanted = {f"L['arg{i}'].{what}()[{d}]" for i, what, d in
+                  re.findall(r"L\['t(\d+)'\]\.(size|stride)\(\)\[(\d+)\]", guard)}
+        env = self.shape_env
+        symbols = {sym for sym, sources in env.var_to_sources.items()
+                   if any(source_name(src) in wanted for src in sources)}
+        slocs = [g.sloc for g in env.guards if g.expr.free_symbols & symbols]
+        slocs += [loc for sym, loc in getattr(env, "replacements_slocs", {}).items()
+                  if sym in symbols]
+        return next(filter(None, map(_user_location, slocs)), None)
+
+
+def _user_location(sloc: Any) -> str | None:
+    """``file:line in function`` of a ShapeEnv location, if it is in the user's code."""
+    if sloc.maybe_user_loc is not None:
+        return sloc.maybe_user_loc
+    frame = sloc.framework_loc
+    if not isinstance(frame, traceback.FrameSummary) or frame.filename.startswith(_LIBRARIES):
+        return None
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
