@@ -265,9 +265,11 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
     metadata = torch._functionalize_has_metadata_mutation(inner)
     if _resized_out(inner, arg):
         metadata = True
-        if not _extent(inner) <= arg.untyped_storage().nbytes():  # a shape guard if symbolic
+        if not _fits(inner, arg):
             raise _storage_change_error(f"input {index} resized in place beyond its memory "
-                                        "(an out= argument, resize_ or as_strided_)", "")
+                                        "(an out= argument, resize_ or as_strided_; with "
+                                        "dynamic shapes: beyond what its sizes and strides "
+                                        "show)", "")
     # A mutation autograd saw changed the input's autograd history (its grad_fn); one made
     # under no_grad or through a detached alias left it as it was. Functionalization's own
     # no_grad flag is not used: a custom Function's forward mutates under no_grad and then
@@ -420,6 +422,15 @@ def _resized_out(inner: torch.Tensor, arg: torch.Tensor) -> bool:
     twice ``a``, and the entry is kept for those."""
     return inner.dim() != arg.dim() or any(
         not bool(m == n) for m, n in zip(inner.shape, arg.shape, strict=True))
+
+
+def _fits(inner: torch.Tensor, arg: torch.Tensor) -> bool:
+    """Does the input's new shape stay within its memory? With dynamic shapes a fake's storage
+    size is a symbol no input names, so what cannot be proved is checked against the input's
+    own reach, as a shape guard on its sizes and strides."""
+    if statically_known_true(_extent(inner) <= arg.untyped_storage().nbytes()):
+        return True
+    return bool(_extent(inner) <= _extent(arg))
 
 
 def _extent(t: torch.Tensor) -> Any:
