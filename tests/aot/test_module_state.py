@@ -690,6 +690,35 @@ def test_pytorch_tensor_only_hooks_are_not_reported():
     assert not aotkit.explain().of_kind("hook")
 
 
+def test_hooks_forward_registers_on_its_first_call_are_installed_once():
+    """transformers installs its output-capturing hooks inside the first forward: every
+    tracing pass must see the same hooks, and afterwards the module holds one, as in eager."""
+    class Capturing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.captured: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            if not getattr(self, "hooked", False):
+                self.lin.register_forward_hook(lambda m, a, out: self.captured.append(out * 2))
+                self.hooked = True
+            self.captured.clear()
+            y = self.lin(x)
+            return y, tuple(self.captured)
+
+    torch.manual_seed(0)
+    eager = Capturing()
+    model = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(model, compilers.nop)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        expected, out = eager(x), compiled(x)
+        torch.testing.assert_close(out, expected)
+        assert len(model.lin._forward_hooks) == len(eager.lin._forward_hooks) == 1
+        assert model.hooked is True
+
+
 def test_adding_or_removing_a_hook_after_compiling_recompiles():
     torch.manual_seed(0)
     eager, twin, compiled = _pair(_TwoLayers())

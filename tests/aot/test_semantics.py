@@ -61,7 +61,7 @@ def test_symint_output_under_dynamic_shapes():
         assert type(size) is int and size == n
         assert type(expr) is int and expr == 3 * n + 1
         torch.testing.assert_close(out, x * 2)
-    assert fw.calls == 1
+    assert fw.calls == 2  # one forward and one backward (Note [Backward compiled with a symbolic forward])
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -2292,6 +2292,39 @@ def test_a_replaced_parameter_of_a_teacher_called_under_no_grad_is_read_anew():
     assert compiled.num_entries == 2
 
 
+class _Layer:
+    def __init__(self) -> None:
+        self.keys = torch.zeros(1, 2)
+
+
+class _KVCache:
+    def __init__(self) -> None:
+        self.layers = [_Layer()]
+
+
+def test_a_tensor_stored_in_an_argument_object_is_put_back_and_refused():
+    """Note [Tracing tensors left in argument objects]: a key/value cache updated inside."""
+    def update(x, cache):
+        layer = cache.layers[0]
+        layer.keys = torch.cat([layer.keys, x])
+        return layer.keys.sum(0)
+
+    def store_only(x, cache):
+        cache.layers[0].keys = x * 2
+        return x + 1
+
+    for fn in (update, store_only):
+        cache = _KVCache()
+        keys = cache.layers[0].keys
+        with pytest.raises(aotkit.errors.UnsupportedError):
+            aotkit.aot_function(fn, compilers.nop)(torch.ones(1, 2), cache)
+        assert cache.layers[0].keys is keys  # as it was: eager can go on with it
+        fn(torch.ones(1, 2), cache)
+    with pytest.raises(aotkit.errors.UnsupportedError,
+                       match=r"stores a tensor it computes in args\[1\]\.layers\[0\]"):
+        aotkit.aot_function(store_only, compilers.nop)(torch.ones(1, 2), _KVCache())
+
+
 def test_objects_keeping_state_outside_their_dict_are_keyed_by_identity():
     """Note [Objects as arguments]: a functools.partial (its function and arguments live in C)
     and a list subclass looked like empty objects, so two different ones shared a graph; a
@@ -2335,3 +2368,23 @@ def test_set_to_a_fresh_tensor_then_a_write_runs_like_eager():
     x_eager = x.clone()
     torch.testing.assert_close(aotkit.aot_function(swap, compilers.nop)(x, y), swap(x_eager, y))
     torch.testing.assert_close(x, x_eager)
+
+
+def test_guards_a_backward_compiler_adds_are_part_of_the_dynamic_entry():
+    """Note [Backward compiled with a symbolic forward]: a backward compiler that bounds a size
+    (as Inductor does for a reduction it makes persistent) must make larger sizes recompile."""
+    def bounded_bw(gm, example_inputs):
+        sizes = [d for t in example_inputs if isinstance(t, torch.Tensor) for d in t.shape
+                 if isinstance(d, torch.SymInt)]
+        bool(sizes[0] <= 16)  # a shape guard, either way: a kernel chosen for the size
+        return compilers.nop(gm, example_inputs)
+
+    f = aotkit.aot_function(lambda x: x.sin() * 2, compilers.nop, bounded_bw, dynamic=True)
+    for n in (8, 12, 32):
+        x = rand(n, grad=True)
+        out = f(x)
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+    assert aotkit.counters.counters["aot"]["traces"] == 2  # 8 and 12 share; 32 fails the bound
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "<= 16" in reason.why, reason.why

@@ -20,7 +20,7 @@ from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
-from aotkit.aot.reads import Reads, recording
+from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
     AutocastState,
@@ -177,9 +177,19 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
         )
     if graphs.mutates_inputs:
         graphs.rebase = _rebasing(flat_fn, options, name)
+    if mode.shape_env is not None and graphs.bw_gm is not None and graphs.backward_error is None:
+        graphs.backward_fn()  # Note [Backward compiled with a symbolic forward]
     return graphs
 
 
+# Note [Backward compiled with a symbolic forward]
+# The backward is compiled at the first backward() (many forwards are never differentiated),
+# but a compiler can add shape guards (Inductor bounds a reduction's size it makes persistent),
+# and the entry's guards are taken when the forward is compiled: aot_function's ShapeGuard,
+# Dynamo's guards when the backend returns. A guard added later would be lost, and a call of
+# sizes outside it would run a kernel built for sizes it does not have. With symbolic shapes
+# the backward is therefore compiled with the forward (for backward() outside autocast, the
+# common case; under autocast it is traced again at first use).
 def _rebasing(flat_fn: FlatFn, options: AotOptions, name: str) -> Callable[
         [OverlapLayout, list[Any]], tuple[CompiledGraphs, dict[int, int]]]:
     """Entries of ``flat_fn`` for calls whose inputs overlap, keyed on the call's signature and
@@ -574,8 +584,20 @@ class AotFunction:
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        with dynamo_frames_off(), recording(self._own_modules) as reads:
-            graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
+        held = argument_containers(zip(names, leaves, strict=True))
+        try:
+            with dynamo_frames_off(), recording(self._own_modules) as reads:
+                graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
+        except BaseException:
+            put_back_containers(held)
+            raise
+        if stored := put_back_containers(held):
+            raise UnsupportedError(
+                f"{self.name} stores a tensor it computes in {', '.join(stored)} (an object, "
+                "list or dict it was passed); the compiled graph cannot store it at each call, "
+                "so it was put back as it was.\nFix: return the tensor and store it outside the "
+                "compiled function, or use torch.compile(fn, backend='aotkit'), which replays "
+                "such stores (Note [Tracing tensors left in argument objects]).")
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard, reads)
         self._entries.setdefault(key, []).append(entry)

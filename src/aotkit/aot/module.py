@@ -95,6 +95,9 @@ class _Compiled:
     fn: AotFunction
     layout: _Layout
     watchers: list[weakref.ref[nn.Module]] = dataclasses.field(default_factory=list)
+    # Hooks forward registered in the last tracing pass, installed after the first call
+    # (Note [Module hooks]).
+    registered: list[tuple[dict[int, Any], int, Any]] = dataclasses.field(default_factory=list)
 
 
 class AotModule(nn.Module):
@@ -138,6 +141,9 @@ class AotModule(nn.Module):
                 compiled = self._compiled.get(key) or self._compile_for(key)
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
+        for table, hook_id, hook in compiled.registered:  # after the trace only
+            table[hook_id] = hook
+        compiled.registered.clear()
         for name, value in assigned.items():
             module, attribute = _assign(self.orig_module, name, value)
             if not isinstance(value, torch.Tensor):
@@ -199,8 +205,10 @@ class AotModule(nn.Module):
         _record_hooks(name, layout.hooks)
         names = layout.names
 
+        registered: list[tuple[dict[int, Any], int, Any]] = []
+
         def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-            with _filled(layout, flat[: len(names)]) as assigned:
+            with _filled(layout, flat[: len(names)], registered) as assigned:
                 out = module(*flat[len(names):], **kwargs)
             return out, assigned
 
@@ -210,7 +218,8 @@ class AotModule(nn.Module):
         options = dataclasses.replace(self._options, num_params_buffers=len(names))
         compiled = _Compiled(AotFunction(call, options, name, leaf_namer,
                                          checked=(module.forward, len(names)),
-                                         own_modules=module.modules), layout)
+                                         own_modules=module.modules), layout,
+                             registered=registered)
         self._compiled[key] = compiled
         # The key names submodules by id, which Python reuses once a module is freed: an entry
         # dies with any of its modules, so a new module never finds an old module's graph.
@@ -300,8 +309,15 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 # runs (tensors set as module attributes excepted: see Note [Module state as graph inputs]).
 # So the hooks are part of the layout (adding or removing one compiles again, with the reason),
 # and hooks other than PyTorch's own tensor-only ones get a "hook" decision, logged as a
-# warning, that names them and torch.compile, whose Dynamo replays hook side effects.
+# warning, that names them and torch.compile, whose Dynamo replays hook side effects. A hook
+# forward registers itself (transformers installs its output-capturing hooks on the first call)
+# is taken off after each tracing pass, so that every pass starts from the same hooks, and the
+# last pass's are installed after the call, as eager leaves them: the next call traces again
+# with them in place.
 _HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
@@ -406,13 +422,16 @@ def _defined_by_pytorch(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str, Any]]:
+def _filled(layout: _Layout, state: Sequence[torch.Tensor],
+            registered: list[tuple[dict[int, Any], int, Any]]) -> Iterator[dict[str, Any]]:
     """Point every slot at its state tensor while forward runs; restore them after. Yields the
-    buffers and attributes forward assigned anew (filled in when it returns)."""
+    buffers and attributes forward assigned anew (filled in when it returns). The hooks forward
+    registers are taken off after each pass and left in ``registered`` (Note [Module hooks])."""
     slots = layout.slots
     originals = [s.table[s.key] for s in slots]
     keys = [(table, dict.fromkeys(table)) for table in layout.tables]
     attributes = [(prefix, d, dict(d)) for prefix, d in layout.attributes]
+    hooks = [(d[k], dict(d[k])) for _, d in layout.attributes for k in _HOOK_TABLES if k in d]
     for s in slots:
         s.table[s.key] = state[s.index]
     assigned: dict[str, Any] = {}
@@ -429,6 +448,10 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor]) -> Iterator[dict[str
             s.table[s.key] = t
         for _, d, before in attributes:
             _restore_attributes(d, before)
+        registered[:] = [(table, k, h) for table, before in hooks
+                         for k, h in list(table.items()) if k not in before]
+        for table, k, _ in registered:
+            del table[k]
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],

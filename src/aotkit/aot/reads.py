@@ -168,6 +168,66 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
             slot.table[slot.name] = slot.tensor
 
 
+# Note [Tracing tensors left in argument objects]
+# A function may store what it computes in an object it is handed (a key/value cache's
+# ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
+# trace leaves the object holding a tracing tensor, unusable afterwards ("FunctionalTensor on
+# its own"), also after the trace was refused for reading it in a later pass. So the plain
+# objects, lists and dicts reachable from the arguments (three levels, as Note [Objects as
+# arguments] keys them, at most 256) are copied shallowly before tracing; one left holding a
+# tracing tensor is put back as it was, and a trace that otherwise succeeded is refused, naming
+# where the tensor went.
+_MAX_HELD = 256
+
+
+def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, Any, Any]]:
+    """``(where, container, shallow copy)`` for the plain objects' ``__dict__``, lists and
+    dicts reachable from the named ``values`` (Note [Tracing tensors left in argument objects])."""
+    from aotkit.aot.signature import _plain_object
+
+    held: list[tuple[str, Any, Any]] = []
+    seen: set[int] = set()
+    level = [(name, v) for name, v in values if not isinstance(v, torch.Tensor)]
+    for _ in range(3):
+        below: list[tuple[str, Any]] = []
+        for where, v in level:
+            if id(v) in seen or len(held) >= _MAX_HELD:
+                continue
+            seen.add(id(v))
+            if _plain_object(v):
+                held.append((where, v.__dict__, dict(v.__dict__)))
+                below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
+            elif type(v) in (list, dict):
+                held.append((where, v, v.copy()))
+                items = v.items() if isinstance(v, dict) else enumerate(v)
+                below += [(f"{where}[{k!r}]", x) for k, x in items]
+            elif type(v) is tuple:
+                below += [(f"{where}[{k}]", x) for k, x in enumerate(v)]
+        level = below
+    return held
+
+
+def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
+    """Put back every container left holding a tracing tensor; where each was."""
+    left = []
+    for where, container, before in held:
+        now = container.values() if isinstance(container, dict) else container
+        if any(_tracing(x) for x in now):
+            if isinstance(container, dict):
+                container.clear()
+                container.update(before)
+            else:
+                container[:] = before
+            left.append(where)
+    return left
+
+
+def _tracing(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(x, (FakeTensor, FunctionalTensor)) for x in value)
+    return isinstance(value, (FakeTensor, FunctionalTensor))
+
+
 def is_recording_hook(hook: object) -> bool:
     """Whether a global module hook is the one :func:`recording` registers."""
     return getattr(hook, "_aotkit_recording", False)
