@@ -2388,3 +2388,17 @@ def test_guards_a_backward_compiler_adds_are_part_of_the_dynamic_entry():
     assert aotkit.counters.counters["aot"]["traces"] == 2  # 8 and 12 share; 32 fails the bound
     (reason,) = aotkit.explain().of_kind("recompile")
     assert "<= 16" in reason.why, reason.why
+
+
+def test_an_op_failing_its_own_check_while_tracing_names_the_op_and_line():
+    def fn(a, b):
+        return a @ b  # the line the error names
+
+    with pytest.raises(aotkit.errors.TraceError) as info:
+        aotkit.aot_function(fn, compilers.nop)(rand(2, 3), rand(4, 5))
+    message = str(info.value)
+    assert "aten.mm.default failed while tracing" in message
+    assert "same reduction dim" in message  # the op's own words
+    assert "a @ b  # the line the error names" in message
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # eager's kernel words it
+        fn(rand(2, 3), rand(4, 5))                                 # its own way

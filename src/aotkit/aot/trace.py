@@ -294,6 +294,14 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "Fix: set requires_grad before calling (or use x.detach() inside), or use "
             "torch.compile(fn, backend=\"aotkit\")."
         )
+    failed = getattr(exc, "_aotkit_failed", None)
+    if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
+        op, line = failed
+        return TraceError(
+            f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
+            "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
+            "the op's shape-only kernel is stricter than its real one (aten._grouped_mm's wants "
+            "bfloat16 on every device): run that op outside the compiled function.")
     return exc
 
 
@@ -545,6 +553,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         except RuntimeError as exc:
             generator = any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs)))
             if not (self.dynamic and generator and "concrete" in str(exc)):
+                if type(exc) is RuntimeError:  # a kernel's own check: see _runtime_error
+                    exc._aotkit_failed = (func, current_user_line())  # type: ignore[attr-defined]
                 raise
             raise UnsupportedError(
                 f"{self.what} calls {func} with an explicit torch.Generator and symbolic sizes; "
