@@ -719,6 +719,33 @@ def test_hooks_forward_registers_on_its_first_call_are_installed_once():
         assert model.hooked is True
 
 
+def test_hooks_forward_prepends_or_removes_keep_eagers_order():
+    class Registering(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.order: list[str] = []
+            self.old = self.lin.register_forward_hook(lambda m, a, o: self.order.append("old"))
+            self.gone = self.lin.register_forward_hook(lambda m, a, o: self.order.append("gone"))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not getattr(self, "done", False):
+                self.lin.register_forward_hook(lambda m, a, o: self.order.append("new"),
+                                               prepend=True)
+                self.gone.remove()
+                self.done = True
+            return self.lin(x)
+
+    eager = Registering()
+    model = Registering()
+    aotkit.aot_module(model, compilers.nop)(torch.randn(1, 2))
+    eager(torch.randn(1, 2))
+    for m in (eager, model):
+        m.order.clear()
+        m.lin(torch.randn(1, 2))
+    assert model.order == eager.order == ["new", "old"]
+
+
 def test_adding_or_removing_a_hook_after_compiling_recompiles():
     torch.manual_seed(0)
     eager, twin, compiled = _pair(_TwoLayers())

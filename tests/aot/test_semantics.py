@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import textwrap
 
 import pytest
@@ -918,6 +919,45 @@ def test_backward_compiled_lazily_and_once():
     assert (fw.calls, bw.calls) == (1, 1)
     torch.testing.assert_close(x.grad, 2 * (x.cos() - x * x.sin()).detach())
     assert counters.counters["aot"]["bw_compiles"] == 1
+
+
+def test_torch_compile_with_static_shapes_compiles_the_backward_lazily():
+    """Dynamo's fake mode always has a ShapeEnv: only symbolic inputs compile the backward
+    with the forward (Note [Backward compiled with a symbolic forward])."""
+    bw = RecordingCompiler("bw")
+    backend = functools.partial(aotkit.aot_module_simplified, fw_compiler=compilers.nop,
+                                bw_compiler=bw)
+    compiled = torch.compile(nn.Linear(4, 2), backend=backend, dynamic=False)
+    compiled(rand(3, 4)).sum()
+    assert bw.calls == 0
+    compiled(rand(3, 4)).sum().backward()
+    assert bw.calls == 1
+
+
+def test_a_failed_backward_compile_can_be_retried():
+    """The node's saved tensors are freed only once the backward is compiled."""
+    failures = [RuntimeError("transient")]
+
+    def flaky(gm, example_inputs):
+        if failures:
+            raise failures.pop()
+        return compilers.nop(gm, example_inputs)
+
+    x = rand(3, grad=True)
+    out = aotkit.aot_function(lambda t: t.sin() * t, compilers.nop, flaky)(x).sum()
+    with pytest.raises(aotkit.errors.CompilerError, match="transient"):
+        out.backward()
+    out.backward()
+    torch.testing.assert_close(x.grad, (x.cos() * x + x.sin()).detach())
+
+
+def test_a_backward_compile_failing_under_dynamic_shapes_says_it_ran_with_the_forward():
+    def broken(gm, example_inputs):
+        raise ValueError("backward compiler broken")
+
+    with pytest.raises(aotkit.errors.CompilerError, match="compiled with the forward"):
+        aotkit.aot_function(lambda t: t.sin(), compilers.nop, broken, dynamic=True)(
+            rand(3, grad=True))
 
 
 # --- dynamic shapes and recompiles -------------------------------------------------------------
@@ -2321,7 +2361,7 @@ def test_a_tensor_stored_in_an_argument_object_is_put_back_and_refused():
         assert cache.layers[0].keys is keys  # as it was: eager can go on with it
         fn(torch.ones(1, 2), cache)
     with pytest.raises(aotkit.errors.UnsupportedError,
-                       match=r"stores a tensor it computes in args\[1\]\.layers\[0\]"):
+                       match=r"stores a tensor in args\[1\]\.layers\[0\]"):
         aotkit.aot_function(store_only, compilers.nop)(torch.ones(1, 2), _KVCache())
 
 

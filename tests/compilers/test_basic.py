@@ -38,6 +38,33 @@ def test_compiler_runs_models_like_eager(compiler: str, model: str, capsys: Any)
         assert printed == ""
 
 
+def test_nop_takes_any_placeholder_names_and_pytree_inputs() -> None:
+    """A placeholder named ``args`` (symbolic_trace of ``forward(self, args)``) and a make_fx
+    graph of a function of a dict run as they did before Note [Freeing inputs as the graph
+    goes]."""
+    class TakesArgs(torch.nn.Module):
+        def forward(self, args: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return args * x
+
+    gm = torch.fx.symbolic_trace(TakesArgs())
+    a, b = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(aotkit.compilers.nop(gm, [a, b])([a, b]), a * b)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tree = make_fx(lambda d: d["a"] * 2)({"a": a})
+    torch.testing.assert_close(aotkit.compilers.nop(tree, [])([{"a": a}]), a * 2)
+
+
+def test_nop_empties_the_list_it_is_given() -> None:
+    """The boxed convention, as Inductor's compiled graphs: pass a fresh list per call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    run = aotkit.compilers.nop(make_fx(torch.sin)(torch.zeros(2)), [])
+    args = [torch.zeros(2)]
+    torch.testing.assert_close(run(args), torch.zeros(2))
+    assert args == []
+
+
 def test_print_compile_prints_readable_code(capsys: Any) -> None:
     f = aotkit.aot_function(lambda x: x.cos() * 2, print_compile)
     assert torch.equal(f(torch.ones(3)), torch.ones(3).cos() * 2)

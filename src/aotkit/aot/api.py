@@ -177,9 +177,26 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
         )
     if graphs.mutates_inputs:
         graphs.rebase = _rebasing(flat_fn, options, name)
-    if mode.shape_env is not None and graphs.bw_gm is not None and graphs.backward_error is None:
-        graphs.backward_fn()  # Note [Backward compiled with a symbolic forward]
+    if graphs.bw_gm is not None and graphs.backward_error is None and _symbolic_inputs(args):
+        try:
+            graphs.backward_fn()  # Note [Backward compiled with a symbolic forward]
+        except CompilerError as exc:
+            raise CompilerError(
+                f"{name}: the backward is compiled with the forward when sizes are symbolic "
+                f"(Note [Backward compiled with a symbolic forward]), and that failed: {exc}"
+            ) from exc
     return graphs
+
+
+def _symbolic_inputs(args: Sequence[Any]) -> bool:
+    """Whether any input has a symbolic size or stride, or is a symbolic number."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if any(isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride())):
+                return True
+        elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+    return False
 
 
 # Note [Backward compiled with a symbolic forward]
@@ -593,7 +610,7 @@ class AotFunction:
             raise
         if stored := put_back_containers(held):
             raise UnsupportedError(
-                f"{self.name} stores a tensor it computes in {', '.join(stored)} (an object, "
+                f"{self.name} stores a tensor in {', '.join(stored)} (an object, "
                 "list or dict it was passed); the compiled graph cannot store it at each call, "
                 "so it was put back as it was.\nFix: return the tensor and store it outside the "
                 "compiled function, or use torch.compile(fn, backend='aotkit'), which replays "

@@ -43,15 +43,19 @@ def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
 # takes the list itself, moves its values into locals and empties the list; the runtime drops
 # its own references (and the node's saved tensors, unless the graph is retained) before the
 # call. A graph whose caller still reads the list afterwards (the forward's alias checks) is
-# handed a copy.
+# handed a copy; so must a user calling such a callable twice with one list (as with
+# Inductor's). A graph taking pytrees (make_fx of a function of a dict) keeps its own calls.
 class _TakesList(fx.graph.CodeGen):
     """Code for ``forward(self, args)`` that unpacks the placeholders and empties ``args``."""
 
     def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str,
                    **_: Any) -> str:
         names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
-        head = f"def {self._func_name}(self, args){maybe_return_annotation}:"
-        return f"{head}\n    {', '.join(names)}, = args\n    args.clear()" if names else head
+        boxed = "args"
+        while boxed in names:  # a placeholder named ``args`` (symbolic_trace of forward(args))
+            boxed += "_"
+        head = f"def {self._func_name}(self, {boxed}){maybe_return_annotation}:"
+        return f"{head}\n    {', '.join(names)}, = {boxed}\n    {boxed}.clear()" if names else head
 
 
 def run_boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
@@ -68,6 +72,8 @@ def run_boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
         >>> run(args), args
         (tensor([6., 6.]), [])
     """
+    if type(gm.graph._codegen) is not fx.graph.CodeGen:  # pytree inputs: flattened by its code
+        return make_boxed_func(gm.forward)
     graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
     graph.output(graph.graph_copy(gm.graph, {}))
     graph.set_codegen(_TakesList())

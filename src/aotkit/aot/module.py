@@ -95,9 +95,10 @@ class _Compiled:
     fn: AotFunction
     layout: _Layout
     watchers: list[weakref.ref[nn.Module]] = dataclasses.field(default_factory=list)
-    # Hooks forward registered in the last tracing pass, installed after the first call
-    # (Note [Module hooks]).
-    registered: list[tuple[dict[int, Any], int, Any]] = dataclasses.field(default_factory=list)
+    # The hook tables forward changed in the last tracing pass, as it left them: set after the
+    # first call (Note [Module hooks]).
+    registered: list[tuple[dict[int, Any], dict[int, Any]]] = dataclasses.field(
+        default_factory=list)
 
 
 class AotModule(nn.Module):
@@ -141,8 +142,9 @@ class AotModule(nn.Module):
                 compiled = self._compiled.get(key) or self._compile_for(key)
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
-        for table, hook_id, hook in compiled.registered:  # after the trace only
-            table[hook_id] = hook
+        for table, after in compiled.registered:  # after the trace only
+            table.clear()
+            table.update(after)
         compiled.registered.clear()
         for name, value in assigned.items():
             module, attribute = _assign(self.orig_module, name, value)
@@ -205,7 +207,7 @@ class AotModule(nn.Module):
         _record_hooks(name, layout.hooks)
         names = layout.names
 
-        registered: list[tuple[dict[int, Any], int, Any]] = []
+        registered: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
         def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
             with _filled(layout, flat[: len(names)], registered) as assigned:
@@ -311,9 +313,9 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 # and hooks other than PyTorch's own tensor-only ones get a "hook" decision, logged as a
 # warning, that names them and torch.compile, whose Dynamo replays hook side effects. A hook
 # forward registers itself (transformers installs its output-capturing hooks on the first call)
-# is taken off after each tracing pass, so that every pass starts from the same hooks, and the
-# last pass's are installed after the call, as eager leaves them: the next call traces again
-# with them in place.
+# (or one it removes) is put back after each tracing pass, so that every pass starts from the
+# same hooks, and the hooks are left after the call as the last pass left them, in their order,
+# as eager leaves them: the next call traces again with them in place.
 _HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
 
 
@@ -423,10 +425,11 @@ def _defined_by_pytorch(m: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _filled(layout: _Layout, state: Sequence[torch.Tensor],
-            registered: list[tuple[dict[int, Any], int, Any]]) -> Iterator[dict[str, Any]]:
+            registered: list[tuple[dict[int, Any], dict[int, Any]]]) -> Iterator[dict[str, Any]]:
     """Point every slot at its state tensor while forward runs; restore them after. Yields the
-    buffers and attributes forward assigned anew (filled in when it returns). The hooks forward
-    registers are taken off after each pass and left in ``registered`` (Note [Module hooks])."""
+    buffers and attributes forward assigned anew (filled in when it returns). Hook tables
+    forward changes are put back after each pass, as forward left them in ``registered``
+    (Note [Module hooks])."""
     slots = layout.slots
     originals = [s.table[s.key] for s in slots]
     keys = [(table, dict.fromkeys(table)) for table in layout.tables]
@@ -448,10 +451,11 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
             s.table[s.key] = t
         for _, d, before in attributes:
             _restore_attributes(d, before)
-        registered[:] = [(table, k, h) for table, before in hooks
-                         for k, h in list(table.items()) if k not in before]
-        for table, k, _ in registered:
-            del table[k]
+        registered[:] = [(table, dict(table)) for table, before in hooks
+                         if list(table.items()) != list(before.items())]
+        for table, before in hooks:
+            table.clear()
+            table.update(before)
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],

@@ -174,10 +174,12 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # trace leaves the object holding a tracing tensor, unusable afterwards ("FunctionalTensor on
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
 # objects, lists and dicts reachable from the arguments (three levels, as Note [Objects as
-# arguments] keys them, at most 256) are copied shallowly before tracing; one left holding a
-# tracing tensor is put back as it was, and a trace that otherwise succeeded is refused, naming
-# where the tensor went.
+# arguments] keys them; at most 256, none of more than 1024 items, which would cost every
+# compile a copy of a dataset held in an argument) are copied shallowly before tracing; one
+# left holding a tracing tensor is put back as it was, and a trace that otherwise succeeded is
+# refused, naming where the tensor went.
 _MAX_HELD = 256
+_MAX_ITEMS = 1024
 
 
 def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, Any, Any]]:
@@ -194,14 +196,14 @@ def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, An
             if id(v) in seen or len(held) >= _MAX_HELD:
                 continue
             seen.add(id(v))
-            if _plain_object(v):
+            if _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, dict(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
-            elif type(v) in (list, dict):
+            elif type(v) in (list, dict) and len(v) <= _MAX_ITEMS:
                 held.append((where, v, v.copy()))
                 items = v.items() if isinstance(v, dict) else enumerate(v)
                 below += [(f"{where}[{k!r}]", x) for k, x in items]
-            elif type(v) is tuple:
+            elif type(v) is tuple and len(v) <= _MAX_ITEMS:
                 below += [(f"{where}[{k}]", x) for k, x in enumerate(v)]
         level = below
     return held
@@ -219,7 +221,7 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
             else:
                 container[:] = before
             left.append(where)
-    return left
+    return [w for w in left if not any(w.startswith((f"{o}.", f"{o}[")) for o in left)]
 
 
 def _tracing(value: Any) -> bool:

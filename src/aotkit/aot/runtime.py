@@ -203,12 +203,12 @@ class CompiledFunction(torch.autograd.Function):
             grads = _zeros_for_unreached(ctx, graphs, grads)
         tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
                                                    graphs.tangent_formats, strict=True) if d]
+        backward = graphs.backward_fn(autocast_state())  # a failed compile can be retried
         saved, anchor = _saved(ctx)
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):  # not replayed by CA
             ctx.maybe_clear_saved_tensors()  # Note [Freeing inputs as the graph goes]
         args = [*ctx.saved_syms, *saved, *tangents]
         del saved
-        backward = graphs.backward_fn(autocast_state())
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
             with torch.no_grad(), torch._C._DisableAutocast():
                 input_grads = backward(args)
