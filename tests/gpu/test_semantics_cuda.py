@@ -50,43 +50,30 @@ def test_rng_ops_draw_eagers_numbers_across_calls() -> None:
     assert not torch.equal(results[0][0], results[0][1])  # the calls drew new numbers
 
 
-def test_autocast_bf16_training_matches_eager() -> None:
+@pytest.mark.parametrize("wrap, dtype", [("aot_module", torch.bfloat16),
+                                         ("torch.compile", torch.float16)])
+def test_autocast_training_matches_eager(wrap: str, dtype: torch.dtype) -> None:
     eager, model = _pair()
-    compiled = aotkit.aot_module(model, nop)
+    compiled = aotkit.aot_module(model, nop) if wrap == "aot_module" else \
+        torch.compile(model, backend="aotkit")
     x = torch.randn(16, 32, device="cuda")
     outs = []
     for run in (eager, compiled):
         torch.manual_seed(1)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype):
             out = run(x)
         out.float().square().sum().backward()
         outs.append(out)
-    assert outs[1].dtype == outs[0].dtype == torch.bfloat16
+    assert outs[1].dtype == outs[0].dtype == dtype
     torch.testing.assert_close(outs[1], outs[0])
     _assert_grads_equal(model, eager)
-    # Leaving autocast is a new signature, not the bf16 graph run again.
+    # Leaving autocast is a new signature, not the low-precision graph run again.
     torch.manual_seed(1)
     plain = compiled(x)
     torch.manual_seed(1)
     expected = eager(x)
     assert plain.dtype == torch.float32
     torch.testing.assert_close(plain, expected)
-
-
-def test_torch_compile_under_autocast_matches_eager() -> None:
-    eager, model = _pair()
-    compiled = torch.compile(model, backend="aotkit")
-    x = torch.randn(16, 32, device="cuda")
-    outs = []
-    for run in (eager, compiled):
-        torch.manual_seed(1)
-        with torch.autocast("cuda", dtype=torch.float16):
-            out = run(x)
-        out.float().square().sum().backward()
-        outs.append(out)
-    assert outs[1].dtype == torch.float16
-    torch.testing.assert_close(outs[1], outs[0])
-    _assert_grads_equal(model, eager)
 
 
 def test_cpu_scalar_tensor_times_cuda_input() -> None:
