@@ -746,6 +746,30 @@ def test_hooks_forward_prepends_or_removes_keep_eagers_order():
     assert model.order == eager.order == ["new", "old"]
 
 
+@pytest.mark.parametrize("kind", ["forward", "forward pre"])
+def test_a_hook_with_kwargs_removing_itself_runs_once_as_in_eager(kind: str) -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4))
+        handle = None
+
+        def hook(module, args, kwargs, *out):
+            handle.remove()
+            return out[0] * 2 if out else ((args[0] * 2,), kwargs)
+
+        register = (model[0].register_forward_hook if kind == "forward"
+                    else model[0].register_forward_pre_hook)
+        handle = register(hook, with_kwargs=True)
+        return model
+
+    eager, model = build(), build()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(compiled(x), eager(x))
+    assert not model[0]._forward_hooks_with_kwargs and not model[0]._forward_pre_hooks_with_kwargs
+
+
 def test_adding_or_removing_a_hook_after_compiling_recompiles():
     torch.manual_seed(0)
     eager, twin, compiled = _pair(_TwoLayers())

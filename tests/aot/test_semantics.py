@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 import textwrap
 
 import pytest
@@ -2365,6 +2366,33 @@ def test_a_tensor_stored_in_an_argument_object_is_put_back_and_refused():
         aotkit.aot_function(store_only, compilers.nop)(torch.ones(1, 2), _KVCache())
 
 
+def test_a_long_list_in_an_argument_object_gets_its_appended_tracing_tensors_taken_off():
+    class Holder:
+        def __init__(self) -> None:
+            self.outs = list(range(2000))  # too long to copy at every compile
+
+    def keep(x, holder):
+        y = x.sin()
+        holder.outs.append(y)
+        return y
+
+    holder = Holder()
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"stores a tensor in args\[1\]\.outs"):
+        aotkit.aot_function(keep, compilers.nop)(rand(2), holder)
+    assert holder.outs == list(range(2000))
+
+
+@pytest.mark.parametrize("arg, fn, where", [
+    ({}, lambda x, d: d.__setitem__("y", x.sin()), "a list or dict argument"),
+    ([], lambda x, outs: outs.append(x.sin()), "a list or dict argument"),
+    ({"a": torch.ones(2)}, lambda x, d: d.__setitem__("a", d["a"] * 2), "args[1]['a']"),
+])
+def test_stores_into_list_or_dict_arguments_are_refused(arg, fn, where):
+    """Pytree arguments are rebuilt for each trace: a store into them would be lost."""
+    with pytest.raises(aotkit.errors.UnsupportedError, match=re.escape(f"stores into {where}")):
+        aotkit.aot_function(lambda x, a: (fn(x, a), x * 2)[1], compilers.nop)(rand(2), arg)
+
+
 def test_objects_keeping_state_outside_their_dict_are_keyed_by_identity():
     """Note [Objects as arguments]: a functools.partial (its function and arguments live in C)
     and a list subclass looked like empty objects, so two different ones shared a graph; a
@@ -2442,3 +2470,13 @@ def test_an_op_failing_its_own_check_while_tracing_names_the_op_and_line():
     assert "a @ b  # the line the error names" in message
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # eager's kernel words it
         fn(rand(2, 3), rand(4, 5))                                 # its own way
+
+
+def test_a_view_eager_refuses_raises_a_runtime_error_as_in_eager():
+    """The view's shape check comes from a Python reference raising ValueError; eager's kernel
+    raises RuntimeError, and so does the trace (a TraceError naming the op and line)."""
+    x = rand(3, 4).t()
+    with pytest.raises(RuntimeError):
+        x.view(-1)
+    with pytest.raises(aotkit.errors.TraceError, match=r"aten.view.default failed while tracing"):
+        aotkit.aot_function(lambda t: t.view(-1), compilers.nop)(x)

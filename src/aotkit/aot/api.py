@@ -714,12 +714,29 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
             full[i] = t
         args, kwargs = pytree.tree_unflatten(full, spec)
         out = fn(*args, **kwargs)
+        _refuse_stores_into_arguments(args, kwargs, full, spec, name)
         flat, out_spec = pytree.tree_flatten(out)
         check_outputs(out, flat, name)
         refuse_kept_outputs(flat)
         return flat, out_spec
 
     return flat_fn
+
+
+def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,
+                                  name: str) -> None:
+    """A list or dict argument is rebuilt from its leaves for each trace: what the function
+    stores into it (``cache["k"] = k``, ``outs.append(y)``) would not reach the caller's."""
+    after, after_spec = pytree.tree_flatten((args, kwargs))
+    if after_spec == spec and all(a is b for a, b in zip(after, full, strict=True)):
+        return
+    where = "a list or dict argument (adding or removing an item)" if after_spec != spec \
+        else next(n for n, a, b in zip(leaf_names(args, kwargs), after, full, strict=True)
+                  if a is not b)
+    raise UnsupportedError(
+        f"{name} stores into {where}; aotkit rebuilds list and dict arguments from their "
+        "tensors for each trace, so the caller's would not see the store.\nFix: return the value instead, or use torch.compile(fn, backend='aotkit'), "
+        "which replays such stores.")
 
 
 def check_outputs(out: Any, flat: list[Any], name: str) -> None:

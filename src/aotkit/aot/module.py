@@ -319,7 +319,10 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 _HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
 
 
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# Every table registering or removing a hook changes (the last three flag hooks by id).
+_HOOK_STATE = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
 
 
 def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
@@ -434,7 +437,7 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
     originals = [s.table[s.key] for s in slots]
     keys = [(table, dict.fromkeys(table)) for table in layout.tables]
     attributes = [(prefix, d, dict(d)) for prefix, d in layout.attributes]
-    hooks = [(d[k], dict(d[k])) for _, d in layout.attributes for k in _HOOK_TABLES if k in d]
+    hooks = [(d[k], dict(d[k])) for _, d in layout.attributes for k in _HOOK_STATE if k in d]
     for s in slots:
         s.table[s.key] = state[s.index]
     assigned: dict[str, Any] = {}

@@ -174,17 +174,19 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # trace leaves the object holding a tracing tensor, unusable afterwards ("FunctionalTensor on
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
 # objects, lists and dicts reachable from the arguments (three levels, as Note [Objects as
-# arguments] keys them; at most 256, none of more than 1024 items, which would cost every
-# compile a copy of a dataset held in an argument) are copied shallowly before tracing; one
-# left holding a tracing tensor is put back as it was, and a trace that otherwise succeeded is
-# refused, naming where the tensor went.
+# arguments] keys them; at most 256) are copied shallowly before tracing; one left holding a
+# tracing tensor is put back as it was, and a trace that otherwise succeeded is refused, naming
+# where the tensor went. A list of more than 1024 items (a dataset held in an argument) is not
+# copied, which would cost every compile, but its length is kept: what the trace appended is
+# taken off again; a bigger dict or object is not looked into.
 _MAX_HELD = 256
 _MAX_ITEMS = 1024
 
 
 def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, Any, Any]]:
     """``(where, container, shallow copy)`` for the plain objects' ``__dict__``, lists and
-    dicts reachable from the named ``values`` (Note [Tracing tensors left in argument objects])."""
+    dicts reachable from the named ``values``, ``(where, list, length)`` for long lists (Note
+    [Tracing tensors left in argument objects])."""
     from aotkit.aot.signature import _plain_object
 
     held: list[tuple[str, Any, Any]] = []
@@ -199,6 +201,8 @@ def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, An
             if _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, dict(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
+            elif type(v) is list and len(v) > _MAX_ITEMS:
+                held.append((where, v, len(v)))
             elif type(v) in (list, dict) and len(v) <= _MAX_ITEMS:
                 held.append((where, v, v.copy()))
                 items = v.items() if isinstance(v, dict) else enumerate(v)
@@ -210,9 +214,15 @@ def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, An
 
 
 def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
-    """Put back every container left holding a tracing tensor; where each was."""
+    """Put back every container left holding a tracing tensor; where each was (the innermost:
+    an object whose list was put back is not named too)."""
     left = []
     for where, container, before in held:
+        if isinstance(before, int):  # a long list: its length only
+            if any(_tracing(x) for x in container[before:]):
+                del container[before:]
+                left.append(where)
+            continue
         now = container.values() if isinstance(container, dict) else container
         if any(_tracing(x) for x in now):
             if isinstance(container, dict):
@@ -221,7 +231,7 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
             else:
                 container[:] = before
             left.append(where)
-    return [w for w in left if not any(w.startswith((f"{o}.", f"{o}[")) for o in left)]
+    return [w for w in left if not any(o.startswith((f"{w}.", f"{w}[")) for o in left)]
 
 
 def _tracing(value: Any) -> bool:

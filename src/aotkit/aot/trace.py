@@ -296,13 +296,16 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
         )
     failed = getattr(exc, "_aotkit_failed", None)
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
-        op, line = failed
-        return TraceError(
-            f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
-            "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
-            "the op's shape-only kernel is stricter than its real one (aten._grouped_mm's wants "
-            "bfloat16 on every device): run that op outside the compiled function.")
+        return _op_failed(what, *failed, exc)
     return exc
+
+
+def _op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
+    return TraceError(
+        f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
+        "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
+        "the op's shape-only kernel is stricter than its real one (aten._grouped_mm's wants "
+        "bfloat16 on every device): run that op outside the compiled function.")
 
 
 def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
@@ -550,6 +553,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _run(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except ValueError as exc:  # a Python reference's check; eager's kernel raises RuntimeError
+            raise _op_failed(self.what, func, current_user_line(), exc) from exc
         except RuntimeError as exc:
             generator = any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs)))
             if not (self.dynamic and generator and "concrete" in str(exc)):
