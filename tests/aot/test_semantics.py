@@ -2383,14 +2383,42 @@ def test_a_long_list_in_an_argument_object_gets_its_appended_tracing_tensors_tak
 
 
 @pytest.mark.parametrize("arg, fn, where", [
-    ({}, lambda x, d: d.__setitem__("y", x.sin()), "a list or dict argument"),
-    ([], lambda x, outs: outs.append(x.sin()), "a list or dict argument"),
+    ({}, lambda x, d: d.__setitem__("y", x.sin()), "args[1]['y']"),
+    ([], lambda x, outs: outs.append(x.sin()), "args[1][0]"),
     ({"a": torch.ones(2)}, lambda x, d: d.__setitem__("a", d["a"] * 2), "args[1]['a']"),
 ])
-def test_stores_into_list_or_dict_arguments_are_refused(arg, fn, where):
-    """Pytree arguments are rebuilt for each trace: a store into them would be lost."""
-    with pytest.raises(aotkit.errors.UnsupportedError, match=re.escape(f"stores into {where}")):
+def test_tensors_stored_into_list_or_dict_arguments_are_refused(arg, fn, where):
+    """Pytree arguments are rebuilt for each trace: a computed tensor stored into them would be
+    lost."""
+    with pytest.raises(aotkit.errors.UnsupportedError,
+                       match=re.escape(f"stores a tensor into {where}")):
         aotkit.aot_function(lambda x, a: (fn(x, a), x * 2)[1], compilers.nop)(rand(2), arg)
+
+
+def test_other_changes_to_a_dict_argument_run_as_before():
+    """``batch.pop("labels")``: nothing the function computed is lost, so it is let be."""
+    def loss(batch):
+        labels = batch.pop("labels")
+        batch["note"] = "seen"
+        return (batch["x"] - labels).square().sum()
+
+    batch = {"x": rand(3, grad=True), "labels": rand(3)}
+    expected = loss(dict(batch))
+    torch.testing.assert_close(aotkit.aot_function(loss, compilers.nop)(batch), expected)
+
+
+def test_an_aot_module_store_names_the_forward_argument():
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x, batch):
+            batch["h"] = self.lin(x)
+            return batch["h"].sum()
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match=re.escape("into args[1]['h']")):
+        aotkit.aot_module(Encoder(), compilers.nop)(rand(2, 3), {"h": rand(2, 3)})
 
 
 def test_objects_keeping_state_outside_their_dict_are_keyed_by_identity():

@@ -598,7 +598,7 @@ class AotFunction:
         names = self._leaf_names(args, kwargs)
         fakes = [make_fake(mode, t, k, self.options.dynamic, names[i])
                  for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
-        flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name)
+        flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
         held = argument_containers(zip(names, leaves, strict=True))
@@ -700,7 +700,8 @@ def _fake_mode(dynamic: bool) -> FakeTensorMode:
 
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
-                  spec: pytree.TreeSpec, name: str) -> FlatFn:
+                  spec: pytree.TreeSpec, name: str,
+                  namer: Callable[[Any, Any], list[str]] = leaf_names) -> FlatFn:
     """``fn`` as a function of its tensor leaves; non-tensor leaves are baked in as constants.
     The call's tensors are not kept: a lazy backward trace would otherwise hold a first batch
     alive as long as the compiled function."""
@@ -714,7 +715,7 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
             full[i] = t
         args, kwargs = pytree.tree_unflatten(full, spec)
         out = fn(*args, **kwargs)
-        _refuse_stores_into_arguments(args, kwargs, full, spec, name)
+        _refuse_stores_into_arguments(args, kwargs, full, name, namer)
         flat, out_spec = pytree.tree_flatten(out)
         check_outputs(out, flat, name)
         refuse_kept_outputs(flat)
@@ -723,19 +724,21 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
     return flat_fn
 
 
-def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,
-                                  name: str) -> None:
-    """A list or dict argument is rebuilt from its leaves for each trace: what the function
-    stores into it (``cache["k"] = k``, ``outs.append(y)``) would not reach the caller's."""
-    after, after_spec = pytree.tree_flatten((args, kwargs))
-    if after_spec == spec and all(a is b for a, b in zip(after, full, strict=True)):
+def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], name: str,
+                                  namer: Callable[[Any, Any], list[str]]) -> None:
+    """A list or dict argument is rebuilt from its leaves for each trace: a tensor the function
+    stores into it (``batch["h"] = enc(x)``, ``outs.append(y)``) would not reach the caller's.
+    Other changes to such containers (``batch.pop("labels")``, a plain value stored) do not
+    reach the caller's either, but lose nothing the function computed: they are let be."""
+    after = pytree.tree_leaves((args, kwargs))
+    passed = {id(x) for x in full}
+    if all(id(a) in passed or not isinstance(a, torch.Tensor) for a in after):
         return
-    where = "a list or dict argument (adding or removing an item)" if after_spec != spec \
-        else next(n for n, a, b in zip(leaf_names(args, kwargs), after, full, strict=True)
-                  if a is not b)
+    where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)
+                 if id(a) not in passed and isinstance(a, torch.Tensor))
     raise UnsupportedError(
-        f"{name} stores into {where}; aotkit rebuilds list and dict arguments from their "
-        "tensors for each trace, so the caller's would not see the store.\nFix: return the value instead, or use torch.compile(fn, backend='aotkit'), "
+        f"{name} stores a tensor into {where}; aotkit rebuilds list and dict arguments from "
+        "their tensors for each trace, so the caller's would not see the store.\nFix: return the value instead, or use torch.compile(fn, backend='aotkit'), "
         "which replays such stores.")
 
 
