@@ -2362,7 +2362,7 @@ def test_a_tensor_stored_in_an_argument_object_is_put_back_and_refused():
         assert cache.layers[0].keys is keys  # as it was: eager can go on with it
         fn(torch.ones(1, 2), cache)
     with pytest.raises(aotkit.errors.UnsupportedError,
-                       match=r"stores a tensor in args\[1\]\.layers\[0\]"):
+                       match=r"stores a tensor into args\[1\]\.layers\[0\]"):
         aotkit.aot_function(store_only, compilers.nop)(torch.ones(1, 2), _KVCache())
 
 
@@ -2377,7 +2377,7 @@ def test_a_long_list_in_an_argument_object_gets_its_appended_tracing_tensors_tak
         return y
 
     holder = Holder()
-    with pytest.raises(aotkit.errors.UnsupportedError, match=r"stores a tensor in args\[1\]\.outs"):
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"stores a tensor into args\[1\]\.outs"):
         aotkit.aot_function(keep, compilers.nop)(rand(2), holder)
     assert holder.outs == list(range(2000))
 

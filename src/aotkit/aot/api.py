@@ -609,12 +609,9 @@ class AotFunction:
             put_back_containers(held)
             raise
         if stored := put_back_containers(held):
-            raise UnsupportedError(
-                f"{self.name} stores a tensor in {', '.join(stored)} (an object, "
-                "list or dict it was passed); the compiled graph cannot store it at each call, "
-                "so it was put back as it was.\nFix: return the tensor and store it outside the "
-                "compiled function, or use torch.compile(fn, backend='aotkit'), which replays "
-                "such stores (Note [Tracing tensors left in argument objects]).")
+            raise _stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
+                                 "store it at each call, so it was put back as it was (Note "
+                                 "[Tracing tensors left in argument objects])")
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         entry = _Entry(graphs, positions, guard, reads)
         self._entries.setdefault(key, []).append(entry)
@@ -736,10 +733,16 @@ def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], name:
         return
     where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)
                  if id(a) not in passed and isinstance(a, torch.Tensor))
-    raise UnsupportedError(
-        f"{name} stores a tensor into {where}; aotkit rebuilds list and dict arguments from "
-        "their tensors for each trace, so the caller's would not see the store.\nFix: return the value instead, or use torch.compile(fn, backend='aotkit'), "
-        "which replays such stores.")
+    raise _stored_tensor(name, where, "aotkit rebuilds list and dict arguments from their "
+                         "tensors for each trace, so the caller's would not see the store")
+
+
+def _stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
+    """A tensor the function stores into what it was passed (an object, list or dict)."""
+    return UnsupportedError(
+        f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
+        "\nFix: return the tensor and store it outside the compiled function, or use "
+        "torch.compile(fn, backend='aotkit'), which replays such stores.")
 
 
 def check_outputs(out: Any, flat: list[Any], name: str) -> None:
