@@ -471,3 +471,96 @@ def test_an_output_the_backward_reads_is_saved(fn: Callable[..., Any], partition
         y.sum().backward()
         grads.append((x.grad, w.grad))
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def _cos_of_sin(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.sin(), x.cos()  # sin's backward computes x.cos() again: CSE must leave it apart
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: (x * 2, (x * 2).exp().sum()),  # min-cut may not recompute exp from the output
+    _cos_of_sin,
+    lambda x: ((x * 2).t(), (x * 2).exp().sum()),  # an output that is a view
+])
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_an_output_the_backward_does_not_read_may_change_in_place(
+        fn: Callable[..., Any], partition: str) -> None:
+    """Note [Min-cut partitioning]: eager's backward holds no reference to these outputs, so
+    zeroing one before backward() is allowed and leaves the gradients alone."""
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    x0 = torch.randn(3, 3)
+    grads = []
+    for call in (fn, f):
+        x = x0.clone().requires_grad_()
+        changed, kept = call(x)
+        with torch.no_grad():
+            changed.zero_()
+        kept.sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+@pytest.mark.parametrize("fn", [lambda x: (x * 2, x * 2), lambda x: (x.clone(), x.clone()),
+                                lambda x: (x.sin(), x.sin())])
+def test_equal_outputs_stay_separate_tensors(fn: Callable[..., Any], partition: str) -> None:
+    """Two outputs computing the same value are two tensors, as in eager: changing one in
+    place (even under autograd) changes neither the other nor the gradients."""
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    results = []
+    for call in (fn, f):
+        x = torch.linspace(-1, 1, 6).requires_grad_()
+        a, b = call(x)
+        assert a is not b and a.data_ptr() != b.data_ptr()
+        a.mul_(3)
+        b.sum().backward()
+        results.append((a, b, x.grad))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def _checkpoint_returning_what_the_backward_reads(x: torch.Tensor, context_fn: Any,
+                                                  ) -> torch.Tensor:
+    def region(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = t.sin()
+        return s, s * s  # mul's backward reads s, which the region also returns
+
+    s, sq = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False)
+    return torch.stack([s, sq])
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_a_checkpointed_region_output_the_backward_reads_is_saved(partition: str) -> None:
+    x = torch.randn(4, 5, requires_grad=True)
+    report = _checkpointed(_checkpoint_returning_what_the_backward_reads, x,
+                           partition=partition).report
+    assert "aten.sin.default" not in report.recomputed
+
+
+class _Gram(torch.autograd.Function):
+    """A backward that needs ``x @ x.T``, which the forward never computes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.sum(1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return ((x @ x.t()) @ grad).unsqueeze(1).expand_as(x)
+
+
+def test_min_cut_computes_what_only_the_backward_needs_in_the_backward() -> None:
+    captured = run_both(_Gram.apply, torch.randn(64, 4, requires_grad=True), partition="min_cut")
+    fw, bw = captured.graphs[-1]
+    assert "aten.mm.default" not in targets(fw) and "aten.mm.default" in targets(bw)
+    assert captured.report.saved_bytes == 0
+
+
+def test_min_cut_recomputes_gathers() -> None:
+    """``x.exp()[idx]`` is 8x larger than ``x``: the backward gathers again from the input
+    instead of loading the gathered rows."""
+    x, idx = torch.randn(16, 32, requires_grad=True), torch.randint(0, 16, (128,))
+    captured = run_both(lambda x: x.exp()[idx].sin(), x, partition="min_cut")
+    assert captured.report.saved_bytes == 0
+    assert "aten.index.Tensor" in captured.report.recomputed

@@ -3,6 +3,7 @@ PyTorch's partitioner pulls in Inductor for its CSE pass)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch.fx as fx
@@ -10,9 +11,11 @@ import torch.fx as fx
 from aotkit.partition.graph import is_impure
 
 
-def cse(gm: fx.GraphModule) -> fx.GraphModule:
+def cse(gm: fx.GraphModule, keep: Collection[fx.Node] = ()) -> fx.GraphModule:
     """A copy of ``gm`` in which pure nodes applying the same op to the same arguments appear
-    once. Random and side-effecting nodes are never merged.
+    once. Random and side-effecting nodes are never merged, nor the nodes in ``keep`` (the
+    tensors a caller receives: two outputs must stay two tensors, and a value the backward
+    recomputes must not become the caller's, which the caller may change in place).
 
     Example::
 
@@ -29,7 +32,7 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     first: dict[Any, fx.Node] = {}
     for node in gm.graph.nodes:
-        key = _key(node, env)
+        key = None if node in keep else _key(node, env)
         if key is not None and key in first:
             env[node] = first[key]
             continue

@@ -14,8 +14,11 @@ Costs are bytes (symbolic sizes through their hints); graph inputs and the forwa
 the backward reads, itself or through views (autograd's ``detach``), is always saved, never
 recomputed: eager's formula reads it so (``exp``'s backward its result), and changing it in
 place before ``backward()`` must raise eager's "modified by an inplace operation", not give
-gradients of the value before the change. Ties go to later nodes, which leaves fewer ops to
-recompute.
+gradients of the value before the change. One it does not read (nor a view of it) is never
+saved: eager holds no reference to it, so the caller may change it in place and backward()
+must still run. For the same reason common-subexpression elimination leaves the outputs, and
+the values they view, apart from everything else. Values only the backward needs, however
+expensive, are computed there. Ties go to later nodes, which leaves fewer ops to recompute.
 SymInts stay out of the network: every forward SymInt the backward needs is saved.
 
 Note [Activation checkpointing]
@@ -24,7 +27,7 @@ Note [Activation checkpointing]
 (``ac_graph_id``). As eager's checkpoint does, a region's values are recomputed by the
 backward, expensive ones included: a node tagged MUST/PREFER_RECOMPUTE cannot be saved, except
 random ops (never recomputed: a second draw would differ) and the region's outputs (values read
-by forward code outside the region), which are never recomputed: eager holds them as ordinary
+by forward code outside the region or returned to the caller), which are never recomputed: eager holds them as ordinary
 tensors, and recomputing one would rerun its whole region for the next one, quadratic in the
 number of layers. A node tagged MUST/PREFER_SAVE (a selective-checkpointing policy) is never
 recomputed.
@@ -57,12 +60,13 @@ from aotkit.partition.report import nbytes, report
 
 aten = torch.ops.aten
 
-#: Not pointwise or views, yet cheap to recompute: factories and copies.
+#: Not pointwise or views, yet cheap to recompute: factories, copies and gathers (whose
+#: output may be far larger than what they read: ``x[idx]`` with many indices).
 _CHEAP_OPS = frozenset({
     aten.full, aten.zeros, aten.ones, aten.empty, aten.empty_strided, aten.scalar_tensor,
     aten.arange, aten.full_like, aten.zeros_like, aten.ones_like, aten.empty_like,
     aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty, aten.clone, aten._to_copy,
-    aten.lift_fresh_copy, aten.copy,
+    aten.lift_fresh_copy, aten.copy, aten.index, aten.index_select, aten.gather,
 })
 
 #: RNN kernels: their workspace/reserve outputs belong to the very call that made them, so a
@@ -114,7 +118,8 @@ def min_cut_rematerialization_partition(
             f"activation_memory_budget must be a number in [0, 1], got {budget!r}.\nFix: 1 keeps "
             "the default cut, 0 recomputes everything but random ops; values between trade the two."
         )
-    network = _Network(cse(joint_gm), num_fwd_outputs)
+    network = _Network(cse(joint_gm, keep=_handed_out(joint_gm, num_fwd_outputs)),
+                       num_fwd_outputs)
     saved = network.cut(network.expensive)
     if budget < 1.0:
         saved = _within_budget(network, budget, saved)
@@ -144,18 +149,22 @@ class _Network:
         self.fw_tensors = [n for n in forward if n not in self.fw_syms and n.op != "get_attr"]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
+        self.held = {_viewed(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
         # See Note [Activation checkpointing].
         forward_code = ancestors([*self.parts.fw_outputs, *self.fw_effects])
-        self.checkpointed, region_outputs = _checkpointed_regions(self.fw_tensors, pinned,
-                                                                  forward_code)
+        self.checkpointed, region_outputs = _checkpointed_regions(
+            self.fw_tensors, pinned, forward_code, self.held)
         self.read_by_bw = self._read_by_backward(tangent_side)
-        self.held = {_viewed(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
         read_whole = {_viewed(n) for n in self.read_by_bw}
         self.must_save = [n for n in self.fw_tensors
                           if n.meta.get("recompute") in _SAVE or n in region_outputs
                           or (n in self.held and n in read_whole)]
-        self.expensive = [n for n in self.fw_tensors
-                          if n not in pinned and n not in self.checkpointed and not _cheap(n)]
+        self.unsaveable = {n for n in self.fw_tensors if n.op != "placeholder"
+                           and _viewed(n) in self.held and _viewed(n) not in read_whole}
+        # Values only the backward needs (a custom Function's backward reading x @ x.T) are
+        # computed there, whatever they cost.
+        self.expensive = [n for n in self.fw_tensors if n in forward_code
+                          and n not in pinned and n not in self.checkpointed and not _cheap(n)]
 
     def _read_by_backward(self, tangent_side: set[fx.Node]) -> set[fx.Node]:
         bw_nodes = ancestors([*self.parts.bw_outputs, *self.bw_effects]) & tangent_side
@@ -203,7 +212,8 @@ class _Network:
 
     def _capacity(self, node: fx.Node, scale: int) -> int | None:
         """Bytes (scaled) plus a tie-break for later nodes; None where a node cannot be saved."""
-        if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed:
+        if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed \
+                or node in self.unsaveable:
             return None
         size = 0 if node.op == "placeholder" or node in self.held else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
@@ -239,10 +249,12 @@ def has_checkpointed_regions(joint: fx.GraphModule) -> bool:
 
 
 def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
-                          forward_code: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+                          forward_code: set[fx.Node], held: set[fx.Node],
+                          ) -> tuple[set[fx.Node], set[fx.Node]]:
     """The forward values checkpointed regions recompute, and the regions' outputs (values
-    read by forward code, not the backward's formulas, outside their region), which are saved.
-    Random ops and their outputs are neither. See Note [Activation checkpointing]."""
+    read by forward code, not the backward's formulas, outside their region, or ``held`` by
+    the caller), which are saved. Random ops and their outputs are neither. See Note
+    [Activation checkpointing]."""
     def region(node: fx.Node) -> Any:
         return node.meta.get("ac_graph_id") if node.meta.get("recompute") in _RECOMPUTE else None
 
@@ -250,8 +262,8 @@ def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
         return node in pinned or (node.target is operator.getitem and node.args[0] in pinned)
 
     tagged = [n for n in fw_tensors if region(n) is not None and not random(n)]
-    outputs = {n for n in tagged
-               if any(region(u) != region(n) for u in n.users if u in forward_code)}
+    outputs = {n for n in tagged if n in held
+               or any(region(u) != region(n) for u in n.users if u in forward_code)}
     return set(tagged) - outputs, outputs
 
 
@@ -273,11 +285,29 @@ def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
     return best
 
 
+def _handed_out(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
+    """The forward's outputs and the values they are views of: tensors the caller holds."""
+    outputs = joint.graph.output_node().args[0]
+    handed = set()
+    for node in outputs[:num_fwd_outputs] if isinstance(outputs, (list, tuple)) else ():
+        while isinstance(node, fx.Node) and node not in handed:
+            handed.add(node)
+            node = _viewed_once(node)
+    return handed
+
+
+def _viewed_once(node: fx.Node) -> fx.Node | None:
+    """The value ``node`` is a view of, or None if it is no view."""
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
+            and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
 def _viewed(node: fx.Node) -> fx.Node:
     """The value ``node`` is a chain of views of (``node`` itself if it is no view)."""
-    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
-            and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
+    while (base := _viewed_once(node)) is not None:
+        node = base
     return node
 
 
