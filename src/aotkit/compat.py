@@ -179,6 +179,13 @@ def set_autograd_verbose_logger(logger: Any) -> None:
     _engine().set_verbose_logger(logger)
 
 
+def is_unexplained_cache_entry(exc: RuntimeError) -> bool:
+    """Whether the engine refused a backward because its cache held an entry without a graph
+    and its verbose logger wanted a reason (Note [Cache entries without a graph] in
+    aotkit.compiled_autograd.runtime). Raised before any node runs, on 2.11 and 2.13 alike."""
+    return "compile_reason.has_value()" in str(exc)
+
+
 def execution_engine() -> Any:
     """The object Python's autograd entry points call (``Variable._execution_engine``:
     ``run_backward``, ``queue_callback``)."""

@@ -219,7 +219,7 @@ def test_failed_captures_do_not_poison_the_engine_cache() -> None:
         return gm
 
     x = torch.randn(4, requires_grad=True)
-    for _ in range(2):  # within the block, then in a new block (which clears the engine's cache)
+    for _ in range(2):  # within the block, then in a new block (which replays the graph)
         with aotkit.compiled_autograd.enable(fails_once):
             failing = len(calls) == 0
             with pytest.raises(aotkit.errors.CompilerError, match="boom") if failing else nullcontext():
@@ -228,7 +228,22 @@ def test_failed_captures_do_not_poison_the_engine_cache() -> None:
             (x.sin() * 2).sum().backward()
             torch.testing.assert_close(x.grad, 2 * x.detach().cos())
             x.grad = None
-    assert counts() == (3, 4)  # failed captures are not counted as captures
+    assert counts() == (2, 3)  # failed captures are not counted as captures
+    captured = [d.why for d in aotkit.explain() if d.kind in ("capture", "recapture")]
+    assert len(captured) == 2 and "an entry without a graph" in captured[-1]  # after "boom"
+
+
+def test_a_backward_reaching_part_of_a_captured_graph_is_captured_with_a_reason() -> None:
+    """Note [Cache entries without a graph]: asking for an input the graph never reaches stops
+    the engine at an entry an earlier backward passed; it tripped an engine assert, for good."""
+    a, unused = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        for _ in range(2):
+            assert torch.autograd.grad((a * 2).sum(), [a])[0].tolist() == [2.0] * 3
+            assert torch.autograd.grad((a * 2).sum(), [unused], allow_unused=True) == (None,)
+    assert counts() == (2, 2)
+    (why,) = [d.why for d in aotkit.explain().of_kind("recapture")]
+    assert "an earlier backward passed them on its way to more nodes" in why
 
 
 @pytest.mark.parametrize("result", ["tuple", "numbers", "none", "too few"])

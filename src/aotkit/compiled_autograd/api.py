@@ -72,10 +72,6 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
                 "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
             )
         _forget_other_compilers(new)
-        if session.failed_captures:  # See Note [Failed captures]
-            _clear_engine_cache()
-            counters.record("cache_clear", "compiled_autograd", "a capture failed in an earlier "
-                            "enable() block; the engine's cached graphs are dropped", logger=log)
         compat.set_autograd_verbose_logger(_engine_log)
         if compat.compiled_autograd_is_off():
             counters.record("fallback", "compiled_autograd",
@@ -84,7 +80,8 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(new)
         engine = compat.execution_engine()
         compat.set_execution_engine(runtime.Engine(
-            engine, functools.partial(_reinstall_if_cleared, factory, bool(dynamic))))
+            engine, functools.partial(_reinstall_if_cleared, factory, bool(dynamic)),
+            _engine_log))
         runtime.note_removed_hooks(True)
     try:
         # Multithreaded device queues would call the capture object from several threads.
@@ -168,7 +165,6 @@ def _forget_other_compilers(new: session.Session) -> None:
 def _clear_engine_cache() -> None:
     compat.clear_autograd_cache()
     session.graphs_cached = 0
-    session.failed_captures = 0
 
 
 @contextlib.contextmanager

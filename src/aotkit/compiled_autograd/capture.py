@@ -58,14 +58,10 @@ class Capture(GraphBuilder):
         self.call_names: dict[int, str] = {}  # NodeCall index -> autograd node name
         self.nodecall = 0
         self.eager_order: list[Any] | None = []
-        self.finished = False
 
     def close(self) -> None:
-        """Leave the fake/proxy modes. The engine calls this when a capture fails, leaving an
-        entry without a graph in its cache: see Note [Failed captures]."""
+        """Leave the fake/proxy modes (the engine calls this when a capture fails too)."""
         self.stack.close()
-        if not self.finished:
-            session_state.forget_failed_capture()
 
     # ---- begin ------------------------------------------------------------------------------
 
@@ -304,7 +300,6 @@ class Capture(GraphBuilder):
         captured_for = Example([], list(self.example.sizes), list(self.example.scalars))
         self.example = None  # the backward's real tensors: not kept past the capture
         self._record()
-        self.finished = True
         return CompiledBackward(gm, self.session, variant, to_cuda, captured_for), variant.compiled
 
     def _follow_eager_order(self, graph: fx.Graph) -> None:
@@ -345,8 +340,10 @@ class Capture(GraphBuilder):
         session_state.graphs_cached += 1
         kind = "capture" if first else "recapture"
         why = "; ".join(self.reasons) or (
-            "first backward since the engine's cache was cleared" if first
-            else "an earlier capture of this graph failed" if session_state.failed_captures
+            "the engine's cache held an entry without a graph for this backward's autograd "
+            "nodes (an earlier capture of them failed, or an earlier backward passed them on its "
+            "way to more nodes)" if runtime.retrying_unexplained()
+            else "first backward since the engine's cache was cleared" if first
             else "the engine's cache missed (no reason reported by this PyTorch)")
         why += f" (input shapes {self.input_shapes})"
         counters.record(kind, "compiled_autograd", why, logger=log)

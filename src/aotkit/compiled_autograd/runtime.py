@@ -275,14 +275,34 @@ IMPURE = frozenset({call_backward, call_hook, call_accumulate_grad, call_cpp_ten
 _replay = threading.local()  # .queued: the running replay's callbacks; None outside a replay
 
 
+# Note [Cache entries without a graph]
+# The engine caches graphs in a tree keyed by the autograd nodes a backward visits. A capture
+# that failed (create_graph=True, a compiler that raises) leaves its entry without a graph, and
+# so does an earlier, larger backward for the entries on its way (torch.autograd.grad asked for
+# an input it never reaches stops early). The next backward ending at such an entry captures
+# again, except that with a verbose logger set the engine insists on a reason for the capture,
+# finds none and fails an internal assert before running anything. That backward is run again
+# without the logger (the capture then records why the engine had nothing to say), and the
+# logger is set back.
+_unexplained = threading.local()  # .retrying: True while such a backward runs again
+
+
+def retrying_unexplained() -> bool:
+    """Whether the running backward is one the engine could not explain (Note [Cache entries
+    without a graph])."""
+    return getattr(_unexplained, "retrying", False)
+
+
 class Engine:
     """Stands in for ``Variable._execution_engine`` while enable() is active. See Note [Final
-    callbacks]; ``before_backward`` runs first at every backward (enable() checks there that its
-    compiler is still installed)."""
+    callbacks] and Note [Cache entries without a graph]; ``before_backward`` runs first at every
+    backward (enable() checks there that its compiler is still installed)."""
 
-    def __init__(self, engine: Any, before_backward: Callable[[], None]) -> None:
+    def __init__(self, engine: Any, before_backward: Callable[[], None],
+                 verbose_logger: Any) -> None:
         self.engine = engine
         self.before_backward = before_backward
+        self.verbose_logger = verbose_logger
 
     def queue_callback(self, callback: Callable[[], None]) -> None:
         queued = getattr(_replay, "queued", None)
@@ -295,7 +315,18 @@ class Engine:
         self.before_backward()
         queued, _replay.queued = getattr(_replay, "queued", None), None
         try:
-            return self.engine.run_backward(*args, **kwargs)
+            try:
+                return self.engine.run_backward(*args, **kwargs)
+            except RuntimeError as exc:
+                if not compat.is_unexplained_cache_entry(exc):
+                    raise
+            compat.set_autograd_verbose_logger(None)
+            _unexplained.retrying = True
+            try:
+                return self.engine.run_backward(*args, **kwargs)
+            finally:
+                _unexplained.retrying = False
+                compat.set_autograd_verbose_logger(self.verbose_logger)
         finally:
             _replay.queued = queued
 

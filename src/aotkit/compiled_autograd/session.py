@@ -47,24 +47,6 @@ class Session:
 _active: Session | None = None
 #: Graphs captured since the engine's cache was last cleared (0: the next capture is the first).
 graphs_cached = 0
-#: Captures that failed since the engine's cache was last cleared. See Note [Failed captures].
-failed_captures = 0
-
-
-# Note [Failed captures]
-# When a capture fails (create_graph=True, a compiler that raises, ...) the engine keeps an entry
-# without a graph for that autograd-graph structure. The next backward of that structure
-# captures again, except that with a verbose logger set the engine insists on a reason for the
-# capture, finds none and fails an internal assert. So a failed capture drops the engine's
-# verbose logger for the rest of the enable() block (later recaptures are recorded without the
-# engine's reasons), and the next enable() clears the engine's cache before setting it again.
-def forget_failed_capture() -> None:
-    """Called by a capture that did not finish. See Note [Failed captures]."""
-    global failed_captures
-    failed_captures += 1
-    compat.set_autograd_verbose_logger(None)
-
-
 def active() -> Session | None:
     """The session of the innermost ``enable`` block, or ``None`` outside one."""
     return _active
