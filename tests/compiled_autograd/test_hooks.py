@@ -406,6 +406,25 @@ def test_hooks_on_independent_branches_run_in_eager_order() -> None:
     torch.testing.assert_close(actual, expected)
 
 
+def test_node_pre_hooks_on_independent_branches_run_in_eager_order() -> None:
+    """A ``grad_fn`` pre-hook ran before the branch eager runs first (its results were due with
+    the node recorded before it), so it saw ``b.grad`` still None."""
+
+    def step(log: list[str]) -> Any:
+        a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+        t5 = (a * 2).sin()
+        t6 = b * 3  # made last: eager runs its branch, b's accumulation included, first
+        t5.grad_fn.register_prehook(lambda go: log.append(f"pre t5, b.grad={b.grad}"))
+        t6.register_hook(lambda g: log.append("t6"))
+        (t5.sum() + t6.sum()).backward()
+        return a.grad, b.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert eager_log == ["t6", "pre t5, b.grad=tensor([3., 3., 3.])"]
+    assert compiled_log == eager_log
+    torch.testing.assert_close(actual, expected)
+
+
 def _shared_leaf(a: torch.Tensor, b: torch.Tensor, log: list[str]) -> torch.Tensor:
     ea = a.exp()
     return (a - b.cos()).sum() + ea.sum()

@@ -115,3 +115,31 @@ def test_gradient_sums_add_in_eager_order_bit_for_bit(order: str, lower: bool) -
         model(x).sum().backward()
     for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert torch.equal(got.grad, want.grad), name
+
+
+@pytest.mark.parametrize("lower", [True, False], ids=["lowered", "captured"])
+def test_a_gradient_sum_takes_the_layout_eager_gives_it(lower: bool) -> None:
+    """Two gradients of ``h``, one row-major and one column-major, arrive in the order opposite
+    to eager's: ``b + a`` has the values of ``a + b`` but ``b``'s layout, which a hook sees and
+    the reduction into ``x.grad`` rounds differently for."""
+
+    def step(strides: list[tuple[int, ...]]) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        target = torch.randn(64, 48, generator=gen)
+        x = torch.randn(48, generator=gen).requires_grad_()
+        h = x.expand(64, 48) * 1.0
+        h.register_hook(lambda grad: strides.append(grad.stride()))
+        column_major = h.t().contiguous().t() * 1.1
+        loss = torch.maximum(target, h).sum() + column_major.tanh().sum() \
+            + column_major.exp().clamp(max=5).sum()
+        loss.backward()
+        return x.grad
+
+    eager_strides: list[tuple[int, ...]] = []
+    compiled_strides: list[tuple[int, ...]] = []
+    expected = step(eager_strides)
+    with aotkit.config.patch(compiled_autograd_lower=lower), \
+            aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+        actual = step(compiled_strides)
+    assert compiled_strides == eager_strides == [(48, 1)]
+    assert torch.equal(actual, expected)

@@ -106,7 +106,7 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
     due: dict[fx.Node, float] = {}
     for node in reversed(nodes):
         readers = [due[u] for u in node.users if u in due]
-        if "nodecall" in node.meta and node.meta["nodecall"] is None and readers:
+        if readers and _is_pre_hook_value(node):
             due[node] = min(readers)
         else:
             due[node] = min([own[node], *readers])
@@ -123,6 +123,13 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
                 waiting[user] -= 1
                 if waiting[user] == 0:
                     heapq.heappush(ready, (due[user], position[user], user))
+
+
+def _is_pre_hook_value(node: fx.Node) -> bool:
+    """A pre-hook call (``nodecall`` None), or an item of its result."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return "nodecall" in node.meta and node.meta["nodecall"] is None
 
 
 def _latest_addend(node: fx.Node, own: Mapping[fx.Node, float]) -> float:
@@ -148,7 +155,9 @@ def _recorded_ranks(nodes: list[fx.Node], ranks: Mapping[int, int]) -> dict[fx.N
 # not associative, and the engine captures nodes in another order than eager runs them, so the
 # captured chain may group the same gradients differently (a parallel residual,
 # ``mlp(x) + attn(x) + x``, differed from eager by 1e-8..1e-5). Each chain's addends are put back
-# in the order eager's producers run before the calls are reordered.
+# in the order eager's producers run before the calls are reordered, the first two included:
+# ``b + a`` has the values of ``a + b`` but ``b``'s layout, which hooks see and later
+# reductions round by.
 def sum_in_eager_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
     """Regroup each input buffer's chain of captured sums so the gradients are added in the
     order eager produces them. See Note [Gradient sums in eager's order]. The nodes may end up
@@ -162,8 +171,8 @@ def sum_in_eager_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
         chain.reverse()
         addends = [chain[0].args[0], *(add.args[1] for add in chain)]
         ordered = sorted(addends, key=lambda a: made_at.get(a, -1.0))  # type: ignore[arg-type]
-        if ordered[2:] == addends[2:]:
-            continue  # the first two may swap: a + b == b + a
+        if ordered == addends:
+            continue  # (a + b == b + a, but the sum takes its first addend's layout, as eager's)
         for k, add in enumerate(chain):
             add.args = (chain[k - 1] if k else ordered[0], ordered[k + 1])
 
