@@ -232,10 +232,19 @@ def test_modes_the_backends_lack_are_refused_not_ignored(backend: str) -> None:
     assert "has no 'reduce-overhead' mode" in str(info.value)
 
 
-def test_a_compiler_used_as_a_backend_says_which_backend_to_use() -> None:
-    compiled = torch.compile(Net(), backend=aotkit.compilers.nop)
+@pytest.mark.parametrize("compiler", ["nop", "ts_compile", "simple_ts_compile"])
+def test_a_compiler_used_as_a_backend_says_which_backend_to_use(compiler: str) -> None:
+    compiled = torch.compile(Net(), backend=getattr(aotkit.compilers, compiler))
     with pytest.raises(aotkit.errors.ArgumentError, match="backend='aotkit'"):
         compiled(torch.randn(3, 8))
+
+
+def test_the_inductor_compiler_used_as_a_backend_says_which_backend_to_use() -> None:
+    compiled = torch.compile(Net(), backend=aotkit.compilers.inductor)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.randn(3, 8))
+    assert isinstance(info.value.inner_exception, aotkit.errors.ArgumentError)
+    assert 'backend="aotkit_inductor"' in str(info.value)
 
 
 def test_decisions_name_the_compiled_region() -> None:

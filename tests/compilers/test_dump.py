@@ -239,6 +239,8 @@ def test_debug_compile_repro_of_a_custom_op_imports_its_module_or_says_which(
     elsewhere = run_repro(tmp_path / "graph_0")  # a process that cannot import tests.*
     assert elsewhere.returncode == 2
     assert f"importing {__name__}, which registers aotkit_dump_test::triple" in elsewhere.stderr
+    root = Path(__file__).resolve().parents[__name__.count(".")]  # the folder holding tests/
+    assert f"run the repro with PYTHONPATH={root} " in elsewhere.stderr
 
 
 def test_a_new_dump_replaces_stale_values_and_get_inputs_takes_the_folder(tmp_path: Path) -> None:

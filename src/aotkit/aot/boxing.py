@@ -28,7 +28,7 @@ def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
         return f
 
     def boxed(*call: Any) -> Any:
-        _require_boxed(call, getattr(f, "__name__", "this compiled graph"))
+        require_boxed(call, getattr(f, "__name__", "this compiled graph"))
         return f(*call[0])
 
     boxed._boxed_call = True  # type: ignore[attr-defined]
@@ -82,7 +82,7 @@ def run_boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     forward = module.forward
 
     def run(*call: Any) -> Any:
-        _require_boxed(call, "this compiled graph")
+        require_boxed(call, "this compiled graph")
         args = call[0]
         return forward(args if isinstance(args, list) else list(args))
 
@@ -110,7 +110,7 @@ def make_boxed_compiler(compiler: Compiler) -> Compiler:
     return boxed_compiler
 
 
-def _require_boxed(call: tuple[Any, ...], name: str) -> None:
+def require_boxed(call: tuple[Any, ...], name: str) -> None:
     if len(call) != 1 or not isinstance(call[0], (list, tuple)):
         raise ArgumentError(
             f"{name} takes its inputs boxed, as one list, but was called with {len(call)} "

@@ -233,3 +233,20 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     copied.meta.update(gm.meta)
     return copied
+
+
+def closed_over_tensors(gm: fx.GraphModule) -> list[tuple[fx.Node, torch.Tensor]]:
+    """The ``get_attr`` nodes reading a tensor the caller holds (a closed-over mask, a plain
+    tensor attribute), with the tensor: what the caller may change in place between calls, so
+    a compiler must read it at run time, never fold it. A constant the function makes itself
+    (``torch.tensor([1., 2.])``, read only through ``lift_fresh_copy``) is not one."""
+    found = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value: Any = gm
+        for name in node.target.split("."):  # type: ignore[union-attr]
+            value = getattr(value, name)
+        fresh = node.users and all(u.target is torch.ops.aten.lift_fresh_copy.default
+                                   for u in node.users)
+        if isinstance(value, torch.Tensor) and not fresh:
+            found.append((node, value))
+    return found

@@ -15,8 +15,9 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -477,6 +478,7 @@ from aotkit.compilers.dump import load_graph
 HERE = Path(__file__).resolve().parent
 DEVICES = {devices!r}  # where the traced inputs lived
 CUSTOM_OPS = {custom_ops!r}  # ops of other libraries the graph calls, and who registered them
+IMPORT_ROOTS = {import_roots!r}  # where those modules were imported from when the graph was dumped
 
 
 def import_custom_ops() -> bool:
@@ -485,9 +487,10 @@ def import_custom_ops() -> bool:
             try:
                 __import__(module)
             except ImportError as exc:
+                root = IMPORT_ROOTS.get(module, "the folder that holds it")
                 print(f"repro: importing {{module}}, which registers {{op}}, failed ({{exc}}); "
-                      "run the repro where that module can be imported (its project's root, "
-                      "or with PYTHONPATH set).", file=sys.stderr)
+                      f"run the repro with PYTHONPATH={{root}} (python puts repro.py's own "
+                      "folder on the path, not the current one).", file=sys.stderr)
                 return False
         namespace, name = op.split("::")
         if not hasattr(getattr(torch.ops, namespace), name):
@@ -552,6 +555,17 @@ def _custom_ops(gm: fx.GraphModule) -> dict[str, str | None]:
     return found
 
 
+def _import_roots(modules: Iterable[str | None]) -> dict[str, str]:
+    """For each imported module, the folder on ``sys.path`` it was imported from."""
+    roots = {}
+    for name in modules:
+        path = getattr(sys.modules.get(name or ""), "__file__", None)
+        if name and name != "__main__" and path:
+            depth = name.count(".") + (Path(path).name == "__init__.py")
+            roots[name] = str(Path(path).resolve().parents[depth])
+    return roots
+
+
 def _fresh_folder(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     index = 0
@@ -591,7 +605,9 @@ def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         "not saved (debug_compile(..., dump_example_input=True) saves them)")
     _save(gm, example_inputs, target, "graph", values)
     devices = sorted({str(x.device) for x in example_inputs if isinstance(x, torch.Tensor)})
-    (target / "repro.py").write_text(_REPRO.format(devices=devices, custom_ops=_custom_ops(gm)))
+    custom_ops = _custom_ops(gm)
+    (target / "repro.py").write_text(_REPRO.format(
+        devices=devices, custom_ops=custom_ops, import_roots=_import_roots(custom_ops.values())))
     log.info("debug_compile: wrote the graph and a repro to %s (run: python %s)",
              target, target / "repro.py")
     return _run_saving_inputs(gm, target / "graph.tensors" if dump_example_input else None)

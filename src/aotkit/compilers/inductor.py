@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
-from aotkit.compilers.basic import copy_graph_module
+from aotkit.compilers.basic import closed_over_tensors, copy_graph_module
 from aotkit.errors import ArgumentError, CompilerError
 
 Kind = Literal["forward", "backward", "inference"]
@@ -99,6 +99,12 @@ class Inductor:
         return f"aotkit.compilers.{self.__name__}"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        if any("grapharg" in n.meta for n in gm.graph.find_nodes(op="placeholder")):
+            raise ArgumentError(
+                f"{self!r} compiles the ATen graphs aotkit's AOT autograd makes, but was given "
+                "a graph Dynamo captured (it was passed to torch.compile as the backend).\nFix: "
+                'torch.compile(fn, backend="aotkit_inductor").'
+            )
         return compile_graph(gm, example_inputs, self.kind or graph_kind(gm))
 
 
@@ -117,17 +123,52 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     from torch._inductor.utils import BoxedBool
 
     _refuse_undecomposed(gm)
-    gm = _joint_graph_passes(copy_graph_module(gm), example_inputs)
+    gm = copy_graph_module(gm)
+    lifted = _lift_closed_over_tensors(gm)
+    gm = _joint_graph_passes(gm, example_inputs)
     _keep_output_strides(gm)
-    return compile_fx_inner(
+    static = _static_input_idxs(gm, kind)
+    first_lifted = len(example_inputs)
+    compiled = compile_fx_inner(
         gm,
-        list(example_inputs),
-        static_input_idxs=_static_input_idxs(gm, kind),
+        [*example_inputs, *(fake for fake, _ in lifted)],
+        static_input_idxs=sorted({*static, *range(first_lifted, first_lifted + len(lifted))}),
         cudagraphs=BoxedBool(False),
         is_backward=kind == "backward",
         is_inference=kind == "inference",
         graph_id=next(_graph_ids),
     )
+    if not lifted:
+        return compiled
+    tensors = [tensor for _, tensor in lifted]
+
+    def run(args: list[Any]) -> Any:
+        args.extend(tensors)
+        return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tensor]]:
+    """Make each closed-over tensor a last input of ``gm`` (Inductor folds attributes into the
+    code: small ones by value, uniform ones as ``full``, and changes the caller makes in place
+    would not show), as Dynamo does with the tensors it finds. Returns each one's traced value
+    and the tensor to pass."""
+    lifted = []
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node, tensor in closed_over_tensors(gm):
+        anchor = placeholders[-1] if placeholders else next(iter(gm.graph.nodes))
+        with (gm.graph.inserting_after(anchor) if placeholders
+              else gm.graph.inserting_before(anchor)):
+            placeholder = gm.graph.placeholder(f"closed_over_{len(lifted)}")
+        placeholder.meta.update(node.meta)
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        placeholders.append(placeholder)
+        lifted.append((placeholder.meta.get("val"), tensor))
+    gm.recompile()
+    return lifted
 
 
 def _refuse_undecomposed(gm: fx.GraphModule) -> None:

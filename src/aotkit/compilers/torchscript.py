@@ -21,7 +21,8 @@ from torch import nn
 from torch._decomp import get_decompositions
 
 from aotkit.aot import AotFunction, AotModule, aot_function, aot_module
-from aotkit.compilers.basic import copy_graph_module
+from aotkit.aot.boxing import require_boxed
+from aotkit.compilers.basic import closed_over_tensors, copy_graph_module
 from aotkit.errors import ArgumentError, CompilerError
 from aotkit.partition import min_cut_rematerialization_partition
 
@@ -36,7 +37,9 @@ aten = torch.ops.aten
 #: fuser cannot see through (``detach``, ``conj_physical``, ``is_same_size``, cuDNN batch norm
 #: in its native form). Ops with reductions (softmax, layer norm) and random ops (dropout) are
 #: kept whole: their eager kernels are faster than the expanded form, and dropout must draw
-#: the same random numbers as eager.
+#: the same random numbers as eager. So is ``logit_backward``: its decomposition loses eager's
+#: result in low precision (bfloat16 gradients of 0 where eager's are 1000 or inf) and writes
+#: ``nan`` as a literal TorchScript cannot read.
 default_decompositions: dict[Any, Callable[..., Any]] = get_decompositions([
     aten.detach,
     aten.conj_physical,
@@ -53,7 +56,6 @@ default_decompositions: dict[Any, Callable[..., Any]] = get_decompositions([
     aten.elu_backward,
     aten.mish_backward,
     aten.softplus_backward,
-    aten.logit_backward,
     aten.native_dropout_backward,
     aten.elu,
     aten.leaky_relu,
@@ -146,13 +148,17 @@ def _is_cast(node: fx.Node) -> bool:
 
 
 def _script(gm: fx.GraphModule, what: str, remove_mutation: bool) -> torch.jit.ScriptModule:
-    """Script and freeze ``gm``, turning TorchScript's errors into a CompilerError."""
+    """Script and freeze ``gm``, turning TorchScript's errors into a CompilerError. Closed-over
+    tensors (a mask, a frozen teacher's buffers) stay attributes: freezing would fold them, and
+    what is computed from them alone, into constants, and changes made to them in place later
+    would not show."""
     gm.recompile()
+    tensors = sorted({node.target for node, _ in closed_over_tensors(gm)})
     try:
         scripted = torch.jit.script(gm)
         if remove_mutation:
             torch._C._jit_pass_remove_mutation(scripted.graph)
-        return torch.jit.freeze(scripted.eval())
+        return torch.jit.freeze(scripted.eval(), preserved_attrs=tensors)
     except Exception as exc:
         raise CompilerError(
             f"{what}: TorchScript could not compile the graph: {type(exc).__name__}: "
@@ -161,8 +167,10 @@ def _script(gm: fx.GraphModule, what: str, remove_mutation: bool) -> torch.jit.S
         ) from exc
 
 
-def _boxed(scripted: torch.jit.ScriptModule) -> Callable[[list[Any]], Any]:
-    def run(args: list[Any]) -> Any:
+def _boxed(scripted: torch.jit.ScriptModule, what: str) -> Callable[[list[Any]], Any]:
+    def run(*call: Any) -> Any:
+        require_boxed(call, f"{what}'s compiled graph")
+        (args,) = call
         previous = torch._C._jit_set_autocast_mode(False)
         try:
             return scripted(*args)
@@ -195,7 +203,7 @@ def ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[l
         copied = copy_graph_module(gm)
         _strip_overloads(copied)
         _normalize_for_torchscript(copied)
-        return _boxed(_script(copied, "ts_compile", remove_mutation=True))
+        return _boxed(_script(copied, "ts_compile", remove_mutation=True), "ts_compile")
 
 
 def simple_ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
@@ -214,7 +222,8 @@ def simple_ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
     with _torchscript():
         copied = copy_graph_module(gm)
         _strip_overloads(copied)
-        return _boxed(_script(copied, "simple_ts_compile", remove_mutation=False))
+        return _boxed(_script(copied, "simple_ts_compile", remove_mutation=False),
+                      "simple_ts_compile")
 
 
 def nnc_jit(f: Callable[..., Any]) -> AotFunction:

@@ -1,0 +1,50 @@
+"""A tensor the compiled function reads without taking it as an argument: changes made to it
+in place show at the next call with every compiler (TorchScript's freezing and Inductor's
+constant inlining and folding would bake in its value at compile time)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import aotkit
+from aotkit.compilers import inductor, memory_efficient_fusion, nop, simple_ts_compile, ts_compile
+
+MASK = torch.ones(4)  # small: Inductor inlined it by value
+SCALE = torch.ones(4, 256)  # uniform: Inductor's joint-graph passes folded it to a `full`
+
+
+def f(x: torch.Tensor) -> torch.Tensor:
+    return (x * (MASK * 2) + MASK.sum()) * SCALE.mean(1) + (x.sin() * SCALE.T[:, :4]).sum(0)
+
+
+MAKERS: dict[str, Callable[[], Any]] = {
+    "nop": lambda: aotkit.aot_function(f, nop),
+    "ts_compile": lambda: aotkit.aot_function(f, ts_compile),
+    "simple_ts_compile": lambda: aotkit.aot_function(f, simple_ts_compile),
+    "memory_efficient_fusion": lambda: memory_efficient_fusion(f),
+    "inductor": lambda: aotkit.aot_function(f, inductor, decompositions=inductor.decompositions),
+}
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("compiler", list(MAKERS))
+def test_in_place_changes_to_a_closed_over_tensor_show(compiler: str, requires_grad: bool) -> None:
+    MASK.fill_(1.0), SCALE.fill_(1.0)
+    compiled = MAKERS[compiler]()
+    x = torch.linspace(-1, 1, 4, requires_grad=requires_grad)
+    try:
+        compiled(x)
+        MASK.copy_(torch.tensor([3.0, -1.0, 0.5, 2.0]))
+        SCALE.fill_(0.25)
+        got, want = compiled(x), f(x)
+        torch.testing.assert_close(got, want)
+        if requires_grad:
+            (grad,) = torch.autograd.grad(got.sum(), x)
+            (expected,) = torch.autograd.grad(want.sum(), x)
+            torch.testing.assert_close(grad, expected)
+    finally:
+        MASK.fill_(1.0), SCALE.fill_(1.0)
