@@ -431,6 +431,55 @@ def test_tensor_attributes_forward_assigns_are_read_at_every_call():
     assert reason.why.startswith("plain tensor attribute(s) ['ema', 'cached'] assigned anew")
 
 
+class _Carried(nn.Module):
+    """State carried to the next call on ``self`` without ``.detach()``."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        if start != "absent":
+            self.hidden = torch.zeros(2, 3) if start == "zeros" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = getattr(self, "hidden", None)
+        y = self.lin(x if h is None else x + h)
+        self.hidden = y
+        return y
+
+
+@pytest.mark.parametrize("start", ["absent", "none", "zeros"])
+def test_a_hidden_state_carried_without_detach_is_read_and_gets_gradients(start: str) -> None:
+    """The graph went on taking the branch traced for an absent (or None) attribute, or reading
+    the zeros it was traced from, silently: wrong outputs from the second call, wrong grads."""
+    torch.manual_seed(0)
+    eager = _Carried(start)
+    twin = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    outs = [[model(x) for x in xs] for model in (eager, compiled)]
+    for out in outs:
+        out[-1].sum().backward()  # through all three calls, as in eager
+    torch.testing.assert_close(outs[1], outs[0])
+    for got, want in zip(twin.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+    assert twin.hidden.grad_fn is not None
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "['hidden'] assigned anew" in reason.why
+
+
+def test_a_tensor_attribute_replaced_by_one_requiring_grad_is_read_with_its_gradient() -> None:
+    torch.manual_seed(0)
+    eager = _Scaled()
+    twin = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(compiled(x), eager(x))
+    eager.scale = torch.full((3,), 2.0, requires_grad=True)
+    twin.scale = torch.full((3,), 2.0, requires_grad=True)
+    torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+    torch.testing.assert_close(twin.scale.grad, eager.scale.grad)
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()

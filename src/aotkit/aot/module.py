@@ -42,16 +42,18 @@ log = logging.getLogger("aotkit.aot")
 # self.ema + x``, ``self.cache = ...``) is put back after tracing (a tracing value must not stay
 # on the module), returned by the graph, and assigned to the module after each call, as eager
 # assigns it. A plain attribute is read while tracing, a constant of the graph; once forward is
-# seen assigning it a tensor that does not require grad (a running average, a cache), it
-# becomes state like a buffer (a slot in its module's ``__dict__``, an input read at every
-# call), so the next call reads what the last one assigned. That layout is compiled at the next
-# call, with a recompile decision naming the attributes. So does one replaced from outside
-# between calls (``model.scale = ...``: the layout lists the modules' tensor attributes, and
-# every call checks they are still there; one forward never reads costs a recompile). A tensor
-# that requires grad (an activation a hook keeps, old-style weight_norm's weight, recomputed
-# by an eager call in between) stays out: read as an input it would tie each call's graph to
-# the last one's, which eager's forward does not read. So a state forward reads and assigns
-# without ``.detach()`` in grad mode, or one requiring grad set from outside, is read as traced.
+# seen assigning it a tensor (a running average, a cache, a hidden state carried to the next
+# call, an activation a hook keeps; absent or None before), it becomes state like a buffer (a
+# slot in its module's ``__dict__``, an input read at every call), so the next call reads what
+# the last one assigned. That layout is compiled at the next call, with a recompile decision
+# naming the attributes. So does one replaced from outside between calls (``model.scale =
+# ...``: the layout lists the modules' tensor attributes, and every call checks they are still
+# there; one forward never reads costs a recompile). One that requires grad ties each call's
+# graph to the last one's where forward reads it, as eager's does (a hidden state carried
+# without ``.detach()``: its gradient flows into the last call's graph); an input the graph
+# does not read gets no gradient edge, so an activation kept for inspection ties nothing.
+# Before, such tensors stayed constants: the graph went on reading the value it was traced
+# from, or the branch it took for an absent attribute, silently.
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
@@ -153,7 +155,7 @@ class AotModule(nn.Module):
                 continue
             if name in compiled.layout.constants:  # forward's own assignment: not a change
                 compiled.layout.constants[name] = (module.__dict__, attribute, value)
-            if not value.requires_grad and attribute not in module._buffers \
+            if attribute not in module._buffers \
                     and attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
@@ -170,16 +172,12 @@ class AotModule(nn.Module):
     def _read_replaced(self, compiled: _Compiled) -> bool:
         """Plain tensor attributes replaced since the last call (``model.scale = ...``), which
         the graph holds as constants, are read as inputs from now on (Note [Module state as
-        graph inputs]); whether there were any. One replaced by a tensor that requires grad
-        stays out, as forward's own such assignments do."""
+        graph inputs]); whether there were any."""
         constants = compiled.layout.constants
         replaced = []
         for name, (d, key, value) in constants.items():
             new = d.get(key)
             if new is value or not isinstance(new, torch.Tensor):
-                continue
-            if new.requires_grad:
-                constants[name] = (d, key, new)
                 continue
             module = self.orig_module.get_submodule(name.rpartition(".")[0])
             self._attributes[id(module)] = (*self._attributes.get(id(module), ()), key)
