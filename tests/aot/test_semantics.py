@@ -1632,6 +1632,23 @@ def test_aot_module_lstm_on_cpu(mkldnn, input_grad):
     assert all("mkldnn_rnn_layer" in d.why for d in retraced)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_aot_module_lstm_under_cpu_autocast_computes_as_eager_without_onednn():
+    """The oneDNN-off trace returns float32 where oneDNN's kernel returns bfloat16; the values
+    are eager's without oneDNN, and the retrace decision says why the dtype differs."""
+    torch.manual_seed(0)
+    mod = nn.LSTM(3, 4, batch_first=True)
+    x = rand(2, 5, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = aotkit.aot_module(mod, compilers.nop)(x)
+        with torch.backends.mkldnn.flags(enabled=False):
+            expected, _ = mod(x)
+    assert out.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(out, expected)
+    (retraced,) = counters.explain().of_kind("retrace")
+    assert "oneDNN's kernel returns the autocast dtype" in retraced.why
+
+
 # --- the graphs compilers receive ------------------------------------------------------------
 
 

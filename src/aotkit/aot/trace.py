@@ -164,6 +164,10 @@ def trace_with_fallback(trace: Callable[[Fallback], _T], mode: FakeTensorMode, w
         if error is None:
             raise
         raise error from error.__cause__
+    if fallback == "onednn_off" and torch.is_autocast_enabled("cpu"):
+        why += (f" Under CPU autocast the RNN then computes and returns "
+                f"{torch.get_autocast_dtype('cpu')} only where its ops do (ATen's LSTM returns "
+                "float32 for float32 inputs), where oneDNN's kernel returns the autocast dtype.")
     counters.record("retrace", what, f"{why} Traced again with {_FALLBACK_DOES[fallback]} "
                     "(Note [Python dispatcher]).", logger=log)
     return traced, fallback
