@@ -15,8 +15,8 @@ the backward reads, itself or through views (autograd's ``detach``), is always s
 recomputed: eager's formula reads it so (``exp``'s backward its result), and changing it in
 place before ``backward()`` must raise eager's "modified by an inplace operation", not give
 gradients of the value before the change. One it does not read (nor a view of it) is never
-saved: eager holds no reference to it, so the caller may change it in place and backward()
-must still run. For the same reason common-subexpression elimination leaves the outputs, and
+saved (unless nothing else can be: a random op's output a checkpointed region returns): eager
+holds no reference to it, so the caller may change it in place and backward() must still run. For the same reason common-subexpression elimination leaves the outputs, and
 the values they view, apart from everything else. Values only the backward needs, however
 expensive, are computed there. Ties go to later nodes, which leaves fewer ops to recompute.
 SymInts stay out of the network: every forward SymInt the backward needs is saved.
@@ -156,11 +156,11 @@ class _Network:
             self.fw_tensors, pinned, forward_code, self.held)
         self.read_by_bw = self._read_by_backward(tangent_side)
         read_whole = {_viewed(n) for n in self.read_by_bw}
-        self.must_save = [n for n in self.fw_tensors
-                          if n.meta.get("recompute") in _SAVE or n in region_outputs
-                          or (n in self.held and n in read_whole)]
         self.unsaveable = {n for n in self.fw_tensors if n.op != "placeholder"
                            and _viewed(n) in self.held and _viewed(n) not in read_whole}
+        self.must_save = [n for n in self.fw_tensors if n not in self.unsaveable and (
+            n.meta.get("recompute") in _SAVE or n in region_outputs
+            or (n in self.held and n in read_whole))]
         # Values only the backward needs (a custom Function's backward reading x @ x.T) are
         # computed there, whatever they cost.
         self.expensive = [n for n in self.fw_tensors if n in forward_code
@@ -211,11 +211,15 @@ class _Network:
         return graph
 
     def _capacity(self, node: fx.Node, scale: int) -> int | None:
-        """Bytes (scaled) plus a tie-break for later nodes; None where a node cannot be saved."""
-        if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed \
-                or node in self.unsaveable:
+        """Bytes (scaled) plus a tie-break for later nodes; None where a node cannot be saved.
+        An output the backward does not read costs more than every other value together: saved
+        only where nothing else can be (a checkpointed region's dropout output it returns)."""
+        if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed:
             return None
-        size = 0 if node.op == "placeholder" or node in self.held else nbytes(node)
+        if node in self.unsaveable:
+            size = sum(nbytes(n) for n in self.fw_tensors) + 2
+        else:
+            size = 0 if node.op == "placeholder" or node in self.held else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
 
     def split(self, cut: _Cut) -> tuple[fx.GraphModule, fx.GraphModule]:
