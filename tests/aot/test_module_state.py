@@ -5,6 +5,7 @@ eagerly and through aot_module and compares outputs, gradients and the module's 
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -465,6 +466,27 @@ def test_a_hidden_state_carried_without_detach_is_read_and_gets_gradients(start:
     assert twin.hidden.grad_fn is not None
     (reason,) = aotkit.explain().of_kind("recompile")
     assert "['hidden'] assigned anew" in reason.why
+
+
+@pytest.mark.parametrize("start", ["absent", "none"])
+def test_an_activation_a_hook_keeps_is_not_an_input(start: str) -> None:
+    """Note [Attribute reads while tracing]: a hook's ``m.act = out`` is written, never read;
+    as an input its batch-sized shape joined every call's signature, and alternating batch
+    sizes hit the recompile limit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    if start == "none":
+        model[1].act = None
+    model[1].register_forward_hook(lambda m, i, o: setattr(m, "act", o))
+    compiled = aotkit.aot_module(model, compilers.nop)
+    sizes = [8, 7, 6, 5]
+    for a, b in itertools.permutations(sizes, 2):
+        for batch in (a, b):
+            x = torch.randn(batch, 3)
+            compiled(x).sum().backward()
+            torch.testing.assert_close(model[1].act, model[:2](x))
+            assert model[1].act.requires_grad
+    assert compiled.num_entries == len(sizes)
 
 
 def test_a_tensor_attribute_replaced_by_one_requiring_grad_is_read_with_its_gradient() -> None:

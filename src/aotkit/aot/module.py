@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -48,10 +49,10 @@ log = logging.getLogger("aotkit.aot")
 # the last one assigned. That layout is compiled at the next call, with a recompile decision
 # naming the attributes. So does one replaced from outside between calls (``model.scale =
 # ...``: the layout lists the modules' tensor attributes, and every call checks they are still
-# there; one forward never reads costs a recompile). One that requires grad ties each call's
-# graph to the last one's where forward reads it, as eager's does (a hidden state carried
-# without ``.detach()``: its gradient flows into the last call's graph); an input the graph
-# does not read gets no gradient edge, so an activation kept for inspection ties nothing.
+# there; one forward never reads costs a recompile). One that requires grad becomes state only
+# where forward reads it (Note [Attribute reads while tracing]; an activation a hook keeps does
+# not), and then ties each call's graph to the last one's, as eager's does (a hidden state
+# carried without ``.detach()``: its gradient flows into the last call's graph).
 # Before, such tensors stayed constants: the graph went on reading the value it was traced
 # from, or the branch it took for an absent attribute, silently.
 
@@ -85,6 +86,8 @@ class _Layout:
     guarded_values: dict[str, Any] = dataclasses.field(default_factory=dict)
     values_traced_from: dict[str, Any] = dataclasses.field(default_factory=dict)
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
+    # Plain attributes forward read while tracing (Note [Attribute reads while tracing]).
+    read_attributes: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -155,7 +158,8 @@ class AotModule(nn.Module):
                 continue
             if name in compiled.layout.constants:  # forward's own assignment: not a change
                 compiled.layout.constants[name] = (module.__dict__, attribute, value)
-            if attribute not in module._buffers \
+            read = not value.requires_grad or name in compiled.layout.read_attributes
+            if read and attribute not in module._buffers \
                     and attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
@@ -439,8 +443,10 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
     for s in slots:
         s.table[s.key] = state[s.index]
     assigned: dict[str, Any] = {}
+    watched = _watching_reads(layout, {(id(s.table), s.key) for s in slots})
     try:
-        yield assigned
+        with watched:
+            yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
         state_slots = {(id(s.table), s.key) for s in slots if s.is_attribute}
         assigned.update(_attributes_assigned(attributes, state_slots, layout))
@@ -457,6 +463,66 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
         for table, before in hooks:
             table.clear()
             table.update(before)
+
+
+# Note [Attribute reads while tracing]
+# A tensor forward assigns to a plain attribute becomes an input of later calls (Note [Module
+# state as graph inputs]) only where forward reads that attribute, or it does not require grad:
+# an activation a hook keeps (``m.act = out``) is written, never read, and as an input its
+# shape, which follows the batch, would be part of every call's signature (a recompile for each
+# pair of batch sizes). Python reads an instance's ``__dict__`` without asking the module, so
+# while tracing, the modules' plain tensor (and None) attributes are moved out of it and served
+# by ``nn.Module.__getattr__`` (which Python calls for names missing from ``__dict__``), which
+# records the name; so are names looked up and missing (``getattr(self, "h", None)``). A
+# write puts the attribute back in ``__dict__``; reads after it are forward's own value.
+_READS = threading.local()  # .watched: the tracing thread's _WatchedReads
+
+
+def _getattr_watching_reads(module: nn.Module, name: str) -> Any:
+    watched = getattr(_READS, "watched", None)
+    if watched is not None:
+        prefix = watched.prefixes.get(id(module.__dict__))
+        if prefix is not None:
+            watched.seen.add(f"{prefix}.{name}" if prefix else name)
+            hidden = watched.hidden.get((id(module.__dict__), name), _MISSING)
+            if hidden is not _MISSING:
+                return hidden
+    return _MODULE_GETATTR(module, name)
+
+
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
+@dataclasses.dataclass
+class _WatchedReads:
+    prefixes: dict[int, str]
+    hidden: dict[tuple[int, str], Any]
+    seen: set[str]
+
+
+@contextlib.contextmanager
+def _watching_reads(layout: _Layout, slots: set[tuple[int, str]]) -> Iterator[None]:
+    """See Note [Attribute reads while tracing]; what forward read lands in
+    ``layout.read_attributes``."""
+    dicts = {id(d): (prefix, d) for prefix, d in layout.attributes}
+    hidden = {(id(d), key): value for prefix, d in layout.attributes for key, value in d.items()
+              if (isinstance(value, torch.Tensor) or value is None)
+              and (id(d), key) not in slots and not key.startswith("__")}
+    for (dict_id, key) in hidden:
+        del dicts[dict_id][1][key]
+    watched = _WatchedReads({i: prefix for i, (prefix, _) in dicts.items()}, hidden, set())
+    outer = getattr(_READS, "watched", None)
+    _READS.watched = watched
+    nn.Module.__getattr__ = _getattr_watching_reads  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _READS.watched = outer
+        if outer is None:
+            nn.Module.__getattr__ = _MODULE_GETATTR  # type: ignore[method-assign]
+        for (dict_id, key), value in hidden.items():
+            dicts[dict_id][1].setdefault(key, value)
+        layout.read_attributes |= watched.seen
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],
