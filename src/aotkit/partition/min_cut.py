@@ -14,7 +14,9 @@ Costs are bytes (symbolic sizes through their hints); graph inputs and the forwa
 the backward reads, itself or through views (autograd's ``detach``), is always saved, never
 recomputed: eager's formula reads it so (``exp``'s backward its result), and changing it in
 place before ``backward()`` must raise eager's "modified by an inplace operation", not give
-gradients of the value before the change. One it does not read (nor a view of it) is never
+gradients of the value before the change (reading it counts where a value only the backward
+needs is computed from it: sin's backward reads ``cos(y)``, eager's reads ``y``). One it does
+not read (nor a view of it) is never
 saved (unless nothing else can be: a random op's output a checkpointed region returns): eager
 holds no reference to it, so the caller may change it in place and backward() must still run. For the same reason common-subexpression elimination leaves the outputs, and
 the values they view, apart from everything else. Values only the backward needs, however
@@ -155,7 +157,11 @@ class _Network:
         self.checkpointed, region_outputs = _checkpointed_regions(
             self.fw_tensors, pinned, forward_code, self.held)
         self.read_by_bw = self._read_by_backward(tangent_side)
-        read_whole = {_viewed(n) for n in self.read_by_bw}
+        # What eager's backward formulas read: besides what the backward graph reads, the
+        # inputs of values only the backward needs (sin's backward computes cos(y) from y).
+        backward_only = {n for n in self.fw_tensors if n not in forward_code}
+        read_whole = {_viewed(u) for u in self.read_by_bw | {
+            u for n in backward_only for u in n.all_input_nodes} if u not in backward_only}
         self.unsaveable = {n for n in self.fw_tensors if n.op != "placeholder"
                            and _viewed(n) in self.held and _viewed(n) not in read_whole}
         self.must_save = [n for n in self.fw_tensors if n not in self.unsaveable and (
