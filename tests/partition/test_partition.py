@@ -598,3 +598,21 @@ def test_min_cut_recomputes_gathers() -> None:
     captured = run_both(lambda x: x.exp()[idx].sin(), x, partition="min_cut")
     assert captured.report.saved_bytes == 0
     assert "aten.index.Tensor" in captured.report.recomputed
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_an_output_a_backward_formula_reads_is_saved(partition: str) -> None:
+    """sin's backward computes cos(y) from y: eager saves y, so changing y in place raises;
+    min-cut saved the cos it computed in the forward instead, and gave the old value's grads."""
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ w
+        return y, y.sin()
+
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    for call in (fn, f):
+        x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        y, s = call(x, w)
+        with torch.no_grad():
+            y.mul_(0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            s.sum().backward()
