@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -313,7 +313,30 @@ def dynamo_recompile_reason() -> str | None:
 
     metrics = getattr(get_metrics_context(), "_metrics", {})
     reason = metrics.get("recompile_reason")
-    return str(reason).strip() if reason else None
+    return tidy_guard_failure(str(reason)) if reason else None
+
+
+def tidy_guard_failure(text: str) -> str:
+    """Dynamo's guard failure text in one line: ``0/2: k == 2`` padded to a column, a comment
+    with the source line and a cut-off path, then a "User stack trace" block, becomes
+    ``0/2: k == 2 (from f.py:9 in fb: return x * k)``."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return text.strip()
+    guard = " ".join(lines[0].split("  # ")[0].split())
+    frames = [i for i, line in enumerate(lines) if line.startswith("File \"")]
+    if not frames:
+        return guard
+    where = lines[frames[-1]]
+    try:
+        path = where.split('"')[1]
+        line_no = where.split(", line ")[1].split(",")[0]
+        function = where.rsplit(" in ", 1)[1]
+    except IndexError:
+        return guard
+    source = lines[frames[-1] + 1] if frames[-1] + 1 < len(lines) else ""
+    source = "" if source.startswith("File \"") else f": {source}"
+    return f"{guard} (from {os.path.basename(path)}:{line_no} in {function}{source})"
 
 
 # Note [aotkit's code is not user code to Dynamo]
@@ -407,3 +430,28 @@ def hide_from_dynamo_if_loaded() -> None:
     ``torch.compile`` was used, which may be handed to it); importing Dynamo costs ~0.6 s."""
     if "torch._dynamo.eval_frame" in sys.modules:
         hide_from_dynamo()
+
+
+def on_dynamo_recompile_limit(callback: Callable[[str, Any, str, str | None], None]) -> None:
+    """Call ``callback(limit_type, limit, function, last_reason)`` whenever Dynamo gives up
+    compiling a frame (its recompile limit) and runs it eagerly from then on. Dynamo also logs
+    a warning, but a program that quiets the ``torch`` loggers never sees it: Dynamo's check
+    itself is wrapped, reading the frame's code and reason from the caller (``_compile``'s
+    ``code`` and ``recompile_reason`` locals, on 2.11 and 2.13)."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    check = convert_frame.exceeds_recompile_limit
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        exceeded, limit_type = check(*args, **kwargs)
+        if exceeded:
+            caller = sys._getframe(1).f_locals
+            code = caller.get("code")
+            function = (f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
+                        if isinstance(code, types.CodeType) else "a frame")
+            callback(limit_type, getattr(torch._dynamo.config, limit_type, "?"), function,
+                     caller.get("recompile_reason"))
+        return exceeded, limit_type
+
+    convert_frame.exceeds_recompile_limit = checked
+

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from aotkit import config, counters
+from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
@@ -915,25 +915,22 @@ def note_dynamo_recompile(name: str) -> None:
 
 @functools.cache
 def _record_dynamo_fallbacks() -> None:
-    logging.getLogger("torch._dynamo.convert_frame").addFilter(_DynamoLimitFilter())
+    compat.on_dynamo_recompile_limit(_record_dynamo_fallback)
 
 
-class _DynamoLimitFilter(logging.Filter):
-    """Turns Dynamo's "hit config.recompile_limit" warning into a "fallback" decision."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 4:
-            limit_type, limit, function, reason = record.args[:4]  # type: ignore[index,misc]
-            sizes = "size mismatch" in str(reason) or "stride mismatch" in str(reason)
-            fix = ("let the changing sizes be dynamic (torch._dynamo.mark_dynamic, or "
-                   "torch.compile(..., dynamic=True))" if sizes else
-                   "keep the guarded value stable, or pass a Python value that changes from "
-                   "call to call as a tensor")
-            counters.record("fallback", f"torch.compile({function})", (
-                f"Dynamo compiled it torch._dynamo.config.{limit_type} = {limit} times and "
-                f"runs it eagerly from now on (last recompile: {reason}).\nFix: {fix}, or "
-                f"raise torch._dynamo.config.{limit_type}."), logger=log)
-        return True
+def _record_dynamo_fallback(limit_type: str, limit: Any, function: str, reason: str | None,
+                            ) -> None:
+    """Dynamo's recompile limit as a "fallback" decision."""
+    sizes = "size mismatch" in str(reason) or "stride mismatch" in str(reason)
+    fix = ("let the changing sizes be dynamic (torch._dynamo.mark_dynamic, or "
+           "torch.compile(..., dynamic=True))" if sizes else
+           "keep the guarded value stable, or pass a Python value that changes from "
+           "call to call as a tensor")
+    reason = compat.tidy_guard_failure(reason) if reason else reason
+    counters.record("fallback", f"torch.compile({function})", (
+        f"Dynamo compiled it torch._dynamo.config.{limit_type} = {limit} times and "
+        f"runs it eagerly from now on (last recompile: {reason}).\nFix: {fix}, or "
+        f"raise torch._dynamo.config.{limit_type}."), logger=log)
 
 
 def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") -> Any:
