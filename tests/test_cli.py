@@ -135,6 +135,22 @@ def test_graphs_min_cut_budget_and_drawings(capsys: pytest.CaptureFixture[str],
         assert (tmp_path / f"{kind}.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
+def test_graphs_min_cut_without_budget_takes_the_configured_one(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The command set budget 1 whenever --budget was absent, ignoring the config's (and with
+    it AOTKIT_ACTIVATION_MEMORY_BUDGET)."""
+    with aotkit.config.patch(activation_memory_budget=0.0):
+        assert cli.main(["graphs", "--model", "mlp", "--partition", "min_cut"]) == 0
+    assert "aten.addmm.default" in capsys.readouterr().out.split("recomputed", 1)[1]
+
+
+def test_graphs_inference_is_the_eval_mode_graph(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["graphs", "--model", "transformer", "--inference", "--code"]) == 0
+    out = capsys.readouterr().out
+    assert "aotkit graphs: transformer (inference)" in out
+    assert "dropout" not in out and "bernoulli" not in out
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["graphs", "--partition", "min_cut", "--budget", "7"], "not in [0, 1]"),
     (["graphs", "--partition", "min_cut", "--budget", "abc"], "invalid budget value: 'abc'"),

@@ -51,7 +51,8 @@ def _graphs(args: argparse.Namespace) -> int:
         graphs = capture_backward_graph(args.model)
         mode = "whole backward under aotkit.compiled_autograd"
     else:
-        with config.patch(activation_memory_budget=1.0 if args.budget is None else args.budget):
+        budget = {} if args.budget is None else {"activation_memory_budget": args.budget}
+        with config.patch(**budget):
             graphs = capture_graphs(args.model, training=not args.inference,
                                     partition_fn=partition_fn)
         mode = "inference" if args.inference else "training"
@@ -123,11 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which model's graphs (default: transformer)")
     graphs.add_argument("--code", action="store_true", help="also print each graph's code")
     graphs.add_argument("--inference", action="store_true",
-                        help="capture the inference graph (torch.no_grad) instead")
+                        help="capture the inference graph (model.eval(), torch.no_grad) instead")
     graphs.add_argument("--partition", choices=_PARTITIONERS, default="default",
                         help="how the joint graph is split (default: default)")
     graphs.add_argument("--budget", type=budget, default=None,
-                        help="activation_memory_budget for --partition min_cut (0..1, default 1)")
+                        help="activation_memory_budget for --partition min_cut (0..1; default "
+                             "aotkit.config's: 1, or AOTKIT_ACTIVATION_MEMORY_BUDGET)")
     graphs.add_argument("--compiled-autograd", action="store_true",
                         help="capture the whole backward with aotkit.compiled_autograd (one "
                              "graph, hooks and .grad accumulation included) instead")

@@ -330,7 +330,8 @@ def capture_graphs(model: str = "transformer", training: bool = True,
                    module: nn.Module | None = None) -> list[CapturedGraph]:
     """The graphs ``aotkit.aot_module`` produces for one step of ``model`` ("transformer" or
     "mlp"; ``module``, if given, is that model as built, else it is built from seed 0): forward
-    and backward when ``training`` (split by ``partition_fn``), else the inference graph.
+    and backward when ``training`` (split by ``partition_fn``), else the inference graph (the
+    model in eval mode, under ``torch.no_grad``; its mode is put back afterwards).
 
     Example::
 
@@ -360,6 +361,11 @@ def capture_graphs(model: str = "transformer", training: bool = True,
         out = compiled(x)
         out.float().sum().backward()
     else:
-        with torch.no_grad():
-            compiled(x)
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                compiled(x)
+        finally:
+            module.train(was_training)
     return captured
