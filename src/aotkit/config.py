@@ -18,6 +18,7 @@ persistent cache) key on the parts that concern them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import sys
@@ -138,30 +139,35 @@ _keys: dict[tuple[str, ...], tuple[tuple[str, Any], ...]] = {}
 
 def _write(name: str, value: Any) -> None:
     _values[name] = value
+    # A copy in the module's namespace, where unittest.mock.patch.object looks for the value
+    # to put back (reads go through _ConfigModule's properties, never this copy).
+    globals()[name] = value
+    _environment_errors.pop(name, None)  # set from code: a bad variable no longer matters
     _keys.clear()
 
 
-#: A bad AOTKIT_* variable, raised at the first use of aotkit.config rather than at import, so
-#: that ``import aotkit`` and ``aotkit --help`` work and the error has a place to be reported.
-_environment_error: ConfigError | None = None
+#: Bad AOTKIT_* variables by option, raised at the first use of aotkit.config rather than at
+#: import, so that ``import aotkit`` and ``aotkit --help`` work and the error has a place to be
+#: reported. Setting the option from code replaces the variable's value.
+_environment_errors: dict[str, ConfigError] = {}
 
 
 def _load_environment() -> None:
-    global _environment_error
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
         try:
             value = option.default if text is None else _from_environment(option, text)
         except ConfigError as exc:
-            _environment_error = _environment_error or exc
-            value = option.default
+            _write(option.name, option.default)
+            _environment_errors[option.name] = exc
+            continue
         _write(option.name, value)
 
 
 def check_environment() -> None:
-    """Raise the ConfigError of a bad ``AOTKIT_*`` environment variable, if any."""
-    if _environment_error is not None:
-        raise _environment_error
+    """Raise a ConfigError naming every bad ``AOTKIT_*`` environment variable, if any."""
+    if _environment_errors:
+        raise ConfigError("\n".join(str(e) for e in _environment_errors.values()))
 
 
 def _from_environment(option: Option, text: str) -> Any:
@@ -191,6 +197,16 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
     def __init__(self, **changes: Any) -> None:
         self.changes = changes
         self._saved: list[dict[str, Any]] = []  # one per active entry
+
+    def __call__(self, func: Any) -> Any:
+        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func) \
+                or inspect.isasyncgenfunction(func):
+            raise ConfigError(
+                f"aotkit.config.patch cannot decorate {func.__qualname__}: it is a generator "
+                "or async function, whose body runs after the call returns, outside the patch."
+                "\nFix: use `with aotkit.config.patch(...):` inside its body."
+            )
+        return super().__call__(func)
 
     def __enter__(self) -> None:
         check_environment()
@@ -238,12 +254,10 @@ def cache_key(*parts: str) -> tuple[tuple[str, Any], ...]:
 
 
 class _ConfigModule(types.ModuleType):
-    """Option values read and written as module attributes, type-checked on write."""
+    """Option values read and written as module attributes (properties, added below for each
+    option), type-checked on write."""
 
     def __getattr__(self, name: str) -> Any:
-        if name in _values:
-            check_environment()
-            return _values[name]
         raise AttributeError(_unknown(name))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -253,6 +267,12 @@ class _ConfigModule(types.ModuleType):
             super().__setattr__(name, value)
         else:  # also the module's functions (config.patch = ...): not options
             raise ConfigError(_unknown(name))
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OPTIONS:
+            raise ConfigError(f"aotkit.config.{name} cannot be deleted.\nFix: assign it a "
+                              "value, or use aotkit.config.patch(...) to change it for a while.")
+        super().__delattr__(name)
 
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), *_OPTIONS})
@@ -266,5 +286,18 @@ def _unknown(name: str) -> str:
     return f"aotkit.config has no option {name!r}.{hint} Options: {', '.join(sorted(_OPTIONS))}."
 
 
+def _option_property(name: str) -> property:
+    def read(_: types.ModuleType) -> Any:
+        check_environment()
+        return _values[name]
+
+    def write(_: types.ModuleType, value: Any) -> None:
+        _write(name, _check(_OPTIONS[name], value))
+
+    return property(read, write, doc=_OPTIONS[name].help)
+
+
+for _name in _OPTIONS:
+    setattr(_ConfigModule, _name, _option_property(_name))
 _load_environment()
 sys.modules[__name__].__class__ = _ConfigModule

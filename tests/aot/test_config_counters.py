@@ -153,6 +153,48 @@ def test_options_have_type_default_help_and_env_var():
     assert set(key) == {n for n, o in options.items() if o.in_cache_key}
 
 
+def test_mock_patch_of_an_option_restores_it():
+    """unittest.mock found no option in the module's namespace, deleted it on exit (an
+    AttributeError) and left the patched value."""
+    from unittest import mock
+
+    with config.patch(recompile_limit=5):
+        with mock.patch.object(config, "recompile_limit", 3):
+            assert config.recompile_limit == 3
+        assert config.recompile_limit == 5
+        with mock.patch("aotkit.config.debug_graphs", not config.debug_graphs) as value:
+            assert config.debug_graphs is value
+    with pytest.raises(aotkit.errors.ConfigError, match="cannot be deleted"):
+        del config.recompile_limit
+
+
+def test_patch_refuses_to_decorate_generators_and_coroutines():
+    def gen():
+        yield config.recompile_limit
+
+    async def coroutine():
+        return config.recompile_limit
+
+    for fn in (gen, coroutine):
+        with pytest.raises(aotkit.errors.ConfigError, match="generator or async"):
+            config.patch(recompile_limit=2)(fn)
+
+
+def test_every_bad_env_value_is_named_and_setting_the_option_fixes_it():
+    code = ("import aotkit\n"
+            "for fix in ('recompile_limit', 'log_graphs'):\n"
+            "    try: aotkit.config.debug_graphs\n"
+            "    except aotkit.errors.ConfigError as e: print(repr(str(e)))\n"
+            "    setattr(aotkit.config, fix, 2 if fix == 'recompile_limit' else True)\n"
+            "print(aotkit.config.debug_graphs, aotkit.config.recompile_limit)\n")
+    out = _python(code, AOTKIT_RECOMPILE_LIMIT="abc", AOTKIT_LOG_GRAPHS="maybe")
+    assert out.returncode == 0, out.stderr
+    first, second, last = out.stdout.splitlines()
+    assert "AOTKIT_RECOMPILE_LIMIT='abc'" in first and "AOTKIT_LOG_GRAPHS='maybe'" in first
+    assert "AOTKIT_RECOMPILE_LIMIT" not in second and "AOTKIT_LOG_GRAPHS='maybe'" in second
+    assert last == "False 2"
+
+
 def test_env_override_is_parsed_in_a_fresh_process():
     out = _python("import aotkit; c = aotkit.config; print(c.recompile_limit, c.debug_graphs)",
                   AOTKIT_RECOMPILE_LIMIT="3", AOTKIT_DEBUG_GRAPHS="yes")
