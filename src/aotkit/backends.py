@@ -51,8 +51,10 @@ def partition_from(options: Mapping[str, Any] | None, default: str = "default") 
     unknown = sorted(set(options) - {"partition", "activation_memory_budget"})
     name = options.get("partition", default)
     if unknown or not isinstance(name, str) or name not in _PARTITIONS:
+        problem = (f"unknown aotkit backend option(s) {unknown}" if unknown else
+                   f"unknown partition {name!r} in the aotkit backend's options")
         raise ArgumentError(
-            f"unknown aotkit backend option(s) {unknown or {'partition': name}}.\nFix: accepted "
+            f"{problem}.\nFix: accepted "
             f"are partition ({' or '.join(map(repr, _PARTITIONS))}) and activation_memory_budget "
             "(a number in [0, 1], with partition='min_cut')."
         )

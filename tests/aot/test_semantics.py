@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import re
 import textwrap
 
@@ -1307,6 +1308,22 @@ def test_returning_an_object_is_an_output_type_error(bad):
     with pytest.raises(OutputTypeError, match=r"output\[1\]\['extra'\]") as info:
         f(rand(2, grad=True))
     assert type(bad).__name__ in str(info.value)
+
+
+def test_a_generator_function_is_refused_naming_why():
+    def gen(x):
+        yield x + 1
+
+    with pytest.raises(OutputTypeError, match="a generator or async function runs its body"):
+        aotkit.aot_function(gen, compilers.nop)(rand(2, grad=True))
+
+
+def test_an_op_failing_on_fake_tensors_is_one_trace_error_without_a_logged_traceback(caplog):
+    f = aotkit.aot_function(lambda a, b: a @ b, compilers.nop)
+    with caplog.at_level(logging.DEBUG, logger="torch._subclasses.fake_tensor"), \
+            pytest.raises(TraceError, match=r"aten\.mm\.default failed while tracing"):
+        f(rand(2, 4, grad=True), rand(3, 3))
+    assert not [r for r in caplog.records if "failed while attempting" in r.getMessage()]
 
 
 def test_numpy_inside_is_a_trace_error_naming_the_line():

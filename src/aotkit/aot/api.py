@@ -752,8 +752,17 @@ def check_outputs(out: Any, flat: list[Any], name: str) -> None:
     for path, leaf in pytree.tree_flatten_with_path(out)[0]:
         if not isinstance(leaf, _OUTPUT_LEAVES):
             where = "output" + "".join(str(k) for k in path)
+            if inspect.isgenerator(leaf) or inspect.iscoroutine(leaf) or inspect.isasyncgen(leaf):
+                raise OutputTypeError(
+                    f"{name} returned a {type(leaf).__name__} at {where}: a generator or async "
+                    "function runs its body only when iterated or awaited, after the compiled "
+                    "call.\nFix: compile a plain function that returns tensors, and call it from "
+                    "the generator (or coroutine)."
+                )
+            kind = type(leaf).__name__
             raise OutputTypeError(
-                f"{name} returned a {type(leaf).__name__} at {where}; compiled functions may "
+                f"{name} returned {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at "
+                f"{where}; compiled functions may "
                 "return tensors, Python scalars, None, and lists/tuples/dicts of them.\nFix: "
                 "return tensors (or convert the value), or register the type with "
                 "torch.utils._pytree.register_pytree_node so it flattens to tensors."

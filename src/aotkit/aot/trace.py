@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import os
@@ -173,6 +174,21 @@ def trace_with_fallback(trace: Callable[[Fallback], _T], mode: FakeTensorMode, w
     return traced, fallback
 
 
+class _QuietFakeFailures(logging.Filter):
+    """Drops the fake mode's ERROR log (with a traceback) of an op that failed on fake tensors
+    while an aotkit trace runs: the failure is raised as a TraceError naming the op, its message
+    and the user's line (``_op_failed``), and the same traceback printed first only buries it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_GUARD.get() is not None
+                    and str(record.msg).startswith("failed while attempting to run meta"))
+
+
+@functools.cache
+def _quiet_fake_failures() -> None:
+    logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietFakeFailures())
+
+
 @contextlib.contextmanager
 def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generator] = (),
             fallback: Fallback = None, reseeds: bool = False) -> Iterator[list[torch.Generator]]:
@@ -182,6 +198,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     The Python dispatcher is on with symbolic sizes; ``fallback`` as Note [Python dispatcher].
     ``reseeds``: reseeding the default generator is the caller's business (Dynamo's graphs),
     not refused (Note [Global state the function leaves changed])."""
+    _quiet_fake_failures()
     python = fallback == "python_dispatcher" or _symbolic(mode)
     dispatcher = enable_python_dispatcher() if python else contextlib.nullcontext()
     onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
