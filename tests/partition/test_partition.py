@@ -616,3 +616,13 @@ def test_an_output_a_backward_formula_reads_is_saved(partition: str) -> None:
             y.mul_(0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             s.sum().backward()
+
+
+_TABLE = torch.randn(5)
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_a_backward_reading_only_a_closed_over_tensor(partition: str) -> None:
+    """The backward of ``x * T`` reads nothing of the forward but ``T``, an attribute of the
+    graph: min-cut built a flow network without a sink ("node sink not in graph")."""
+    run_both(lambda x: x * _TABLE, torch.randn(5, requires_grad=True), partition=partition)

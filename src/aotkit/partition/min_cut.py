@@ -176,7 +176,7 @@ class _Network:
         bw_nodes = ancestors([*self.parts.bw_outputs, *self.bw_effects]) & tangent_side
         read = {u for n in bw_nodes for u in n.all_input_nodes}
         read |= {o for o in self.parts.bw_outputs if isinstance(o, fx.Node)}
-        return read - tangent_side - self.fw_syms
+        return (read - tangent_side - self.fw_syms) & set(self.fw_tensors)  # attributes: its own
 
     def cut(self, banned: Sequence[fx.Node]) -> _Cut:
         """The cheapest set of nodes to save when ``banned`` (and the pinned nodes) may not be
