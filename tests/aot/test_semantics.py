@@ -1595,6 +1595,28 @@ def test_aot_module_submodule_eval_recompiles():
     assert "1.training" in reason.why
 
 
+def test_recompile_reasons_name_where_the_argument_structure_changed():
+    """Both structures read "1 positional argument(s) (2 leaves)", and a tensor replaced by a
+    float showed the signature's internal tuple."""
+    x = rand(3, grad=True)
+    f = aotkit.aot_function(lambda d: d["a"] * d["b"], compilers.nop)
+    f({"a": x, "b": x})
+    f({"b": x, "a": x})
+    g = aotkit.aot_function(lambda items: items[0] * 2, compilers.nop)
+    g([x])
+    g((x,))
+    h = aotkit.aot_function(lambda a, b: a * b, compilers.nop)
+    h(x, b=x)
+    h(x, b=2.0)
+    reasons = [d.why for d in counters.explain().of_kind("recompile")]
+    assert reasons == [
+        "the structure of the arguments changed at args[0]: a dict with keys ['a', 'b'] -> "
+        "a dict with keys ['b', 'a']",
+        "the structure of the arguments changed at args[0]: a list of 1 -> a tuple of 1",
+        "kwargs['b'] changed: a tensor (float32, shape (3,)) -> float 2.0",
+    ]
+
+
 def test_aot_module_recompile_reason_names_the_parameter():
     lin = nn.Linear(3, 2)
     m = aotkit.aot_module(lin, compilers.nop)

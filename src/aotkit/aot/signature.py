@@ -224,8 +224,12 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
     leaves of different structures do not correspond). ``skip``: leading positional arguments
     the caller did not pass (aot_module's parameters and buffers)."""
     if old[0] != new[0]:
-        return ["the structure of the arguments changed: "
-                f"{_structure(old[0], skip)} -> {_structure(new[0], skip)}"]
+        before, after = _structure(old[0], skip), _structure(new[0], skip)
+        if before == after and not isinstance(old[0], int) and not isinstance(new[0], int):
+            path, before, after = _first_spec_difference(old[0], new[0], "")
+            return [f"the structure of the arguments changed at {_argument_path(path, skip)}: "
+                    f"{before} -> {after}"]
+        return [f"the structure of the arguments changed: {before} -> {after}"]
     if len(old[1]) != len(new[1]):
         return [f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"]
     found = [_leaf_change(name, a, b)
@@ -317,7 +321,41 @@ def _structure(s: pytree.TreeSpec | int, skip: int = 0) -> str:
             f"({args_spec.num_leaves - skip} leaves)" + (f" and keywords {kwargs}" if kwargs else ""))
 
 
+def _first_spec_difference(a: pytree.TreeSpec, b: pytree.TreeSpec, path: str,
+                           ) -> tuple[str, str, str]:
+    """Where two argument structures first differ (a pytree key path), and each one there."""
+    if a.type is not b.type or a.context != b.context or a.num_children != b.num_children:
+        return path, _container(a), _container(b)
+    keys = a.context if isinstance(a.context, list) and len(a.context) == a.num_children \
+        else range(a.num_children)
+    for key, x, y in zip(keys, a.children_specs, b.children_specs, strict=True):
+        if x != y:
+            return _first_spec_difference(x, y, f"{path}[{key!r}]")
+    return path, _container(a), _container(b)
+
+
+def _container(spec: pytree.TreeSpec) -> str:
+    if spec.is_leaf():
+        return "a leaf"
+    name = getattr(spec.type, "__name__", str(spec.type))
+    if isinstance(spec.context, list):
+        return f"a {name} with keys {spec.context}"
+    return f"a {name} of {spec.num_children}"
+
+
+def _argument_path(path: str, skip: int) -> str:
+    """``[0][0]['b']`` (positional arguments, then the first one's key) as ``args[0]['b']``."""
+    if path.startswith("[0]["):
+        index, _, rest = path[4:].partition("]")
+        return f"args[{int(index) - skip}]{rest}" if index.isdigit() else f"args{path[3:]}"
+    if path.startswith("[1]"):
+        return "kwargs" + path[3:]
+    return path or "the arguments"
+
+
 def _show(x: Any) -> str:
+    if isinstance(x, tuple) and len(x) == len(_FIELDS) and isinstance(x[0], torch.dtype):
+        return f"a tensor ({str(x[0]).removeprefix('torch.')}, shape {tuple(x[5])})"
     if isinstance(x, _Identity):
         return repr(x)
     if isinstance(x, _Object):
