@@ -983,6 +983,31 @@ def test_dynamic_one_compile_for_many_sizes_but_size_one_recompiles():
     assert "guard 2 <= args[0].size()[0]" in reason.why and "(1, 2)" in reason.why
 
 
+def test_dynamic_parameters_keep_static_sizes():
+    """Note [Static parameters]: a batch equal to a weight's size shared its symbol (a guard
+    "batch == out features"), and a conv net recompiled at every input size."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(8, 4))
+    compiled = aotkit.aot_module(net, compilers.nop, dynamic=True)
+    for batch, side in ((2, 8), (3, 12), (4, 10), (8, 8)):
+        x = rand(batch, 3, side, side)
+        torch.testing.assert_close(compiled(x), net(x))
+    assert compiled.num_entries == 1
+    assert not counters.explain().of_kind("recompile")
+
+
+def test_dynamic_parameter_of_another_size_is_traced_again():
+    """Their sizes are in the key, so a new weight size never meets a graph traced for another."""
+    f = aotkit.aot_function(lambda w, x: x @ w, compilers.nop, num_params_buffers=1,
+                            dynamic=True)
+    for n in (3, 5):
+        w, x = rand(4, n, grad=True), rand(2, 4)
+        torch.testing.assert_close(f(w, x), x @ w)
+    (recompile,) = counters.explain().of_kind("recompile")
+    assert "shape of args[0] changed: (4, 3) -> (4, 5)" in recompile.why
+
+
 @pytest.mark.parametrize("first", [0, 1])
 def test_dynamic_entry_traced_at_size_zero_or_one_serves_only_that_size(first):
     """Sizes 0 and 1 are specialized while tracing: the entry must not serve other sizes."""

@@ -555,7 +555,8 @@ class AotFunction:
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
-        key = signature(structure, leaves, self.options.dynamic, self._config_parts)
+        key = signature(structure, leaves, self.options.dynamic, self._config_parts,
+                        self.options.num_params_buffers)
         found = self._find(key, leaves)
         if found is None:
             with COMPILE_LOCK:  # another thread may have compiled it meanwhile
@@ -582,6 +583,12 @@ class AotFunction:
         return AotFunction(self.fn, self.options, self.name, self._leaf_names, self._checked,
                            self._own_modules)
 
+    # Note [Static parameters]
+    # Under dynamic=True the leading num_params_buffers inputs (aot_module's parameters and
+    # buffers) are traced with static sizes, as PyTorch's AOT autograd does, and their sizes
+    # are part of the key. Symbolic, a weight's size shared its symbol with every input size
+    # equal to it (duck sizing): a batch of 4 into Linear(8, 4) guarded "batch == out
+    # features", and a convolution net recompiled at every new input size.
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  key: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
         self._check_arguments(args, kwargs)
@@ -596,7 +603,9 @@ class AotFunction:
         # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
         mode = _fake_mode(self.options.dynamic or subclasses)
         names = self._leaf_names(args, kwargs)
-        fakes = [make_fake(mode, t, k, self.options.dynamic, names[i])
+        # Parameters and buffers keep static sizes (Note [Static parameters]).
+        fakes = [make_fake(mode, t, k, self.options.dynamic
+                           and i >= self.options.num_params_buffers, names[i])
                  for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names)
         if config.record_stack_traces:

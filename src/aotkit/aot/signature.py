@@ -164,13 +164,20 @@ def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
-              config_parts: tuple[str, ...] = ("aot", "min_cut")) -> tuple[Any, ...]:
+              config_parts: tuple[str, ...] = ("aot", "min_cut"), static_leading: int = 0,
+              ) -> tuple[Any, ...]:
     """The key of one call: argument structure (a TreeSpec, or the count of a call made of
     positional tensors only), every leaf, grad/autocast modes, backend flags, and the options
-    of ``config_parts`` (:func:`aotkit.config.cache_key`)."""
+    of ``config_parts`` (:func:`aotkit.config.cache_key`). Under ``dynamic`` the first
+    ``static_leading`` leaves (parameters and buffers) keep their sizes in the key: they are
+    traced with static sizes."""
+    if dynamic and static_leading:
+        keys = tuple(leaf_key(x, i >= static_leading) for i, x in enumerate(leaves))
+    else:
+        keys = tuple(leaf_key(x, dynamic) for x in leaves)
     return (
         structure,
-        tuple(leaf_key(x, dynamic) for x in leaves),
+        keys,
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         *autocast_state(),  # CPU, CUDA
