@@ -577,6 +577,12 @@ class AotFunction:
         """How many input signatures have been traced and compiled."""
         return sum(len(v) for v in self._entries.values())
 
+    def read_as_constant(self, tensor: torch.Tensor) -> bool:
+        """Whether a trace read ``tensor`` as a constant (Note [What a trace reads besides its
+        inputs])."""
+        return any(t is tensor for entries in self._entries.values() for entry in entries
+                   for t in entry.reads.every_constant)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
         hold compiler state that cannot be copied)."""

@@ -156,9 +156,11 @@ class AotModule(nn.Module):
             if not isinstance(value, torch.Tensor):
                 self._guard(compiled, name, module, attribute)
                 continue
-            if name in compiled.layout.constants:  # forward's own assignment: not a change
+            traced = compiled.layout.constants.get(name)
+            read = not value.requires_grad or name in compiled.layout.read_attributes or (
+                traced is not None and compiled.fn.read_as_constant(traced[2]))
+            if traced is not None:  # forward's own assignment: not a change
                 compiled.layout.constants[name] = (module.__dict__, attribute, value)
-            read = not value.requires_grad or name in compiled.layout.read_attributes
             if read and attribute not in module._buffers \
                     and attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
@@ -470,16 +472,18 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
 # state as graph inputs]) only where forward reads that attribute, or it does not require grad:
 # an activation a hook keeps (``m.act = out``) is written, never read, and as an input its
 # shape, which follows the batch, would be part of every call's signature (a recompile for each
-# pair of batch sizes). Python reads an instance's ``__dict__`` without asking the module, so
-# while tracing, the modules' plain tensor (and None) attributes are moved out of it and served
-# by ``nn.Module.__getattr__`` (which Python calls for names missing from ``__dict__``), which
-# records the name; so are names looked up and missing (``getattr(self, "h", None)``). A
-# write puts the attribute back in ``__dict__``; reads after it are forward's own value.
+# pair of batch sizes). A tensor attribute was read if the trace read its tensor (a constant of
+# the graph: What a trace reads besides its inputs). Python reads an instance's ``__dict__``
+# without asking the module, so while tracing, the modules' None attributes are moved out of it
+# and served by ``nn.Module.__getattr__`` (which Python calls for names missing from
+# ``__dict__``), which records the name; so are names looked up and missing (``getattr(self,
+# "h", None)``). A write puts the attribute back in ``__dict__``. Code Dynamo traces inside our
+# trace (a torch.cond branch) is left alone: recording would be a side effect it refuses.
 _READS = threading.local()  # .watched: the tracing thread's _WatchedReads
 
 
 def _getattr_watching_reads(module: nn.Module, name: str) -> Any:
-    watched = getattr(_READS, "watched", None)
+    watched = None if torch.compiler.is_compiling() else getattr(_READS, "watched", None)
     if watched is not None:
         prefix = watched.prefixes.get(id(module.__dict__))
         if prefix is not None:
@@ -506,8 +510,7 @@ def _watching_reads(layout: _Layout, slots: set[tuple[int, str]]) -> Iterator[No
     ``layout.read_attributes``."""
     dicts = {id(d): (prefix, d) for prefix, d in layout.attributes}
     hidden = {(id(d), key): value for prefix, d in layout.attributes for key, value in d.items()
-              if (isinstance(value, torch.Tensor) or value is None)
-              and (id(d), key) not in slots and not key.startswith("__")}
+              if value is None and (id(d), key) not in slots and not key.startswith("__")}
     for (dict_id, key) in hidden:
         del dicts[dict_id][1][key]
     watched = _WatchedReads({i: prefix for i, (prefix, _) in dicts.items()}, hidden, set())
