@@ -1465,6 +1465,9 @@ def test_wrong_number_of_arguments():
     f(torch.zeros(1), torch.zeros(1))
     with pytest.raises(ArgumentError):  # also once a signature is compiled
         f(torch.zeros(1), y=torch.zeros(1), z=torch.zeros(1))
+    with pytest.raises(ArgumentError, match="missing a required argument: 'y' "
+                                            r"\(and it takes no keyword 'z'\)"):
+        f(torch.zeros(1), z=torch.zeros(1))  # Python names only the missing one
 
 
 def test_wrong_arguments_to_a_module():

@@ -641,8 +641,12 @@ class AotFunction:
         try:
             params.bind(*args[skip:], **kwargs)
         except TypeError as exc:
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.parameters.values())
+            unknown = [] if takes_any else [k for k in kwargs if k not in params.parameters]
+            also = f" (and it takes no keyword {', '.join(map(repr, unknown))})" \
+                if unknown and not any(repr(k) in str(exc) for k in unknown) else ""
             raise ArgumentError(
-                f"{self.name} was called with arguments its function cannot take: {exc}.\n"
+                f"{self.name} was called with arguments its function cannot take: {exc}{also}.\n"
                 f"Fix: call it as {getattr(fn, '__name__', 'fn')}{params}."
             ) from None
 
