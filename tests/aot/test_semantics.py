@@ -1470,6 +1470,12 @@ def test_wrong_number_of_arguments():
         f(torch.zeros(1), z=torch.zeros(1))  # Python names only the missing one
 
 
+def test_a_set_of_tensors_is_refused_naming_the_argument():
+    f = aotkit.aot_function(lambda s: sum(s) * 2, compilers.nop)
+    with pytest.raises(ArgumentError, match=r"a set of tensors as args\[0\].*pass a list"):
+        f({rand(2, grad=True)})
+
+
 def test_wrong_arguments_to_a_module():
     m = aotkit.aot_module(nn.Linear(3, 2), compilers.nop)
     with pytest.raises(ArgumentError, match=r"missing a required argument: 'input'(.|\n)*"

@@ -602,6 +602,7 @@ class AotFunction:
         if self.num_entries:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        _refuse_tensor_sets(leaves, self._leaf_names(args, kwargs), self.name)
         tensors = [leaves[i] for i in positions]
         subclasses = any(map(is_subclass, tensors))
         if subclasses and self.options.dynamic:
@@ -762,6 +763,17 @@ def _stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
         f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
         "\nFix: return the tensor and store it outside the compiled function, or use "
         "torch.compile(fn, backend='aotkit'), which replays such stores.")
+
+
+def _refuse_tensor_sets(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:
+    """A set is not a pytree container: tensors in it would be read as constants."""
+    for leaf, where in zip(leaves, names, strict=False):
+        if isinstance(leaf, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in leaf):
+            raise ArgumentError(
+                f"{name} was passed a {type(leaf).__name__} of tensors as {where}; sets have no "
+                "order, so aotkit cannot flatten them into graph inputs.\nFix: pass a list or "
+                "tuple of the tensors."
+            )
 
 
 def check_outputs(out: Any, flat: list[Any], name: str) -> None:
