@@ -159,10 +159,12 @@ class AotModule(nn.Module):
             traced = compiled.layout.constants.get(name)
             read = not value.requires_grad or name in compiled.layout.read_attributes or (
                 traced is not None and compiled.fn.read_as_constant(traced[2]))
-            if traced is not None:  # forward's own assignment: not a change
+            state = read and attribute not in module._buffers
+            if traced is not None and not state:  # forward's own assignment: not a change
                 compiled.layout.constants[name] = (module.__dict__, attribute, value)
-            if read and attribute not in module._buffers \
-                    and attribute not in self._attributes.get(id(module), ()):
+            elif traced is not None:  # an input from the next layout on: nothing to watch (and
+                del compiled.layout.constants[name]  # holding it would keep its graph alive)
+            if state and attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
 
