@@ -335,7 +335,8 @@ def tidy_guard_failure(text: str) -> str:
     except IndexError:
         return guard
     source = lines[frames[-1] + 1] if frames[-1] + 1 < len(lines) else ""
-    source = "" if source.startswith("File \"") else f": {source}"
+    source = "" if source.startswith("File \"") or not source.strip("()[]{} ") \
+        else f": {source}"
     return f"{guard} (from {os.path.basename(path)}:{line_no} in {function}{source})"
 
 

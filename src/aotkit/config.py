@@ -202,13 +202,16 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
         if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func) \
                 or inspect.isasyncgenfunction(func):
             raise ConfigError(
-                f"aotkit.config.patch cannot decorate {func.__qualname__}: it is a generator "
+                f"aotkit.config.patch cannot decorate {getattr(func, '__qualname__', func)!r}: "
+                "it is a generator "
                 "or async function, whose body runs after the call returns, outside the patch."
                 "\nFix: use `with aotkit.config.patch(...):` inside its body."
             )
         return super().__call__(func)
 
     def __enter__(self) -> None:
+        for name in self.changes:  # what it sets replaces a bad variable's value
+            _environment_errors.pop(name, None)
         check_environment()
         saved: dict[str, Any] = {}
         try:

@@ -997,6 +997,38 @@ def test_dynamic_parameters_keep_static_sizes():
     assert not counters.explain().of_kind("recompile")
 
 
+class _GrowingCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1, 4))
+
+    def forward(self, x):
+        self.cache = torch.cat([self.cache, x.detach()])  # a buffer forward assigns anew
+        return self.lin(x) + self.cache.mean(0)
+
+
+def test_dynamic_buffer_forward_assigns_anew_becomes_symbolic():
+    """Note [Static parameters]: a growing cache kept static sizes and compiled once per size,
+    into the recompile limit."""
+    eager, model = _GrowingCache(), _GrowingCache()
+    model.load_state_dict(eager.state_dict())
+    compiled = aotkit.aot_module(model, compilers.nop, dynamic=True)
+    for _ in range(12):
+        x = rand(2, 4)
+        torch.testing.assert_close(compiled(x), eager(x))
+    torch.testing.assert_close(model.cache, eager.cache)
+    assert compiled.num_entries <= 3
+
+
+def test_dynamic_recompile_reason_for_a_tensor_replaced_by_a_number():
+    f = aotkit.aot_function(lambda items: items[0] * items[1], compilers.nop, dynamic=True)
+    f([rand(3), rand(3)])
+    f([rand(3), 3.0])
+    (recompile,) = counters.explain().of_kind("recompile")
+    assert recompile.why == "args[0][1] changed: a tensor (float32, 1 dimension(s)) -> float 3.0"
+
+
 def test_dynamic_parameter_of_another_size_is_traced_again():
     """Their sizes are in the key, so a new weight size never meets a graph traced for another."""
     f = aotkit.aot_function(lambda w, x: x @ w, compilers.nop, num_params_buffers=1,

@@ -528,7 +528,8 @@ class AotFunction:
     def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
                  leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
                  checked: tuple[Callable[..., Any], int] | None = None,
-                 own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> None:
+                 own_modules: Callable[[], Iterable[nn.Module]] | None = None,
+                 static_sizes: Iterable[int] | None = None) -> None:
         if not callable(fn):
             raise ArgumentError(f"aot_function compiles a callable, got {type(fn).__name__} "
                                 f"{fn!r}.\nFix: pass the function (or module) itself.")
@@ -545,6 +546,9 @@ class AotFunction:
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
         self._config_parts = options.config_parts
+        # Inputs traced with static sizes under dynamic=True (Note [Static parameters]).
+        self.static_sizes = frozenset(range(options.num_params_buffers) if static_sizes is None
+                                      else static_sizes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch._C._functorch.peek_interpreter_stack() is not None:
@@ -556,7 +560,7 @@ class AotFunction:
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
         key = signature(structure, leaves, self.options.dynamic, self._config_parts,
-                        self.options.num_params_buffers)
+                        self.static_sizes)
         found = self._find(key, leaves)
         if found is None:
             with COMPILE_LOCK:  # another thread may have compiled it meanwhile
@@ -577,12 +581,6 @@ class AotFunction:
         """How many input signatures have been traced and compiled."""
         return sum(len(v) for v in self._entries.values())
 
-    def read_as_constant(self, tensor: torch.Tensor) -> bool:
-        """Whether a trace read ``tensor`` as a constant (Note [What a trace reads besides its
-        inputs])."""
-        return any(t is tensor for entries in self._entries.values() for entry in entries
-                   for t in entry.reads.every_constant)
-
     def __deepcopy__(self, memo: dict[int, Any]) -> AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
         hold compiler state that cannot be copied)."""
@@ -591,9 +589,11 @@ class AotFunction:
 
     # Note [Static parameters]
     # Under dynamic=True the leading num_params_buffers inputs (aot_module's parameters and
-    # buffers) are traced with static sizes, as PyTorch's AOT autograd does, and their sizes
-    # are part of the key. Symbolic, a weight's size shared its symbol with every input size
-    # equal to it (duck sizing): a batch of 4 into Linear(8, 4) guarded "batch == out
+    # buffers; not a buffer forward assigns anew, a growing cache, once a call shows it, nor
+    # the tensors forward assigns to plain attributes, a hidden state sized by the batch) are
+    # traced with static sizes, as PyTorch's AOT autograd does, and their sizes are part of the
+    # key. Symbolic, a weight's size shared its symbol with every
+    # input size equal to it (duck sizing): a batch of 4 into Linear(8, 4) guarded "batch == out
     # features", and a convolution net recompiled at every new input size.
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  key: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
@@ -612,7 +612,7 @@ class AotFunction:
         names = self._leaf_names(args, kwargs)
         # Parameters and buffers keep static sizes (Note [Static parameters]).
         fakes = [make_fake(mode, t, k, self.options.dynamic
-                           and i >= self.options.num_params_buffers, names[i])
+                           and i not in self.static_sizes, names[i])
                  for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names)
         if config.record_stack_traces:

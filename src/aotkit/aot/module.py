@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -49,10 +48,13 @@ log = logging.getLogger("aotkit.aot")
 # the last one assigned. That layout is compiled at the next call, with a recompile decision
 # naming the attributes. So does one replaced from outside between calls (``model.scale =
 # ...``: the layout lists the modules' tensor attributes, and every call checks they are still
-# there; one forward never reads costs a recompile). One that requires grad becomes state only
-# where forward reads it (Note [Attribute reads while tracing]; an activation a hook keeps does
-# not), and then ties each call's graph to the last one's, as eager's does (a hidden state
-# carried without ``.detach()``: its gradient flows into the last call's graph).
+# there; one forward never reads costs a recompile). One that requires grad ties each call's
+# graph to the last one's where forward reads it, as eager's does (a hidden state carried
+# without ``.detach()``: its gradient flows into the last call's graph); an input the graph
+# does not read gets no gradient edge. Whether forward reads an attribute cannot be told
+# (``self.__dict__.get``, ``vars(self)`` and a class default read it without the module
+# knowing), so one it only writes (an activation a hook keeps) is an input too, and its shape
+# joins the signature: one entry per shape it comes in.
 # Before, such tensors stayed constants: the graph went on reading the value it was traced
 # from, or the branch it took for an absent attribute, silently.
 
@@ -86,8 +88,6 @@ class _Layout:
     guarded_values: dict[str, Any] = dataclasses.field(default_factory=dict)
     values_traced_from: dict[str, Any] = dataclasses.field(default_factory=dict)
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
-    # Plain attributes forward read while tracing (Note [Attribute reads while tracing]).
-    read_attributes: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -156,15 +156,15 @@ class AotModule(nn.Module):
             if not isinstance(value, torch.Tensor):
                 self._guard(compiled, name, module, attribute)
                 continue
-            traced = compiled.layout.constants.get(name)
-            read = not value.requires_grad or name in compiled.layout.read_attributes or (
-                traced is not None and compiled.fn.read_as_constant(traced[2]))
-            state = read and attribute not in module._buffers
-            if traced is not None and not state:  # forward's own assignment: not a change
-                compiled.layout.constants[name] = (module.__dict__, attribute, value)
-            elif traced is not None:  # an input from the next layout on: nothing to watch (and
-                del compiled.layout.constants[name]  # holding it would keep its graph alive)
-            if state and attribute not in self._attributes.get(id(module), ()):
+            if attribute in module._buffers:  # its size may change: Note [Static parameters]
+                slots = [s.index for s in compiled.layout.slots
+                         if s.table is module._buffers and s.key == attribute]
+                compiled.fn.static_sizes = compiled.fn.static_sizes.difference(slots)
+                continue
+            # An input from the next layout on: not watched as a constant (holding it would
+            # keep its graph alive).
+            compiled.layout.constants.pop(name, None)
+            if attribute not in self._attributes.get(id(module), ()):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
 
@@ -224,10 +224,11 @@ class AotModule(nn.Module):
             return [*names, *leaf_names(args[len(names):], kwargs)]
 
         options = dataclasses.replace(self._options, num_params_buffers=len(names))
+        static = {s.index for s in layout.slots if not s.is_attribute}  # Note [Static parameters]
         compiled = _Compiled(AotFunction(call, options, name, leaf_namer,
                                          checked=(module.forward, len(names)),
-                                         own_modules=module.modules), layout,
-                             registered=registered)
+                                         own_modules=module.modules, static_sizes=static),
+                             layout, registered=registered)
         self._compiled[key] = compiled
         # The key names submodules by id, which Python reuses once a module is freed: an entry
         # dies with any of its modules, so a new module never finds an old module's graph.
@@ -447,10 +448,8 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
     for s in slots:
         s.table[s.key] = state[s.index]
     assigned: dict[str, Any] = {}
-    watched = _watching_reads(layout, {(id(s.table), s.key) for s in slots})
     try:
-        with watched:
-            yield assigned
+        yield assigned
         assigned.update(_assigned_in_forward(slots, state, keys))
         state_slots = {(id(s.table), s.key) for s in slots if s.is_attribute}
         assigned.update(_attributes_assigned(attributes, state_slots, layout))
@@ -467,67 +466,6 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
         for table, before in hooks:
             table.clear()
             table.update(before)
-
-
-# Note [Attribute reads while tracing]
-# A tensor forward assigns to a plain attribute becomes an input of later calls (Note [Module
-# state as graph inputs]) only where forward reads that attribute, or it does not require grad:
-# an activation a hook keeps (``m.act = out``) is written, never read, and as an input its
-# shape, which follows the batch, would be part of every call's signature (a recompile for each
-# pair of batch sizes). A tensor attribute was read if the trace read its tensor (a constant of
-# the graph: What a trace reads besides its inputs). Python reads an instance's ``__dict__``
-# without asking the module, so while tracing, the modules' None attributes are moved out of it
-# and served by ``nn.Module.__getattr__`` (which Python calls for names missing from
-# ``__dict__``), which records the name; so are names looked up and missing (``getattr(self,
-# "h", None)``). A write puts the attribute back in ``__dict__``. Code Dynamo traces inside our
-# trace (a torch.cond branch) is left alone: recording would be a side effect it refuses.
-_READS = threading.local()  # .watched: the tracing thread's _WatchedReads
-
-
-def _getattr_watching_reads(module: nn.Module, name: str) -> Any:
-    watched = None if torch.compiler.is_compiling() else getattr(_READS, "watched", None)
-    if watched is not None:
-        prefix = watched.prefixes.get(id(module.__dict__))
-        if prefix is not None:
-            watched.seen.add(f"{prefix}.{name}" if prefix else name)
-            hidden = watched.hidden.get((id(module.__dict__), name), _MISSING)
-            if hidden is not _MISSING:
-                return hidden
-    return _MODULE_GETATTR(module, name)
-
-
-_MODULE_GETATTR = nn.Module.__getattr__
-
-
-@dataclasses.dataclass
-class _WatchedReads:
-    prefixes: dict[int, str]
-    hidden: dict[tuple[int, str], Any]
-    seen: set[str]
-
-
-@contextlib.contextmanager
-def _watching_reads(layout: _Layout, slots: set[tuple[int, str]]) -> Iterator[None]:
-    """See Note [Attribute reads while tracing]; what forward read lands in
-    ``layout.read_attributes``."""
-    dicts = {id(d): (prefix, d) for prefix, d in layout.attributes}
-    hidden = {(id(d), key): value for prefix, d in layout.attributes for key, value in d.items()
-              if value is None and (id(d), key) not in slots and not key.startswith("__")}
-    for (dict_id, key) in hidden:
-        del dicts[dict_id][1][key]
-    watched = _WatchedReads({i: prefix for i, (prefix, _) in dicts.items()}, hidden, set())
-    outer = getattr(_READS, "watched", None)
-    _READS.watched = watched
-    nn.Module.__getattr__ = _getattr_watching_reads  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        _READS.watched = outer
-        if outer is None:
-            nn.Module.__getattr__ = _MODULE_GETATTR  # type: ignore[method-assign]
-        for (dict_id, key), value in hidden.items():
-            dicts[dict_id][1].setdefault(key, value)
-        layout.read_attributes |= watched.seen
 
 
 def _attributes_assigned(attributes: Sequence[tuple[str, dict[str, Any], dict[str, Any]]],

@@ -68,8 +68,7 @@ class Reads:
 
     flags: list[_Flag] = field(default_factory=list)
     slots: list[_Slot] = field(default_factory=list)
-    constants: list[torch.Tensor] = field(default_factory=list)  # where a gradient could flow
-    every_constant: list[torch.Tensor] = field(default_factory=list)  # not checked per call
+    constants: list[torch.Tensor] = field(default_factory=list)
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
@@ -157,7 +156,6 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
-        reads.every_constant = list(constants.values())
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:

@@ -9,7 +9,7 @@ import re
 import struct
 import traceback
 import types
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -164,15 +164,16 @@ def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
-              config_parts: tuple[str, ...] = ("aot", "min_cut"), static_leading: int = 0,
+              config_parts: tuple[str, ...] = ("aot", "min_cut"),
+              static: Collection[int] = (),
               ) -> tuple[Any, ...]:
     """The key of one call: argument structure (a TreeSpec, or the count of a call made of
     positional tensors only), every leaf, grad/autocast modes, backend flags, and the options
-    of ``config_parts`` (:func:`aotkit.config.cache_key`). Under ``dynamic`` the first
-    ``static_leading`` leaves (parameters and buffers) keep their sizes in the key: they are
+    of ``config_parts`` (:func:`aotkit.config.cache_key`). Under ``dynamic`` the leaves at the
+    positions in ``static`` (parameters and buffers) keep their sizes in the key: they are
     traced with static sizes."""
-    if dynamic and static_leading:
-        keys = tuple(leaf_key(x, i >= static_leading) for i, x in enumerate(leaves))
+    if dynamic and static:
+        keys = tuple(leaf_key(x, i not in static) for i, x in enumerate(leaves))
     else:
         keys = tuple(leaf_key(x, dynamic) for x in leaves)
     return (
@@ -344,10 +345,13 @@ def _first_spec_difference(a: pytree.TreeSpec, b: pytree.TreeSpec, path: str,
 def _container(spec: pytree.TreeSpec) -> str:
     if spec.is_leaf():
         return "a leaf"
-    name = getattr(spec.type, "__name__", str(spec.type))
+    name = getattr(spec.context, "__name__", None) if spec.type.__name__ == "namedtuple" \
+        else None  # a namedtuple's spec names its class in the context
+    name = name or getattr(spec.type, "__name__", str(spec.type))
+    article = "an" if name[0].lower() in "aeiou" else "a"
     if isinstance(spec.context, list):
-        return f"a {name} with keys {spec.context}"
-    return f"a {name} of {spec.num_children}"
+        return f"{article} {name} with keys {spec.context}"
+    return f"{article} {name} of {spec.num_children}"
 
 
 def _argument_path(path: str, skip: int) -> str:
@@ -362,7 +366,9 @@ def _argument_path(path: str, skip: int) -> str:
 
 def _show(x: Any) -> str:
     if isinstance(x, tuple) and len(x) == len(_FIELDS) and isinstance(x[0], torch.dtype):
-        return f"a tensor ({str(x[0]).removeprefix('torch.')}, shape {tuple(x[5])})"
+        dtype = str(x[0]).removeprefix("torch.")
+        shape = f"{x[5]} dimension(s)" if isinstance(x[5], int) else f"shape {tuple(x[5])}"
+        return f"a tensor ({dtype}, {shape})"
     if isinstance(x, _Identity):
         return repr(x)
     if isinstance(x, _Object):
