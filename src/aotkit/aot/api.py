@@ -16,10 +16,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from aotkit import compat, config, counters
+from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.dynamo_decisions import note_dynamo_recompile
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
@@ -54,7 +55,6 @@ from aotkit.compat import (
     FakeTensorMode,
     dynamo_fallback_errors,
     dynamo_frames_off,
-    dynamo_recompile_reason,
     hide_from_dynamo_if_loaded,
     keep_stack_traces_of,
 )
@@ -927,50 +927,6 @@ def _region(mod: nn.Module) -> str:
     compile_id = CompileContext.current_compile_id()
     where = f"{frame.name} in {os.path.basename(frame.filename)}"
     return where if compile_id is None else f"{where} [{compile_id}]"
-
-
-# Note [Dynamo's recompiles in explain()]
-# Dynamo decides when a frame is compiled again (a guard failed: a new shape, dtype, grad mode
-# or Python value) and, after torch._dynamo.config.recompile_limit compiles of one frame, runs
-# it eagerly from then on. Both happen before any backend sees a graph, so aotkit records them:
-# a backend call for a frame's second or later compile is a "recompile" decision with Dynamo's
-# guard failure, and Dynamo's warning on hitting its limit is a "fallback" decision.
-def note_dynamo_recompile(name: str) -> None:
-    """Record why Dynamo compiles this frame again, if it does (Note [Dynamo's recompiles in
-    explain()]); install the recorder of Dynamo's recompile-limit fallbacks on first use."""
-    from torch._guards import CompileContext
-
-    _record_dynamo_fallbacks()
-    compile_id = CompileContext.current_compile_id()
-    if compile_id is None or not compile_id.frame_compile_id:
-        return
-    if counters.counters["recompile"].get(name):  # Dynamo restarted this compile (specialize)
-        return
-    reason = dynamo_recompile_reason() or "Dynamo did not say which guard failed"
-    counters.record("recompile", name, (
-        f"Dynamo compiles this frame again; a guard of the compiled version it tried first "
-        f"failed: {reason} (TORCH_LOGS=recompiles lists the failures of every version)"),
-        logger=log)
-
-
-@functools.cache
-def _record_dynamo_fallbacks() -> None:
-    compat.on_dynamo_recompile_limit(_record_dynamo_fallback)
-
-
-def _record_dynamo_fallback(limit_type: str, limit: Any, function: str, reason: str | None,
-                            ) -> None:
-    """Dynamo's recompile limit as a "fallback" decision."""
-    sizes = "size mismatch" in str(reason) or "stride mismatch" in str(reason)
-    fix = ("let the changing sizes be dynamic (torch._dynamo.mark_dynamic, or "
-           "torch.compile(..., dynamic=True))" if sizes else
-           "keep the guarded value stable, or pass a Python value that changes from "
-           "call to call as a tensor")
-    reason = compat.tidy_guard_failure(reason) if reason else reason
-    counters.record("fallback", f"torch.compile({function})", (
-        f"Dynamo compiled it torch._dynamo.config.{limit_type} = {limit} times and "
-        f"runs it eagerly from now on (last recompile: {reason}).\nFix: {fix}, or "
-        f"raise torch._dynamo.config.{limit_type}."), logger=log)
 
 
 def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") -> Any:
