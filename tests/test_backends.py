@@ -284,6 +284,16 @@ def test_dynamo_recompiles_and_its_eager_fallback_are_explained(torch_logs: str)
     assert "  " not in fallback.why and "User stack trace" not in fallback.why
 
 
+def test_a_fullgraph_recompile_limit_is_recorded_as_raising() -> None:
+    compiled = torch.compile(lambda x: x * 2, backend="aotkit", dynamic=False, fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=2), \
+            pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for n in (1, 2, 3):
+            compiled(torch.ones(n))
+    [fallback] = aotkit.explain().of_kind("fallback")
+    assert "recompile_limit = 2 times and raises (fullgraph=True)" in fallback.why
+
+
 def test_code_dynamo_runs_eagerly_is_listed_by_explain() -> None:
     """Dynamo skips a frame holding an nn.GRU (without allow_rnn) before any backend sees it;
     explain() lists that from Dynamo's own counters."""

@@ -433,9 +433,11 @@ def hide_from_dynamo_if_loaded() -> None:
         hide_from_dynamo()
 
 
-def on_dynamo_recompile_limit(callback: Callable[[str, Any, str, str | None], None]) -> None:
-    """Call ``callback(limit_type, limit, function, last_reason)`` whenever Dynamo gives up
-    compiling a frame (its recompile limit) and runs it eagerly from then on. Dynamo also logs
+def on_dynamo_recompile_limit(callback: Callable[[str, Any, str, str | None, bool], None],
+                              ) -> None:
+    """Call ``callback(limit_type, limit, function, last_reason, raises)`` whenever Dynamo gives
+    up compiling a frame (its recompile limit): it runs the frame eagerly from then on, or
+    raises (``raises``: ``fullgraph=True`` or ``fail_on_recompile_limit_hit``). Dynamo also logs
     a warning, but a program that quiets the ``torch`` loggers never sees it: Dynamo's check
     itself is wrapped, reading the frame's code and reason from the caller (``_compile``'s
     ``code`` and ``recompile_reason`` locals, on 2.11 and 2.13)."""
@@ -450,8 +452,9 @@ def on_dynamo_recompile_limit(callback: Callable[[str, Any, str, str | None], No
             code = caller.get("code")
             function = (f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
                         if isinstance(code, types.CodeType) else "a frame")
+            raises = bool(caller.get("one_graph")) or torch._dynamo.config.fail_on_recompile_limit_hit
             callback(limit_type, getattr(torch._dynamo.config, limit_type, "?"), function,
-                     caller.get("recompile_reason"))
+                     caller.get("recompile_reason"), raises)
         return exceeded, limit_type
 
     convert_frame.exceeds_recompile_limit = checked

@@ -42,7 +42,7 @@ def _record_dynamo_fallbacks() -> None:
 
 
 def _record_dynamo_fallback(limit_type: str, limit: Any, function: str, reason: str | None,
-                            ) -> None:
+                            raises: bool) -> None:
     """Dynamo's recompile limit as a "fallback" decision."""
     sizes = "size mismatch" in str(reason) or "stride mismatch" in str(reason)
     fix = ("let the changing sizes be dynamic (torch._dynamo.mark_dynamic, or "
@@ -52,5 +52,6 @@ def _record_dynamo_fallback(limit_type: str, limit: Any, function: str, reason: 
     reason = compat.tidy_guard_failure(reason) if reason else reason
     counters.record("fallback", f"torch.compile({function})", (
         f"Dynamo compiled it torch._dynamo.config.{limit_type} = {limit} times and "
-        f"runs it eagerly from now on (last recompile: {reason}).\nFix: {fix}, or "
+        f"{'raises (fullgraph=True)' if raises else 'runs it eagerly from now on'} (last "
+        f"recompile: {reason}).\nFix: {fix}, or "
         f"raise torch._dynamo.config.{limit_type}."), logger=log)
