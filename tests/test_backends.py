@@ -284,6 +284,24 @@ def test_dynamo_recompiles_and_its_eager_fallback_are_explained(torch_logs: str)
     assert "  " not in fallback.why and "User stack trace" not in fallback.why
 
 
+@pytest.mark.parametrize(("text", "tidy"), [
+    ("0/2: k == 2" + " " * 40 + "# return x * k  # mp/f.py:9 in fb\nUser stack trace:\n"
+     '  File "/tmp/f.py", line 9, in fb\n    return x * k',
+     "0/2: k == 2 (from f.py:9 in fb: return x * k)"),
+    ("0/0: s == 'a  # b'" + " " * 30 + "# g(x, 'a  # b')  # mp/t.py:3 in f\nUser stack trace:\n"
+     '  File "/tmp/t.py", line 3, in f\n    g(x, \'a  # b\')',  # the guard holds "  # "
+     "0/0: s == 'a  # b' (from t.py:3 in f: g(x, 'a  # b'))"),
+    ("0/0: k == 0" + " " * 40 + '#   # <string>:9 in fb\nUser stack trace:\n'
+     '  File "<string>", line 9, in fb', "0/0: k == 0 (from <string>:9 in fb)"),
+    ("0/2: tensor 'x' dtype mismatch. expected Double, actual Float",
+     "0/2: tensor 'x' dtype mismatch. expected Double, actual Float"),
+])
+def test_guard_failures_are_tidied_to_one_line(text: str, tidy: str) -> None:
+    from aotkit.compat import tidy_guard_failure
+
+    assert tidy_guard_failure(text) == tidy
+
+
 def test_a_fullgraph_recompile_limit_is_recorded_as_raising() -> None:
     compiled = torch.compile(lambda x: x * 2, backend="aotkit", dynamic=False, fullgraph=True)
     with torch._dynamo.config.patch(recompile_limit=2), \

@@ -320,24 +320,29 @@ def tidy_guard_failure(text: str) -> str:
     """Dynamo's guard failure text in one line: ``0/2: k == 2`` padded to a column, a comment
     with the source line and a cut-off path, then a "User stack trace" block, becomes
     ``0/2: k == 2 (from f.py:9 in fb: return x * k)``."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return text.strip()
-    guard = " ".join(lines[0].split("  # ")[0].split())
-    frames = [i for i, line in enumerate(lines) if line.startswith("File \"")]
-    if not frames:
-        return guard
-    where = lines[frames[-1]]
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith("File \"")]
+    where = lines[frames[-1]].strip() if frames else ""
+    source = lines[frames[-1] + 1].strip() if frames and frames[-1] + 1 < len(lines) else ""
+    if source.startswith("File \""):
+        source = ""
+    # "<guard, padded>  # <source line>  # <cut-off path>:<line> in <function>": the guard
+    # itself may hold "  # " (inside a string), so cut where the source comment starts.
+    first = lines[0]
+    cut = first.rfind(f"# {source}  # ") if source else -1
+    if cut < 0:
+        cut = first.rfind("#   # ") if "#   # " in first else first.find("  # ")
+    guard = (first[:cut] if cut > 0 else first).rstrip()
     try:
         path = where.split('"')[1]
         line_no = where.split(", line ")[1].split(",")[0]
         function = where.rsplit(" in ", 1)[1]
     except IndexError:
         return guard
-    source = lines[frames[-1] + 1] if frames[-1] + 1 < len(lines) else ""
-    source = "" if source.startswith("File \"") or not source.strip("()[]{} ") \
-        else f": {source}"
-    return f"{guard} (from {os.path.basename(path)}:{line_no} in {function}{source})"
+    shown = f": {source}" if source.strip("()[]{} ") else ""
+    return f"{guard} (from {os.path.basename(path)}:{line_no} in {function}{shown})"
 
 
 # Note [aotkit's code is not user code to Dynamo]
