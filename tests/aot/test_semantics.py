@@ -1019,6 +1019,9 @@ def test_dynamic_buffer_forward_assigns_anew_becomes_symbolic():
         torch.testing.assert_close(compiled(x), eager(x))
     torch.testing.assert_close(model.cache, eager.cache)
     assert compiled.num_entries <= 3
+    first = counters.explain().of_kind("recompile")[0]
+    assert first.why == ("cache is traced with symbolic sizes from now on: forward assigns this "
+                         "buffer anew, so its size may change")
 
 
 def test_dynamic_recompile_reason_for_a_tensor_replaced_by_a_number():

@@ -128,6 +128,9 @@ class AotModule(nn.Module):
         self._guarded: dict[int, tuple[str, ...]] = {}
         # Layouts compiled so far, freed ones included (a layout per step is a runaway).
         self._layouts_compiled = 0
+        # Buffers forward assigns anew, (id of the module's _buffers, name): their sizes are
+        # symbolic under dynamic=True (Note [Static parameters]).
+        self._reassigned_buffers: set[tuple[int, str]] = set()
 
     @property
     def num_entries(self) -> int:
@@ -157,6 +160,7 @@ class AotModule(nn.Module):
                 self._guard(compiled, name, module, attribute)
                 continue
             if attribute in module._buffers:  # its size may change: Note [Static parameters]
+                self._reassigned_buffers.add((id(module._buffers), attribute))
                 slots = [s.index for s in compiled.layout.slots
                          if s.table is module._buffers and s.key == attribute]
                 compiled.fn.static_sizes = compiled.fn.static_sizes.difference(slots)
@@ -224,7 +228,8 @@ class AotModule(nn.Module):
             return [*names, *leaf_names(args[len(names):], kwargs)]
 
         options = dataclasses.replace(self._options, num_params_buffers=len(names))
-        static = {s.index for s in layout.slots if not s.is_attribute}  # Note [Static parameters]
+        static = {s.index for s in layout.slots  # Note [Static parameters]
+                  if not s.is_attribute and (id(s.table), s.key) not in self._reassigned_buffers}
         compiled = _Compiled(AotFunction(call, options, name, leaf_namer,
                                          checked=(module.forward, len(names)),
                                          own_modules=module.modules, static_sizes=static),

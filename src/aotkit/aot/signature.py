@@ -263,6 +263,10 @@ def _leaf_change(name: str, a: Any, b: Any) -> str:
         for part, x, y in zip(parts, a[1:], b[1:], strict=True):
             if x != y:
                 return _leaf_change(f"{name}'s {part} (a {a[0][0].__name__} part)", x, y)
+    if len(a) == len(b) == len(_FIELDS) and isinstance(a[5], torch.Size) \
+            and isinstance(b[5], int):
+        return (f"{name} is traced with symbolic sizes from now on: forward assigns this "
+                "buffer anew, so its size may change")
     if len(a) == len(b) == len(_FIELDS):
         changed = [(f, x, y) for f, x, y in zip(_FIELDS, a, b, strict=True) if x != y]
         if any(f == "requires_grad" for f, _, _ in changed):  # is_leaf is "rg and is_leaf"
