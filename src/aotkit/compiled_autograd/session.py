@@ -47,6 +47,8 @@ class Session:
 _active: Session | None = None
 #: Graphs captured since the engine's cache was last cleared (0: the next capture is the first).
 graphs_cached = 0
+
+
 def active() -> Session | None:
     """The session of the innermost ``enable`` block, or ``None`` outside one."""
     return _active
