@@ -135,6 +135,14 @@ def test_graphs_min_cut_budget_and_drawings(capsys: pytest.CaptureFixture[str],
         assert (tmp_path / f"{kind}.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
+def test_version_names_aotkit_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"aotkit {aotkit.__version__} (torch {torch.__version__})")
+
+
 def test_graphs_min_cut_without_budget_takes_the_configured_one(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The command set budget 1 whenever --budget was absent, ignoring the config's (and with

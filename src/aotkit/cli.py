@@ -87,6 +87,19 @@ def _draw(graphs: Sequence[Any], folder: Path) -> None:
         print(f"  drew the {graph.kind} graph: {drawn.path}")
 
 
+def _version() -> str:
+    """aotkit's version, with the torch it runs on (read without importing torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import aotkit
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"aotkit {aotkit.__version__} (torch {torch_version})"
+
+
 def budget(text: str) -> float:
     """``--budget``: a float in [0, 1] (argparse names this function in its errors)."""
     value = float(text)
@@ -107,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="aotkit",
         description="aotkit: ahead-of-time graph compilation for PyTorch. Run 'aotkit demo' "
                     "to compile a small transformer and check it against eager PyTorch.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="compile a TinyTransformer with backend='aotkit', "
