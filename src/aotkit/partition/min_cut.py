@@ -16,11 +16,12 @@ recomputed: eager's formula reads it so (``exp``'s backward its result), and cha
 place before ``backward()`` must raise eager's "modified by an inplace operation", not give
 gradients of the value before the change (reading it counts where a value only the backward
 needs is computed from it: sin's backward reads ``cos(y)``, eager's reads ``y``). One it does
-not read (nor a view of it) is never
-saved (unless nothing else can be: a random op's output a checkpointed region returns): eager
-holds no reference to it, so the caller may change it in place and backward() must still run. For the same reason common-subexpression elimination leaves the outputs, and
-the values they view, apart from everything else. Values only the backward needs, however
-expensive, are computed there. Ties go to later nodes, which leaves fewer ops to recompute.
+not read (nor a view of it) is saved only where nothing else can be (a random op's output a
+checkpointed region returns): eager holds no reference to it, so the caller may change it in
+place and backward() must still run. For the same reason common-subexpression elimination
+leaves the outputs, and the values they view, apart from everything else. Values only the
+backward needs, however expensive, are computed there. Ties go to later nodes, which leaves
+fewer ops to recompute.
 SymInts stay out of the network: every forward SymInt the backward needs is saved.
 
 Note [Activation checkpointing]
@@ -29,9 +30,9 @@ Note [Activation checkpointing]
 (``ac_graph_id``). As eager's checkpoint does, a region's values are recomputed by the
 backward, expensive ones included: a node tagged MUST/PREFER_RECOMPUTE cannot be saved, except
 random ops (never recomputed: a second draw would differ) and the region's outputs (values read
-by forward code outside the region or returned to the caller), which are never recomputed: eager holds them as ordinary
-tensors, and recomputing one would rerun its whole region for the next one, quadratic in the
-number of layers. A node tagged MUST/PREFER_SAVE (a selective-checkpointing policy) is never
+by forward code outside the region, or returned to the caller and read by the backward), which
+are never recomputed: eager holds them as ordinary tensors, and recomputing one would rerun its
+whole region for the next one, quadratic in the number of layers. A node tagged MUST/PREFER_SAVE (a selective-checkpointing policy) is never
 recomputed.
 """
 
@@ -164,6 +165,7 @@ class _Network:
             u for n in backward_only for u in n.all_input_nodes} if u not in backward_only}
         self.unsaveable = {n for n in self.fw_tensors if n.op != "placeholder"
                            and _viewed(n) in self.held and _viewed(n) not in read_whole}
+        self.last_resort = sum(nbytes(n) for n in self.fw_tensors) + 2  # bytes, see _capacity
         self.must_save = [n for n in self.fw_tensors if n not in self.unsaveable and (
             n.meta.get("recompute") in _SAVE or n in region_outputs
             or (n in self.held and n in read_whole))]
@@ -223,7 +225,7 @@ class _Network:
         if isinstance(node.meta.get("val"), (list, tuple)) or node in self.checkpointed:
             return None
         if node in self.unsaveable:
-            size = sum(nbytes(n) for n in self.fw_tensors) + 2
+            size = self.last_resort
         else:
             size = 0 if node.op == "placeholder" or node in self.held else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
