@@ -592,9 +592,9 @@ class AotFunction:
     # buffers; not a buffer forward assigns anew, a growing cache, once a call shows it, nor
     # the tensors forward assigns to plain attributes, a hidden state sized by the batch) are
     # traced with static sizes, as PyTorch's AOT autograd does, and their sizes are part of the
-    # key. Symbolic, a weight's size shared its symbol with every
-    # input size equal to it (duck sizing): a batch of 4 into Linear(8, 4) guarded "batch == out
-    # features", and a convolution net recompiled at every new input size.
+    # key. Symbolic, a weight's size shared its symbol with every input size equal to it (duck
+    # sizing): a batch of 4 into Linear(8, 4) guarded "batch == out features", and a
+    # convolution net recompiled at every new input size.
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  key: tuple[Any, ...]) -> tuple[_Entry, list[Any]]:
         self._check_arguments(args, kwargs)
@@ -602,14 +602,14 @@ class AotFunction:
         if self.num_entries:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        _refuse_tensor_sets(leaves, self._leaf_names(args, kwargs), self.name)
+        names = self._leaf_names(args, kwargs)
+        _refuse_tensor_sets(leaves, names, self.name)
         tensors = [leaves[i] for i in positions]
         subclasses = any(map(is_subclass, tensors))
         if subclasses and self.options.dynamic:
             raise _subclass_dynamic(self.name, tensors)
         # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
         mode = _fake_mode(self.options.dynamic or subclasses)
-        names = self._leaf_names(args, kwargs)
         # Parameters and buffers keep static sizes (Note [Static parameters]).
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])
