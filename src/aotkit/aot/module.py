@@ -160,10 +160,11 @@ class AotModule(nn.Module):
                 self._guard(compiled, name, module, attribute)
                 continue
             if attribute in module._buffers:  # its size may change: Note [Static parameters]
-                self._reassigned_buffers.add((id(module._buffers), attribute))
-                slots = [s.index for s in compiled.layout.slots
-                         if s.table is module._buffers and s.key == attribute]
-                compiled.fn.static_sizes = compiled.fn.static_sizes.difference(slots)
+                if (id(module._buffers), attribute) not in self._reassigned_buffers:
+                    self._reassigned_buffers.add((id(module._buffers), attribute))
+                    slots = [s.index for s in compiled.layout.slots
+                             if s.table is module._buffers and s.key == attribute]
+                    compiled.fn.static_sizes = compiled.fn.static_sizes.difference(slots)
                 continue
             # An input from the next layout on: not watched as a constant (holding it would
             # keep its graph alive).
