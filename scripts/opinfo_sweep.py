@@ -17,11 +17,13 @@ when PyTorch passes a sample aotkit fails.
     .venv/bin/python scripts/opinfo_sweep.py --partition min_cut   # docs/opinfo_sweep_min_cut.md
     .venv/bin/python scripts/opinfo_sweep.py --compiled-autograd   # docs/opinfo_sweep_compiled_autograd.md
     .venv/bin/python scripts/opinfo_sweep.py --dtype complex64     # docs/opinfo_sweep_complex64.md
+    .venv/bin/python scripts/opinfo_sweep.py --dynamic             # docs/opinfo_sweep_dynamic.md
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import time
@@ -32,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import aotkit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "aot"))
@@ -80,11 +84,28 @@ def compiled_autograd_check(enable: Any) -> Check:
         op, sample, enable, exact=op.full_name not in COMPILED_AUTOGRAD_NOT_BIT_EXACT)
 
 
+def shared_check(compile_fn: Any) -> Check:
+    """Check every sample of an op through one compiled function (new for each op), so that
+    samples of other sizes also check the shape guards of the entries earlier samples made."""
+    compiled: dict[str, Any] = {}
+
+    def check(op: Any, sample: Any) -> None:
+        if op.full_name not in compiled:
+            compiled.clear()
+            compiled[op.full_name] = compile_fn(op.op)
+        with aotkit.config.patch(recompile_limit=10_000):  # samples vary in structure too
+            harness.check_sample(op, sample, lambda _: compiled[op.full_name])
+
+    return check
+
+
 CHECKS = {"default": aot_check(harness.aotkit_compile),
           "min_cut": aot_check(harness.aotkit_min_cut_compile),
+          "dynamic": shared_check(harness.aotkit_dynamic_compile),
           "compiled_autograd": compiled_autograd_check(harness.aotkit_compiled_autograd)}
 REFERENCES = {"default": aot_check(harness.pytorch_compile),
               "min_cut": aot_check(harness.pytorch_compile),
+              "dynamic": aot_check(functools.partial(harness.pytorch_compile, dynamic=True)),
               "compiled_autograd": compiled_autograd_check(harness.pytorch_compiled_autograd)}
 
 
@@ -167,6 +188,9 @@ TITLES = {  # mode -> (what is checked, PyTorch's counterpart)
                 "torch._functorch.aot_autograd.aot_function"),
     "min_cut": ("aotkit.aot_function(op, nop) against eager (min_cut partition)",
                 "torch._functorch.aot_autograd.aot_function"),
+    "dynamic": ("aotkit.aot_function(op, nop, dynamic=True) against eager, one compiled "
+                "function per op",
+                "torch._functorch.aot_autograd.aot_function(dynamic=True)"),
     "compiled_autograd": ("the backward under aotkit.compiled_autograd.enable(nop) against "
                           "eager, bit for bit",
                           "torch._dynamo.compiled_autograd (its graph run as captured)"),
@@ -263,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the partitioner aotkit uses (default: default)")
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="check backwards under aotkit's compiled autograd instead")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="trace with dynamic=True, each op's samples through one compiled "
+                             "function")
     parser.add_argument("--out", type=Path, default=None,
                         help="markdown table to write (default: docs/opinfo_sweep.md, "
                              "docs/opinfo_sweep_min_cut.md for --partition min_cut, "
@@ -280,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also exit 1 on unlisted failures and on listed ops that pass "
                              "(with --dtype/--noncontiguous: on samples only PyTorch passes)")
     args = parser.parse_args(argv)
-    mode = "compiled_autograd" if args.compiled_autograd else args.partition
+    if args.dynamic and (args.compiled_autograd or args.partition != "default"):
+        parser.error("--dynamic goes with the default partition and without --compiled-autograd")
+    mode = "compiled_autograd" if args.compiled_autograd else "dynamic" if args.dynamic \
+        else args.partition
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         parser.error(f"--dtype {args.dtype}: not a torch dtype")
@@ -306,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  {result.first_error}" if result.failed else ""), flush=True)
     write_table(results, args.out, taken, mode, sys.argv[1:] if argv is None else argv)
     print(f"wrote {args.out}")
-    lists_apply = mode != "compiled_autograd" and not taken.is_variant
+    lists_apply = mode in ("default", "min_cut") and not taken.is_variant
     verdicts = judge(results, lists_apply)
     report(results, verdicts, lists_apply)
     if not lists_apply:

@@ -93,7 +93,14 @@ def aotkit_min_cut_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
                                partition_fn=aotkit.partition.min_cut_rematerialization_partition)
 
 
-def pytorch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+def aotkit_dynamic_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`aotkit_compile` with ``dynamic=True``."""
+    import aotkit
+
+    return aotkit.aot_function(fn, aotkit.compilers.nop, dynamic=True)
+
+
+def pytorch_compile(fn: Callable[..., Any], dynamic: bool = False) -> Callable[..., Any]:
     """PyTorch's own ``aot_function`` over a tensors-only wrapper of ``fn`` (the reference)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.compilers import nop
@@ -109,7 +116,7 @@ def pytorch_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
             a, k = pytree.tree_unflatten(full, spec)
             return fn(*a, **k)
 
-        compiled = aot_function(tensors_only, nop)
+        compiled = aot_function(tensors_only, nop, dynamic=dynamic)
         return compiled(*(leaves[i] for i in where))
 
     return call
