@@ -1395,8 +1395,7 @@ def test_numpy_inside_is_a_trace_error_naming_the_line():
         aotkit.aot_function(to_numpy, compilers.nop)(rand(3, grad=True))
 
 
-@pytest.mark.parametrize("shape", [(3,), (2, 3)])
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(("shape", "dynamic"), [((3,), False), ((2, 3), False), ((2, 3), True)])
 def test_tolist_inside_is_a_trace_error_naming_the_line(shape, dynamic):
     """A 2-d .tolist() raised PyTorch's raw RuntimeError (unallocated storage, symbolic sizes)."""
 
@@ -1405,6 +1404,18 @@ def test_tolist_inside_is_a_trace_error_naming_the_line(shape, dynamic):
 
     with pytest.raises(TraceError, match=r"in listed: (.|\n)*Fix: "):
         aotkit.aot_function(listed, compilers.nop, dynamic=dynamic)(torch.ones(shape))
+
+
+def test_tolist_of_a_vector_under_dynamic_matches_eager():
+    """Note [Data-dependent sizes]: the values are symbols; the length fixes the size."""
+
+    def summed(x):
+        return x * sum(x.tolist())
+
+    compiled = aotkit.aot_function(summed, compilers.nop, dynamic=True)
+    for n in (3, 3, 4):
+        x = torch.randn(n)
+        torch.testing.assert_close(compiled(x), summed(x))
 
 
 def test_data_dependent_control_flow_is_a_trace_error():

@@ -226,22 +226,77 @@ def test_dynamic_default_partition_matches_eager_with_sizes_and_saved_tensors():
 # --- data-dependent ops, generators ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [
+DATA_DEPENDENT = [
     pytest.param(lambda x: x * x.sum().item(), id="item"),
     pytest.param(lambda x: x.nonzero(), id="nonzero"),
     pytest.param(lambda x: x.masked_select(x > 0) * 2, id="masked_select"),
     pytest.param(lambda x: torch.where(x > 0)[0] + 1, id="where"),
-])
-@pytest.mark.parametrize("dynamic", [False, True])
+    pytest.param(lambda x: x[:, 0] * torch.unique(x.detach().round()).exp().sum(), id="unique"),
+    pytest.param(lambda x: x[x > 0].sin().sum() + x.nonzero().shape[0], id="mask_index"),
+]
+
+
+@pytest.mark.parametrize("fn", DATA_DEPENDENT)
 @pytest.mark.parametrize("grad", [False, True])
-def test_data_dependent_ops_raise_trace_error(fn, dynamic, grad):
+def test_data_dependent_ops_with_static_sizes_raise_trace_error(fn, grad):
     x = rand(4, 3, grad=grad)
     fn(x)  # eager runs it
     with pytest.raises(TraceError) as info:
-        aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x)
+        aotkit.aot_function(fn, compilers.nop)(x)
     message = str(info.value)
-    assert "depends on tensor data" in message and "test_trace_parity.py" in message
-    assert "Fix:" in message
+    assert "tensor data" in message and "test_trace_parity.py" in message
+    assert "Fix:" in message and "dynamic=True" in message
+
+
+@pytest.mark.parametrize("fn", DATA_DEPENDENT)
+@pytest.mark.parametrize("grad", [False, True])
+def test_data_dependent_ops_under_dynamic_match_eager(fn, grad):
+    """Note [Data-dependent sizes]: traced as unbacked symbols, computed at every call."""
+    compiled = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    for rows in (4, 6, 5):
+        check_against_eager(fn, rand(rows, 3, grad=grad), backward=grad, calls=1,
+                            aot_kwargs={"dynamic": True})
+        x = rand(rows, 3)
+        torch.testing.assert_close(compiled(x), fn(x))
+    assert compiled.num_entries == 1
+
+
+def test_zero_dim_input_under_dynamic_is_data_not_a_guarded_constant():
+    def window(x, start):
+        return x.narrow(0, start, 2).cos()
+
+    compiled = aotkit.aot_function(window, compilers.nop, dynamic=True)
+    for rows, start in ((5, 1), (5, 3), (7, 0), (6, 4)):
+        check_against_eager(window, rand(rows, 3, grad=True), torch.tensor(start), calls=1,
+                            aot_kwargs={"dynamic": True})
+        x = rand(rows, 3)
+        torch.testing.assert_close(compiled(x, torch.tensor(start)), window(x, torch.tensor(start)))
+    assert compiled.num_entries == 1
+
+
+@pytest.mark.parametrize("start", [4, 10, -1])
+def test_checks_on_data_dependent_values_raise_as_in_eager(start):
+    """narrow's range check on a value read from data is written into the graph: without it the
+    graph's slice clamps and returns a shorter tensor where eager raises."""
+    def window(x, start):
+        return x.narrow(0, start, 2).cos()
+
+    compiled = aotkit.aot_function(window, compilers.nop, dynamic=True)
+    compiled(rand(5, 3, grad=True), torch.tensor(1))
+    with pytest.raises((RuntimeError, IndexError), match="start"):
+        window(rand(5, 3), torch.tensor(start))
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        compiled(rand(5, 3, grad=True), torch.tensor(start))
+    assert compiled.num_entries == 1
+
+
+def test_python_branch_on_a_data_dependent_value_is_a_trace_error_under_dynamic():
+    def branchy(x):
+        return x * 2 if x.sum().item() > 0 else x
+
+    with pytest.raises(TraceError, match=r"depends on tensor data(.|\n)*x.sum\(\).item\(\) > 0"
+                                         r"(.|\n)*torch.where"):
+        aotkit.aot_function(branchy, compilers.nop, dynamic=True)(rand(4, 3))
 
 
 def test_generator_made_inside_the_function_is_refused():

@@ -355,6 +355,11 @@ def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: 
     if from_dynamo:
         tensorify_float_inputs(gm, mode, name)
     drop_noop_views(gm, keep_outputs=keep_outputs)
+    if not from_dynamo and mode.shape_env is not None and mode.shape_env.deferred_runtime_asserts:
+        # Note [Data-dependent sizes]; Dynamo has written its own into the graph it hands us.
+        from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+
+        insert_deferred_runtime_asserts(gm, mode.shape_env, name)
     if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
         pin_factory_dtypes(gm)
     return gm
@@ -609,7 +614,7 @@ class AotFunction:
         if subclasses and self.options.dynamic:
             raise _subclass_dynamic(self.name, tensors)
         # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
-        mode = _fake_mode(self.options.dynamic or subclasses)
+        mode = _fake_mode(self.options.dynamic, symbols=subclasses)
         # Parameters and buffers keep static sizes (Note [Static parameters]).
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])
@@ -706,13 +711,21 @@ def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> Unsupported
     )
 
 
-def _fake_mode(dynamic: bool) -> FakeTensorMode:
+def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
+    """The fake mode of a trace; ``symbols``: a ShapeEnv even with static sizes (a jagged
+    tensor's ragged size is a symbol)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    # Data-dependent sizes and values (nonzero, item) are refused as with static shapes, where
-    # they raise TraceError, rather than traced as unbacked symbols the graphs cannot carry.
-    shape_env = ShapeEnv(allow_scalar_outputs=False, allow_dynamic_output_shape_ops=False) \
-        if dynamic else None
+    # Note [Data-dependent sizes]
+    # With dynamic=True, a size or value read from tensor data (nonzero, masked_select, unique,
+    # x.item(), narrow at a tensor offset) is traced as an unbacked symbol, as in torch.compile
+    # with capture_scalar_outputs: the graph computes it at every call. The checks the ops make
+    # on such symbols (narrow's start within the size) are only recorded by the ShapeEnv while
+    # tracing; _simplify writes them into the graph as assertions, which raise where eager's
+    # kernel would raise, instead of the graph silently slicing out of range. A 0-dim input's
+    # value is data too (make_fake), not a constant the entry would guard on.
+    shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \
+        if dynamic or symbols else None
     return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
 
 

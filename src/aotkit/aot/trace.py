@@ -88,7 +88,9 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
             return mode.from_tensor(t, static_shapes=True)
         from torch._dynamo.source import LocalSource
 
-        return mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
+        fake = mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
+        fake.item_memo = None  # its value is data, not a guarded size: Note [Data-dependent sizes]
+        return fake
     except UnsupportedFakeTensorException as exc:
         raise UnsupportedError(
             f"{name} cannot be traced: PyTorch's fake tensors cannot copy it ({exc.reason}; "
@@ -221,7 +223,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)
     except data_dependent_errors() as exc:
-        raise _data_dependent(what, exc) from exc
+        raise _data_dependent(what, exc, static=mode.shape_env is None) from exc
     except AttributeError as exc:
         # Some higher-order ops (torch.while_loop) trace their body with a ShapeEnv, which a
         # static trace's fake mode does not have.
@@ -611,8 +613,13 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _data_dependent(what: str, exc: BaseException) -> TraceError:
+def _data_dependent(what: str, exc: BaseException, static: bool = False) -> TraceError:
+    """``static``: aot_function's trace without a ShapeEnv, which is told that dynamic=True
+    traces data-dependent sizes and values (Note [Data-dependent sizes])."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
     frames = traceback.extract_tb(exc.__traceback__)
+    dynamic = ", pass dynamic=True, which traces its size as a symbol," if static else ""
     if any(f.filename.endswith(os.path.join("_higher_order_ops", "while_loop.py")) for f in frames):
         return TraceError(
             f"{what} could not be traced: torch.while_loop is differentiated by running its "
@@ -625,10 +632,19 @@ def _data_dependent(what: str, exc: BaseException) -> TraceError:
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
         return TraceError(
             f"{what} could not be traced: {exc.func} returns a tensor whose size depends on "
-            "tensor data, which this trace cannot represent.\n"
+            f"tensor data{', which a trace with static sizes cannot hold' if static else ''}."
+            f"\n  at {user_frame(exc)}\n"
+            f"Fix: move the op out of the compiled function{dynamic}, or use "
+            "torch.compile(fn, backend=\"aotkit\"), which runs it eagerly between graphs."
+        )
+    if static and isinstance(exc, DataDependentOutputException):  # .item(), .tolist()
+        return TraceError(
+            f"{what} could not be traced: it reads a value from tensor data ({exc.func}) with "
+            "static sizes, where the trace holds no data.\n"
             f"  at {user_frame(exc)}\n"
-            "Fix: move the op out of the compiled function, or use torch.compile(fn, "
-            "backend=\"aotkit\"), which runs it eagerly between graphs."
+            f"Fix: pass dynamic=True, which traces the value as a symbol (a Python branch on it "
+            "still cannot be traced: use torch.where or torch.cond), or move the read out of "
+            "the compiled function; torch.compile splits the graph there for you."
         )
     return TraceError(
         f"{what} could not be traced: Python control flow or a Python value depends on "
