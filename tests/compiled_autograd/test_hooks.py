@@ -624,7 +624,32 @@ def _removes_its_own_registration(log: list[str]) -> Any:
     return x.grad
 
 
+def _removes_its_registration_outside_the_backward(log: list[str], post_accumulate: bool) -> Any:
+    """One function on a leaf of this backward and on a tensor outside it; the outside one is
+    removed before the leaf's runs, which still runs."""
+    w, other = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+
+    def hook(t: torch.Tensor) -> torch.Tensor | None:
+        log.append("hook")
+        if post_accumulate:
+            t.grad.mul_(10)
+            return None
+        return t * 10
+
+    register = "register_post_accumulate_grad_hook" if post_accumulate else "register_hook"
+    getattr(w, register)(hook)
+    outside = getattr(other, register)(hook)
+    z = w * 2
+    z.register_hook(lambda g: outside.remove())
+    z.sum().backward()
+    return w.grad
+
+
 _REMOVALS = {
+    "registration_outside_the_backward": lambda log: _removes_its_registration_outside_the_backward(
+        log, post_accumulate=False),
+    "post_accumulate_registration_outside_the_backward":
+        lambda log: _removes_its_registration_outside_the_backward(log, post_accumulate=True),
     "non_leaf_tensor_hook": lambda log: _removes_a_tensor_hook(log, on_leaf=False),
     "leaf_tensor_hook": lambda log: _removes_a_tensor_hook(log, on_leaf=True),
     "post_accumulate_grad_hook": _removes_a_post_accumulate_hook,

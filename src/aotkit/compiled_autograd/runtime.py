@@ -340,7 +340,7 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
     noting the hooks removed meanwhile (Note [Hooks removed during a backward])."""
     queued: list[Callable[[], None]] = []
     outer = getattr(_replay, "queued", None), getattr(_replay, "removals", None)
-    _replay.queued, _replay.removals = queued, _Removals(hooks)
+    _replay.queued, _replay.removals = queued, _Removals(hooks, inputs)
     try:
         out = fn(inputs, sizes, scalars, hooks, packed_data)
         i = 0
@@ -363,16 +363,23 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
 # run in its order (and skipping any of them gives the same result); a registration whose call
 # already ran (a hook removing itself) skips nothing. One function registered on several tensors
 # or nodes, one of which is removed while calls are still to come, cannot be told apart and is
-# refused. A registration on a tensor outside this backward of a function registered once inside
-# it is taken for the inside one. A hook registered during a backward is not seen at all
-# (README, known gaps).
+# refused. A function registered once in this backward, on a leaf the graph takes, and also on a
+# tensor outside it: removing the outside registration skips nothing, since the leaf's own hook
+# tables (taken when the replay starts, before the graph frees its inputs) still hold it. For a
+# non-leaf tensor or a node, whose tables the graph does not see, the outside registration is
+# taken for the inside one. A hook registered during a backward is not seen at all (README,
+# known gaps).
 class _Removals:
     """The hook calls one replay is to skip."""
 
-    def __init__(self, hooks: Sequence[Any]) -> None:
+    def __init__(self, hooks: Sequence[Any], inputs: Sequence[Any]) -> None:
         self.hooks = hooks  # the registrations this backward calls
         self.calls: Counter[int] = Counter()  # id(hook) -> calls made or skipped so far
         self.skip: Counter[int] = Counter()   # id(hook) -> calls still to skip
+        # the hook tables of the leaves the graph takes (none to look at without hooks)
+        self.leaf_tables = [table for t in inputs if hooks and isinstance(t, torch.Tensor)
+                            for table in (t._backward_hooks, t._post_accumulate_grad_hooks)
+                            if table]
 
     def runs(self, hook: Callable[..., Any]) -> bool:
         """Count a call of ``hook``; whether it is to be made."""
@@ -392,7 +399,8 @@ class _Removals:
         if total - done <= 0:
             return  # every call already ran: the removed one ran too, or is outside
         if total == 1:
-            self.skip[key] += 1
+            self.skip[key] += not any(t is not table and any(h is hook for h in t.values())
+                                      for t in self.leaf_tables)
         elif len(in_table) == total:  # all in this table, called in its order
             self.skip[key] += in_table.index(handle_id) >= done
         else:
