@@ -10,6 +10,7 @@ the same seed) and keeps dropout on.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -106,6 +107,43 @@ def test_inductor_compiler_with_aot_function() -> None:
     torch.testing.assert_close(w.grad, w2.grad)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, w), expected)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_copies_of_one_value_come_back_apart(grad: bool) -> None:
+    """Note [Outputs Inductor merges]: Inductor dropped both clones and returned one tensor
+    twice, so changing one output in place changed the other."""
+
+    def two_copies(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y.clone(), y.clone()
+
+    compiled = torch.compile(two_copies, backend="aotkit_inductor")
+    for _ in range(2):
+        a, b = compiled(torch.ones(3, requires_grad=grad))
+        assert a.data_ptr() != b.data_ptr()
+        with torch.no_grad():
+            a.add_(1)
+        torch.testing.assert_close(b, torch.full((3,), 2.0))
+
+
+def test_compiled_autograd_gives_leaves_sharing_a_gradient_their_own_grad() -> None:
+    """One gradient reaching two leaves (``W + dW``) became both ``.grad``s under Inductor;
+    the next step's accumulation then added it twice (Note [Outputs Inductor merges])."""
+
+    def steps(compiled: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w, dw = torch.randn(3, 4, requires_grad=True), torch.zeros(3, 4, requires_grad=True)
+        for _ in range(2):
+            loss = torch.nn.functional.linear(torch.randn(5, 4), w + dw).pow(2).sum()
+            with (aotkit.compiled_autograd.enable(
+                    lambda gm: torch.compile(gm, backend="aotkit_inductor"))
+                  if compiled else contextlib.nullcontext()):
+                loss.backward()
+        assert w.grad is not dw.grad
+        return [w.grad, dw.grad]
+
+    torch.testing.assert_close(steps(True), steps(False))
 
 
 def test_saved_activations_keep_traced_strides_under_layout_optimization() -> None:

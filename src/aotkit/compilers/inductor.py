@@ -38,7 +38,18 @@ _graph_ids = itertools.count()
 # - CUDA graphs off: aotkit.cudagraphs captures graphs, never Inductor's cudagraph trees;
 # - Inductor's joint-graph passes (its pattern rewrites and its own RNG) run on each graph, as
 #   compile_fx runs them on the joint graph before partitioning;
-# - the graph is copied first, since Inductor's passes rewrite the graph they are given.
+# - the graph is copied first, since Inductor's passes rewrite the graph they are given;
+# - outputs stay apart: see Note [Outputs Inductor merges].
+
+# Note [Outputs Inductor merges]
+# Inductor drops clones and copies it takes for no-ops unless that would make an output alias
+# another, but it decides with the outputs it saw before it dropped any: in ``y = x * 2;
+# return y.clone(), y.clone()`` both clones go, and the two outputs come back as one tensor
+# (PyTorch's backend="inductor" does the same), so an in-place change to one changes the other.
+# Compiled autograd meets it whenever one gradient reaches two leaves (``W + dW``): both
+# ``.grad``s were one tensor. The first call compares the outputs' memory with the traced
+# graph's; outputs sharing memory that the graph gave memory of their own are copied from then
+# on (the sharing comes from Inductor's buffer plan, the same at every call).
 
 
 class Inductor:
@@ -123,6 +134,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     from torch._inductor.utils import BoxedBool
 
     _refuse_undecomposed(gm)
+    storages = _output_storages(gm)  # before Inductor's passes change them
     gm = copy_graph_module(gm)
     lifted = _lift_closed_over_tensors(gm)
     gm = _joint_graph_passes(gm, example_inputs)
@@ -138,16 +150,53 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
         is_inference=kind == "inference",
         graph_id=next(_graph_ids),
     )
-    if not lifted:
-        return compiled
     tensors = [tensor for _, tensor in lifted]
+    copies: list[int] | None = None  # the outputs to copy, once the first call has shown them
 
     def run(args: list[Any]) -> Any:
+        nonlocal copies
         args.extend(tensors)
-        return compiled(args)
+        out = compiled(args)
+        if copies is None:
+            copies = _merged_outputs(out, storages)
+        if copies:
+            out = list(out)
+            for i in copies:
+                out[i] = out[i].clone()
+        return out
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _output_storages(gm: fx.GraphModule) -> list[Any]:
+    """Per output of ``gm``: which of the traced outputs' memories it is in (None for a
+    non-tensor). See Note [Outputs Inductor merges]."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    index: dict[Any, int] = {}
+    found = []
+    for node in gm.graph.output_node().args[0]:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+            found.append(None)
+            continue
+        found.append(index.setdefault(StorageWeakRef(val.untyped_storage()), len(index)))
+    return found
+
+
+def _merged_outputs(out: Sequence[Any], storages: list[Any]) -> list[int]:
+    """The outputs that came back in memory an earlier output has, where the traced graph gave
+    them their own (Note [Outputs Inductor merges])."""
+    owner: dict[int, Any] = {}  # data pointer -> the traced memory of the output holding it
+    merged = []
+    for i, (t, traced) in enumerate(zip(out, storages, strict=False)):
+        if traced is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if owner.setdefault(ptr, traced) != traced:
+            merged.append(i)
+    return merged
 
 
 def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tensor]]:
