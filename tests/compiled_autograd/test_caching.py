@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -283,6 +284,27 @@ def test_an_identical_compiler_function_per_block_reuses_the_graph() -> None:
             _step(w, 2)
     assert counts() == (3, 3)
     assert len(aotkit.explain().of_kind("cache_clear")) == 2
+
+
+def test_a_compiler_closing_over_an_equal_number_or_string_reuses_the_graph() -> None:
+    """Note [Compiler identity]: a factory called each step with a value computed anew (an equal
+    float or string, a new object every time) made a new compiler and a recapture per step."""
+
+    def make_compiler(scale: float, name: str) -> Callable[[fx.GraphModule], fx.GraphModule]:
+        def compiler(gm: fx.GraphModule) -> fx.GraphModule:
+            gm.meta["made_with"] = (scale, name)
+            return gm
+        return compiler
+
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for step in range(3):
+        with aotkit.compiled_autograd.enable(make_compiler(float("0.5"), "name-" + str(step)[:0])):
+            _step(w, 2)
+    assert counts() == (1, 1)
+    with aotkit.compiled_autograd.enable(make_compiler(0.25, "name-")):
+        _step(w, 2)
+    assert counts() == (2, 2)
 
 
 def _graph_with_inputs(vals: list[torch.Tensor], user: Any) -> fx.Graph:

@@ -64,7 +64,8 @@ def set_active(session: Session | None) -> None:
 # object, or two Python functions made from one definition with the same defaults, globals,
 # closed-over objects and values of the globals they read (``enable(lambda gm: gm)`` in a
 # training loop makes a new, identical lambda every step; a lambda reading a global that changed
-# between blocks compiles differently). Bound methods (``enable(backend.compile)`` makes a new
+# between blocks compiles differently). Objects are compared by identity, numbers, strings and
+# devices by value. Bound methods (``enable(backend.compile)`` makes a new
 # one at every attribute access) compare by their object and function, ``functools.partial``s by
 # their function and arguments. Those values are read when the block starts, so a compiler is
 # compared as it was when its block began.
@@ -101,8 +102,15 @@ def _sized(xs: Sequence[Any]) -> list[Any]:
     return [len(xs), *xs]
 
 
+#: Immutable values compared by value: a compiler made anew with ``float("0.5")`` or a string
+#: built at run time compiles as one made with an equal object.
+_BY_VALUE = (int, float, complex, str, bytes, torch.device)
+
+
 def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
-    return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))
+    return len(xs) == len(ys) and all(
+        x is y or (type(x) is type(y) and type(x) in _BY_VALUE and x == y)
+        for x, y in zip(xs, ys, strict=True))
 
 
 def _globals_read(fn: types.FunctionType) -> list[Any]:
