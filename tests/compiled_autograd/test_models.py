@@ -143,3 +143,12 @@ def test_a_gradient_sum_takes_the_layout_eager_gives_it(lower: bool) -> None:
         actual = step(compiled_strides)
     assert compiled_strides == eager_strides == [(48, 1)]
     assert torch.equal(actual, expected)
+
+
+def test_backward_of_a_forward_compiled_by_pytorchs_aot_autograd_names_the_aotkit_backend() -> None:
+    lin = torch.nn.Linear(3, 3)
+    out = torch.compile(lin, backend="aot_eager")(torch.randn(2, 3)).sum()
+    with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop), pytest.raises(
+            aotkit.errors.UnsupportedError, match=r"aot_eager(.|\n)*Fix: (.|\n)*aotkit_inductor"):
+        out.backward()
+    torch._dynamo.reset()

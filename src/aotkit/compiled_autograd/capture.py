@@ -176,9 +176,11 @@ class Capture(GraphBuilder):
         forward_cls = ctx._forward_cls
         if hasattr(forward_cls, "_aot_id") or getattr(forward_cls, "boxed_grads_call", False):
             raise UnsupportedError(
-                f"compiled autograd cannot capture the backward of {forward_cls.__name__} "
-                "(a torch.compile'd forward). Workaround: compile the forward with "
-                "aotkit.aot_function/aot_module, or run backward under disable()."
+                f"compiled autograd cannot capture the backward of {forward_cls.__name__}, a "
+                "forward compiled by PyTorch's own AOT autograd (torch.compile with "
+                "backend=\"aot_eager\" or \"inductor\").\nFix: compile the forward with "
+                "backend=\"aotkit\" or \"aotkit_inductor\" (or aotkit.aot_function/aot_module), "
+                "or run this backward under aotkit.compiled_autograd.disable()."
             )
         options: dict[str, Any] = {"tensor_inputs": tuple(m is not None for m in output_metadatas)}
         if runtime.defines_vjp(forward_cls):
