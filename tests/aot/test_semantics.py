@@ -1079,6 +1079,28 @@ def test_dynamic_entry_guards_sizes_made_constant_while_tracing():
             torch.testing.assert_close(f(x), fn(x), msg=lambda m, n=name, s=shape: f"{n} {s}: {m}")
 
 
+def test_dynamic_guard_that_is_a_disjunction_does_not_swallow_the_others():
+    """linalg.lu's backward branches on rows < cols, == or >; one of its guards is an ``a or b``,
+    and the guards joined by a bare ``and`` let a square matrix through the wide matrix's entry,
+    whose backward then failed (or computed the wrong formula)."""
+
+    def lu(a):
+        _, lower, upper = torch.linalg.lu(a)
+        return lower, upper
+
+    compiled = aotkit.aot_function(lu, compilers.nop, dynamic=True)
+    for shape in ((3, 5), (4, 5), (5, 5), (6, 5)):
+        check_against_eager(lu, torch.randn(*shape, dtype=torch.float64, requires_grad=True),
+                            calls=1, aot_kwargs={"dynamic": True})
+        a = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        a_eager = a.detach().clone().requires_grad_()
+        for out in (compiled(a), lu(a_eager)):
+            (out[0].sum() + out[1].sum()).backward()
+        torch.testing.assert_close(a.grad, a_eager.grad)
+    guard = next(iter(compiled._entries.values()))[0].guard
+    assert any(" or " in g for g in guard.guards)
+
+
 def test_dynamic_recompile_names_the_line_that_fixed_the_size():
     import math
 

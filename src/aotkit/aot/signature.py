@@ -425,7 +425,8 @@ class ShapeGuard:
         self.shape_env = shape_env
         sources = [LocalSource(f"t{i}") for i in range(len(fakes))]
         self.guards: list[str] = [*shape_env.produce_guards(fakes, sources), *_static_sizes(shape_env, fakes)]
-        self.code = " and ".join(self.guards)
+        # Parenthesized: a guard may itself be an ``a or b``, which a bare ``and`` would split.
+        self.code = " and ".join(f"({guard})" for guard in self.guards)
         # Compiled once: evaluating the source string would parse it again on every call.
         self._compiled = compile(self.code or "True", "<aotkit shape guard>", "eval")
         self._globals = guard_globals()
