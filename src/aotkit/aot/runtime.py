@@ -594,7 +594,10 @@ def _replayed_on_input(source: _ViewSource, out: torch.Tensor, name: str) -> tor
         return out._view_func_unsafe(source.base)
     if new is not None and _same_storage(out, new) and (out.shape, out.stride(), out.storage_offset()) \
             == (new.shape, new.stride(), new.storage_offset()):
-        return source.base  # the whole input (``x.detach()`` after writing x)
+        # the whole input (``x[...]``, ``x.detach()`` after writing x): a view of its own, in
+        # the output's dtype (``x.view(torch.int32)``), not the caller's tensor itself
+        base = source.base
+        return base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
     raise UnsupportedError(
         f"{name}: the function mutates input {source.input_index} (strides "
         f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
