@@ -844,3 +844,41 @@ def test_an_output_written_through_a_view_is_no_view(grad):
     out = result.aot_out
     assert not out._is_view() and out.stride() == result.eager_out.stride()
     out.detach_()
+
+
+def _transpose(a):
+    a.transpose_(0, 1)
+    return a * 1
+
+
+def _negate_unsqueeze(a):
+    a.neg_()
+    a.unsqueeze_(0)
+    return a.sum()
+
+
+def _fill_nothing_transpose(a):
+    a.masked_fill_(a > 100, 0.0)
+    a.transpose_(0, 1)
+    return a * 1
+
+
+@pytest.mark.parametrize(("fn", "make"), [
+    (_transpose, lambda: (torch.arange(16.0, requires_grad=True).view(4, 4) * 1)[:, 1:]),
+    (_negate_unsqueeze, lambda: torch.arange(12.0).view(3, 4)[:, ::2]),
+    (_fill_nothing_transpose, lambda: torch.arange(9.0).view(3, 3).t()),
+], ids=["transpose_ of a slice requiring grad", "neg_ then unsqueeze_ with gaps",
+        "masked_fill_ then transpose_ of a transposed input"])
+def test_metadata_mutation_keeps_the_inputs_own_layout(fn, make):
+    """Note [Layout after t_()]: the caller's tensor took the strides of the graph's contiguous
+    copy, so it read (and the data mutation wrote) other elements of its memory than eager's."""
+
+    def run(f):
+        a = make()
+        memory = a._base if a._base is not None else a
+        return f(a).detach(), (a.shape, a.stride(), a.storage_offset()), memory.detach()
+
+    (out, layout, memory), expected = run(aotkit.aot_function(fn, compilers.nop)), run(fn)
+    torch.testing.assert_close(out, expected[0])
+    assert layout == expected[1]
+    torch.testing.assert_close(memory, expected[2])

@@ -57,6 +57,9 @@ class InputInfo:
     # ``x.set_(y)`` (``x.data = y`` under Dynamo) hands the input another tensor's memory
     # (Note [Storage changes of inputs]).
     swaps_storage: bool = False
+    # For a metadata mutation with static sizes: the input's sizes, strides and storage offset
+    # (from its own) afterwards, taken from its traced layout (Note [Layout after t_()]).
+    layout_after: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
 
     @property
     def mutated(self) -> bool:
@@ -262,7 +265,7 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
     if torch._functionalize_was_storage_changed(inner):
         return _storage_swap_info(index, arg, f_arg, grad_fn_before)
     data = torch._functionalize_has_data_mutation(inner)
-    metadata = torch._functionalize_has_metadata_mutation(inner)
+    metadata = restrided = torch._functionalize_has_metadata_mutation(inner)
     if _resized_out(inner, arg):
         metadata = True
         if not _fits(inner, arg):
@@ -286,7 +289,26 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
             f"the compiled function detaches input {index} in place (detach_()), which aotkit "
             "cannot apply to the caller's tensor.\nFix: detach it before calling (or use "
             "x.detach() inside), or use torch.compile(fn, backend='aotkit').")
-    return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad)
+    return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad,
+                     layout_after=_layout_after(arg, f_arg) if restrided else None)
+
+
+# Note [Layout after t_()]
+# ``x.t_()`` changes the caller's tensor's sizes and strides in place. The graph's new value of
+# x is x's view when the compiled graph returns one, but a tensor of its own, laid out
+# contiguously, when the graph copied it (a non-leaf requiring grad, a data mutation too): its
+# strides are not x's, and for an input with gaps (``buf[:, 1:]``) x then read, and was written,
+# in the wrong elements. With static sizes the analysis records the layout functionalization
+# gave x, which the runtime applies to the caller's tensor.
+def _layout_after(arg: torch.Tensor, f_arg: Any) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """Sizes, strides and storage offset (from ``arg``'s) of ``f_arg`` once the function ran,
+    or None where any is symbolic. Not for a resize by an out= argument, whose result the
+    graph's new value lays out as eager does."""
+    size, stride = tuple(f_arg.size()), tuple(f_arg.stride())
+    shift = f_arg.storage_offset() - arg.storage_offset()
+    if all(isinstance(v, int) for v in (*size, *stride, shift)):
+        return size, stride, shift
+    return None
 
 
 # Note [Storage changes of inputs]

@@ -490,12 +490,18 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
             inp.set_(new)
         return
     if info.mutates_metadata:
-        offset = new.storage_offset() if _same_storage(inp, new) else inp.storage_offset()
+        if _same_storage(inp, new):
+            size, stride, offset = new.size(), new.stride(), new.storage_offset()
+        elif info.layout_after is not None:  # Note [Layout after t_()]
+            size, stride, shift = info.layout_after
+            offset = inp.storage_offset() + shift
+        else:
+            size, stride, offset = new.size(), new.stride(), inp.storage_offset()
         # Like eager's x.t_() on a non-leaf: later grads to x must arrive in the new shape. (A
         # leaf that requires grad can only have been changed under no_grad, or eager raises.)
         tracked = info.requires_grad and not inp.is_leaf and torch.is_grad_enabled()
         with contextlib.nullcontext() if tracked else torch.no_grad():
-            inp.as_strided_(new.size(), new.stride(), offset)
+            inp.as_strided_(size, stride, offset)
     if info.mutates_data:
         if inp.shape != new.shape:
             _resize_as_eager(inp, new)
