@@ -882,3 +882,56 @@ def test_metadata_mutation_keeps_the_inputs_own_layout(fn, make):
     torch.testing.assert_close(out, expected[0])
     assert layout == expected[1]
     torch.testing.assert_close(memory, expected[2])
+
+
+def _scaled_window(a):
+    v = a.as_strided((2,), (1,), 4)
+    v.mul_(10)
+    return v
+
+
+def test_as_strided_with_an_offset_serves_only_inputs_at_that_offset():
+    """Note [Absolute storage offsets]: as_strided's offset counts from the start of the memory,
+    so the view returned for buf[3:11] through buf[2:10]'s entry pointed at other elements."""
+    compiled = aotkit.aot_function(_scaled_window, compilers.nop)
+    for start in (2, 3, 2):
+        results = []
+        for run in (_scaled_window, compiled):
+            buf = torch.arange(12.0)
+            out = run(buf[start:start + 8])
+            results.append((out.clone(), buf))
+            out.add_(1)  # the returned view writes through to the caller's memory
+        torch.testing.assert_close(results[1], results[0])
+    assert compiled.num_entries == 2
+    reason = aotkit.explain().of_kind("recompile")[-1].why
+    assert "storage offset of args[0]: 2 -> 3" in reason and "as_strided" in reason
+
+
+def test_as_strided_gradient_lands_where_eager_puts_it_at_another_offset():
+    def window(a):
+        return a.as_strided((2,), (1,), 4) * torch.tensor([1.0, 2.0])
+
+    compiled = aotkit.aot_function(window, compilers.nop)
+    for offset in (0, 1, 0):
+        grads = []
+        for run in (window, compiled):
+            leaf = torch.zeros(offset + 6)[offset:].view(3, 2).requires_grad_()
+            run(leaf).sum().backward()
+            grads.append(leaf.grad)
+        torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_a_second_trace_of_as_strided_at_the_same_offset_matches_eager():
+    """PyTorch's fake-tensor dispatch cache gave the second trace a view at another offset."""
+    for _ in range(2):
+        function = copy_function(_scaled_window)
+        buf, expected = torch.arange(12.0), _scaled_window(torch.arange(12.0)[2:10])
+        torch.testing.assert_close(aotkit.aot_function(function, compilers.nop)(buf[2:10]),
+                                   expected)
+
+
+def copy_function(fn):
+    import types
+
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)

@@ -276,12 +276,18 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
 
     (meta, fw_out_fakes, gm, generators), fallback = trace_with_fallback(
         trace, mode, name)
+    absolute_offsets = _places_absolute_views(gm)
+    if absolute_offsets and getattr(mode, "cache_enabled", False):
+        mode.cache_enabled = False  # Note [Absolute storage offsets]: traced again without it
+        (meta, fw_out_fakes, gm, generators), fallback = trace_with_fallback(trace, mode, name)
 
     def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         return _simplify(gm, mode, name, from_dynamo, meta.num_fw_outputs if training else None)
 
     if not training:
-        return _compile_inference(simplify(gm), meta, options, name, len(args))
+        graphs = _compile_inference(simplify(gm), meta, options, name, len(args))
+        graphs.absolute_offsets = absolute_offsets
+        return graphs
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
@@ -324,7 +330,32 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         tangent_specs=[_tangent_spec(o) for o in fw_out_fakes],
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
         gradless=() if backward_error else _gradless(bw_gm, args, meta),
+        absolute_offsets=absolute_offsets,
     )
+
+
+# Note [Absolute storage offsets]
+# An entry serves inputs at any storage offset (``buf[1:5]`` and ``buf[2:6]``): views keep
+# their place relative to the tensor they view. ``x.as_strided(size, stride, offset)`` does not:
+# its offset counts from the start of x's memory, so its elements, the view the caller gets
+# back and its gradient all move with x's own offset. A graph calling as_strided with an offset
+# therefore serves only inputs at the storage offsets it was traced with; another offset traces
+# again (a recompile naming it). Such a function is also traced a second time, with the fake
+# mode's dispatch cache off: PyTorch's cache (2.13) handed a later trace of the same code, on
+# an input at the same offset, a view at another offset, so the view the caller got back
+# pointed at other elements.
+_AS_STRIDED = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+                         torch.ops.aten.as_strided_scatter.default})
+
+
+def _places_absolute_views(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls as_strided with a storage offset (Note [Absolute storage offsets])."""
+    for target in _AS_STRIDED:
+        before_offset = 4 if target is torch.ops.aten.as_strided_scatter.default else 3
+        if any(len(n.args) + len(n.kwargs) > before_offset
+               for n in gm.graph.find_nodes(op="call_function", target=target)):
+            return True
+    return False
 
 
 def _tangent_spec(out: Any) -> tuple[Any, torch.dtype, torch.device] | None:
@@ -519,9 +550,11 @@ class _Entry:
     tensor_positions: list[int]
     guard: ShapeGuard | None
     reads: Reads  # Note [What a trace reads besides its inputs]
+    offsets: tuple[int, ...] | None = None  # Note [Absolute storage offsets]
 
     def accepts(self, tensors: list[Any]) -> bool:
-        return self.reads.hold() and (self.guard is None or self.guard(tensors))
+        return self.reads.hold() and (self.guard is None or self.guard(tensors)) and (
+            self.offsets is None or _storage_offsets(tensors) == self.offsets)
 
 
 class AotFunction:
@@ -634,7 +667,8 @@ class AotFunction:
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
-        entry = _Entry(graphs, positions, guard, reads)
+        offsets = _storage_offsets(tensors) if graphs.absolute_offsets else None
+        entry = _Entry(graphs, positions, guard, reads, offsets)
         self._entries.setdefault(key, []).append(entry)
         return entry, [leaves[i] for i in positions]
 
@@ -659,11 +693,13 @@ class AotFunction:
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         failed = self._entries.get(key)
         names = self._leaf_names(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
         if failed and (change := failed[-1].reads.change()) is not None:
             why = change
+        elif failed and (moved := _moved_offsets(failed[-1], leaves, names)):
+            why = moved
         elif failed and failed[-1].guard is not None:
             entry = failed[-1]
-            leaves = pytree.tree_leaves((args, kwargs))
             why = entry.guard.explain([leaves[i] for i in entry.tensor_positions],
                                       [names[i] for i in entry.tensor_positions])
         elif self._entries:  # against the compiled signature it differs least from, latest first
@@ -687,6 +723,24 @@ class AotFunction:
                 "aotkit.explain() for the reasons."
             )
         counters.record("recompile", self.name, why, logger=log)
+
+
+def _storage_offsets(tensors: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(t.storage_offset() if isinstance(t, torch.Tensor) else 0 for t in tensors)
+
+
+def _moved_offsets(entry: _Entry, leaves: Sequence[Any], names: Sequence[str]) -> str | None:
+    """The recompile reason of an entry refused for its inputs' storage offsets, if it was."""
+    if entry.offsets is None:
+        return None
+    now = _storage_offsets([leaves[i] for i in entry.tensor_positions])
+    moved = [f"{names[i]}: {old} -> {new}" for i, old, new in
+             zip(entry.tensor_positions, entry.offsets, now, strict=True) if old != new]
+    if not moved:
+        return None
+    return (f"storage offset of {', '.join(moved)}; the graph calls as_strided with a storage "
+            "offset, which counts from the start of the input's memory (Note [Absolute storage "
+            "offsets])")
 
 
 def _varying_shapes_fix(dynamic: bool) -> str:

@@ -64,6 +64,8 @@ class CompiledGraphs:
     # Per forward output: (shape, dtype, device) of a zero tangent, the shape None where it is
     # symbolic (Note [Outputs backward does not reach]).
     tangent_specs: list[tuple[Any, torch.dtype, torch.device] | None] = field(default_factory=list)
+    # The graph places a view at an absolute storage offset (Note [Absolute storage offsets]).
+    absolute_offsets: bool = False
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
