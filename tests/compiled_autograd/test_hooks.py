@@ -645,7 +645,23 @@ def _removes_its_registration_outside_the_backward(log: list[str], post_accumula
     return w.grad
 
 
+def _removes_a_grad_input_hook_also_on_a_saved_leaf(log: list[str]) -> Any:
+    """The function is also registered on ``w``, a leaf the graph takes (saved by the product)
+    but does not accumulate into: the removed registration on ``x`` is still skipped."""
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        log.append("hook")
+        return g * 10
+
+    x, w = torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+    on_x = x.register_hook(hook)
+    w.register_hook(hook)
+    y = x * w
+    y.register_hook(lambda g: on_x.remove())
+    return torch.autograd.grad(y.sum(), [x])[0]
+
+
 _REMOVALS = {
+    "grad_input_hook_also_on_a_saved_leaf": _removes_a_grad_input_hook_also_on_a_saved_leaf,
     "registration_outside_the_backward": lambda log: _removes_its_registration_outside_the_backward(
         log, post_accumulate=False),
     "post_accumulate_registration_outside_the_backward":

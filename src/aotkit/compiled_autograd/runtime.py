@@ -6,12 +6,14 @@ through an :class:`Op` so the printed graph names the formula (``MulBackward0``)
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import fx
 from torch.utils.hooks import RemovableHandle
 
 from aotkit import compat
@@ -216,6 +218,14 @@ def call_accumulate_grad(
     return variable.grad
 
 
+def accumulated_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions in the graph's ``inputs`` of the leaves it accumulates ``.grad`` into."""
+    return sorted({node.args[0].args[1]  # type: ignore[union-attr]
+                   for node in gm.graph.find_nodes(op="call_function", target=call_accumulate_grad)
+                   if isinstance(node.args[0], fx.Node) and node.args[0].target is operator.getitem
+                   and node.args[0].args[0].op == "placeholder"})  # type: ignore[union-attr]
+
+
 def call_cpp_tensor_pre_hooks(hook_id: int, grad: torch.Tensor) -> torch.Tensor:
     """Run C++ tensor pre-hooks such as the one ``retain_grad()`` installs."""
     return compat.call_cpp_tensor_pre_hooks(hook_id, grad)
@@ -335,12 +345,14 @@ class Engine:
 
 
 def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, hooks: Any,
-           packed_data: Any) -> Any:
+           packed_data: Any, accumulated: Sequence[int] = ()) -> Any:
     """Run a compiled backward, then the callbacks queued while it ran (Note [Final callbacks]),
-    noting the hooks removed meanwhile (Note [Hooks removed during a backward])."""
+    noting the hooks removed meanwhile (Note [Hooks removed during a backward]). ``accumulated``:
+    the positions in ``inputs`` of the leaves whose ``.grad`` the graph accumulates."""
     queued: list[Callable[[], None]] = []
     outer = getattr(_replay, "queued", None), getattr(_replay, "removals", None)
-    _replay.queued, _replay.removals = queued, _Removals(hooks, inputs)
+    leaves = [inputs[i] for i in accumulated] if hooks else []
+    _replay.queued, _replay.removals = queued, _Removals(hooks, leaves)
     try:
         out = fn(inputs, sizes, scalars, hooks, packed_data)
         i = 0
@@ -363,21 +375,21 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
 # run in its order (and skipping any of them gives the same result); a registration whose call
 # already ran (a hook removing itself) skips nothing. One function registered on several tensors
 # or nodes, one of which is removed while calls are still to come, cannot be told apart and is
-# refused. A function registered once in this backward, on a leaf the graph takes, and also on a
-# tensor outside it: removing the outside registration skips nothing, since the leaf's own hook
-# tables (taken when the replay starts, before the graph frees its inputs) still hold it. For a
-# non-leaf tensor or a node, whose tables the graph does not see, the outside registration is
-# taken for the inside one. A hook registered during a backward is not seen at all (README,
+# refused. A function registered once in this backward, on a leaf the graph accumulates into,
+# and also on a tensor outside it: removing the outside registration skips nothing, since the
+# leaf's own hook tables (taken when the replay starts, before the graph frees its inputs) still
+# hold it. For a non-leaf tensor, a node or the inputs of torch.autograd.grad, whose tables the
+# graph does not see, the outside registration is taken for the inside one. A hook registered during a backward is not seen at all (README,
 # known gaps).
 class _Removals:
     """The hook calls one replay is to skip."""
 
-    def __init__(self, hooks: Sequence[Any], inputs: Sequence[Any]) -> None:
+    def __init__(self, hooks: Sequence[Any], leaves: Sequence[torch.Tensor]) -> None:
         self.hooks = hooks  # the registrations this backward calls
         self.calls: Counter[int] = Counter()  # id(hook) -> calls made or skipped so far
         self.skip: Counter[int] = Counter()   # id(hook) -> calls still to skip
-        # the hook tables of the leaves the graph takes (none to look at without hooks)
-        self.leaf_tables = [table for t in inputs if hooks and isinstance(t, torch.Tensor)
+        # the hook tables of the leaves the graph accumulates into
+        self.leaf_tables = [table for t in leaves
                             for table in (t._backward_hooks, t._post_accumulate_grad_hooks)
                             if table]
 

@@ -236,6 +236,7 @@ class CompiledBackward:
         self.to_cuda = to_cuda
         self.captured_for = captured_for  # the capturing backward's sizes and scalars
         self._identity = session.identity
+        self.accumulated = runtime.accumulated_inputs(captured)  # the leaves taking .grad
 
     def _check_compiler(self, session: Session | None) -> Session:
         """The active session, its compiler's graphs compiled again after a switch."""
@@ -291,7 +292,7 @@ class CompiledBackward:
         try:
             with compat.compiled_autograd_off():
                 return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks,
-                                      packed_data)
+                                      packed_data, self.accumulated)
         except RuntimeError as exc:
             changed = changed_value(example, self.captured_for, made="captured")
             if changed is None or isinstance(exc, AotkitError):  # ours already say what failed
