@@ -427,3 +427,55 @@ def test_a_view_of_a_detached_closed_over_tensor_stays_detached():
     expected = w.detach()[1:]
     assert (out[1].requires_grad, out[1].grad_fn) == (expected.requires_grad, None) == (False, None)
     torch.testing.assert_close(out[1], expected)
+
+
+def _must_be_3(x, s):
+    n = s.item()
+    torch._check(n == 3, lambda: "n must be 3")
+    return x * n
+
+
+def _checked_only(x, s):
+    n = s.item()
+    torch._check(n < x.shape[0])
+    return x * 2
+
+
+@pytest.mark.parametrize("fn", [_must_be_3, _checked_only])
+@pytest.mark.parametrize("grad", [False, True])
+def test_torch_check_on_a_value_the_graph_does_not_use_raises_as_in_eager(fn, grad):
+    """The trace made ``n`` a constant (or never used it), so dead-code elimination dropped its
+    read and the check went with it: eager raised, the graph returned a value."""
+    compiled = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    x = rand(2, grad=grad)
+    torch.testing.assert_close(compiled(x, torch.tensor(1 if fn is _checked_only else 3)),
+                               fn(x, torch.tensor(1 if fn is _checked_only else 3)))
+    with pytest.raises(RuntimeError):
+        fn(x, torch.tensor(4))
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        compiled(x, torch.tensor(4))
+
+
+@pytest.mark.parametrize("fn", [
+    pytest.param(lambda x, n: x.sum() * torch.ones(n.item()), id="sized_by_item"),
+    pytest.param(lambda x, n: (lambda m: m * m.shape[0])(x[x > 0]), id="masked_and_scaled"),
+])
+def test_differentiable_output_of_a_data_dependent_size_matches_eager(fn):
+    """The checks were written into the joint graph, where they took the size from the output's
+    tangent, which the forward does not have: the partitioner failed."""
+    for rows in (5, 7):
+        check_against_eager(fn, rand(rows, grad=True), torch.tensor(rows - 1), calls=1,
+                            aot_kwargs={"dynamic": True})
+
+
+def test_data_dependent_op_on_overlapping_mutated_inputs_says_why_sizes_were_static():
+    def fn(a, b):
+        a.add_(1)
+        return b[b > 1].sum()
+
+    compiled = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    torch.testing.assert_close(compiled(torch.arange(4.0), torch.arange(4.0)),
+                               fn(torch.arange(4.0), torch.arange(4.0)))
+    shared = torch.arange(8.0)
+    with pytest.raises(TraceError, match=r"share memory and one is mutated(.|\n)*\.clone\(\)"):
+        compiled(shared[:4], shared[2:6])

@@ -64,6 +64,7 @@ from aotkit.errors import (
     CompilerError,
     OutputTypeError,
     RecompileLimitError,
+    TraceError,
     UnsupportedError,
 )
 from aotkit.partition.default import default_partition
@@ -242,7 +243,16 @@ def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], o
     fakes = [make_fake(mode, a, k, False, f"input {k}") if isinstance(a, torch.Tensor) else a
              for k, a in enumerate(args)]
     returned: dict[int, int] = {}
-    graphs = compile_graphs(layout.wrap(flat_fn, returned), fakes, options, name, mode)
+    try:
+        graphs = compile_graphs(layout.wrap(flat_fn, returned), fakes, options, name, mode)
+    except TraceError as exc:
+        if not options.dynamic:
+            raise
+        raise TraceError(
+            f"{exc}\nThis call's inputs share memory and one is mutated, so it was traced with "
+            "static sizes although the function was compiled with dynamic=True (Note "
+            "[Overlapping mutated inputs]): pass separate tensors (.clone() one of them)."
+        ) from exc
     return graphs, returned
 
 
@@ -285,10 +295,12 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         return _simplify(gm, mode, name, from_dynamo, meta.num_fw_outputs if training else None)
 
     if not training:
-        graphs = _compile_inference(simplify(gm), meta, options, name, len(args))
+        graphs = _compile_inference(_insert_runtime_asserts(simplify(gm), mode, name, from_dynamo),
+                                    meta, options, name, len(args))
         graphs.absolute_offsets = absolute_offsets
         return graphs
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
+    _insert_runtime_asserts(fw_gm, mode, name, from_dynamo)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
     _log_graph(name, "forward", fw_gm)
@@ -380,17 +392,25 @@ def _gradless(bw_gm: fx.GraphModule, args: Sequence[Any], meta: AotMeta) -> tupl
     return () if len(cut) == len(linked) and any(meta.fw_output_differentiable()) else cut
 
 
+def _insert_runtime_asserts(gm: fx.GraphModule, mode: FakeTensorMode, name: str,
+                            from_dynamo: bool) -> fx.GraphModule:
+    """Write the checks the ShapeEnv deferred into a forward or inference graph (Note
+    [Data-dependent sizes]); Dynamo has written its own into the graph it hands us. Not into
+    the joint graph: its tangents have the outputs' data-dependent sizes, and the checks would
+    read those sizes from the tangents, which the forward does not have."""
+    if not from_dynamo and mode.shape_env is not None and mode.shape_env.deferred_runtime_asserts:
+        from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+
+        insert_deferred_runtime_asserts(gm, mode.shape_env, name)
+    return gm
+
+
 def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: bool,
               keep_outputs: int | None) -> fx.GraphModule:
     """The clean-ups of aotkit.aot.simplify a traced graph gets before it is partitioned."""
     if from_dynamo:
         tensorify_float_inputs(gm, mode, name)
     drop_noop_views(gm, keep_outputs=keep_outputs)
-    if not from_dynamo and mode.shape_env is not None and mode.shape_env.deferred_runtime_asserts:
-        # Note [Data-dependent sizes]; Dynamo has written its own into the graph it hands us.
-        from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
-
-        insert_deferred_runtime_asserts(gm, mode.shape_env, name)
     if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
         pin_factory_dtypes(gm)
     return gm
@@ -775,7 +795,7 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     # x.item(), narrow at a tensor offset) is traced as an unbacked symbol, as in torch.compile
     # with capture_scalar_outputs: the graph computes it at every call. The checks the ops make
     # on such symbols (narrow's start within the size) are only recorded by the ShapeEnv while
-    # tracing; _simplify writes them into the graph as assertions, which raise where eager's
+    # tracing; _insert_runtime_asserts writes them into the graph as assertions, which raise where eager's
     # kernel would raise, instead of the graph silently slicing out of range. A 0-dim input's
     # value is data too (make_fake), not a constant the entry would guard on.
     shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \

@@ -619,7 +619,7 @@ def _data_dependent(what: str, exc: BaseException, static: bool = False) -> Trac
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     frames = traceback.extract_tb(exc.__traceback__)
-    dynamic = ", pass dynamic=True, which traces its size as a symbol," if static else ""
+    dynamic = ", pass dynamic=True, which traces its size as a symbol" if static else ""
     if any(f.filename.endswith(os.path.join("_higher_order_ops", "while_loop.py")) for f in frames):
         return TraceError(
             f"{what} could not be traced: torch.while_loop is differentiated by running its "

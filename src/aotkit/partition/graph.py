@@ -156,9 +156,13 @@ def is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-# Side effects FX's list misses: the sink of effect tokens, and torch._assert_async without a
-# message (its .msg overload is listed), which eager raises from and graphs dropped as dead.
-_ALSO_IMPURE = {torch.ops.prims._sink_tokens.default, torch.ops.aten._assert_async.default}
+# Side effects FX's list misses: the sink of effect tokens, torch._assert_async without a
+# message (its .msg overload is listed), which eager raises from and graphs dropped as dead, and
+# reading a tensor's value (x.item()) whose result the trace made a constant
+# (``torch._check(n == 3)``) or never used: the checks on it (Note [Data-dependent sizes]) need
+# the value read at every call.
+_ALSO_IMPURE = {torch.ops.prims._sink_tokens.default, torch.ops.aten._assert_async.default,
+                torch.ops.aten._local_scalar_dense.default}
 
 
 def is_impure(node: fx.Node) -> bool:
