@@ -568,7 +568,7 @@ def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str
     if _replayable(out, source, info):
         return out._view_func_unsafe(source.base)
     if info.replay_only:
-        return _replayed_on_input(source, out, name)
+        return _replayed_on_input(source, out, info, name)
     base = _plain(source.base)
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
@@ -595,7 +595,8 @@ def _replayable(out: torch.Tensor, source: _ViewSource, info: OutputInfo) -> boo
             and not (info.is_neg or info.is_conj or base.is_conj() or base.is_neg()))
 
 
-def _replayed_on_input(source: _ViewSource, out: torch.Tensor, name: str) -> torch.Tensor:
+def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo,
+                       name: str) -> torch.Tensor:
     """See Note [Views of inputs with gaps]."""
     new = source.new_value
     if new is not None and out._is_view() and out._base is new:
@@ -604,8 +605,11 @@ def _replayed_on_input(source: _ViewSource, out: torch.Tensor, name: str) -> tor
             == (new.shape, new.stride(), new.storage_offset()):
         # the whole input (``x[...]``, ``x.detach()`` after writing x): a view of its own, in
         # the output's dtype (``x.view(torch.int32)``), not the caller's tensor itself
-        base = source.base
-        return base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
+        base = _plain(source.base)
+        view = base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
+        if info.is_neg:  # Note [Conjugate and negative views]
+            view = torch._neg_view(view)
+        return view.conj() if info.is_conj else view
     raise UnsupportedError(
         f"{name}: the function mutates input {source.input_index} (strides "
         f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
