@@ -109,8 +109,13 @@ _BY_VALUE = (int, float, complex, str, bytes, torch.device)
 
 def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
     return len(xs) == len(ys) and all(
-        x is y or (type(x) is type(y) and type(x) in _BY_VALUE and x == y)
+        x is y or (type(x) is type(y) and type(x) in _BY_VALUE and _same_value(x, y))
         for x, y in zip(xs, ys, strict=True))
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Equal, with floats told apart as they print: -0.0 is not 0.0, and NaN is NaN."""
+    return repr(x) == repr(y) if isinstance(x, (float, complex)) else x == y
 
 
 def _globals_read(fn: types.FunctionType) -> list[Any]:
