@@ -642,9 +642,10 @@ def _data_dependent(what: str, exc: BaseException, static: bool = False) -> Trac
             f"{what} could not be traced: it reads a value from tensor data ({exc.func}) with "
             "static sizes, where the trace holds no data.\n"
             f"  at {user_frame(exc)}\n"
-            f"Fix: pass dynamic=True, which traces the value as a symbol (a Python branch on it "
-            "still cannot be traced: use torch.where or torch.cond), or move the read out of "
-            "the compiled function; torch.compile splits the graph there for you."
+            "Fix: a Python branch on it (if x.sum() > 0:) cannot be traced: express it with "
+            "torch.where or torch.cond; a value used in computation (x * n.item()) is traced "
+            "as a symbol with dynamic=True; or move the read out of the compiled function "
+            "(torch.compile splits the graph there for you)."
         )
     return TraceError(
         f"{what} could not be traced: Python control flow or a Python value depends on "
