@@ -284,6 +284,21 @@ def test_dynamo_recompiles_and_its_eager_fallback_are_explained(torch_logs: str)
     assert "  " not in fallback.why and "User stack trace" not in fallback.why
 
 
+def test_dynamo_recompiles_are_explained_after_a_dynamo_reset() -> None:
+    """The frame's name repeats after torch._dynamo.reset(); its recompiles were taken for
+    restarts of the one already recorded and dropped."""
+    def triple(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    for _ in range(3):
+        torch._dynamo.reset()
+        compiled = torch.compile(triple, backend="aotkit", dynamic=False)
+        compiled(torch.ones(1))
+        compiled(torch.ones(1, dtype=torch.float64))
+    recompiles = aotkit.explain().of_kind("recompile")
+    assert len(recompiles) == 3 and all("dtype mismatch" in d.why for d in recompiles)
+
+
 @pytest.mark.parametrize(("text", "tidy"), [
     ("0/2: k == 2" + " " * 40 + "# return x * k  # mp/f.py:9 in fb\nUser stack trace:\n"
      '  File "/tmp/f.py", line 9, in fb\n    return x * k',

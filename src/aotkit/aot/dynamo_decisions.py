@@ -18,17 +18,23 @@ log = logging.getLogger("aotkit.aot")
 # it eagerly from then on. Both happen before any backend sees a graph, so aotkit records them:
 # a backend call for a frame's second or later compile is a "recompile" decision with Dynamo's
 # guard failure, and Dynamo's warning on hitting its limit is a "fallback" decision.
+#: The compile whose recompile was recorded last (a restarted compile keeps its context; the
+#: frame's name repeats after torch._dynamo.reset(), so it cannot tell restarts apart).
+_recorded: list[Any] = [None]
+
+
 def note_dynamo_recompile(name: str) -> None:
     """Record why Dynamo compiles this frame again, if it does (Note [Dynamo's recompiles in
     explain()]); install the recorder of Dynamo's recompile-limit fallbacks on first use."""
     from torch._guards import CompileContext
 
     _record_dynamo_fallbacks()
-    compile_id = CompileContext.current_compile_id()
-    if compile_id is None or not compile_id.frame_compile_id:
+    context = CompileContext.try_get()
+    if context is None or context.compile_id is None or not context.compile_id.frame_compile_id:
         return
-    if counters.counters["recompile"].get(name):  # Dynamo restarted this compile (specialize)
+    if _recorded[0] is context:  # Dynamo restarted this compile (specialize): one decision
         return
+    _recorded[0] = context
     reason = compat.dynamo_recompile_reason() or "Dynamo did not say which guard failed"
     counters.record("recompile", name, (
         f"Dynamo compiles this frame again; a guard of the compiled version it tried first "
