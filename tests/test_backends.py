@@ -299,6 +299,23 @@ def test_dynamo_recompiles_are_explained_after_a_dynamo_reset() -> None:
     assert len(recompiles) == 3 and all("dtype mismatch" in d.why for d in recompiles)
 
 
+def test_eager_fallback_of_a_backend_error_dynamo_suppresses_is_explained() -> None:
+    """Note [Backend errors Dynamo suppresses]: Dynamo ran the frame eagerly and explain()
+    showed nothing."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def scaled_sum(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (t * w).sum()
+
+    t, w = TwoTensor(torch.randn(3), torch.randn(3)), torch.randn(3, requires_grad=True)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        out = torch.compile(scaled_sum, backend="aotkit")(t, w)
+    torch.testing.assert_close(out, scaled_sum(t, w))
+    [fallback] = aotkit.explain().of_kind("fallback")
+    assert fallback.what.startswith("torch.compile(backend='aotkit', scaled_sum in")
+    assert "UnsupportedError" in fallback.why and "suppress_errors" in fallback.why
+
+
 @pytest.mark.parametrize(("text", "tidy"), [
     ("0/2: k == 2" + " " * 40 + "# return x * k  # mp/f.py:9 in fb\nUser stack trace:\n"
      '  File "/tmp/f.py", line 9, in fb\n    return x * k',

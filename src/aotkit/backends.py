@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from aotkit import compilers
+from aotkit import compilers, counters
 from aotkit.aot import aot_module_simplified
-from aotkit.aot.api import Partitioner
+from aotkit.aot.api import Partitioner, _region
 from aotkit.aot.boxing import Compiler, make_boxed_func
 from aotkit.compat import FakeTensor
 from aotkit.errors import ArgumentError
 from aotkit.partition import default_partition, min_cut_rematerialization_partition
+
+log = logging.getLogger("aotkit.backends")
 
 
 def _no_dynamo(compiler: Compiler) -> Compiler:
@@ -71,6 +74,37 @@ def partition_from(options: Mapping[str, Any] | None, default: str = "default") 
                              activation_memory_budget=float(budget))
 
 
+# Note [Backend errors Dynamo suppresses]
+# With torch._dynamo.config.suppress_errors, Dynamo runs a frame eagerly when its backend
+# raises, and says so only in a warning a program may have quieted: explain() would show no
+# trace of the fallback. Each backend records it as a "fallback" decision with the error.
+def _fallback_recorded(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Backend ``name``'s function, recording the eager fallbacks of Note [Backend errors Dynamo
+    suppresses]."""
+    return functools.partial(_recording_fallbacks, name=name)
+
+
+def _recording_fallbacks(backend: Callable[..., Callable[..., Any]], name: str
+                         ) -> Callable[..., Callable[..., Any]]:
+    @functools.wraps(backend)
+    def run(gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any,
+            **kwargs: Any) -> Callable[..., Any]:
+        try:
+            return backend(gm, example_inputs, *args, **kwargs)
+        except Exception as exc:
+            if torch._dynamo.config.suppress_errors and \
+                    not type(exc).__module__.startswith("torch._dynamo"):  # not its own signals
+                counters.record(
+                    "fallback", f"torch.compile(backend={name!r}, {_region(gm)})",
+                    f"the backend raised {type(exc).__name__}: {str(exc).splitlines()[0]}; "
+                    "torch._dynamo.config.suppress_errors is on, so Dynamo runs this frame "
+                    "eagerly. Fix: the error's own fix, or suppress_errors=False to see it raised.",
+                    logger=log)
+            raise
+
+    return run
+
+
 def _check_mode(mode: str | None, backend: str) -> None:
     """``torch.compile(mode=...)`` names Inductor presets (CUDA graphs, autotuning) that these
     backends do not implement: only the default is accepted, never silently ignored."""
@@ -90,6 +124,7 @@ def _aot(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: Compiler,
                                  partition_fn=partition_from(options))
 
 
+@_fallback_recorded('aotkit')
 def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any],
                options: Mapping[str, Any] | None = None,
                mode: str | None = None) -> Callable[..., Any]:
@@ -107,6 +142,7 @@ def aotkit_nop(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return _aot(gm, example_inputs, compilers.nop, options)
 
 
+@_fallback_recorded('aotkit_debug')
 def aotkit_debug(gm: fx.GraphModule, example_inputs: Sequence[Any],
                  options: Mapping[str, Any] | None = None,
                  mode: str | None = None) -> Callable[..., Any]:
@@ -124,6 +160,7 @@ def aotkit_debug(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return _aot(gm, example_inputs, compilers.debug_nop, options)
 
 
+@_fallback_recorded('aotkit_inductor')
 def aotkit_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
                     options: Mapping[str, Any] | None = None,
                     mode: str | None = None) -> Callable[..., Any]:
