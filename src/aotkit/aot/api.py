@@ -794,10 +794,12 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     # With dynamic=True, a size or value read from tensor data (nonzero, masked_select, unique,
     # x.item(), narrow at a tensor offset) is traced as an unbacked symbol, as in torch.compile
     # with capture_scalar_outputs: the graph computes it at every call. The checks the ops make
-    # on such symbols (narrow's start within the size) are only recorded by the ShapeEnv while
-    # tracing; _insert_runtime_asserts writes them into the graph as assertions, which raise where eager's
-    # kernel would raise, instead of the graph silently slicing out of range. A 0-dim input's
-    # value is data too (make_fake), not a constant the entry would guard on.
+    # on such symbols (narrow's start within the size, a torch._check) are only recorded by the
+    # ShapeEnv while tracing; _insert_runtime_asserts writes them into the forward graph as
+    # assertions, which raise where eager's kernel would raise, instead of the graph silently
+    # slicing out of range. A read whose value the trace made a constant is kept for them
+    # (aotkit.partition.graph.is_impure). A 0-dim input's value is data too (make_fake), not a
+    # constant the entry would guard on.
     shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \
         if dynamic or symbols else None
     return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
