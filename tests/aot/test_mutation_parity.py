@@ -950,3 +950,35 @@ def test_conjugated_whole_view_of_a_mutated_complex_input_with_gaps_matches_eage
     result = check_against_eager(fn, make(), prepare=lambda args, kwargs: ((make(),), {}),
                                  backward=False)
     assert tensors(result.aot_out)[0].is_conj()
+
+
+def test_as_strided_with_an_offset_on_a_tensor_made_inside_serves_every_offset():
+    """fill_diagonal_ of an intermediate calls as_strided with an offset that does not move with
+    the inputs': batches from data.split() must share one entry (they recompiled each)."""
+    def contrastive(z, w):
+        z = torch.nn.functional.normalize(z @ w, dim=1)
+        sim = z @ z.T
+        sim.fill_diagonal_(float("-inf"))
+        return torch.logsumexp(sim, dim=1).mean()
+
+    compiled = aotkit.aot_function(contrastive, compilers.nop)
+    data = torch.randn(4 * 6, 8)
+    for batch in data.split(4):
+        check_against_eager(contrastive, batch, rand(8, 4, grad=True), calls=1)
+        compiled(batch, rand(8, 4, grad=True)).backward()
+    assert compiled.num_entries == 1
+
+
+def test_view_of_a_restrided_input_with_gaps_is_refused_before_anything_is_written():
+    """Note [Layout after t_()]: the graph's contiguous new value cannot place the view."""
+    def fn(x):
+        x.mul_(2)
+        x.t_()
+        return x[1:]
+
+    buf = torch.arange(24.0)
+    x = buf.view(4, 6)[:, ::2]
+    with pytest.raises(UnsupportedError, match="returns a view of it(.|\n)*x.contiguous"):
+        aotkit.aot_function(fn, compilers.nop)(x)
+    torch.testing.assert_close(buf, torch.arange(24.0))
+    assert x.stride() == (6, 2)

@@ -360,14 +360,31 @@ _AS_STRIDED = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_st
                          torch.ops.aten.as_strided_scatter.default})
 
 
+#: Ops whose result is their first argument's memory, written: an input's new value.
+_SCATTERS = frozenset({torch.ops.aten.as_strided_scatter.default,
+                       torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+                       torch.ops.aten.diagonal_scatter.default})
+
+
 def _places_absolute_views(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` calls as_strided with a storage offset (Note [Absolute storage offsets])."""
+    """Whether ``gm`` calls as_strided with a storage offset on an input, or on a view or new
+    value of one (Note [Absolute storage offsets]); on a tensor made inside (``fill_diagonal_``
+    of an intermediate) the offset does not move with the inputs'."""
     for target in _AS_STRIDED:
         before_offset = 4 if target is torch.ops.aten.as_strided_scatter.default else 3
-        if any(len(n.args) + len(n.kwargs) > before_offset
+        if any(len(n.args) + len(n.kwargs) > before_offset and _of_an_input(n.args[0])
                for n in gm.graph.find_nodes(op="call_function", target=target)):
             return True
     return False
+
+
+def _of_an_input(node: Any) -> bool:
+    """Whether ``node`` is a primal input, or a view or new value of one."""
+    while isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload) and (
+            node.target.is_view or node.target in _SCATTERS):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder" \
+        and not str(node.target).startswith("tangents")
 
 
 def _tangent_spec(out: Any) -> tuple[Any, torch.dtype, torch.device] | None:

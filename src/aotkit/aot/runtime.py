@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -454,6 +454,7 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
         return list(fw_outs)
     meta = graphs.meta
     new_values = dict(zip(graphs.returned_mutations, fw_outs, strict=False))
+    _refuse_views_of_restrided_inputs(graphs, args, new_values)
     for i, new in new_values.items():
         apply_mutation(args[i], new, meta.inputs[i])
     start = len(graphs.returned_mutations)
@@ -483,6 +484,25 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
         else:
             results.append(regenerate_view(_ViewSource(bases[info.base]), out, info, graphs.name))
     return results
+
+
+def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any],
+                                      new_values: Mapping[int, Any]) -> None:
+    """An input that takes its traced layout (Note [Layout after t_()]) where the graph laid its
+    new value out otherwise: a view of it placed from the graph's layout would show other
+    elements, so returning one is refused before anything is written."""
+    inputs = graphs.meta.inputs
+    apart = {i for i, new in new_values.items() if inputs[i].layout_after is not None
+             and not _same_storage(args[i], new) and tuple(new.stride()) != inputs[i].layout_after[1]}
+    if apart and (viewed := sorted({o.base for o in graphs.meta.outputs
+                                    if o.alias is Alias.OF_INPUT and o.base in apart})):
+        raise UnsupportedError(
+            f"{graphs.name} changes the shape or strides of input {viewed[0]} in place (t_(), "
+            "unsqueeze_(), ...), which has gaps between its elements, and returns a view of it; "
+            "the compiled graph laid the input's new value out contiguously, so aotkit cannot "
+            "place the view in the input's memory as eager does.\nFix: pass a contiguous input "
+            "(x.contiguous()), or return a clone of the view."
+        )
 
 
 def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> None:
