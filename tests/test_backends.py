@@ -314,6 +314,22 @@ def test_eager_fallback_of_a_backend_error_dynamo_suppresses_is_explained() -> N
     [fallback] = aotkit.explain().of_kind("fallback")
     assert fallback.what.startswith("torch.compile(backend='aotkit', scaled_sum in")
     assert "UnsupportedError" in fallback.why and "suppress_errors" in fallback.why
+    aotkit.counters.reset()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(suppress_errors=True), pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        torch.compile(scaled_sum, backend="aotkit", fullgraph=True)(t, w)  # raises regardless
+    assert not aotkit.explain().of_kind("fallback")
+
+
+def test_graph_break_a_backend_asks_for_is_no_fallback_under_suppress_errors() -> None:
+    def complex_svd(a: torch.Tensor) -> torch.Tensor:
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        return s.sum() + (u * vh.mT).abs().sum()
+
+    a = torch.randn(3, 3, dtype=torch.complex64, requires_grad=True)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        torch.compile(complex_svd, backend="aotkit")(a).backward()
+    assert aotkit.explain().of_kind("graph_break") and not aotkit.explain().of_kind("fallback")
 
 
 @pytest.mark.parametrize(("text", "tidy"), [

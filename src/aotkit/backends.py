@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotkit import compilers, counters
+from aotkit import compat, compilers, counters
 from aotkit.aot import aot_module_simplified
 from aotkit.aot.api import Partitioner, _region
 from aotkit.aot.boxing import Compiler, make_boxed_func
@@ -92,8 +92,9 @@ def _recording_fallbacks(backend: Callable[..., Callable[..., Any]], name: str
         try:
             return backend(gm, example_inputs, *args, **kwargs)
         except Exception as exc:
-            if torch._dynamo.config.suppress_errors and \
-                    not type(exc).__module__.startswith("torch._dynamo"):  # not its own signals
+            if torch._dynamo.config.suppress_errors and not compat.dynamo_compiles_one_graph() \
+                    and not isinstance(exc, compat.dynamo_fallback_errors()) \
+                    and not type(exc).__module__.startswith("torch._dynamo"):  # its own signals
                 counters.record(
                     "fallback", f"torch.compile(backend={name!r}, {_region(gm)})",
                     f"the backend raised {type(exc).__name__}: {str(exc).splitlines()[0]}; "

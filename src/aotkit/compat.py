@@ -105,6 +105,18 @@ def dynamo_fallback_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(exc, "exceptions_allowed_to_be_fallback", ()))
 
 
+def dynamo_compiles_one_graph() -> bool:
+    """Whether the frame Dynamo is compiling must be one graph (``fullgraph=True``), where a
+    backend error raises whatever ``suppress_errors`` says. False when unknown."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # no frame being compiled, or another torch's layout
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
 # --- compiled autograd: the C++ engine's private protocol -------------------------------------
 # Note [Compiled autograd protocol]
 # The C++ autograd engine (torch/csrc/dynamo/python_compiled_autograd.cpp) calls a Python object
