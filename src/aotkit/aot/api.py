@@ -21,6 +21,7 @@ from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
+from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import (
@@ -284,12 +285,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
             require_graph_backward(gm, fallback)
             return meta, fw_out_fakes, gm, generators
 
-    (meta, fw_out_fakes, gm, generators), fallback = trace_with_fallback(
-        trace, mode, name)
-    absolute_offsets = _places_absolute_views(gm)
-    if absolute_offsets and getattr(mode, "cache_enabled", False):
-        mode.cache_enabled = False  # Note [Absolute storage offsets]: traced again without it
-        (meta, fw_out_fakes, gm, generators), fallback = trace_with_fallback(trace, mode, name)
+    (meta, fw_out_fakes, gm, generators), fallback, absolute_offsets = traced_for_offsets(
+        lambda: trace_with_fallback(trace, mode, name), mode)
 
     def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         return _simplify(gm, mode, name, from_dynamo, meta.num_fw_outputs if training else None)
@@ -344,47 +341,6 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         gradless=() if backward_error else _gradless(bw_gm, args, meta),
         absolute_offsets=absolute_offsets,
     )
-
-
-# Note [Absolute storage offsets]
-# An entry serves inputs at any storage offset (``buf[1:5]`` and ``buf[2:6]``): views keep
-# their place relative to the tensor they view. ``x.as_strided(size, stride, offset)`` does not:
-# its offset counts from the start of x's memory, so its elements, the view the caller gets
-# back and its gradient all move with x's own offset. A graph calling as_strided with an offset
-# therefore serves only inputs at the storage offsets it was traced with; another offset traces
-# again (a recompile naming it). Such a function is also traced a second time, with the fake
-# mode's dispatch cache off: PyTorch's cache (2.13) handed a later trace of the same code, on
-# an input at the same offset, a view at another offset, so the view the caller got back
-# pointed at other elements.
-_AS_STRIDED = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
-                         torch.ops.aten.as_strided_scatter.default})
-
-
-#: Ops whose result is their first argument's memory, written: an input's new value.
-_SCATTERS = frozenset({torch.ops.aten.as_strided_scatter.default,
-                       torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
-                       torch.ops.aten.diagonal_scatter.default})
-
-
-def _places_absolute_views(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` calls as_strided with a storage offset on an input, or on a view or new
-    value of one (Note [Absolute storage offsets]); on a tensor made inside (``fill_diagonal_``
-    of an intermediate) the offset does not move with the inputs'."""
-    for target in _AS_STRIDED:
-        before_offset = 4 if target is torch.ops.aten.as_strided_scatter.default else 3
-        if any(len(n.args) + len(n.kwargs) > before_offset and _of_an_input(n.args[0])
-               for n in gm.graph.find_nodes(op="call_function", target=target)):
-            return True
-    return False
-
-
-def _of_an_input(node: Any) -> bool:
-    """Whether ``node`` is a primal input, or a view or new value of one."""
-    while isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload) and (
-            node.target.is_view or node.target in _SCATTERS):
-        node = node.args[0]
-    return isinstance(node, fx.Node) and node.op == "placeholder" \
-        and not str(node.target).startswith("tangents")
 
 
 def _tangent_spec(out: Any) -> tuple[Any, torch.dtype, torch.device] | None:
@@ -591,7 +547,7 @@ class _Entry:
 
     def accepts(self, tensors: list[Any]) -> bool:
         return self.reads.hold() and (self.guard is None or self.guard(tensors)) and (
-            self.offsets is None or _storage_offsets(tensors) == self.offsets)
+            self.offsets is None or storage_offsets(tensors) == self.offsets)
 
 
 class AotFunction:
@@ -704,7 +660,7 @@ class AotFunction:
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
-        offsets = _storage_offsets(tensors) if graphs.absolute_offsets else None
+        offsets = storage_offsets(tensors) if graphs.absolute_offsets else None
         entry = _Entry(graphs, positions, guard, reads, offsets)
         self._entries.setdefault(key, []).append(entry)
         return entry, [leaves[i] for i in positions]
@@ -733,7 +689,8 @@ class AotFunction:
         leaves = pytree.tree_leaves((args, kwargs))
         if failed and (change := failed[-1].reads.change()) is not None:
             why = change
-        elif failed and (moved := _moved_offsets(failed[-1], leaves, names)):
+        elif failed and (moved := moved_offsets(failed[-1].offsets, failed[-1].tensor_positions,
+                                                leaves, names)):
             why = moved
         elif failed and failed[-1].guard is not None:
             entry = failed[-1]
@@ -760,24 +717,6 @@ class AotFunction:
                 "aotkit.explain() for the reasons."
             )
         counters.record("recompile", self.name, why, logger=log)
-
-
-def _storage_offsets(tensors: Sequence[Any]) -> tuple[int, ...]:
-    return tuple(t.storage_offset() if isinstance(t, torch.Tensor) else 0 for t in tensors)
-
-
-def _moved_offsets(entry: _Entry, leaves: Sequence[Any], names: Sequence[str]) -> str | None:
-    """The recompile reason of an entry refused for its inputs' storage offsets, if it was."""
-    if entry.offsets is None:
-        return None
-    now = _storage_offsets([leaves[i] for i in entry.tensor_positions])
-    moved = [f"{names[i]}: {old} -> {new}" for i, old, new in
-             zip(entry.tensor_positions, entry.offsets, now, strict=True) if old != new]
-    if not moved:
-        return None
-    return (f"storage offset of {', '.join(moved)}; the graph calls as_strided with a storage "
-            "offset, which counts from the start of the input's memory (Note [Absolute storage "
-            "offsets])")
 
 
 def _varying_shapes_fix(dynamic: bool) -> str:
