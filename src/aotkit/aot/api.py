@@ -288,15 +288,13 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     (meta, fw_out_fakes, gm, generators), fallback, absolute_offsets = traced_for_offsets(
         lambda: trace_with_fallback(trace, mode, name), mode)
 
-    def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-        return _simplify(gm, mode, name, from_dynamo, meta.num_fw_outputs if training else None)
-
+    simplify = functools.partial(_simplify, mode=mode, name=name, from_dynamo=from_dynamo,
+                                 keep_outputs=meta.num_fw_outputs if training else None)
     if not training:
-        graphs = _compile_inference(_insert_runtime_asserts(simplify(gm), mode, name, from_dynamo),
-                                    meta, options, name, len(args))
-        graphs.absolute_offsets = absolute_offsets
-        return graphs
+        return _compile_inference(_insert_runtime_asserts(simplify(gm), mode, name, from_dynamo),
+                                  meta, options, name, len(args), absolute_offsets)
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
+    fw_code = fw_gm.code  # before its runtime checks, which name fresh symbols in each trace
     _insert_runtime_asserts(fw_gm, mode, name, from_dynamo)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graph(name, "joint", gm)
@@ -317,7 +315,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                                 autocast, grad_mode=not grad_inside)
         new_fw_gm, new_bw_gm = _partition(options.partition_fn, simplify(joint), args,
                                           meta.num_fw_outputs, name)
-        if new_fw_gm.code != fw_gm.code:
+        if new_fw_gm.code != fw_code:
             who = getattr(options.partition_fn, "__name__", "partition_fn")
             raise UnsupportedError(
                 f"{name}: backward() runs under torch.autocast, and with its backward traced "
@@ -488,7 +486,7 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
 
 
 def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
-                       num_inputs: int) -> CompiledGraphs:
+                       num_inputs: int, absolute_offsets: bool) -> CompiledGraphs:
     _log_graph(name, "inference", gm)
     compiler = options.inference_compiler or options.fw_compiler
     _mark_static_inputs(gm, options.num_params_buffers)
@@ -498,7 +496,7 @@ def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name:
     if options.keep_inference_input_mutations:
         returned = [i for i in returned if not meta.inputs[i].copied_in_graph]
     return CompiledGraphs(name=name, meta=meta, fw=fw, returned_mutations=returned,
-                          num_inputs=num_inputs)
+                          num_inputs=num_inputs, absolute_offsets=absolute_offsets)
 
 
 def _mark_static_inputs(gm: fx.GraphModule, num_params_buffers: int) -> None:
