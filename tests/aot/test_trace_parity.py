@@ -479,3 +479,19 @@ def test_data_dependent_op_on_overlapping_mutated_inputs_says_why_sizes_were_sta
     shared = torch.arange(8.0)
     with pytest.raises(TraceError, match=r"share memory and one is mutated(.|\n)*\.clone\(\)"):
         compiled(shared[:4], shared[2:6])
+
+
+def test_backward_under_autocast_of_a_data_dependent_graph_matches_eager():
+    """The backward is traced again under autocast; its forward must match the one that ran,
+    compared before the runtime checks, which name each trace's fresh symbols."""
+    def fn(x):
+        m = x[x > 0]
+        return (m * m.shape[0]).sum() + x.sum()
+
+    x = torch.randn(6, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    out, expected = aotkit.aot_function(fn, compilers.nop, dynamic=True)(x), fn(x_eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out.backward()
+        expected.backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
