@@ -616,8 +616,6 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def _data_dependent(what: str, exc: BaseException, static: bool = False) -> TraceError:
     """``static``: aot_function's trace without a ShapeEnv, which is told that dynamic=True
     traces data-dependent sizes and values (Note [Data-dependent sizes])."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-
     frames = traceback.extract_tb(exc.__traceback__)
     dynamic = ", pass dynamic=True, which traces its size as a symbol" if static else ""
     if any(f.filename.endswith(os.path.join("_higher_order_ops", "while_loop.py")) for f in frames):
@@ -637,7 +635,7 @@ def _data_dependent(what: str, exc: BaseException, static: bool = False) -> Trac
             f"Fix: move the op out of the compiled function{dynamic}, or use "
             "torch.compile(fn, backend=\"aotkit\"), which runs it eagerly between graphs."
         )
-    if static and isinstance(exc, DataDependentOutputException):  # .item(), .tolist()
+    if static and isinstance(exc, torch._subclasses.fake_tensor.DataDependentOutputException):
         return TraceError(
             f"{what} could not be traced: it reads a value from tensor data ({exc.func}) with "
             "static sizes, where the trace holds no data.\n"
