@@ -115,6 +115,40 @@ def test_conj_views_under_no_grad_and_dynamic_shapes():
     _assert_same_bits(result.aot_out, result.eager_out)
 
 
+def _write_through_conj(x: torch.Tensor) -> torch.Tensor:
+    y = x.conj()
+    y.mul_(2)
+    return y
+
+
+# A write through ``x.conj()``, then views of it: Note [Conj bits of views after a write].
+_WRITES_THROUGH_CONJ = {
+    "whole_view": lambda x: _write_through_conj(x)[...],
+    "slice": lambda x: _write_through_conj(x)[1:],
+    "conj_again": lambda x: _write_through_conj(x).conj()[:2],
+    "view_and_input": lambda x: (_write_through_conj(x)[...], x),
+    "of_intermediate": lambda x: (_write_through_conj(t := x * 2)[...], t),
+    "intermediate_alone": lambda x: (_write_through_conj(t := x * 2), t)[1],
+    "then_conj_slice": lambda x: (x[1:].mul_(2), x[1:].conj())[1],
+}
+
+
+@pytest.mark.parametrize("conj_input", [False, True], ids=["plain", "conj_input"])
+@pytest.mark.parametrize("fn", _WRITES_THROUGH_CONJ.values(), ids=_WRITES_THROUGH_CONJ.keys())
+def test_views_after_a_write_through_a_conj_view_keep_eager_bits(fn, conj_input):
+    def prepare(args, kwargs):
+        return ((args[0].conj(),) if conj_input else args), kwargs
+
+    result = check_against_eager(fn, crand(4), prepare=prepare, backward=False)
+    _assert_same_bits(result.aot_out, result.eager_out)
+
+
+def test_intermediate_written_through_conj_view_is_a_plain_tensor():
+    out = aotkit.aot_function(_WRITES_THROUGH_CONJ["intermediate_alone"], compilers.nop)(crand(4))
+    assert not out.is_conj()
+    torch.view_as_real(out)  # eager's t has no conj bit, so this works
+
+
 @pytest.mark.parametrize("name", ["conj", "conj_imag", "conj_of_output"])
 def test_conj_views_through_torch_compile(name):
     _compare_torch_compile(_CONJ_VIEWS[name], crand(3, grad=True))

@@ -173,10 +173,16 @@ def to_fun(x: Any) -> Any:
 
 
 def from_fun(x: Any) -> Any:
-    if isinstance(x, FunctionalTensor):
-        torch._sync(x)
-        return torch._from_functional_tensor(x.elem)
-    return x
+    if not isinstance(x, FunctionalTensor):
+        return x
+    torch._sync(x)
+    inner = torch._from_functional_tensor(x.elem)
+    if x._base is None:  # Note [Conj bits of views after a write]: a root has eager's bits
+        if inner.is_conj() and not x.is_conj():
+            inner = inner.resolve_conj()
+        if inner.is_neg() and not x.is_neg():
+            inner = inner.resolve_neg()
+    return inner
 
 
 def analyze(
@@ -622,12 +628,30 @@ def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch
 def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Tensor) -> OutputInfo:
     linked = out.grad_fn is not None
     no_grad_view = out.requires_grad and not linked and out._is_view()
-    # Functional tensors mirror the conj/neg bits of what they wrap (unlike the fake values
-    # make_fx later records in node.meta), so these are eager's bits.
+    is_conj, is_neg = _view_bits(out, base_value)
     return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out, base_value),
                       linked=linked, no_grad_view=no_grad_view,
                       cut_view=linked and _cut_from(out, base_value),
-                      is_conj=out.is_conj(), is_neg=out.is_neg(), is_view=out._is_view())
+                      is_conj=is_conj, is_neg=is_neg, is_view=out._is_view())
+
+
+# Note [Conj bits of views after a write]
+# Eager's conj/neg bits of a view are its base's, flipped by each ``conj()`` (``_conj``) and
+# negative view (``.imag`` of a conjugate) on the way. A functional tensor mirrors the bits of
+# the value it wraps, and after a write through ``y = x.conj()`` functionalization gives views
+# made from ``y`` later (``y[...]``) a value replayed without the bit: their own bits are wrong.
+# The chain of view ops functionalization records for the view is not, so the bits are counted
+# along it. ``base`` is the view's ``_base``, the root of that chain, as in eager. A root keeps
+# the bits it was made with (none, or an input's), but the value it wraps after such a write is
+# the write's value seen through ``conj()`` again, so ``from_fun`` resolves bits a root's value
+# has and eager's root has not: a returned ``t`` with a conj bit would make ``view_as_real(t)``
+# raise, and views regenerated from it would read its storage's unconjugated values.
+def _view_bits(out: torch.Tensor, base: torch.Tensor) -> tuple[bool, bool]:
+    if not isinstance(out, FunctionalTensor):
+        return out.is_conj(), out.is_neg()
+    names = [type(m).__name__ for m in torch._C._functionalization.get_view_meta_sequence(out.elem)]
+    flips = names.count("_conj_ViewMeta") % 2, names.count("_neg_view_ViewMeta") % 2
+    return base.is_conj() != bool(flips[0]), base.is_neg() != bool(flips[1])
 
 
 # Note [Views cut by no_grad]
