@@ -255,6 +255,14 @@ def test_decisions_name_the_compiled_region() -> None:
     assert decision.what == "aot_module_simplified(forward in test_backends.py [0/0])"
 
 
+def test_decisions_for_a_built_in_module_name_the_module() -> None:
+    """Dynamo compiles nn.Sequential through a wrapper of its own; decisions name the module."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    torch.compile(model, backend="aotkit")(torch.randn(3, 8)).sum().backward()
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.what == "aot_module_simplified(Sequential.forward in container.py [0/0])"
+
+
 @pytest.mark.parametrize("torch_logs", ["default", "quiet"])
 def test_dynamo_recompiles_and_its_eager_fallback_are_explained(torch_logs: str) -> None:
     """Note [Dynamo's recompiles in explain()]: each recompile with Dynamo's guard failure, and

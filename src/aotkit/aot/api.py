@@ -968,8 +968,26 @@ def _region(mod: nn.Module) -> str:
 
     frame = stack[-1]
     compile_id = CompileContext.current_compile_id()
-    where = f"{frame.name} in {os.path.basename(frame.filename)}"
+    where = _module_forward(mod) if _is_dynamo_wrapper(frame.filename) else None
+    where = where or f"{frame.name} in {os.path.basename(frame.filename)}"
     return where if compile_id is None else f"{where} [{compile_id}]"
+
+
+def _is_dynamo_wrapper(filename: str) -> bool:
+    """Dynamo compiles a built-in module (``nn.Sequential``, ``nn.Linear``) through a wrapper
+    function of its own, which is the only frame it records for the graph."""
+    return os.path.dirname(filename) == os.path.dirname(torch._dynamo.__file__)
+
+
+def _module_forward(mod: nn.Module) -> str | None:
+    """``Sequential.forward in container.py``: the outermost module Dynamo's graph came from."""
+    for node in getattr(mod, "graph", fx.Graph()).nodes:
+        stack = node.meta.get("nn_module_stack")
+        cls = next(iter(stack.values()))[1] if stack else None
+        if isinstance(cls, type):
+            path = inspect.getsourcefile(cls) or "?"
+            return f"{cls.__name__}.forward in {os.path.basename(path)}"
+    return None
 
 
 def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") -> Any:
