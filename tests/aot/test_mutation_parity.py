@@ -143,6 +143,15 @@ def test_views_after_a_write_through_a_conj_view_keep_eager_bits(fn, conj_input)
     _assert_same_bits(result.aot_out, result.eager_out)
 
 
+def test_imag_after_a_write_through_a_conj_view_is_refused_with_the_fix():
+    fn = lambda x: _write_through_conj(x).imag  # noqa: E731
+    fn(crand(4))  # eager runs it
+    with pytest.raises(UnsupportedError, match=r"resolve_conj\(\)\.imag"):
+        aotkit.aot_function(fn, compilers.nop)(crand(4))
+    fixed = lambda x: _write_through_conj(x).resolve_conj().imag  # noqa: E731
+    check_against_eager(fixed, crand(4), backward=False)
+
+
 def test_intermediate_written_through_conj_view_is_a_plain_tensor():
     out = aotkit.aot_function(_WRITES_THROUGH_CONJ["intermediate_alone"], compilers.nop)(crand(4))
     assert not out.is_conj()

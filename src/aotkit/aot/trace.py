@@ -318,9 +318,23 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "torch.compile(fn, backend=\"aotkit\")."
         )
     failed = getattr(exc, "_aotkit_failed", None)
+    if failed is not None and "unresolved conjugated tensors" in str(exc):
+        return _read_after_conj_write(what, failed[1], exc)
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
         return _op_failed(what, *failed, exc)
     return exc
+
+
+def _read_after_conj_write(what: str, line: str, exc: Exception) -> UnsupportedError:
+    """Note [Conj bits of views after a write]: once written through ``y = x.conj()``, views
+    functionalization makes from ``y`` miss its conj bit, and ``y.imag`` then fails."""
+    return UnsupportedError(
+        f"{what}: {_first_line(exc)}\n  at {line}\n"
+        "If eager runs this line, the complex tensor was written in place through a conjugate "
+        "view before (y = x.conj(); y.mul_(2); y.imag): functionalization, which aotkit traces "
+        "with, rebuilds such views from the written memory with the conj bit misplaced, and "
+        "PyTorch's AOT autograd fails the same way.\nFix: read y.resolve_conj().imag, or write "
+        "through x itself (x.mul_(2) instead of x.conj().mul_(2)).")
 
 
 def _op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
