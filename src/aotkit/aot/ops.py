@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import current_user_line
@@ -182,4 +183,43 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
         raise RuntimeError(f"to - 1 is out of bounds for {dtype}")
 
 
-PRINTABLE_DECOMPOSITIONS = {getattr(torch.ops.aten.random, "from"): _random_from}
+# Note [Batch norm kernels and dense layouts]
+# A graph is traced on fake tensors and later ops are chosen from the strides the fake kernels
+# give (``linear`` on a 3-d tensor becomes ``view`` + ``mm`` only where a view is possible). For
+# an input that is dense but in no standard memory format (``h.transpose(1, 2)``, the usual way
+# to feed BatchNorm1d a (batch, time, channels) tensor), batch norm's fake kernels keep the
+# input's stride order while the real CPU kernels (forward and backward) return the input's
+# suggested memory format (contiguous). The graph's ``view`` then failed at run time ("view
+# size is not compatible"), with PyTorch's aot_function and aot_eager too. Such an input is
+# made contiguous in that format before the op, in the graph: what the real kernel does
+# inside anyway, and the fake output's strides are then the real ones. This happens in the
+# tracing guard's dispatch (aotkit.aot.trace), so the metadata pass, which runs no
+# decompositions, sees the layouts the graph will have.
+def _in_eager_layout(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor) or not is_non_overlapping_and_dense_or_false(t):
+        return t
+    layout = suggest_memory_format(t)
+    return t if t.is_contiguous(memory_format=layout) else t.contiguous(memory_format=layout)
+
+
+_aten = torch.ops.aten
+_BATCH_NORM_OPS = {  # op: how many leading tensor arguments the kernel lays its result out by
+    _aten.native_batch_norm.default: 1,
+    _aten._native_batch_norm_legit.default: 1,
+    _aten._native_batch_norm_legit.no_stats: 1,
+    _aten._native_batch_norm_legit_functional.default: 1,
+    _aten._native_batch_norm_legit_no_training.default: 1,
+    _aten.native_batch_norm_backward.default: 2,  # grad_out and input
+}
+
+
+def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``func``'s arguments, laid out as its real kernel lays out its result where its fake
+    kernel would not (Note [Batch norm kernels and dense layouts])."""
+    count = _BATCH_NORM_OPS.get(func)
+    if count is None:
+        return args
+    return (*(_in_eager_layout(a) for a in args[:count]), *args[count:])
+
+
+PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}

@@ -35,6 +35,7 @@ from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
     EagerDropout,
     check_out_dtype,
+    in_eager_layout,
     may_not_cast_in_place,
     overlaps_itself,
     writes_out_argument,
@@ -458,6 +459,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
+        args = in_eager_layout(func, args)  # here for its one lookup per op: see that Note
         out = self._run(func, args, kwargs)
         for t in _tensors(out):
             if isinstance(t, FunctionalTensor):
