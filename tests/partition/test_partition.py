@@ -626,3 +626,55 @@ def test_a_backward_reading_only_a_closed_over_tensor(partition: str) -> None:
     """The backward of ``x * T`` reads nothing of the forward but ``T``, an attribute of the
     graph: min-cut built a flow network without a sink ("node sink not in graph")."""
     run_both(lambda x: x * _TABLE, torch.randn(5, requires_grad=True), partition=partition)
+
+
+_CLOSED_OVER = torch.linspace(-1, 1, 9).reshape(3, 3)
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_a_closed_over_tensor_changed_before_backward_raises_as_in_eager(partition: str) -> None:
+    """Note [Constants the backward reads]: the backward read the closed-over tensor again, so a
+    change between forward and backward gave gradients from the new value, without eager's
+    error."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * constant).sin()  # mul saves the constant
+
+    constant = _CLOSED_OVER.clone()
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    for call in (fn, f):
+        out = call(torch.ones(3, 3, requires_grad=True))
+        with torch.no_grad():
+            constant.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_a_value_of_a_closed_over_tensor_keeps_its_forward_value() -> None:
+    """The default partitioner saves ``C.exp()`` as eager does: the gradient is eager's after C
+    changes (min-cut may recompute it from a saved C instead, which then raises: README)."""
+    constant = _CLOSED_OVER.clone()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * constant.exp()).sin()
+
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=default_partition)
+    grads = []
+    for call in (fn, f):
+        constant.copy_(_CLOSED_OVER)
+        x = torch.linspace(0, 1, 9).reshape(3, 3).requires_grad_()
+        out = call(x)
+        with torch.no_grad():
+            constant.mul_(2)
+        out.sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_a_closed_over_tensor_is_saved_as_an_input() -> None:
+    constant = _CLOSED_OVER.clone()
+    captured = run_both(lambda x: (x * constant).sin(), torch.randn(3, 3, requires_grad=True),
+                        partition="min_cut")
+    report = captured.report
+    assert (report.saved_inputs, report.saved_bytes) == (2, 0)  # x and the constant
+    _, bw = captured.graphs[-1]
+    assert not bw.graph.find_nodes(op="get_attr")

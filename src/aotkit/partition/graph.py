@@ -32,7 +32,9 @@ class JointParts:
 
 
 def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
-    """Name the parts of a joint graph; refuse anything else with a message saying why."""
+    """Name the parts of a joint graph; refuse anything else with a message saying why.
+    Repeated reads of one graph constant become one (Note [Constants the backward reads])."""
+    _read_constants_once(joint)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     outputs = joint.graph.output_node().args[0]
     parts = JointParts(
@@ -55,6 +57,39 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
             "num_fwd_outputs, the number of forward outputs."
         )
     return parts
+
+
+# Note [Constants the backward reads]
+# A tensor the function closes over is a graph constant (``get_attr``), and the joint trace
+# reads it twice: in the forward, and again where a backward formula uses the value autograd
+# saved (``x * C`` saves C). Read in the backward graph, it held the tensor's value at backward
+# time: a caller changing C between forward and backward got gradients from the new C, where
+# eager either used the saved value or raised ("modified by an inplace operation"). The reads
+# are merged, so a constant the forward reads is a forward value like an input: what the
+# backward needs of it is saved (through save_for_backward, version-checked as eager's saved
+# tensors are), never read again. A constant only the backward reads (a custom Function's
+# backward) is still read when the backward runs, as eager reads it.
+def _read_constants_once(joint: fx.GraphModule) -> None:
+    first: dict[str, fx.Node] = {}
+    for node in list(joint.graph.find_nodes(op="get_attr")):
+        if not is_constant(node):
+            continue
+        if node.target in first:
+            node.replace_all_uses_with(first[node.target])
+            joint.graph.erase_node(node)
+        else:
+            first[node.target] = node  # type: ignore[index]
+
+
+def is_constant(node: fx.Node) -> bool:
+    """A graph constant holding a tensor (not a higher-order op's body)."""
+    return node.op == "get_attr" and isinstance(
+        getattr(node.graph.owning_module, str(node.target), None), torch.Tensor)
+
+
+def is_input(node: fx.Node) -> bool:
+    """Free to save: held by the caller (a primal) or by the graph (a tensor constant)."""
+    return node.op == "placeholder" or is_constant(node)
 
 
 def _not_a_joint(parts: JointParts, placeholders: list[fx.Node], outputs: object,

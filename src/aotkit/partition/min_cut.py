@@ -55,6 +55,8 @@ from aotkit.partition.graph import (
     ancestors,
     extract,
     has_effects,
+    is_constant,
+    is_input,
     is_sym,
     split_joint,
     syms_binding_backward,
@@ -147,9 +149,11 @@ class _Network:
         self.index = {n: i for i, n in enumerate(nodes)}
         forward = [n for n in nodes if n not in tangent_side]
         self.fw_syms = {n for n in forward if is_sym(n)}
-        # get_attr nodes are the bodies of higher-order ops (torch.cond branches): the backward
-        # reads them as its own attributes, never as saved values.
-        self.fw_tensors = [n for n in forward if n not in self.fw_syms and n.op != "get_attr"]
+        # Other get_attr nodes are the bodies of higher-order ops (torch.cond branches): the
+        # backward reads them as its own attributes, never as saved values. Tensor constants
+        # are inputs (Note [Constants the backward reads]).
+        self.fw_tensors = [n for n in forward if n not in self.fw_syms
+                           and (n.op != "get_attr" or is_constant(n))]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
         self.held = {_viewed(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
@@ -163,7 +167,7 @@ class _Network:
         backward_only = {n for n in self.fw_tensors if n not in forward_code}
         read_whole = {_viewed(u) for u in self.read_by_bw | {
             u for n in backward_only for u in n.all_input_nodes} if u not in backward_only}
-        self.unsaveable = {n for n in self.fw_tensors if n.op != "placeholder"
+        self.unsaveable = {n for n in self.fw_tensors if not is_input(n)
                            and _viewed(n) in self.held and _viewed(n) not in read_whole}
         self.last_resort = sum(nbytes(n) for n in self.fw_tensors) + 2  # bytes, see _capacity
         self.must_save = [n for n in self.fw_tensors if n not in self.unsaveable and (
@@ -196,7 +200,7 @@ class _Network:
             ) from exc
         saved = [n for n in self.fw_tensors
                  if (n, "in") in source_side and (n, "out") not in source_side]
-        return _Cut(saved, sum(nbytes(n) for n in saved if n.op != "placeholder"))
+        return _Cut(saved, sum(nbytes(n) for n in saved if not is_input(n)))
 
     def _flow_graph(self, banned: set[fx.Node]) -> nx.DiGraph:
         graph = nx.DiGraph()
@@ -227,7 +231,7 @@ class _Network:
         if node in self.unsaveable:
             size = self.last_resort
         else:
-            size = 0 if node.op == "placeholder" or node in self.held else nbytes(node)
+            size = 0 if is_input(node) or node in self.held else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
 
     def split(self, cut: _Cut) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -325,7 +329,7 @@ def _viewed(node: fx.Node) -> fx.Node:
 
 def _pinned(node: fx.Node) -> bool:
     """Never recomputed, whatever the budget: inputs, random, side-effecting and RNN ops."""
-    if node.op == "placeholder":
+    if is_input(node):
         return True
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _RNN_KERNELS:

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from aotkit.compat import size_hint
-from aotkit.partition.graph import is_sym
+from aotkit.partition.graph import is_input, is_sym
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ def report(partitioner: str, saved: Iterable[fx.Node], recomputed: Iterable[fx.N
     """Describe a partition from the nodes it saves and the nodes its backward recomputes."""
     saved = list(saved)
     tensors = [n for n in saved if not is_sym(n)]
-    inputs = [n for n in tensors if n.op == "placeholder"]
+    inputs = [n for n in tensors if is_input(n)]
     return PartitionReport(
         partitioner=partitioner,
         saved_tensors=len(tensors),
-        saved_bytes=sum(nbytes(n) for n in tensors if n.op != "placeholder"),
+        saved_bytes=sum(nbytes(n) for n in tensors if not is_input(n)),
         saved_symints=len(saved) - len(tensors),
         saved_inputs=len(inputs),
         recomputed=tuple(_op_name(n) for n in recomputed),
