@@ -307,6 +307,44 @@ def test_a_compiler_closing_over_an_equal_number_or_string_reuses_the_graph() ->
     assert counts() == (2, 2)
 
 
+def test_a_compiler_made_with_equal_options_reuses_the_graph() -> None:
+    """Note [Compiler identity]: ``partial(compile, options={...})`` made each step (a new dict)
+    recaptured and recompiled every step; a changed option is a new compiler."""
+    import functools
+
+    def compiler(gm: fx.GraphModule, options: dict[str, Any]) -> fx.GraphModule:
+        return gm
+
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for _ in range(3):
+        levels = ["a", 1]
+        with aotkit.compiled_autograd.enable(
+                functools.partial(compiler, options={"mode": "default", "levels": levels})):
+            _step(w, 2)
+    for _ in range(3):
+        levels = ["a", 1]
+        with aotkit.compiled_autograd.enable(lambda gm: compiler(gm, {"levels": levels})):  # noqa: B023
+            _step(w, 2)
+    assert counts() == (2, 2)  # one per kind of compiler
+    aotkit.counters.reset()
+    for mode in ("default", "default", "max"):
+        with aotkit.compiled_autograd.enable(functools.partial(compiler, options={"mode": mode})):
+            _step(w, 2)
+    assert counts() == (2, 2)
+    aotkit.counters.reset()
+    stats = {"compiles": 0}  # one object, changed by every compile: still one compiler
+
+    def counting(gm: fx.GraphModule) -> fx.GraphModule:
+        stats["compiles"] += 1
+        return gm
+
+    for _ in range(3):
+        with aotkit.compiled_autograd.enable(counting):
+            _step(w, 2)
+    assert counts() == (1, 1) and stats == {"compiles": 1}
+
+
 def _graph_with_inputs(vals: list[torch.Tensor], user: Any) -> fx.Graph:
     graph = fx.Graph()
     inputs = graph.placeholder("inputs")

@@ -88,6 +88,18 @@ def test_option_off_gives_the_captured_graph() -> None:
     assert not aotkit.explain().of_kind("fallback")  # the user asked for it: not a fallback
 
 
+def test_turning_the_option_off_between_blocks_captures_again() -> None:
+    """The engine kept replaying the lowered graph once captured, so the compiler never got
+    the captured graph the option asks for; now the change drops the cache, recorded."""
+    keep, model = Keep(), _mlp()
+    for lower in (True, False, False, True):
+        with aotkit.config.patch(compiled_autograd_lower=lower):
+            _compare(model, (5,), keep)
+    assert [_aten_calls(gm) != [] for gm in keep.graphs] == [True, False, True]
+    clears = aotkit.explain().of_kind("cache_clear")
+    assert len(clears) == 2 and "compiled_autograd_lower" in clears[0].why
+
+
 def test_nop_compiler_binds_the_lowered_graph() -> None:
     _compare(_mlp(), (5, 5), aotkit.compiled_autograd.nop)
     assert counts() == (1, 1)

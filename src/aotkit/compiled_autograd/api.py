@@ -145,13 +145,16 @@ def _overlapping(outer: session.Session) -> UnsupportedError:
 def _forget_other_compilers(new: session.Session) -> None:
     """Clear the engine's cache when the compiler changes (Note [Stale compiled backward]), or
     ``dynamic`` does: the engine would replay graphs captured with sizes as symbols under
-    ``dynamic=False``, whose point is capturing again for new sizes."""
+    ``dynamic=False``, whose point is capturing again for new sizes; or an aotkit.config option
+    that changes what is captured (``compiled_autograd_lower``)."""
     global _last_session
     last = _last_session
     if last is not None and not session.same_compiler(last.identity, new.identity):
         change = f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}"
     elif last is not None and last.dynamic != new.dynamic:
         change = f"dynamic changed from {last.dynamic} to {new.dynamic}"
+    elif last is not None and last.options != new.options:
+        change = f"aotkit.config changed from {dict(last.options)} to {dict(new.options)}"
     else:
         change = None
     if change is not None:

@@ -6,7 +6,7 @@ import functools
 import logging
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,11 +37,14 @@ class Session:
     captures: int = 0
     #: See Note [Compiler identity].
     identity: tuple[Any, ...] = field(init=False)
+    #: The aotkit.config options that change what is captured, as the block began.
+    options: tuple[tuple[str, Any], ...] = field(init=False)
     #: The thread that entered the block (the engine's compiler slot is one per process).
     thread: threading.Thread = field(default_factory=threading.current_thread)
 
     def __post_init__(self) -> None:
         self.identity = compiler_identity(self.compiler_fn)
+        self.options = config.cache_key("compiled_autograd")
 
 
 _active: Session | None = None
@@ -65,10 +68,13 @@ def set_active(session: Session | None) -> None:
 # closed-over objects and values of the globals they read (``enable(lambda gm: gm)`` in a
 # training loop makes a new, identical lambda every step; a lambda reading a global that changed
 # between blocks compiles differently). Objects are compared by identity, numbers, strings and
-# devices by value. Bound methods (``enable(backend.compile)`` makes a new
-# one at every attribute access) compare by their object and function, ``functools.partial``s by
-# their function and arguments. Those values are read when the block starts, so a compiler is
-# compared as it was when its block began.
+# devices by value, and lists, tuples and dicts of such values (up to 64 items, 4 levels deep)
+# item by item (``partial(torch.compile, options={...})`` made anew every step). Bound methods
+# (``enable(backend.compile)`` makes a new one at every attribute access) compare by their
+# object and function, ``functools.partial``s by their function and arguments. Those values are
+# read when the block starts, so a compiler is compared as it was when its block began. One
+# object stays one, whatever it holds now (a list a recording compiler appends to, a dict
+# counting its calls), as for PyTorch's compiled autograd.
 def compiler_identity(fn: Callable[..., Any]) -> tuple[Any, ...]:
     """What decides how ``fn`` compiles, compared object by object by :func:`same_compiler`.
     See Note [Compiler identity]."""
@@ -76,18 +82,18 @@ def compiler_identity(fn: Callable[..., Any]) -> tuple[Any, ...]:
         return (types.MethodType, fn.__self__, *compiler_identity(fn.__func__))
     if type(fn) is functools.partial:
         keywords = sorted(fn.keywords)
-        return (functools.partial, *_sized(compiler_identity(fn.func)), *_sized(fn.args),
-                *_sized(tuple(keywords)), *_sized(tuple(fn.keywords[k] for k in keywords)))
+        return (functools.partial, *_sized(compiler_identity(fn.func)), *_sized(_values(fn.args)),
+                *_sized(tuple(keywords)), *_sized(_values(fn.keywords[k] for k in keywords)))
     if not isinstance(fn, types.FunctionType):
         return (fn,)
     kwdefaults = fn.__kwdefaults__ or {}
     return (
         fn.__code__,
         fn.__globals__,
-        *_sized(fn.__defaults__ or ()),
+        *_sized(_values(fn.__defaults__ or ())),
         *_sized(tuple(sorted(kwdefaults))),
-        *_sized(tuple(kwdefaults[k] for k in sorted(kwdefaults))),
-        *_sized(_cells(fn)),
+        *_sized(_values(kwdefaults[k] for k in sorted(kwdefaults))),
+        *_sized(_values(_cells(fn))),
         *_globals_read(fn),
     )
 
@@ -102,15 +108,47 @@ def _sized(xs: Sequence[Any]) -> list[Any]:
     return [len(xs), *xs]
 
 
+@dataclass(frozen=True, eq=False)
+class _Contents:
+    """A list, tuple or dict of plain values as it was when its block began: ``obj`` itself, or
+    another object with the same kind and items."""
+
+    obj: Any
+    items: tuple[Any, ...]
+
+
+def _values(xs: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(map(_snapshot, xs))
+
+
+def _snapshot(x: Any, depth: int = 0) -> Any:
+    """A container of plain values (options) as its contents; anything else as itself (a list
+    a recording compiler appends graphs to stays one compiler)."""
+    if type(x) in (list, tuple, dict) and depth < 4 and len(x) <= 64:
+        items = [i for pair in x.items() for i in pair] if type(x) is dict else list(x)
+        contents = tuple(_snapshot(i, depth + 1) for i in items)
+        if all(type(i) in _PLAIN or type(i) is _Contents for i in contents):
+            return _Contents(x, contents)
+    return x
+
+
 #: Immutable values compared by value: a compiler made anew with ``float("0.5")`` or a string
 #: built at run time compiles as one made with an equal object.
 _BY_VALUE = (int, float, complex, str, bytes, torch.device)
+_PLAIN = (*_BY_VALUE, bool, type(None))
 
 
 def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
     return len(xs) == len(ys) and all(
-        x is y or (type(x) is type(y) and type(x) in _BY_VALUE and _same_value(x, y))
+        _object(x) is _object(y)
+        or (type(x) is type(y) and type(x) in _BY_VALUE and _same_value(x, y))
+        or (type(x) is type(y) is _Contents and type(x.obj) is type(y.obj)
+            and _identical(x.items, y.items))
         for x, y in zip(xs, ys, strict=True))
+
+
+def _object(x: Any) -> Any:
+    return x.obj if type(x) is _Contents else x
 
 
 def _same_value(x: Any, y: Any) -> bool:
@@ -131,7 +169,7 @@ def _globals_read(fn: types.FunctionType) -> list[Any]:
     for name in sorted(names):
         found.append(name)
         if name in fn.__globals__:
-            found.append(fn.__globals__[name])
+            found.append(_snapshot(fn.__globals__[name]))
     return found
 
 
@@ -248,8 +286,11 @@ class CompiledBackward:
         if session is None:
             raise UnsupportedError(
                 "the autograd engine replayed an aotkit compiled backward outside "
-                "aotkit.compiled_autograd.enable(); call aotkit.compiled_autograd.reset() after "
-                "switching between compiled-autograd implementations."
+                "aotkit.compiled_autograd.enable(): PyTorch's own compiled autograd is active in "
+                "a process where aotkit's captured backwards. The engine binds each backward "
+                "formula once per process to the implementation that captured it first, so the "
+                "two cannot share a process (reset() does not undo that).\nFix: use one of "
+                "them per process."
             )
         if not same_compiler(session.identity, self._identity):
             counters.record("recompile", "compiled_autograd",
