@@ -2277,7 +2277,7 @@ class _TimeMajorNorm(nn.Module):
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_batch_norm_of_a_transposed_input_matches_eager(train: bool, dynamic: bool) -> None:
-    """Note [Batch norm kernels and dense layouts]: the graph's view of batch norm's result
+    """Note [Kernels whose fake strides differ]: the graph's view of batch norm's result
     failed at run time, since the fake kernel kept the input's stride order."""
     torch.manual_seed(0)
     eager = _TimeMajorNorm().train(train)

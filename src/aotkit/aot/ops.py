@@ -183,43 +183,75 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
         raise RuntimeError(f"to - 1 is out of bounds for {dtype}")
 
 
-# Note [Batch norm kernels and dense layouts]
+# Note [Kernels whose fake strides differ]
 # A graph is traced on fake tensors and later ops are chosen from the strides the fake kernels
 # give (``linear`` on a 3-d tensor becomes ``view`` + ``mm`` only where a view is possible). For
-# an input that is dense but in no standard memory format (``h.transpose(1, 2)``, the usual way
-# to feed BatchNorm1d a (batch, time, channels) tensor), batch norm's fake kernels keep the
-# input's stride order while the real CPU kernels (forward and backward) return the input's
-# suggested memory format (contiguous). The graph's ``view`` then failed at run time ("view
-# size is not compatible"), with PyTorch's aot_function and aot_eager too. Such an input is
-# made contiguous in that format before the op, in the graph: what the real kernel does
-# inside anyway, and the fake output's strides are then the real ones. This happens in the
+# inputs that are dense but laid out otherwise than contiguously, some fake kernels give other
+# strides than the real CPU kernels: batch norm (forward and backward) keeps a transposed
+# input's stride order where the real kernel returns the input's suggested memory format
+# (``BatchNorm1d(h.transpose(1, 2))``, the usual way to feed it a (batch, time, channels)
+# tensor); dropout's backward of a transposed gradient, pads' backwards and channel_shuffle of
+# channels_last tensors, a few binary ops of mixed layouts, the other way round. The graph's
+# ``view`` then failed at run time ("view size is not compatible"), with PyTorch's
+# aot_function and aot_eager too. (Found by comparing real and fake strides over every OpInfo
+# sample in transposed, reversed and channels_last layouts.) These ops get their dense inputs
+# made contiguous first, in the graph, in the memory format their real kernel returns (batch
+# norm: the input's suggested one; the others: contiguous): fake and real results are then
+# laid out alike. A copy, which most of these kernels make inside anyway. This happens in the
 # tracing guard's dispatch (aotkit.aot.trace), so the metadata pass, which runs no
 # decompositions, sees the layouts the graph will have.
-def _in_eager_layout(t: Any) -> Any:
-    if not isinstance(t, torch.Tensor) or not is_non_overlapping_and_dense_or_false(t):
+def _dense(t: Any) -> bool:
+    """A strided tensor without gaps or overlaps (a nested tensor has no strides to compare)."""
+    return isinstance(t, torch.Tensor) and not t.is_nested and \
+        is_non_overlapping_and_dense_or_false(t)
+
+
+def _laid_out(t: Any, layout: torch.memory_format, rank: int) -> Any:
+    if not _dense(t):
         return t
-    layout = suggest_memory_format(t)
+    layout = layout if t.dim() == rank else torch.contiguous_format
     return t if t.is_contiguous(memory_format=layout) else t.contiguous(memory_format=layout)
 
 
 _aten = torch.ops.aten
-_BATCH_NORM_OPS = {  # op: how many leading tensor arguments the kernel lays its result out by
-    _aten.native_batch_norm.default: 1,
-    _aten._native_batch_norm_legit.default: 1,
-    _aten._native_batch_norm_legit.no_stats: 1,
-    _aten._native_batch_norm_legit_functional.default: 1,
-    _aten._native_batch_norm_legit_no_training.default: 1,
-    _aten.native_batch_norm_backward.default: 2,  # grad_out and input
+#: Ops whose fake strides differ from the real kernel's, with the argument whose suggested
+#: memory format the real kernel returns (None: contiguous). See the Note above.
+_RELAID_OPS: dict[Any, int | None] = {
+    **dict.fromkeys([_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+                     _aten._native_batch_norm_legit.no_stats,
+                     _aten._native_batch_norm_legit_functional.default,
+                     _aten._native_batch_norm_legit_no_training.default,
+                     _aten._batch_norm_with_update.default,
+                     _aten._batch_norm_with_update_functional.default], 0),
+    **dict.fromkeys([_aten.native_batch_norm_backward.default,  # (grad_out, input, ...)
+                     _aten.batch_norm_backward.default], 1),
+    **dict.fromkeys([
+        _aten.native_layer_norm_backward.default, _aten._log_softmax_backward_data.default,
+        _aten.log_sigmoid_forward.default, _aten.pow.Scalar, _aten.normal.Tensor_Tensor,
+        _aten.mse_loss_backward.default, _aten.smooth_l1_loss_backward.default,
+        _aten.huber_loss_backward.default, _aten.nll_loss2d_forward.default,
+        _aten.native_dropout_backward.default, _aten.channel_shuffle.default,
+        _aten.max_unpool2d.default, _aten.replication_pad2d_backward.default,
+        _aten.reflection_pad2d_backward.default, _aten.xlogy.Tensor,
+        _aten.special_xlog1py.default, _aten.copysign.Tensor, _aten.floor_divide.default,
+        _aten.div.Tensor_mode, _aten.binary_cross_entropy.default, _aten.heaviside.default,
+        _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
+        _aten.logical_or.default, _aten.logical_xor.default], None),
 }
 
 
 def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``func``'s arguments, laid out as its real kernel lays out its result where its fake
-    kernel would not (Note [Batch norm kernels and dense layouts])."""
-    count = _BATCH_NORM_OPS.get(func)
-    if count is None:
+    """``func``'s arguments, laid out so that its fake kernel gives the strides its real kernel
+    gives (Note [Kernels whose fake strides differ])."""
+    if func not in _RELAID_OPS:
         return args
-    return (*(_in_eager_layout(a) for a in args[:count]), *args[count:])
+    by = _RELAID_OPS[func]
+    first = args[by] if by is not None else None
+    if _dense(first):
+        layout, rank = suggest_memory_format(first), first.dim()
+    else:
+        layout, rank = torch.contiguous_format, -1
+    return tuple(_laid_out(a, layout, rank) for a in args)
 
 
 PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}

@@ -459,7 +459,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
-        args = in_eager_layout(func, args)  # here for its one lookup per op: see that Note
+        args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
         out = self._run(func, args, kwargs)
         for t in _tensors(out):
             if isinstance(t, FunctionalTensor):

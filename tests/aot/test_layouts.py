@@ -1,0 +1,79 @@
+"""Ops whose fake kernels lay results out otherwise than their real CPU kernels, for inputs and
+gradients that are dense but not contiguous (Note [Kernels whose fake strides differ]). Each
+function views a flat leaf into a transposed or channels_last layout, applies the op and
+returns its result flattened twice (as laid out, and permuted back): a graph that traced a
+``view`` on the fake strides fails at run time in the forward, and the flat leaf's gradient
+goes back through a ``view`` in the backward, which fails where the backward op's fake strides
+were wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from eager_check import check_against_eager
+
+# (shape the flat leaf is viewed as, permutation giving the layout)
+_TRANSPOSED = ((3, 8, 5), (0, 2, 1))  # (3, 5, 8) with strides (40, 1, 5)
+_CHANNELS_LAST = ((2, 5, 6, 4), (0, 3, 1, 2))  # (2, 4, 5, 6), channels_last
+
+
+def _other(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous second operand with x's values, for binary ops of mixed layouts."""
+    return x.detach().abs().contiguous() + 0.5
+
+
+_OPS: dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], Callable[..., torch.Tensor]]] = {
+    "batch_norm_transposed": (_TRANSPOSED, lambda x: F.batch_norm(x, None, None, training=True)),
+    "batch_norm_channels_last_contiguous_grad": (
+        _CHANNELS_LAST, lambda x: F.batch_norm(x, None, None, training=True).contiguous()),
+    "layer_norm_transposed": (_TRANSPOSED, lambda x: F.layer_norm(x, x.shape[-1:])),
+    "log_softmax_channels_last": (_CHANNELS_LAST, lambda x: F.log_softmax(x, 1).contiguous()),
+    "logsigmoid_channels_last": (_CHANNELS_LAST, F.logsigmoid),
+    "pow_of_scalar_channels_last": (_CHANNELS_LAST, lambda x: torch.pow(2.0, x)),
+    "mse_loss_channels_last": (_CHANNELS_LAST, lambda x: F.mse_loss(x, _other(x)) * x),
+    "smooth_l1_loss_channels_last": (_CHANNELS_LAST, lambda x: F.smooth_l1_loss(x, _other(x)) * x),
+    "huber_loss_channels_last": (_CHANNELS_LAST, lambda x: F.huber_loss(x, _other(x)) * x),
+    "dropout_transposed": (_TRANSPOSED, lambda x: F.dropout(x * 1, 0.5, training=True)),
+    "channel_shuffle_channels_last": (_CHANNELS_LAST, lambda x: F.channel_shuffle(x, 2)),
+    "reflection_pad_channels_last": (_CHANNELS_LAST, lambda x: F.pad(x, (1, 1, 1, 1), "reflect")),
+    "replication_pad_channels_last": (
+        _CHANNELS_LAST, lambda x: F.pad(x, (1, 1, 1, 1), "replicate")),
+    "max_unpool_channels_last": (
+        _CHANNELS_LAST, lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2)),
+    "xlogy_channels_last": (_CHANNELS_LAST, lambda x: torch.xlogy(x, _other(x))),
+    "copysign_channels_last": (_CHANNELS_LAST, lambda x: torch.copysign(x, _other(x))),
+    "floor_divide_channels_last": (
+        _CHANNELS_LAST, lambda x: torch.div(x, _other(x), rounding_mode="floor") + x),
+    "binary_cross_entropy_channels_last": (
+        _CHANNELS_LAST,
+        lambda x: F.binary_cross_entropy(x.sigmoid(), _other(x).sigmoid(), reduction="none")),
+    "logaddexp_channels_last": (_CHANNELS_LAST, lambda x: torch.logaddexp(x, _other(x))),
+    "normal_channels_last": (_CHANNELS_LAST, lambda x: torch.normal(x, _other(x))),
+}
+
+
+@pytest.mark.parametrize("name", list(_OPS))
+def test_ops_on_non_contiguous_layouts_match_eager(name: str) -> None:
+    (shape, perm), op = _OPS[name]
+    back = [perm.index(i) for i in range(len(perm))]
+
+    def fn(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = op(flat.view(shape).permute(perm))
+        return out.flatten(), out.permute(back).flatten()
+
+    numel = 1
+    for size in shape:
+        numel *= size
+    check_against_eager(fn, torch.randn(numel, requires_grad=True), seed=0)
+
+
+def test_nll_loss_with_a_transposed_target_matches_eager() -> None:
+    def fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        losses = F.nll_loss(logits.log_softmax(1), target.transpose(1, 2), reduction="none")
+        return losses.transpose(1, 2).flatten()
+
+    check_against_eager(fn, torch.randn(2, 3, 5, 6, requires_grad=True),
+                        torch.randint(0, 3, (2, 6, 5)))
