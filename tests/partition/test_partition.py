@@ -678,3 +678,25 @@ def test_a_closed_over_tensor_is_saved_as_an_input() -> None:
     assert (report.saved_inputs, report.saved_bytes) == (2, 0)  # x and the constant
     _, bw = captured.graphs[-1]
     assert not bw.graph.find_nodes(op="get_attr")
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_a_mutated_input_is_not_free_to_save(partition: str) -> None:
+    """Note [Saving inputs the function mutates]: min-cut saved the whole mutated buffer (which
+    the runtime then copies) to recompute a small slice of it, and reported 0 bytes."""
+    def fn(x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        buffer.add_(1)
+        return (x * buffer[:1].sin()).sum()
+
+    captured = Captured(PARTITIONERS[partition])
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=captured)
+    buffers = [torch.randn(200, 100) for _ in range(2)]
+    buffers[1].copy_(buffers[0])
+    xs = [torch.randn(1, 100, requires_grad=True) for _ in range(2)]
+    xs[1].data.copy_(xs[0])
+    for call, x, buffer in zip((fn, f), xs, buffers, strict=True):
+        call(x, buffer).backward()
+    torch.testing.assert_close(buffers[1], buffers[0])
+    torch.testing.assert_close(xs[1].grad, xs[0].grad)
+    report = captured.report
+    assert (report.saved_tensors, report.saved_inputs, report.saved_bytes) == (1, 0, 400)

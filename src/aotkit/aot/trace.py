@@ -714,6 +714,9 @@ def trace_joint(
 
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
     _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
+        placeholders[i].meta["mutated_input"] = True
     return gm
 
 

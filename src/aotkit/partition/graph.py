@@ -88,8 +88,20 @@ def is_constant(node: fx.Node) -> bool:
 
 
 def is_input(node: fx.Node) -> bool:
-    """Free to save: held by the caller (a primal) or by the graph (a tensor constant)."""
+    """Held by the caller (a primal) or by the graph (a tensor constant)."""
     return node.op == "placeholder" or is_constant(node)
+
+
+# Note [Saving inputs the function mutates]
+# Saving an input costs no memory: the caller holds it anyway. Not so for an input the function
+# changes in place (``buf.add_(1)``): the runtime copies the graph's new value into it after the
+# forward, so a saved input would be overwritten, and the runtime saves a clone of it instead
+# (aotkit.aot.runtime). Min-cut counted such an input as free and saved a 1000x1000 buffer to
+# recompute a 1000-element slice of it. The joint trace marks these placeholders, and saving one
+# costs its bytes like any activation.
+def free_to_save(node: fx.Node) -> bool:
+    """Saving ``node`` adds no memory: an input the function does not mutate, or a constant."""
+    return is_input(node) and not node.meta.get("mutated_input", False)
 
 
 def _not_a_joint(parts: JointParts, placeholders: list[fx.Node], outputs: object,

@@ -54,6 +54,7 @@ from aotkit.partition.cse import cse
 from aotkit.partition.graph import (
     ancestors,
     extract,
+    free_to_save,
     has_effects,
     is_constant,
     is_input,
@@ -200,7 +201,7 @@ class _Network:
             ) from exc
         saved = [n for n in self.fw_tensors
                  if (n, "in") in source_side and (n, "out") not in source_side]
-        return _Cut(saved, sum(nbytes(n) for n in saved if not is_input(n)))
+        return _Cut(saved, sum(nbytes(n) for n in saved if not free_to_save(n)))
 
     def _flow_graph(self, banned: set[fx.Node]) -> nx.DiGraph:
         graph = nx.DiGraph()
@@ -231,7 +232,7 @@ class _Network:
         if node in self.unsaveable:
             size = self.last_resort
         else:
-            size = 0 if is_input(node) or node in self.held else nbytes(node)
+            size = 0 if free_to_save(node) or node in self.held else nbytes(node)
         return size * scale + len(self.index) - self.index[node]
 
     def split(self, cut: _Cut) -> tuple[fx.GraphModule, fx.GraphModule]:

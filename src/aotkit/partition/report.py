@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from aotkit.compat import size_hint
-from aotkit.partition.graph import is_input, is_sym
+from aotkit.partition.graph import free_to_save, is_sym
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,9 @@ class PartitionReport:
 
     ``saved_bytes`` is the activation memory the partition adds: the sizes (numel x element size,
     symbolic sizes through their hints) of the saved tensors that are not graph inputs; inputs
-    are free to save (the caller holds them) and are counted in ``saved_inputs``.
+    are free to save (the caller holds them) and are counted in ``saved_inputs``, except inputs
+    the function mutates, of which the runtime saves a copy (Note [Saving inputs the function
+    mutates]).
     ``recomputed`` names the ops the backward runs again instead of loading them.
     """
 
@@ -56,11 +58,11 @@ def report(partitioner: str, saved: Iterable[fx.Node], recomputed: Iterable[fx.N
     """Describe a partition from the nodes it saves and the nodes its backward recomputes."""
     saved = list(saved)
     tensors = [n for n in saved if not is_sym(n)]
-    inputs = [n for n in tensors if is_input(n)]
+    inputs = [n for n in tensors if free_to_save(n)]
     return PartitionReport(
         partitioner=partitioner,
         saved_tensors=len(tensors),
-        saved_bytes=sum(nbytes(n) for n in tensors if not is_input(n)),
+        saved_bytes=sum(nbytes(n) for n in tensors if not free_to_save(n)),
         saved_symints=len(saved) - len(tensors),
         saved_inputs=len(inputs),
         recomputed=tuple(_op_name(n) for n in recomputed),
