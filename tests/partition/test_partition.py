@@ -700,3 +700,36 @@ def test_a_mutated_input_is_not_free_to_save(partition: str) -> None:
     torch.testing.assert_close(xs[1].grad, xs[0].grad)
     report = captured.report
     assert (report.saved_tensors, report.saved_inputs, report.saved_bytes) == (1, 0, 400)
+
+
+class _NoisyGradient(torch.autograd.Function):
+    """A stochastic gradient estimator: its backward draws random numbers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * x.cos() * (1 + torch.rand_like(x))
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_random_ops_of_a_backward_draw_when_backward_runs(partition: str) -> None:
+    """Note [Effects of the backward]: the backward's rand_like ran in the forward call, so the
+    caller's own draws between forward and backward, and the gradient, differed from eager."""
+    f = aotkit.aot_function(_NoisyGradient.apply, aotkit.compilers.nop,
+                            partition_fn=PARTITIONERS[partition])
+    results = []
+    for call in (_NoisyGradient.apply, f, f):
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, requires_grad=True)
+        out = call(x)
+        between = torch.rand(3)
+        out.sum().backward()
+        results.append((between, x.grad))
+    for between, grad in results[1:]:
+        assert torch.equal(between, results[0][0])
+        torch.testing.assert_close(grad, results[0][1])

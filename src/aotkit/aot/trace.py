@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import UnsupportedOperatorException
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -701,6 +701,7 @@ def trace_joint(
            if take_grads and isinstance(p, torch.Tensor) and p.requires_grad]
 
     _begin_graph_pass()
+    in_backward: list[fx.Node] = []
 
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
         with functionalized():
@@ -708,16 +709,26 @@ def trace_joint(
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True,
                                        grad_mode=grad_mode)
+            before = _traced_nodes()
             with autocast_as(backward_autocast):
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
+            in_backward.extend(n for n in _traced_nodes() if n not in before)
         return [from_fun(x) for x in [*fw_outs, *grads]]
 
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
+    for node in in_backward:  # Note [Effects of the backward]
+        node.meta["in_backward"] = True
     _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
         placeholders[i].meta["mutated_input"] = True
     return gm
+
+
+def _traced_nodes() -> set[fx.Node]:
+    """The nodes make_fx has recorded so far in the graph it is tracing."""
+    mode = get_proxy_mode()
+    return set(mode.tracer.graph.nodes) if mode is not None else set()
 
 
 # Note [Tangents of data-dependent sizes]

@@ -21,9 +21,10 @@ class JointParts:
     tangents: list[fx.Node]
     fw_outputs: list[fx.Node | None]
     bw_outputs: list[fx.Node | None]
-    tangent_side: set[fx.Node] = field(default_factory=set)  # everything a tangent feeds
-    # Random and side-effecting ops: those a tangent feeds run in the backward, the rest run
-    # in the forward, once each, as in eager.
+    # Everything a tangent feeds, or a random or side-effecting op of the backward's formulas
+    tangent_side: set[fx.Node] = field(default_factory=set)
+    # Random and side-effecting ops: those of the backward run in it, the rest run in the
+    # forward, once each, as in eager (Note [Effects of the backward]).
     fw_effects: list[fx.Node] = field(default_factory=list)
     bw_effects: list[fx.Node] = field(default_factory=list)
     # SymInts no tangent feeds (sizes of primals and of forward values): the forward computes
@@ -43,7 +44,9 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
         fw_outputs=list(outputs[:num_fwd_outputs]) if isinstance(outputs, (list, tuple)) else [],
         bw_outputs=list(outputs[num_fwd_outputs:]) if isinstance(outputs, (list, tuple)) else [],
     )
-    parts.tangent_side = descendants(parts.tangents)
+    # Note [Effects of the backward]
+    parts.tangent_side = descendants([*parts.tangents, *(
+        n for n in joint.graph.nodes if has_effects(n) and n.meta.get("in_backward"))])
     for node in joint.graph.nodes:
         if has_effects(node):
             (parts.bw_effects if node in parts.tangent_side else parts.fw_effects).append(node)
@@ -57,6 +60,15 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
             "num_fwd_outputs, the number of forward outputs."
         )
     return parts
+
+
+# Note [Effects of the backward]
+# A random or side-effecting op runs where eager runs it: ``torch.rand_like(x)`` in a custom
+# Function's backward draws when backward() runs, after whatever the caller drew in between.
+# Placed by what feeds it, it depends on no tangent and ran in the forward instead: the caller's
+# draws between forward and backward, and the gradient, came out other than eager's (PyTorch's
+# AOT autograd too). The joint trace marks the nodes recorded while it takes the gradients
+# (``in_backward``); such an op, with everything it feeds, is on the backward's side.
 
 
 # Note [Constants the backward reads]
