@@ -167,13 +167,16 @@ def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
     try:
         tensorify_python_scalars(gm, mode.shape_env, mode)
     except TensorifyScalarRestartAnalysis:
-        counters.record("specialize", name, "a float argument is used where a tensor cannot "
-                        "stand in for it (an op's Scalar argument such as alpha=, a size); "
-                        "Dynamo traces again with its value as a constant, so each new value "
-                        "compiles anew. Fix: pass the float as a 0-d tensor; for an "
-                        "optimizer whose lr or betas a scheduler changes (SGD's alpha=lr, "
-                        "OneCycleLR's momentum as Adam's betas[0]), give the optimizer "
-                        "tensors: lr=torch.tensor(0.01), betas=(torch.tensor(0.9), "
-                        "torch.tensor(0.999)).")
+        counters.record("specialize", name, "a Python float Dynamo passes in as a changing "
+                        "value (a module attribute such as a dropout's p or a scale, an "
+                        "optimizer's lr) is used where a tensor cannot stand in for it (an op's "
+                        "Scalar argument such as alpha= or p=, a size); Dynamo traces again "
+                        "with its value as a constant, so each new value compiles anew (the "
+                        "recompile decisions name it: `self.p == 0.1`). Fix: if it does not "
+                        "change, leave it (one compile); else pass it as a 0-d tensor where the "
+                        "op takes one, and for an optimizer whose lr or betas a scheduler "
+                        "changes (SGD's alpha=lr, OneCycleLR's momentum as Adam's betas[0]), "
+                        "give the optimizer tensors: lr=torch.tensor(0.01), "
+                        "betas=(torch.tensor(0.9), torch.tensor(0.999)).")
         raise
     gm.recompile()
