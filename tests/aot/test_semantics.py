@@ -1710,13 +1710,16 @@ def test_recompile_reasons_name_where_the_argument_structure_changed():
     h = aotkit.aot_function(lambda a, b: a * b, compilers.nop)
     h(x, b=x)
     h(x, b=2.0)
+    h(x, x)  # positional tensors only, then a positional int
+    h(x, 3)
     reasons = [d.why for d in counters.explain().of_kind("recompile")]
-    assert reasons == [
+    assert reasons[:3] == [
         "the structure of the arguments changed at args[0]: a dict with keys ['a', 'b'] -> "
         "a dict with keys ['b', 'a']",
         "the structure of the arguments changed at args[0]: a list of 1 -> a tuple of 1",
         "kwargs['b'] changed: a tensor (float32, shape (3,)) -> float 2.0",
     ]
+    assert reasons[-1] == "args[1] changed: a tensor (float32, shape (3,)) -> int 3"
 
 
 def test_aot_module_recompile_reason_names_the_parameter():

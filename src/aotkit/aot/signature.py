@@ -231,6 +231,13 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
     """One phrase per difference between two signatures (the structure's, if it differs, alone:
     leaves of different structures do not correspond). ``skip``: leading positional arguments
     the caller did not pass (aot_module's parameters and buffers)."""
+    if old[0] != new[0] and isinstance(old[0], int) != isinstance(new[0], int) \
+            and len(old[1]) == len(new[1]):  # a tensor argument became a value, or back
+        found = [f"{name} changed: {_show(a)} -> {_show(b)}"
+                 for name, a, b in zip(names, old[1], new[1], strict=True)
+                 if _is_tensor_key(a) != _is_tensor_key(b)]
+        if found:
+            return found
     if old[0] != new[0]:
         before, after = _structure(old[0], skip), _structure(new[0], skip)
         if before == after and not isinstance(old[0], int) and not isinstance(new[0], int):
@@ -315,6 +322,10 @@ def _part_names(layout_key: tuple[Any, ...]) -> list[str]:
     return [f"{attr}.{inner}" if child is not None else attr
             for attr, child in zip(attrs, children, strict=True)
             for inner in (_part_names(child) if child is not None else [""])]
+
+
+def _is_tensor_key(key: Any) -> bool:
+    return isinstance(key, tuple) and (len(key) == len(_FIELDS) or _is_subclass_key(key))
 
 
 def _kind(key: tuple[Any, ...]) -> str:
