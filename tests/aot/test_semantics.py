@@ -1722,6 +1722,17 @@ def test_recompile_reasons_name_where_the_argument_structure_changed():
     assert reasons[-1] == "args[1] changed: a tensor (float32, shape (3,)) -> int 3"
 
 
+def test_a_failed_shape_guard_shows_the_sizes_it_reads_only():
+    """The reason listed every argument's shape (all parameters of a model under aot_module)."""
+    f = aotkit.aot_function(lambda x, w: x @ w, compilers.nop, dynamic=True)
+    w = rand(4, 4)
+    f(rand(3, 4), w)
+    f(rand(1, 4), w)  # sizes 0 and 1 are specialized
+    [decision] = counters.explain().of_kind("recompile")
+    assert decision.why.startswith(
+        "sizes fail the shape guard 2 <= args[0].size()[0] of the dynamic entry (args[0]: (1, 4))")
+
+
 def test_aot_module_recompile_reason_names_the_parameter():
     lin = nn.Linear(3, 2)
     m = aotkit.aot_module(lin, compilers.nop)

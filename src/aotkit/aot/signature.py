@@ -451,7 +451,8 @@ class ShapeGuard:
         for guard in self.guards:
             if not self.shape_env.evaluate_guards_expression(guard, tensors):
                 readable = re.sub(r"L\['t(\d+)'\]", lambda m: names[int(m.group(1))], guard)
-                shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
+                read = sorted({int(i) for i in re.findall(r"L\['t(\d+)'\]", guard)})
+                shapes = ", ".join(f"{names[i]}: {tuple(tensors[i].shape)}" for i in read)
                 origin = self._origin(guard)
                 where = f"; the trace fixed it at {origin}" if origin else ""
                 return (f"sizes fail the shape guard {readable} of the dynamic entry "
