@@ -297,9 +297,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     fw_code = fw_gm.code  # before its runtime checks, which name fresh symbols in each trace
     _insert_runtime_asserts(fw_gm, mode, name, from_dynamo)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
-    _log_graph(name, "joint", gm)
-    _log_graph(name, "forward", fw_gm)
-    _log_graph(name, "backward", bw_gm)
+    _log_graphs(name, joint=gm, forward=fw_gm, backward=bw_gm)
     _mark_static_inputs(fw_gm, options.num_params_buffers)
     fw = compile_boxed(options.fw_compiler, fw_gm, _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
@@ -324,7 +322,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                 "recommends); aotkit.default_partition, which saves what the backward reads, "
                 "does not hit this."
             )
-        _log_graph(name, "backward (autocast)", new_bw_gm)
+        _log_graphs(name, **{"backward (autocast)": new_bw_gm})
         return new_bw_gm
 
     return CompiledGraphs(
@@ -487,7 +485,7 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
 
 def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
                        num_inputs: int, absolute_offsets: bool) -> CompiledGraphs:
-    _log_graph(name, "inference", gm)
+    _log_graphs(name, inference=gm)
     compiler = options.inference_compiler or options.fw_compiler
     _mark_static_inputs(gm, options.num_params_buffers)
     fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
@@ -520,10 +518,11 @@ def _graph_outputs(gm: fx.GraphModule) -> list[Any]:
             for n in gm.graph.output_node().args[0]]
 
 
-def _log_graph(name: str, kind: str, gm: fx.GraphModule) -> None:
+def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
     level = logging.INFO if config.log_graphs else logging.DEBUG
     if log.isEnabledFor(level):
-        log.log(level, "%s %s graph:\n%s", name, kind, gm.print_readable(print_output=False))
+        for kind, gm in graphs.items():
+            log.log(level, "%s %s graph:\n%s", name, kind, gm.print_readable(print_output=False))
 
 
 def _under_transform(name: str) -> UnsupportedError:
