@@ -329,3 +329,35 @@ def test_backward_under_autocast_is_not_replayed_outside_it(first_inside: bool) 
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert "dispatch key set mismatch" in aotkit.explain().of_kind("fallback")[0].why
+
+
+class _TimeMajorLayerNorm(nn.Module):
+    """LayerNorm and dropout of a transposed view, then a flat output: their backward formulas
+    meet gradients that are dense but transposed (Note [Kernels whose fake strides differ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.dropout(self.norm(h.view(h.shape[0], 8, 5).transpose(1, 2)), 0.3)
+        return y.transpose(1, 2).reshape(h.shape[0], -1)
+
+
+def test_formulas_given_transposed_gradients_are_lowered_on_real_layouts() -> None:
+    """The lowered graph's view of layer norm's gradient failed at run time: its fake kernel
+    keeps the gradient's stride order, the real one returns it contiguous."""
+    model = _TimeMajorLayerNorm()
+    eager = copy.deepcopy(model)
+    keep = Keep()
+    for batch in (3, 5):
+        h = torch.randn(batch, 40, requires_grad=True)
+        h2 = h.detach().clone().requires_grad_()
+        torch.manual_seed(batch)
+        eager(h2).square().sum().backward()
+        torch.manual_seed(batch)
+        with aotkit.compiled_autograd.enable(keep):
+            model(h).square().sum().backward()
+        torch.testing.assert_close(h.grad, h2.grad)
+    assert_same_grads(grads(eager), grads(model))
+    assert all(_aten_calls(gm) for gm in keep.graphs)  # lowered, not the captured fallback

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit.aot.frames import current_user_line
 from aotkit.errors import UnsupportedError
@@ -199,7 +200,8 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # norm: the input's suggested one; the others: contiguous): fake and real results are then
 # laid out alike. A copy, which most of these kernels make inside anyway. This happens in the
 # tracing guard's dispatch (aotkit.aot.trace), so the metadata pass, which runs no
-# decompositions, sees the layouts the graph will have.
+# decompositions, sees the layouts the graph will have, and in compiled autograd's lowering of
+# backward formulas (``EagerLayouts``).
 def _dense(t: Any) -> bool:
     """A strided tensor without gaps or overlaps (a nested tensor has no strides to compare)."""
     return isinstance(t, torch.Tensor) and not t.is_nested and \
@@ -238,6 +240,14 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
         _aten.logical_or.default, _aten.logical_xor.default], None),
 }
+
+
+class EagerLayouts(TorchDispatchMode):
+    """Runs the ops of Note [Kernels whose fake strides differ] on inputs in their real kernels'
+    layouts, for traces outside AOT's tracing guard (compiled autograd's lowering)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*in_eager_layout(func, args), **(kwargs or {}))
 
 
 def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
