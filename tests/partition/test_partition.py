@@ -649,13 +649,15 @@ def test_a_closed_over_tensor_changed_before_backward_raises_as_in_eager(partiti
             out.sum().backward()
 
 
-def test_a_value_of_a_closed_over_tensor_keeps_its_forward_value() -> None:
-    """The default partitioner saves ``C.exp()`` as eager does: the gradient is eager's after C
-    changes (min-cut may recompute it from a saved C instead, which then raises: README)."""
+@pytest.mark.parametrize("use", ["exp", "add"])
+def test_a_value_of_a_closed_over_tensor_keeps_its_forward_value(use: str) -> None:
+    """Eager saves ``C.exp()`` (``x + C``), not C; so does the default partitioner: the gradient
+    is eager's after C changes. (Min-cut may recompute it from a saved C, which then raises,
+    as for inputs: README; before, it recomputed from the new C, a wrong gradient.)"""
     constant = _CLOSED_OVER.clone()
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        return (x * constant.exp()).sin()
+        return (x * constant.exp()).sin() if use == "exp" else (x + constant).sin()
 
     f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=default_partition)
     grads = []
@@ -668,6 +670,40 @@ def test_a_value_of_a_closed_over_tensor_keeps_its_forward_value() -> None:
         out.sum().backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+class _ReadsConstantInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * _LIVE  # read when backward() runs, as eager reads it
+
+
+_LIVE = torch.ones(3)
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+@pytest.mark.parametrize("forward_reads_it", [False, True])
+def test_a_custom_backward_reads_a_closed_over_tensor_when_it_runs(
+        partition: str, forward_reads_it: bool) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = _ReadsConstantInBackward.apply(x)
+        return out + _LIVE if forward_reads_it else out
+
+    f = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    grads = []
+    for call in (fn, f):
+        _LIVE.fill_(1)
+        x = torch.ones(3, requires_grad=True)
+        out = call(x)
+        _LIVE.fill_(5)
+        out.sum().backward()
+        grads.append(x.grad)
+    assert grads[0].tolist() == [5.0] * 3
+    torch.testing.assert_close(grads[1], grads[0])
 
 
 def test_a_closed_over_tensor_is_saved_as_an_input() -> None:

@@ -152,9 +152,9 @@ class _Network:
         self.fw_syms = {n for n in forward if is_sym(n)}
         # Other get_attr nodes are the bodies of higher-order ops (torch.cond branches): the
         # backward reads them as its own attributes, never as saved values. Tensor constants
-        # are inputs (Note [Constants the backward reads]).
-        self.fw_tensors = [n for n in forward if n not in self.fw_syms
-                           and (n.op != "get_attr" or is_constant(n))]
+        # the forward reads are inputs (Note [Constants the backward reads]).
+        self.fw_tensors = [n for n in forward if n not in self.fw_syms and (n.op != "get_attr" or (
+            is_constant(n) and any(u not in tangent_side for u in n.users)))]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
         self.held = {_viewed(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
