@@ -263,6 +263,16 @@ def test_decisions_for_a_built_in_module_name_the_module() -> None:
     assert decision.what == "aot_module_simplified(Sequential.forward in container.py [0/0])"
 
 
+def test_decisions_for_a_module_class_without_source_name_its_module() -> None:
+    """A class defined in a REPL or ``python -c`` has no source file: inspect raised."""
+    namespace: dict[str, type] = {}
+    exec("class MySeq(nn.Sequential): pass", {"nn": nn, "__name__": "repl"}, namespace)
+    model = namespace["MySeq"](nn.Linear(3, 3), nn.ReLU())
+    torch.compile(model, backend="aotkit")(torch.randn(2, 3))
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.what == "aot_module_simplified(MySeq.forward in repl [0/0])"
+
+
 @pytest.mark.parametrize("torch_logs", ["default", "quiet"])
 def test_dynamo_recompiles_and_its_eager_fallback_are_explained(torch_logs: str) -> None:
     """Note [Dynamo's recompiles in explain()]: each recompile with Dynamo's guard failure, and

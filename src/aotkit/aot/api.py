@@ -984,8 +984,11 @@ def _module_forward(mod: nn.Module) -> str | None:
         stack = node.meta.get("nn_module_stack")
         cls = next(iter(stack.values()))[1] if stack else None
         if isinstance(cls, type):
-            path = inspect.getsourcefile(cls) or "?"
-            return f"{cls.__name__}.forward in {os.path.basename(path)}"
+            try:
+                where = os.path.basename(inspect.getsourcefile(cls) or cls.__module__)
+            except (OSError, TypeError):  # defined in a REPL, a notebook or ``python -c``
+                where = cls.__module__
+            return f"{cls.__name__}.forward in {where}"
     return None
 
 
