@@ -130,16 +130,19 @@ _WRITES_THROUGH_CONJ = {
     "of_intermediate": lambda x: (_write_through_conj(t := x * 2)[...], t),
     "intermediate_alone": lambda x: (_write_through_conj(t := x * 2), t)[1],
     "then_conj_slice": lambda x: (x[1:].mul_(2), x[1:].conj())[1],
+    "part_written": lambda x: ((y := x.conj())[0].mul_(2), y[1:])[1],
 }
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("conj_input", [False, True], ids=["plain", "conj_input"])
 @pytest.mark.parametrize("fn", _WRITES_THROUGH_CONJ.values(), ids=_WRITES_THROUGH_CONJ.keys())
-def test_views_after_a_write_through_a_conj_view_keep_eager_bits(fn, conj_input):
+def test_views_after_a_write_through_a_conj_view_keep_eager_bits(fn, conj_input, dynamic):
     def prepare(args, kwargs):
         return ((args[0].conj(),) if conj_input else args), kwargs
 
-    result = check_against_eager(fn, crand(4), prepare=prepare, backward=False)
+    result = check_against_eager(fn, crand(4), prepare=prepare, backward=False,
+                                 aot_kwargs={"dynamic": dynamic})
     _assert_same_bits(result.aot_out, result.eager_out)
 
 

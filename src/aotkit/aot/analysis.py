@@ -172,12 +172,14 @@ def to_fun(x: Any) -> Any:
     return FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x
 
 
-def from_fun(x: Any) -> Any:
+def from_fun(x: Any, eager_bits: bool = False) -> Any:
+    """The value ``x`` wraps; with ``eager_bits``, without conj/neg bits eager's ``x`` has not
+    (for outputs: Note [Conj bits of views after a write])."""
     if not isinstance(x, FunctionalTensor):
         return x
     torch._sync(x)
     inner = torch._from_functional_tensor(x.elem)
-    if x._base is None:  # Note [Conj bits of views after a write]: a root has eager's bits
+    if eager_bits and x._base is None:  # a root has eager's bits
         if inner.is_conj() and not x.is_conj():
             inner = inner.resolve_conj()
         if inner.is_neg() and not x.is_neg():
@@ -643,9 +645,11 @@ def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Ten
 # The chain of view ops functionalization records for the view is not, so the bits are counted
 # along it. ``base`` is the view's ``_base``, the root of that chain, as in eager. A root keeps
 # the bits it was made with (none, or an input's), but the value it wraps after such a write is
-# the write's value seen through ``conj()`` again, so ``from_fun`` resolves bits a root's value
-# has and eager's root has not: a returned ``t`` with a conj bit would make ``view_as_real(t)``
-# raise, and views regenerated from it would read its storage's unconjugated values.
+# the write's value seen through ``conj()`` again, so ``from_fun`` resolves bits a returned
+# root's value has and eager's root has not: a returned ``t`` with a conj bit would make
+# ``view_as_real(t)`` raise, and views regenerated from it would read its storage's
+# unconjugated values. (Not the new value of a mutated input: copy_ into the input resolves it,
+# and views of the input are placed by the memory they share with that value.)
 def _view_bits(out: torch.Tensor, base: torch.Tensor) -> tuple[bool, bool]:
     if not isinstance(out, FunctionalTensor):
         return out.is_conj(), out.is_neg()

@@ -719,7 +719,7 @@ def trace_joint(
             with autocast_as(backward_autocast):
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
             in_backward.extend(n for n in _traced_nodes() if n not in before)
-        return [from_fun(x) for x in [*fw_outs, *grads]]
+        return [*_outputs_from_fun(fw_outs, meta), *map(from_fun, grads)]
 
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
     for node in in_backward:  # Note [Effects of the backward]
@@ -834,7 +834,7 @@ def trace_inference(
         with functionalized():
             f_primals = [to_fun(p) for p in primals]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=False)
-        outs = [from_fun(x) for x in fw_outs]
+        outs = _outputs_from_fun(fw_outs, meta)
         if keep_input_mutations:
             outs = _copy_mutations_in_graph(primals, outs, meta)
         return outs
@@ -877,6 +877,13 @@ def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, cl
     user = [outs[i] for i in meta.graph_user_outputs()]
     bases = [o._base for o in _intermediate_base_owners(outs, meta)]
     return [*mutated, *user, *bases]
+
+
+def _outputs_from_fun(fw_outs: list[Any], meta: AotMeta) -> list[Any]:
+    """What :func:`_forward_outputs` returned, unwrapped: the user's outputs and bases with
+    eager's conj/neg bits, the mutated inputs' new values as they are."""
+    mutated = len(meta.mutated_inputs)
+    return [from_fun(x, eager_bits=i >= mutated) for i, x in enumerate(fw_outs)]
 
 
 def _intermediate_base_owners(outs: list[Any], meta: AotMeta) -> list[torch.Tensor]:
