@@ -343,6 +343,11 @@ def test_a_compiler_made_with_equal_options_reuses_the_graph() -> None:
         with aotkit.compiled_autograd.enable(counting):
             _step(w, 2)
     assert counts() == (1, 1) and stats == {"compiles": 1}
+    for _ in range(3):  # a recorder made anew, equal to the last one before it recorded
+        graphs: list[fx.GraphModule] = []
+        with aotkit.compiled_autograd.enable(lambda gm: graphs.append(gm) or gm):  # noqa: B023
+            _step(w, 2)
+        assert len(graphs) == 1  # the new recorder compiled the graph it runs
 
 
 def _graph_with_inputs(vals: list[torch.Tensor], user: Any) -> fx.Graph:

@@ -74,7 +74,8 @@ def set_active(session: Session | None) -> None:
 # object and function, ``functools.partial``s by their function and arguments. Those values are
 # read when the block starts, so a compiler is compared as it was when its block began. One
 # object stays one, whatever it holds now (a list a recording compiler appends to, a dict
-# counting its calls), as for PyTorch's compiled autograd.
+# counting its calls), as for PyTorch's compiled autograd; a container that changed since its
+# block began belongs to a compiler that writes to it, and an equal new one is another compiler.
 def compiler_identity(fn: Callable[..., Any]) -> tuple[Any, ...]:
     """What decides how ``fn`` compiles, compared object by object by :func:`same_compiler`.
     See Note [Compiler identity]."""
@@ -143,8 +144,16 @@ def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
         _object(x) is _object(y)
         or (type(x) is type(y) and type(x) in _BY_VALUE and _same_value(x, y))
         or (type(x) is type(y) is _Contents and type(x.obj) is type(y.obj)
-            and _identical(x.items, y.items))
+            and _identical(x.items, y.items) and _unchanged(x) and _unchanged(y))
         for x, y in zip(xs, ys, strict=True))
+
+
+def _unchanged(contents: _Contents) -> bool:
+    """The container still holds what it held when its block began: a compiler that writes to
+    its own (a list it records graphs in, a dict counting calls) is not one made anew from
+    equal options, and a new one must compile its graphs itself."""
+    now = _snapshot(contents.obj)
+    return type(now) is _Contents and _identical(now.items, contents.items)
 
 
 def _object(x: Any) -> Any:
