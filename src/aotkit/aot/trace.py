@@ -331,11 +331,13 @@ def _read_after_conj_write(what: str, line: str, exc: Exception) -> UnsupportedE
     functionalization makes from ``y`` miss its conj bit, and ``y.imag`` then fails."""
     return UnsupportedError(
         f"{what}: {_first_line(exc)}\n  at {line}\n"
-        "If eager runs this line, the complex tensor was written in place through a conjugate "
-        "view before (y = x.conj(); y.mul_(2); y.imag): functionalization, which aotkit traces "
-        "with, rebuilds such views from the written memory with the conj bit misplaced, and "
-        "PyTorch's AOT autograd fails the same way.\nFix: read y.resolve_conj().imag, or write "
-        "through x itself (x.mul_(2) instead of x.conj().mul_(2)).")
+        "If eager runs this line, the complex tensor (or its base) was written in place "
+        "through a conjugate view before (y = x.conj(); y.mul_(2); then y.imag, x.real or "
+        "torch.view_as_real(x)): functionalization, which aotkit traces with, rebuilds such "
+        "tensors from the written memory with the conj bit misplaced, and PyTorch's AOT "
+        "autograd fails the same way.\nFix: read a resolved copy there (y.resolve_conj().imag, "
+        "torch.view_as_real(x.resolve_conj())), or write through x itself (x.mul_(2) instead "
+        "of x.conj().mul_(2)).")
 
 
 def _op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
