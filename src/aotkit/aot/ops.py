@@ -13,6 +13,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_m
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from aotkit import compat
 from aotkit.aot.frames import current_user_line
 from aotkit.errors import UnsupportedError
 
@@ -239,6 +240,9 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.div.Tensor_mode, _aten.binary_cross_entropy.default, _aten.heaviside.default,
         _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
         _aten.logical_or.default, _aten.logical_xor.default], None),
+    # torch < 2.13: the pads' own fake kernels return channels_last inputs' results contiguous.
+    **(dict.fromkeys([_aten.reflection_pad2d.default, _aten.replication_pad2d.default], None)
+       if compat.TORCH_VERSION < (2, 13) else {}),
 }
 
 
