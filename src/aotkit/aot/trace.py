@@ -446,8 +446,6 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.pass_id = next(_PASS_IDS)
         self.seeds: ReseedWatch | None = None  # None: reseeding is not refused
         self.refuse_inference_mode = False  # set by tracing()
-        # Outside tensors a custom Function's backward reads (Note [Constants the backward reads])
-        self.read_by_custom_backward: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -524,15 +522,11 @@ class _OutsideTensorGuard(TorchDispatchMode):
         # comparisons, indices, .item(): no gradient to lose
         grad = torch.is_grad_enabled() and func not in _GRADLESS_READS and any(
             t.is_floating_point() or t.is_complex() for t in _tensors(out))
-        in_custom_backward = isinstance(torch._C._current_autograd_node(),
-                                        torch.autograd.function.BackwardCFunction)
         for t, base in outside:
             if grad and t.requires_grad:
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
             note_constant(base, grad)
-            if in_custom_backward:
-                self.read_by_custom_backward.append(base)
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
@@ -726,23 +720,11 @@ def trace_joint(
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
     for node in in_backward:  # Note [Effects of the backward]
         node.meta["in_backward"] = True
-    _mark_constants_read_live(gm)
     _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
         placeholders[i].meta["mutated_input"] = True
     return gm
-
-
-def _mark_constants_read_live(gm: fx.GraphModule) -> None:
-    """Constants a custom Function's backward reads itself, which eager reads when backward()
-    runs (Note [Constants the backward reads])."""
-    guard = _GUARD.get()
-    read = {t.untyped_storage()._cdata for t in guard.read_by_custom_backward} if guard else ()
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value = getattr(gm, str(node.target), None)
-        if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata in read:
-            node.meta["read_live"] = True
 
 
 def _traced_nodes() -> set[fx.Node]:

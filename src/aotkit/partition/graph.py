@@ -81,14 +81,15 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
 # backward needs of it is saved (through save_for_backward, version-checked as eager's saved
 # tensors are), never read again; min-cut may save it, free like an input, to recompute
 # ``x + C`` (so changing C before backward() raises where eager, which saved the sum, does not,
-# as for inputs). A constant a custom Function's backward reads itself (the trace marks it
-# ``read_live``), or that only the backward reads, is read when the backward runs, as eager
-# reads it.
+# as for inputs). A constant only the backward reads (a custom Function's backward) is read
+# when the backward runs, as eager reads it. One the forward reads too is saved even where a
+# custom Function's backward reads it itself, which eager reads anew: the graph cannot tell
+# that read from a saved one (marking every read inside a custom backward as live made the
+# saved reads of ATen formulas and ctx.save_for_backward live too, silently).
 def _read_constants_once(joint: fx.GraphModule) -> None:
     first: dict[str, fx.Node] = {}
-    live = {n.target for n in joint.graph.find_nodes(op="get_attr") if n.meta.get("read_live")}
     for node in list(joint.graph.find_nodes(op="get_attr")):
-        if not is_constant(node) or node.target in live:
+        if not is_constant(node):
             continue
         if node.target in first:
             node.replace_all_uses_with(first[node.target])
