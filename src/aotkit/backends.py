@@ -14,8 +14,9 @@ import torch.fx as fx
 
 from aotkit import compat, compilers, counters
 from aotkit.aot import aot_module_simplified
-from aotkit.aot.api import Partitioner, _region
+from aotkit.aot.api import Partitioner
 from aotkit.aot.boxing import Compiler, make_boxed_func
+from aotkit.aot.frames import region
 from aotkit.compat import FakeTensor
 from aotkit.errors import ArgumentError
 from aotkit.partition import default_partition, min_cut_rematerialization_partition
@@ -96,7 +97,7 @@ def _recording_fallbacks(backend: Callable[..., Callable[..., Any]], name: str
                     and not isinstance(exc, compat.dynamo_fallback_errors()) \
                     and not type(exc).__module__.startswith("torch._dynamo"):  # its own signals
                 counters.record(
-                    "fallback", f"torch.compile(backend={name!r}, {_region(gm)})",
+                    "fallback", f"torch.compile(backend={name!r}, {region(gm)})",
                     f"the backend raised {type(exc).__name__}: {str(exc).splitlines()[0]}; "
                     "torch._dynamo.config.suppress_errors is on, so Dynamo runs this frame "
                     "eagerly. Fix: the error's own fix, or suppress_errors=False to see it raised.",

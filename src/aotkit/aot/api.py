@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
+from aotkit.aot.frames import region
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
@@ -916,7 +916,7 @@ def aot_module_simplified(
             out = _run_keeping_node_meta(mod, flat[len(names):], name)
         return pytree.tree_flatten(out)
 
-    name = f"aot_module_simplified({_region(mod)})"
+    name = f"aot_module_simplified({region(mod)})"
     note_dynamo_recompile(name)
     try:
         graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
@@ -955,41 +955,6 @@ def _let_dynamo_split(exc: AotkitError, name: str) -> None:
     counters.record("graph_break", name, f"{str(exc).splitlines()[0]} Dynamo splits its graph "
                     f"there and runs that part eagerly ({type(cause).__name__}).", logger=log)
     raise cause.with_traceback(cause.__traceback__) from None
-
-
-def _region(mod: nn.Module) -> str:
-    """Which code a Dynamo graph came from, for logs and ``explain()``: ``fn in file.py
-    [0/1]`` (function, file, Dynamo's frame/compile id); the module's class name otherwise."""
-    stack = getattr(getattr(mod, "compile_subgraph_reason", None), "user_stack", None)
-    if not stack:
-        return type(mod).__name__
-    from torch._guards import CompileContext
-
-    frame = stack[-1]
-    compile_id = CompileContext.current_compile_id()
-    where = _module_forward(mod) if _is_dynamo_wrapper(frame.filename) else None
-    where = where or f"{frame.name} in {os.path.basename(frame.filename)}"
-    return where if compile_id is None else f"{where} [{compile_id}]"
-
-
-def _is_dynamo_wrapper(filename: str) -> bool:
-    """Dynamo compiles a built-in module (``nn.Sequential``, ``nn.Linear``) through a wrapper
-    function of its own, which is the only frame it records for the graph."""
-    return os.path.dirname(filename) == os.path.dirname(torch._dynamo.__file__)
-
-
-def _module_forward(mod: nn.Module) -> str | None:
-    """``Sequential.forward in container.py``: the outermost module Dynamo's graph came from."""
-    for node in getattr(mod, "graph", fx.Graph()).nodes:
-        stack = node.meta.get("nn_module_stack")
-        cls = next(iter(stack.values()))[1] if stack else None
-        if isinstance(cls, type):
-            try:
-                where = os.path.basename(inspect.getsourcefile(cls) or cls.__module__)
-            except (OSError, TypeError):  # defined in a REPL, a notebook or ``python -c``
-                where = cls.__module__
-            return f"{cls.__name__}.forward in {where}"
-    return None
 
 
 def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") -> Any:

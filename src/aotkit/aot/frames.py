@@ -1,8 +1,10 @@
-"""Which line of the user's code aotkit is tracing, for error messages."""
+"""Which line of the user's code aotkit is tracing, for error messages, and which code a Dynamo
+graph came from, for decisions."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import traceback
 
@@ -42,3 +44,38 @@ def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
     if not shown:
         return "<unknown location>"
     return "\n  called from ".join(f"{f.filename}:{f.lineno} in {f.name}: {f.line}" for f in shown)
+
+
+def region(mod: torch.nn.Module) -> str:
+    """Which code a Dynamo graph came from, for logs and ``explain()``: ``fn in file.py
+    [0/1]`` (function, file, Dynamo's frame/compile id); the module's class name otherwise."""
+    stack = getattr(getattr(mod, "compile_subgraph_reason", None), "user_stack", None)
+    if not stack:
+        return type(mod).__name__
+    from torch._guards import CompileContext
+
+    frame = stack[-1]
+    compile_id = CompileContext.current_compile_id()
+    where = _module_forward(mod) if _is_dynamo_wrapper(frame.filename) else None
+    where = where or f"{frame.name} in {os.path.basename(frame.filename)}"
+    return where if compile_id is None else f"{where} [{compile_id}]"
+
+
+def _is_dynamo_wrapper(filename: str) -> bool:
+    """Dynamo compiles a built-in module (``nn.Sequential``, ``nn.Linear``) through a wrapper
+    function of its own, which is the only frame it records for the graph."""
+    return os.path.dirname(filename) == os.path.dirname(torch._dynamo.__file__)
+
+
+def _module_forward(mod: torch.nn.Module) -> str | None:
+    """``Sequential.forward in container.py``: the outermost module Dynamo's graph came from."""
+    for node in getattr(mod, "graph", torch.fx.Graph()).nodes:
+        stack = node.meta.get("nn_module_stack")
+        cls = next(iter(stack.values()))[1] if stack else None
+        if isinstance(cls, type):
+            try:
+                where = os.path.basename(inspect.getsourcefile(cls) or cls.__module__)
+            except (OSError, TypeError):  # defined in a REPL, a notebook or ``python -c``
+                where = cls.__module__
+            return f"{cls.__name__}.forward in {where}"
+    return None
