@@ -146,6 +146,24 @@ def test_views_after_a_write_through_a_conj_view_keep_eager_bits(fn, conj_input,
     _assert_same_bits(result.aot_out, result.eager_out)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_views_of_an_intermediate_written_through_a_conj_view(dynamic):
+    """Note [Conj bits of views after a write]: with symbolic sizes the views are placed in the
+    graph's memory of the intermediate, which holds its values conjugated: eager's values and
+    aliasing, and a conj bit eager's view has not (README). Static sizes give eager's bits."""
+    def fn(x):
+        t = x * 2
+        t.conj()[0].mul_(1j)
+        return t[1:], t.conj()[:1]
+
+    result = check_against_eager(fn, crand(4), backward=False, aot_kwargs={"dynamic": dynamic})
+    if dynamic:
+        assert [o.is_conj() for o in result.aot_out] == [True, False]
+        assert [o.is_conj() for o in result.eager_out] == [False, True]
+    else:
+        _assert_same_bits(result.aot_out, result.eager_out)
+
+
 def test_imag_after_a_write_through_a_conj_view_is_refused_with_the_fix():
     fn = lambda x: _write_through_conj(x).imag  # noqa: E731
     fn(crand(4))  # eager runs it

@@ -647,9 +647,11 @@ def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Ten
 # the bits it was made with (none, or an input's), but the value it wraps after such a write is
 # the write's value seen through ``conj()`` again, so ``from_fun`` resolves bits a returned
 # root's value has and eager's root has not: a returned ``t`` with a conj bit would make
-# ``view_as_real(t)`` raise, and views regenerated from it would read its storage's
-# unconjugated values. (Not the new value of a mutated input: copy_ into the input resolves it,
-# and views of the input are placed by the memory they share with that value.)
+# ``view_as_real(t)`` raise. Not the new value of a mutated input (copy_ into the input
+# resolves it), nor an intermediate base of symbolic sizes: their views are placed by the
+# memory they share with them (with static sizes the analysis recorded each view's place), and
+# for such a base the runtime flips its views' bits, since its memory holds conjugated values:
+# eager's values, but a conj bit where eager's view has none.
 def _view_bits(out: torch.Tensor, base: torch.Tensor) -> tuple[bool, bool]:
     if not isinstance(out, FunctionalTensor):
         return out.is_conj(), out.is_neg()

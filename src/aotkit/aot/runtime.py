@@ -593,9 +593,12 @@ def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
     view = base.as_strided(*_placement(source, base, out, info, name))
-    if info.is_neg:
+    # An output or intermediate base is a root, without bits in eager; one the graph returns
+    # with a bit holds its values' conjugate (negation) in memory, so its views flip that bit.
+    made_inside = source.input_index is None
+    if info.is_neg != (made_inside and source.base.is_neg()):
         view = torch._neg_view(view)
-    return view.conj() if info.is_conj else view
+    return view.conj() if info.is_conj != (made_inside and source.base.is_conj()) else view
 
 
 # Note [Replaying views]

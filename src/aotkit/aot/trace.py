@@ -864,10 +864,17 @@ def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, cl
 
 
 def _outputs_from_fun(fw_outs: list[Any], meta: AotMeta) -> list[Any]:
-    """What :func:`_forward_outputs` returned, unwrapped: the user's outputs and bases with
-    eager's conj/neg bits, the mutated inputs' new values as they are."""
-    mutated = len(meta.mutated_inputs)
-    return [from_fun(x, eager_bits=i >= mutated) for i, x in enumerate(fw_outs)]
+    """What :func:`_forward_outputs` returned, unwrapped: the user's outputs, and intermediate
+    bases of static sizes, with eager's conj/neg bits; the mutated inputs' new values and
+    symbolic-size bases as they are, so that views stay placed by the memory they share with
+    them (Note [Conj bits of views after a write])."""
+    bases = len(fw_outs) - len(meta.intermediate_bases_requires_grad)
+    return [from_fun(x, eager_bits=i >= len(meta.mutated_inputs) and (
+        i < bases or not _has_symbolic_sizes(x))) for i, x in enumerate(fw_outs)]
+
+
+def _has_symbolic_sizes(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape)
 
 
 def _intermediate_base_owners(outs: list[Any], meta: AotMeta) -> list[torch.Tensor]:
