@@ -52,6 +52,12 @@ _OPS: dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], Callable[..., tor
         lambda x: F.binary_cross_entropy(x.sigmoid(), _other(x).sigmoid(), reduction="none")),
     "logaddexp_channels_last": (_CHANNELS_LAST, lambda x: torch.logaddexp(x, _other(x))),
     "normal_channels_last": (_CHANNELS_LAST, lambda x: torch.normal(x, _other(x))),
+    "rrelu_eval_transposed": (_TRANSPOSED, lambda x: F.rrelu(x, training=False)),
+    # Inputs with gaps: the fake kernels keep their stride order, the real ones do not.
+    "batch_norm_with_gaps": (_TRANSPOSED, lambda x: F.batch_norm(x[:, :, ::2], None, None,
+                                                                 training=True)),
+    "pow_of_scalar_with_gaps": (_TRANSPOSED, lambda x: torch.pow(2.0, x[:, ::2])),
+    "logsigmoid_with_gaps": (_TRANSPOSED, lambda x: F.logsigmoid(x[:, ::2])),
 }
 
 
@@ -68,6 +74,18 @@ def test_ops_on_non_contiguous_layouts_match_eager(name: str) -> None:
     for size in shape:
         numel *= size
     check_against_eager(fn, torch.randn(numel, requires_grad=True), seed=0)
+
+
+@pytest.mark.parametrize("act", [F.elu, F.hardtanh, F.softplus, F.hardswish, F.hardsigmoid])
+def test_activation_backward_of_a_transposed_gradient_matches_eager(act: Callable[..., torch.Tensor],
+                                                                    ) -> None:
+    """Activations' backwards lay their result out like the gradient in the real kernels, like
+    the input in the fake ones; linear's backward then viewed it."""
+    def fn(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (act(F.linear(x, w)).transpose(1, 2) * scale).contiguous()
+
+    check_against_eager(fn, torch.randn(2, 3, 5, requires_grad=True),
+                        torch.randn(4, 5, requires_grad=True), torch.randn(2, 4, 3))
 
 
 def test_nll_loss_with_a_transposed_target_matches_eager() -> None:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+from torch._prims_common import suggest_memory_format
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -192,25 +192,28 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # strides than the real CPU kernels: batch norm (forward and backward) keeps a transposed
 # input's stride order where the real kernel returns the input's suggested memory format
 # (``BatchNorm1d(h.transpose(1, 2))``, the usual way to feed it a (batch, time, channels)
-# tensor); dropout's backward of a transposed gradient, pads' backwards and channel_shuffle of
-# channels_last tensors, a few binary ops of mixed layouts, the other way round. The graph's
-# ``view`` then failed at run time ("view size is not compatible"), with PyTorch's
-# aot_function and aot_eager too. (Found by comparing real and fake strides over every OpInfo
-# sample in transposed, reversed and channels_last layouts.) These ops get their dense inputs
-# made contiguous first, in the graph, in the memory format their real kernel returns (batch
-# norm: the input's suggested one; the others: contiguous): fake and real results are then
-# laid out alike. A copy, which most of these kernels make inside anyway. This happens in the
+# tensor); dropout's and activations' backwards of a transposed gradient, pads' backwards,
+# channel_shuffle and roll of channels_last tensors, a few binary ops of mixed layouts, the
+# other way round; inputs with gaps (``x[:, ::2]``) likewise. The graph's ``view`` then failed
+# at run time ("view size is not compatible"), with PyTorch's aot_function and aot_eager too.
+# (Found by comparing real and fake strides over every OpInfo sample in transposed, reversed
+# and channels_last layouts, and by a fuzzer of random programs on such layouts.) These ops get
+# their inputs made contiguous first (not expanded ones, which a copy would blow up), in the
+# graph, in the memory format their real kernel returns (batch norm: the input's suggested
+# one; the others: contiguous): fake and real results are then laid out alike. A copy, which
+# most of these kernels make inside anyway. This happens in the
 # tracing guard's dispatch (aotkit.aot.trace), so the metadata pass, which runs no
 # decompositions, sees the layouts the graph will have, and in compiled autograd's lowering of
 # backward formulas (``EagerLayouts``).
-def _dense(t: Any) -> bool:
-    """A strided tensor without gaps or overlaps (a nested tensor has no strides to compare)."""
-    return isinstance(t, torch.Tensor) and not t.is_nested and \
-        is_non_overlapping_and_dense_or_false(t)
+def _relaid(t: Any) -> bool:
+    """A strided tensor whose elements do not overlap (a nested tensor has no strides to lay
+    out; an expanded one would be copied whole)."""
+    return isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided \
+        and not overlaps_itself(t)
 
 
 def _laid_out(t: Any, layout: torch.memory_format, rank: int) -> Any:
-    if not _dense(t):
+    if not _relaid(t):
         return t
     layout = layout if t.dim() == rank else torch.contiguous_format
     return t if t.is_contiguous(memory_format=layout) else t.contiguous(memory_format=layout)
@@ -239,7 +242,13 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.special_xlog1py.default, _aten.copysign.Tensor, _aten.floor_divide.default,
         _aten.div.Tensor_mode, _aten.binary_cross_entropy.default, _aten.heaviside.default,
         _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
-        _aten.logical_or.default, _aten.logical_xor.default], None),
+        _aten.logical_or.default, _aten.logical_xor.default, _aten.log_sigmoid_backward.default,
+        _aten.elu_backward.default, _aten.hardswish_backward.default,
+        _aten.hardsigmoid_backward.default, _aten.hardtanh_backward.default,
+        _aten.softplus_backward.default, _aten.binary_cross_entropy_backward.default,
+        _aten.rrelu_with_noise.default, _aten.roll.default, _aten.reflection_pad3d.default,
+        _aten.replication_pad3d.default, _aten.reflection_pad3d_backward.default,
+        _aten.replication_pad3d_backward.default], None),
     # torch < 2.13: the pads' own fake kernels return channels_last inputs' results contiguous.
     **(dict.fromkeys([_aten.reflection_pad2d.default, _aten.replication_pad2d.default], None)
        if compat.TORCH_VERSION < (2, 13) else {}),
@@ -261,7 +270,7 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return args
     by = _RELAID_OPS[func]
     first = args[by] if by is not None else None
-    if _dense(first):
+    if _relaid(first):
         layout, rank = suggest_memory_format(first), first.dim()
     else:
         layout, rank = torch.contiguous_format, -1
