@@ -95,3 +95,15 @@ def test_nll_loss_with_a_transposed_target_matches_eager() -> None:
 
     check_against_eager(fn, torch.randn(2, 3, 5, 6, requires_grad=True),
                         torch.randint(0, 3, (2, 6, 5)))
+
+
+@pytest.mark.parametrize("op", [torch.logaddexp, lambda a, b: torch.div(a, b, rounding_mode="floor")],
+                         ids=["logaddexp", "div_floor"])
+def test_binary_ops_on_inputs_with_gaps_keep_eager_layout(op: Callable[..., torch.Tensor]) -> None:
+    """Their fake and real kernels agree on inputs with gaps: made contiguous first, the result
+    lost eager's stride order, and a view that eager allows failed."""
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return op(a[:, ::2], b[:, ::2]).transpose(0, 2).view(-1)
+
+    check_against_eager(fn, torch.randn(4, 6, 8).transpose(0, 2),
+                        torch.randn(4, 6, 8).transpose(0, 2) + 3, backward=False)

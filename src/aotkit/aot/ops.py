@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -205,15 +205,15 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # tracing guard's dispatch (aotkit.aot.trace), so the metadata pass, which runs no
 # decompositions, sees the layouts the graph will have, and in compiled autograd's lowering of
 # backward formulas (``EagerLayouts``).
-def _relaid(t: Any) -> bool:
+def _relaid(t: Any, gaps: bool) -> bool:
     """A strided tensor whose elements do not overlap (a nested tensor has no strides to lay
-    out; an expanded one would be copied whole)."""
+    out; an expanded one would be copied whole), without gaps unless ``gaps``."""
     return isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided \
-        and not overlaps_itself(t)
+        and not overlaps_itself(t) and (gaps or is_non_overlapping_and_dense_or_false(t))
 
 
-def _laid_out(t: Any, layout: torch.memory_format, rank: int) -> Any:
-    if not _relaid(t):
+def _laid_out(t: Any, layout: torch.memory_format, rank: int, gaps: bool) -> Any:
+    if not _relaid(t, gaps):
         return t
     layout = layout if t.dim() == rank else torch.contiguous_format
     return t if t.is_contiguous(memory_format=layout) else t.contiguous(memory_format=layout)
@@ -255,6 +255,15 @@ _RELAID_OPS: dict[Any, int | None] = {
 }
 
 
+#: Elementwise binary ops: their fake and real kernels agree on inputs with gaps (a copy made
+#: their results contiguous where eager's keep the inputs' order); only dense inputs differ.
+_DENSE_ONLY = frozenset([
+    _aten.xlogy.Tensor, _aten.special_xlog1py.default, _aten.copysign.Tensor,
+    _aten.floor_divide.default, _aten.div.Tensor_mode, _aten.heaviside.default,
+    _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
+    _aten.logical_or.default, _aten.logical_xor.default])
+
+
 class EagerLayouts(TorchDispatchMode):
     """Runs the ops of Note [Kernels whose fake strides differ] on inputs in their real kernels'
     layouts, for traces outside AOT's tracing guard (compiled autograd's lowering)."""
@@ -268,13 +277,13 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     gives (Note [Kernels whose fake strides differ])."""
     if func not in _RELAID_OPS:
         return args
-    by = _RELAID_OPS[func]
+    by, gaps = _RELAID_OPS[func], func not in _DENSE_ONLY
     first = args[by] if by is not None else None
-    if _relaid(first):
+    if _relaid(first, gaps):
         layout, rank = suggest_memory_format(first), first.dim()
     else:
         layout, rank = torch.contiguous_format, -1
-    return tuple(_laid_out(a, layout, rank) for a in args)
+    return tuple(_laid_out(a, layout, rank, gaps) for a in args)
 
 
 PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}
