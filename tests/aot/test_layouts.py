@@ -9,6 +9,7 @@ were wrong."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +108,17 @@ def test_binary_ops_on_inputs_with_gaps_keep_eager_layout(op: Callable[..., torc
 
     check_against_eager(fn, torch.randn(4, 6, 8).transpose(0, 2),
                         torch.randn(4, 6, 8).transpose(0, 2) + 3, backward=False)
+
+
+def test_batch_norm_updates_running_statistics_with_gaps_in_place() -> None:
+    """Only batch norm's input is relaid: a copy of its running statistics (gapped here) took
+    their in-place update, and the caller's stayed as they were."""
+    def fn(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x.transpose(1, 2), mean, var, training=True)
+
+    def prepare(args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
+        x, mean, var = args
+        return (x, mean[::2], var[::2]), kwargs
+
+    check_against_eager(fn, torch.randn(3, 5, 4, requires_grad=True), torch.zeros(8),
+                        torch.ones(8), prepare=prepare)

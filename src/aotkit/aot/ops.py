@@ -283,7 +283,17 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         layout, rank = suggest_memory_format(first), first.dim()
     else:
         layout, rank = torch.contiguous_format, -1
-    return tuple(_laid_out(a, layout, rank, gaps) for a in args)
+    # Batch norm lays its result out by its input (and gradient) alone, and writes its running
+    # statistics in place: a copy of those would take the update instead.
+    read = by + 1 if by is not None else len(args)
+    return tuple(_laid_out(a, layout, rank, gaps) if i < read and not _writes(func, i) else a
+                 for i, a in enumerate(args))
+
+
+def _writes(func: torch._ops.OpOverload, index: int) -> bool:
+    arguments = func._schema.arguments
+    return index < len(arguments) and arguments[index].alias_info is not None \
+        and arguments[index].alias_info.is_write
 
 
 PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}
