@@ -201,10 +201,9 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # their inputs made contiguous first (not expanded ones, which a copy would blow up), in the
 # graph, in the memory format their real kernel returns (batch norm: the input's suggested
 # one; the others: contiguous): fake and real results are then laid out alike. A copy, which
-# most of these kernels make inside anyway. This happens in the
-# tracing guard's dispatch (aotkit.aot.trace), so the metadata pass, which runs no
-# decompositions, sees the layouts the graph will have, and in compiled autograd's lowering of
-# backward formulas (``EagerLayouts``).
+# most of these kernels make inside anyway. This happens in the tracing guard's dispatch
+# (aotkit.aot.trace), so the metadata pass, which runs no decompositions, sees the layouts the
+# graph will have, and in compiled autograd's lowering of backward formulas (``EagerLayouts``).
 def _relaid(t: Any, gaps: bool) -> bool:
     """A strided tensor whose elements do not overlap (a nested tensor has no strides to lay
     out; an expanded one would be copied whole), without gaps unless ``gaps``."""
@@ -220,6 +219,13 @@ def _laid_out(t: Any, layout: torch.memory_format, rank: int, gaps: bool) -> Any
 
 
 _aten = torch.ops.aten
+#: Elementwise binary ops: their fake and real kernels agree on inputs with gaps (a copy made
+#: their results contiguous where eager's keep the inputs' order); only dense inputs differ.
+_DENSE_ONLY = frozenset([
+    _aten.xlogy.Tensor, _aten.special_xlog1py.default, _aten.copysign.Tensor,
+    _aten.floor_divide.default, _aten.div.Tensor_mode, _aten.heaviside.default,
+    _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
+    _aten.logical_or.default, _aten.logical_xor.default])
 #: Ops whose fake strides differ from the real kernel's, with the argument whose suggested
 #: memory format the real kernel returns (None: contiguous). See the Note above.
 _RELAID_OPS: dict[Any, int | None] = {
@@ -238,11 +244,8 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.huber_loss_backward.default, _aten.nll_loss2d_forward.default,
         _aten.native_dropout_backward.default, _aten.channel_shuffle.default,
         _aten.max_unpool2d.default, _aten.replication_pad2d_backward.default,
-        _aten.reflection_pad2d_backward.default, _aten.xlogy.Tensor,
-        _aten.special_xlog1py.default, _aten.copysign.Tensor, _aten.floor_divide.default,
-        _aten.div.Tensor_mode, _aten.binary_cross_entropy.default, _aten.heaviside.default,
-        _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
-        _aten.logical_or.default, _aten.logical_xor.default, _aten.log_sigmoid_backward.default,
+        _aten.reflection_pad2d_backward.default, _aten.binary_cross_entropy.default,
+        *_DENSE_ONLY, _aten.log_sigmoid_backward.default,
         _aten.elu_backward.default, _aten.hardswish_backward.default,
         _aten.hardsigmoid_backward.default, _aten.hardtanh_backward.default,
         _aten.softplus_backward.default, _aten.binary_cross_entropy_backward.default,
@@ -253,15 +256,6 @@ _RELAID_OPS: dict[Any, int | None] = {
     **(dict.fromkeys([_aten.reflection_pad2d.default, _aten.replication_pad2d.default], None)
        if compat.TORCH_VERSION < (2, 13) else {}),
 }
-
-
-#: Elementwise binary ops: their fake and real kernels agree on inputs with gaps (a copy made
-#: their results contiguous where eager's keep the inputs' order); only dense inputs differ.
-_DENSE_ONLY = frozenset([
-    _aten.xlogy.Tensor, _aten.special_xlog1py.default, _aten.copysign.Tensor,
-    _aten.floor_divide.default, _aten.div.Tensor_mode, _aten.heaviside.default,
-    _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
-    _aten.logical_or.default, _aten.logical_xor.default])
 
 
 class EagerLayouts(TorchDispatchMode):
@@ -286,14 +280,9 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     # Batch norm lays its result out by its input (and gradient) alone, and writes its running
     # statistics in place: a copy of those would take the update instead.
     read = by + 1 if by is not None else len(args)
-    return tuple(_laid_out(a, layout, rank, gaps) if i < read and not _writes(func, i) else a
+    written = {id(t) for t in written_by(func, args, {})}
+    return tuple(_laid_out(a, layout, rank, gaps) if i < read and id(a) not in written else a
                  for i, a in enumerate(args))
-
-
-def _writes(func: torch._ops.OpOverload, index: int) -> bool:
-    arguments = func._schema.arguments
-    return index < len(arguments) and arguments[index].alias_info is not None \
-        and arguments[index].alias_info.is_write
 
 
 PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}
