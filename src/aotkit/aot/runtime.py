@@ -596,9 +596,14 @@ def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str
     # An output or intermediate base is a root, without bits in eager; one the graph returns
     # with a bit holds its values' conjugate (negation) in memory, so its views flip that bit.
     made_inside = source.input_index is None
-    if info.is_neg != (made_inside and source.base.is_neg()):
-        view = torch._neg_view(view)
-    return view.conj() if info.is_conj != (made_inside and source.base.is_conj()) else view
+    return _with_bits(view, info.is_conj != (made_inside and source.base.is_conj()),
+                      info.is_neg != (made_inside and source.base.is_neg()))
+
+
+def _with_bits(view: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """``view`` (of a storage's values as they are) with conj/neg bits set as asked."""
+    view = torch._neg_view(view) if neg else view
+    return view.conj() if conj else view
 
 
 # Note [Replaying views]
@@ -630,9 +635,7 @@ def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo,
         # the output's dtype (``x.view(torch.int32)``), not the caller's tensor itself
         base = _plain(source.base)
         view = base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
-        if info.is_neg:  # Note [Conjugate and negative views]
-            view = torch._neg_view(view)
-        return view.conj() if info.is_conj else view
+        return _with_bits(view, info.is_conj, info.is_neg)  # Note [Conjugate and negative views]
     raise UnsupportedError(
         f"{name}: the function mutates input {source.input_index} (strides "
         f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
