@@ -206,6 +206,34 @@ def test_options_pick_the_min_cut_partition_and_its_budget() -> None:
     assert decision.why.startswith("min_cut_rematerialization_partition: saved")
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_options_changed_after_compiling_recompile_and_say_why(dynamic: bool) -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).sin().exp() @ w).cos()
+
+    w = torch.randn(16, 16, requires_grad=True)
+    compiled = torch.compile(fn, backend="aotkit", options={"partition": "min_cut"},
+                             dynamic=dynamic)
+    sizes = [4, 5, 6, 4] if dynamic else [4] * 4
+    for n, budget, bind in zip(sizes, [1.0, 0.0, 0.0, 1.0], [True, True, False, True], strict=True):
+        x = torch.randn(n, 16)
+        with aotkit.config.patch(activation_memory_budget=budget, bind_aten_calls=bind):
+            out = compiled(x, w)
+            out.sum().backward()
+        got, w.grad = w.grad, None
+        expected = fn(x, w)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(got, w.grad)
+        w.grad = None
+    saved = [d.why.split("saved ")[1].split(",")[0] for d in aotkit.explain().of_kind("partition")]
+    assert saved == ["4 tensor(s) (2 of them inputs)", "2 tensor(s) (2 of them inputs)",
+                     "2 tensor(s) (2 of them inputs)"]  # the budget of 1.0 is compiled once
+    assert [d.why for d in aotkit.explain().of_kind("recompile")] == [
+        "aotkit.config.activation_memory_budget changed: 1.0 -> 0.0",
+        "aotkit.config.bind_aten_calls changed: True -> False"]
+
+
 @pytest.mark.parametrize("options", [
     {"partition": "sideways"}, {"budget": 1.0}, {"activation_memory_budget": 0.5},
     {"partition": ["min_cut"]}, {"partition": "min_cut", "activation_memory_budget": "a"},

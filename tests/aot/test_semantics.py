@@ -1906,6 +1906,15 @@ def test_num_params_buffers_reaches_the_compilers():
             aotkit.aot_function(lambda w, x: x @ w, recording, num_params_buffers=bad)
 
 
+@pytest.mark.parametrize("flag", ["dynamic", "keep_inference_input_mutations"])
+@pytest.mark.parametrize("bad", ["False", 0, None])
+def test_on_off_arguments_must_be_bools(flag: str, bad: object) -> None:
+    for make in (lambda **kw: aotkit.aot_function(torch.sin, aotkit.compilers.nop, **kw),
+                 lambda **kw: aotkit.aot_module(nn.Linear(2, 2), aotkit.compilers.nop, **kw)):
+        with pytest.raises(ArgumentError, match=f"{flag} must be True or False"):
+            make(**{flag: bad})
+
+
 class _FullPrecisionRegion(nn.Module):
     """A Linear under the caller's autocast, then a matmul with autocast turned off."""
 

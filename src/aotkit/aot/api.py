@@ -28,6 +28,7 @@ from aotkit.aot.signature import (
     AutocastState,
     ShapeGuard,
     autocast_state,
+    config_changes,
     describe_change,
     differences,
     leaf_names,
@@ -115,6 +116,11 @@ class AotOptions:
                     "aotkit.min_cut_rematerialization_partition (partition_fn)."
                 )
         _check_decompositions(self.decompositions)
+        for flag in ("dynamic", "keep_inference_input_mutations"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):  # "False" would read as on
+                raise ArgumentError(f"{flag} must be True or False, got {type(value).__name__} "
+                                    f"{value!r}.\nFix: pass {flag}=True or {flag}=False.")
         n = self.num_params_buffers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ArgumentError(
@@ -923,19 +929,39 @@ def aot_module_simplified(
     except AotkitError as exc:
         _let_dynamo_split(exc, name)
         raise
-    unflatten = graphs.meta.unflatten
-
+    # Note [Options changed after torch.compile]: one entry per value of the options.
+    by_options = {config.cache_key(*options.config_parts): graphs}
     expected = len(args)
+
+    def recompile(key: tuple[tuple[str, Any], ...]) -> CompiledGraphs:
+        changes = config_changes(next(reversed(by_options)), key)
+        counters.record("recompile", name, "; ".join(changes), logger=log)
+        by_options[key] = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
+        return by_options[key]
 
     def forward(*runtime_args: Any) -> Any:
         if len(runtime_args) != expected:
             raise ArgumentError(f"{name} takes {expected} argument(s), as it was compiled for, "
                                 f"got {len(runtime_args)} (the module's parameters and buffers "
                                 "are passed for you).")
-        return unflatten(run(graphs, [*tensors, *runtime_args]))
+        key = config.cache_key(*options.config_parts)
+        current = by_options.get(key)
+        if current is None:
+            with COMPILE_LOCK:
+                current = by_options.get(key) or recompile(key)
+        return current.meta.unflatten(run(current, [*tensors, *runtime_args]))
 
     forward.graphs = graphs  # type: ignore[attr-defined]
     return forward
+
+
+# Note [Options changed after torch.compile]
+# Dynamo guards on the inputs, not on aotkit.config: a graph it compiled kept the partition and
+# the calls it was compiled with after ``aotkit.config.activation_memory_budget`` or
+# ``bind_aten_calls`` changed, where aot_function's entries are keyed on them. Each call
+# compares the options that concern the graph (AotOptions.config_parts) with the ones it was
+# compiled for, and a change traces Dynamo's graph again on the fake inputs it came with, a
+# "recompile" decision naming the option. A value seen before reuses its graphs.
 
 
 # Note [Graph breaks for Dynamo]

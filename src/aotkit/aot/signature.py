@@ -251,9 +251,13 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
              for name, a, b in zip(names, old[1], new[1], strict=True) if a != b]
     found += [f"{mode} changed: {x} -> {y}"
               for mode, x, y in zip(_MODES, old[2:-1], new[2:-1], strict=True) if x != y]
-    found += [f"aotkit.config.{option} changed: {x!r} -> {y!r}"
-              for (option, x), (_, y) in zip(old[-1], new[-1], strict=True) if x != y]
-    return found
+    return found + config_changes(old[-1], new[-1])
+
+
+def config_changes(old: tuple[tuple[str, Any], ...], new: tuple[tuple[str, Any], ...]) -> list[str]:
+    """One phrase per option that differs between two :func:`aotkit.config.cache_key` values."""
+    return [f"aotkit.config.{option} changed: {x!r} -> {y!r}"
+            for (option, x), (_, y) in zip(old, new, strict=True) if x != y]
 
 
 def _leaf_change(name: str, a: Any, b: Any) -> str:
