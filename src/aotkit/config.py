@@ -146,13 +146,26 @@ def _write(name: str, value: Any) -> None:
     _keys.clear()
 
 
-#: Bad AOTKIT_* variables by option, raised at the first use of aotkit.config rather than at
+#: Bad AOTKIT_* variables by option (misspelled ones by their name), raised at the first use of aotkit.config rather than at
 #: import, so that ``import aotkit`` and ``aotkit --help`` work and the error has a place to be
 #: reported. Setting the option from code replaces the variable's value.
 _environment_errors: dict[str, ConfigError] = {}
 
 
+#: AOTKIT_* variables that are not options (read by a repro script aotkit writes).
+_OTHER_VARIABLES = frozenset({"AOTKIT_REPRO_DEVICE"})
+
+
 def _load_environment() -> None:
+    import difflib
+
+    known = {o.env_var for o in _OPTIONS.values()} | _OTHER_VARIABLES
+    for variable in sorted(v for v in os.environ if v.startswith("AOTKIT_") and v not in known):
+        close = difflib.get_close_matches(variable, sorted(known), n=1)
+        _environment_errors[variable] = ConfigError(
+            f"{variable} is set, but aotkit has no such option"
+            f"{f'; did you mean {close[0]}?' if close else '.'}\nFix: correct its name or unset "
+            f"it. Options: {', '.join(sorted(o.env_var for o in _OPTIONS.values()))}.")
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
         try:
