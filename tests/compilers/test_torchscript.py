@@ -4,6 +4,7 @@ TorchScript; errors and warnings a user sees."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -148,6 +149,26 @@ def test_ts_compile_symbolic_sizes_one_entry() -> None:
                         aot_kwargs={"dynamic": True})
     compared.compiled(torch.randn(9, 3, requires_grad=True))
     assert compared.compiled.num_entries == 1
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.std(-1),  # the backward scales by 1 / float(n - 1)
+    lambda x: x / x.shape[-1] ** 0.5,  # attention's scale
+    lambda x: x * math.sqrt(x.shape[0]) + max(x.shape[0], x.shape[1]),
+], ids=["std", "scale", "sqrt_max"])
+@pytest.mark.parametrize("compile_with", ["ts_compile", "memory_efficient_fusion"])
+def test_torchscript_compilers_take_size_arithmetic(fn: Any, compile_with: str) -> None:
+    compiled = (aotkit.aot_function(fn, ts_compile, dynamic=True) if compile_with == "ts_compile"
+                else memory_efficient_fusion(fn, dynamic=True))
+    for shape in [(4, 6), (5, 7)]:
+        x = torch.randn(shape, requires_grad=True)
+        out = compiled(x)
+        out.sum().backward()
+        got, x.grad = x.grad, None
+        expected = fn(x)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(got, x.grad)
 
 
 def test_ts_compile_casts_devices_and_none_grads() -> None:

@@ -11,6 +11,8 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
+import operator
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -117,6 +119,9 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
     graph = gm.graph
     for node in graph.find_nodes(op="placeholder"):
         node.type = _script_type(node.meta.get("val"))
+    for node in graph.nodes:  # size arithmetic: x / x.shape[-1] ** 0.5, std's backward
+        if node.op == "call_function" and node.target in _SIZE_FUNCTIONS:
+            node.target = _SIZE_FUNCTIONS[node.target]
     for node in graph.find_nodes(op="call_function", target=aten._to_copy.default):
         if _is_cast(node):
             node.target = aten.to.dtype
@@ -127,6 +132,13 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
                            for k, v in node.kwargs.items()}
     output = graph.output_node()
     output.args = (tuple(output.args[0]),)
+
+
+#: torch's functions of symbolic sizes, as the Python builtins TorchScript knows; under
+#: dynamic=True a graph holds them where eager computes with plain ints.
+_SIZE_FUNCTIONS: dict[Any, Any] = {torch.sym_float: float, torch.sym_int: int,
+                                   torch.sym_max: max, torch.sym_min: min,
+                                   torch.sym_sqrt: math.sqrt, torch.sym_not: operator.not_}
 
 
 def _script_type(val: Any) -> type | None:
