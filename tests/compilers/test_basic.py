@@ -288,6 +288,40 @@ def test_a_callable_returning_the_wrong_outputs_is_a_compiler_error(graph: str,
         assert got == (expected - 1 if wrong == "too few" else expected + 1)
 
 
+@pytest.mark.parametrize("graph", ["forward", "backward", "inference"])
+def test_a_callable_returning_nones_for_tensors_is_a_compiler_error(graph: str) -> None:
+    bad = returning(lambda args, gm: [None] * len(gm(*args)))  # the right count, no values
+    nop = aotkit.compilers.nop
+    compilers = {"forward": (bad, nop), "backward": (nop, bad), "inference": (nop, nop)}[graph]
+    f = aotkit.aot_function(_scaled_sine, *compilers,
+                            inference_compiler=bad if graph == "inference" else None)
+    x = torch.randn(3, requires_grad=graph != "inference")
+    with pytest.raises(CompilerError, match=rf"the callable compiler 'compiler' made for the "
+                                            rf"{graph} graph returned NoneType as output 0"):
+        f(x).sum().backward() if graph != "inference" else f(x)
+
+
+@pytest.mark.parametrize("compiler", [
+    lambda gm: gm, draw_graph_compile, aotkit.compilers.memory_efficient_fusion])
+def test_a_compiler_that_cannot_take_a_graph_and_inputs_is_refused_up_front(compiler: Any) -> None:
+    for role in ("fw_compiler", "bw_compiler", "inference_compiler"):
+        kwargs = {"fw_compiler": aotkit.compilers.nop, role: compiler}
+        with pytest.raises(aotkit.errors.ArgumentError,
+                           match=rf"{role} '\S+' cannot be called as compiler\(gm, "
+                                 r"example_inputs\): its signature is .*\nFix: "):
+            aotkit.aot_function(_scaled_sine, **kwargs)
+
+
+def test_compiler_factories_called_wrongly_say_how_to_call_them(tmp_path: Path) -> None:
+    from aotkit.compilers import graph_dumper_aot
+
+    with pytest.raises(aotkit.errors.ArgumentError, match=r"current_name was a GraphModule"):
+        aotkit.aot_function(_scaled_sine, graph_dumper_aot)(torch.randn(2))
+    with pytest.raises(aotkit.errors.ArgumentError, match=r"cannot draw '\.pdf' files"):
+        draw_graph_compile(str(tmp_path / "graph.pdf"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_make_boxed_compiler_of_a_compiler_returning_none_is_named() -> None:
     def gives_none(gm: fx.GraphModule, example_inputs: Any) -> None:
         return None

@@ -115,6 +115,8 @@ class AotOptions:
                     "a function such as aotkit.compilers.nop (compilers) or "
                     "aotkit.min_cut_rematerialization_partition (partition_fn)."
                 )
+            if role != "partition_fn" and value is not None:
+                _check_compiler_signature(role, value)
         _check_decompositions(self.decompositions)
         for flag in ("dynamic", "keep_inference_input_mutations"):
             value = getattr(self, flag)
@@ -127,6 +129,24 @@ class AotOptions:
                 f"num_params_buffers must be a non-negative int, got {type(n).__name__} {n!r}.\n"
                 "Fix: pass how many leading arguments are parameters and buffers (0 if none)."
             )
+
+
+def _check_compiler_signature(role: str, compiler: Callable[..., Any]) -> None:
+    """A compiler is called as ``compiler(gm, example_inputs)``; one that cannot be (a factory
+    of compilers, ``lambda gm: gm``) would fail at the first call with a bare TypeError."""
+    try:
+        inspect.signature(compiler).bind(None, None)
+    except TypeError:
+        name = getattr(compiler, "__name__", type(compiler).__name__)
+        raise ArgumentError(
+            f"{role} {name!r} cannot be called as compiler(gm, example_inputs): its signature is "
+            f"{name}{inspect.signature(compiler)}.\nFix: pass a function of the graph module and "
+            "its example inputs returning a callable (aotkit.compilers.nop); a factory of "
+            "compilers is called first (draw_graph_compile('graph')), and "
+            "memory_efficient_fusion wraps a function or module instead of compiling graphs."
+        ) from None
+    except ValueError:  # no signature to read (some builtins): the first call will tell
+        pass
 
 
 def _check_decompositions(table: Any) -> None:

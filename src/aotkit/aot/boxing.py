@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from aotkit.compat import hide_from_dynamo
@@ -156,25 +157,46 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
     outputs = gm.graph.output_node().args[0]
     if not isinstance(outputs, (list, tuple)):
         return make_boxed_func(compiled)
-    return _checked(make_boxed_func(compiled), len(outputs), name, what)
+    tensors = [i for i, o in enumerate(outputs)
+               if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
+    return _checked(make_boxed_func(compiled), len(outputs), tensors, name, what)
 
 
 # Note [Checking what compiled graphs return]
 # The runtime slices a compiled graph's result by position (user outputs, saved tensors, saved
 # SymInts; one grad per input), so a callable that returns None, a single tensor or too few
-# values would fail far away with an untyped error, or silently return wrong values. Every call
+# values would fail far away with an untyped error, or silently return wrong values (None for
+# every output: the function returned None, and no gradient reached the inputs). Every call
 # therefore checks the result's type and length, which costs one function call and a len();
-# the values themselves (shapes, dtypes) are not checked here: that is debug_nop's job.
-def _checked(boxed: Callable[[list[Any]], Any], expected: int, name: str,
+# the first call also checks that every value the graph computes as a tensor is one. The values
+# themselves (shapes, dtypes) are not checked here: that is debug_nop's job.
+def _checked(boxed: Callable[[list[Any]], Any], expected: int, tensors: list[int], name: str,
              what: str) -> Callable[[list[Any]], Any]:
+    unchecked = [True]
+
     def run(args: list[Any]) -> Any:
         outs = boxed(args)
         if not isinstance(outs, (list, tuple)) or len(outs) != expected:
             _refuse_outputs(outs, expected, name, what)
+        if unchecked[0]:
+            _refuse_non_tensors(outs, tensors, name, what)
+            unchecked[0] = False
         return outs
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _refuse_non_tensors(outs: Sequence[Any], tensors: list[int], name: str, what: str) -> None:
+    wrong = [i for i in tensors if not isinstance(outs[i], torch.Tensor)]
+    if wrong:
+        raise CompilerError(
+            f"the callable compiler {name!r} made for the {what} graph returned "
+            f"{type(outs[wrong[0]]).__name__} as output {wrong[0]}"
+            f"{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}, which the graph "
+            "computes as a tensor.\nFix: return the graph's values, in order, as gm.forward "
+            "does (make_boxed_func(gm.forward))."
+        )
 
 
 def _refuse_outputs(outs: Any, expected: int, name: str, what: str) -> None:

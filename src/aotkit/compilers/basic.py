@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from aotkit import counters
 from aotkit.aot.boxing import make_boxed_func, run_boxed
 from aotkit.compilers.bind import bind_aten_calls
-from aotkit.errors import MetadataMismatchError
+from aotkit.errors import ArgumentError, MetadataMismatchError
 from aotkit.partition.draw import draw_graph
 
 log = logging.getLogger("aotkit.compilers")
@@ -74,9 +74,13 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         ['sin_0', 'sin_1']
     """
     drawn = 0
-    stem, suffix = os.path.splitext(name)
-    if suffix.lower() not in (".svg", ".png", ".dot"):
-        stem, suffix = name, ".svg"
+    stem, suffix = os.path.splitext(os.fspath(name))
+    if not suffix:
+        suffix = ".svg"
+    elif suffix.lower() not in (".svg", ".png", ".dot"):
+        raise ArgumentError(
+            f"draw_graph_compile({name!r}): it cannot draw {suffix!r} files.\nFix: end the name "
+            "in .svg, .png or .dot, or give none for SVG.")
 
     def draw_and_run(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
         nonlocal drawn
