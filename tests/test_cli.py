@@ -179,6 +179,13 @@ def test_bad_arguments_are_usage_errors(args: list[str], message: str,
     assert err.startswith(f"usage: aotkit {args[0]} "), err  # the subcommand's usage
 
 
+def test_no_command_names_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    assert "the following arguments are required: {demo,graphs}" in capsys.readouterr().err
+
+
 def test_graphs_compiled_autograd_prints_the_whole_backward(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert cli.main(["graphs", "--model", "mlp", "--compiled-autograd", "--code",

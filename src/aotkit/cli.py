@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also draw each graph to DIR/<kind>.svg (without Graphviz: "
                              "DIR/<kind>.dot)")
     graphs.set_defaults(func=_graphs, usage_error=graphs.error)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command names the commands
     return parser
 
 

@@ -122,7 +122,8 @@ def _check(option: Option, value: Any) -> Any:
     if not isinstance(value, option.type) or (option.type is int and isinstance(value, bool)):
         raise ConfigError(
             f"aotkit.config.{option.name} must be {option.type.__name__}, got {value!r}.\n"
-            f"Fix: use a {option.type.__name__}, e.g. its default {option.default!r}."
+            f"Fix: use {'an' if option.type is int else 'a'} {option.type.__name__}, e.g. its "
+            f"default {option.default!r}."
         )
     if option.bounds is not None and not option.bounds[0] <= value <= option.bounds[1]:
         low, high = option.bounds

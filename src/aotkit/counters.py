@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from aotkit import config
+from aotkit.errors import ArgumentError
 
 #: ``counters[category][name]``, e.g. ``counters["aot"]["fw_compiles"]``.
 counters: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
@@ -30,6 +31,24 @@ counters: collections.defaultdict[str, collections.Counter[str]] = collections.d
 )
 
 _decisions: collections.deque[Decision] = collections.deque()
+
+#: The kinds of decision aotkit records, with what each means.
+KINDS: dict[str, str] = {
+    "recompile": "a compiled entry traced again (new signature, option, guard or state)",
+    "retrace": "a trace taken once more in another way, with the reason the first failed",
+    "fallback": "something ran otherwise than asked (eagerly, or as DOT instead of an image)",
+    "graph_break": "Dynamo split its graph where aotkit could not trace",
+    "specialize": "a value compiled as a constant, so each new value compiles anew",
+    "partition": "what a partitioner saved for backward and what it recomputes",
+    "inline": "a nested compile region traced inline",
+    "hook": "module hooks traced with the forward and backward",
+    "capture": "compiled autograd captured a backward",
+    "recapture": "compiled autograd captured a backward again, with the reason",
+    "hook_order": "compiled autograd could not order hooks as eager does",
+    "thread": "compiled autograd captured a backward of another thread",
+    "cache_clear": "compiled autograd's engine cache was cleared",
+    "cuda_scalars": "compiled autograd moved CPU scalars to the GPU for CUDA graphs",
+}
 log = logging.getLogger("aotkit")
 
 
@@ -102,8 +121,16 @@ class Explanation:
         return len(self.decisions)
 
     def of_kind(self, kind: str) -> list[Decision]:
-        """The decisions of one kind, e.g. ``explain().of_kind("recompile")``."""
-        return [d for d in self.decisions if d.kind == kind]
+        """The decisions of one kind (see :data:`KINDS`), e.g. ``explain().of_kind("recompile")``."""
+        found = [d for d in self.decisions if d.kind == kind]
+        if not found and kind not in KINDS:  # a misspelled kind would always be []
+            import difflib
+
+            close = difflib.get_close_matches(kind, list(KINDS), n=1)
+            raise ArgumentError(f"no decision is of kind {kind!r}, and aotkit records no such "
+                                f"kind{f'; did you mean {close[0]!r}?' if close else '.'}\nFix: "
+                                f"use one of {', '.join(KINDS)}.")
+        return found
 
     def __str__(self) -> str:
         lines = [f"aotkit: {len(self.decisions)} decision(s)"]

@@ -245,6 +245,24 @@ def test_explain_lists_decisions_and_counters():
     assert "fallback.g = 1" in text
 
 
+def test_of_kind_refuses_a_kind_aotkit_never_records():
+    with pytest.raises(aotkit.errors.ArgumentError, match="did you mean 'recompile'"):
+        aotkit.explain().of_kind("recompiles")
+    assert aotkit.explain().of_kind("recompile") == []
+    counters.record("my_kind", "mine", "a kind of the user's own")
+    assert [d.why for d in aotkit.explain().of_kind("my_kind")] == ["a kind of the user's own"]
+
+
+def test_every_kind_aotkit_records_is_listed():
+    import re
+    from pathlib import Path
+
+    source = "\n".join(p.read_text() for p in Path(aotkit.__file__).parent.rglob("*.py"))
+    recorded = set(re.findall(r'counters\.record\(\s*"([a-z_]+)"', source))
+    recorded |= {"capture", "recapture"}  # compiled autograd picks one of the two
+    assert len(recorded) > 10 and recorded <= set(counters.KINDS)
+
+
 def test_explain_keeps_at_most_max_decisions():
     with config.patch(max_decisions=3):
         for i in range(5):
