@@ -48,3 +48,34 @@ def test_in_place_changes_to_a_closed_over_tensor_show(compiler: str, requires_g
             torch.testing.assert_close(grad, expected)
     finally:
         MASK.fill_(1.0), SCALE.fill_(1.0)
+
+
+BUF = torch.zeros(6)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
+def test_writing_an_argument_that_is_a_closed_over_tensor_is_refused(requires_grad: bool) -> None:
+    def add_then_read(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return (x + BUF[:3]) * y  # eager reads BUF after the write when x is BUF's memory
+
+    compiled = aotkit.aot_function(add_then_read, nop)
+    y = torch.ones(3, requires_grad=requires_grad)
+    fresh, reference = torch.zeros(3), torch.zeros(3)
+    torch.testing.assert_close(compiled(fresh, y), add_then_read(reference, y))  # no sharing
+    torch.testing.assert_close(fresh, reference)
+    for shared in (BUF[:3], BUF[3:]):  # the memory, if not the elements, of the constant
+        with pytest.raises(aotkit.errors.UnsupportedError,
+                           match=r"writes args\[0\] in place, and args\[0\] shares memory with a "
+                                 r"tensor of shape \(6,\) that the function reads as a constant"):
+            compiled(shared, y)
+    assert BUF.eq(0).all()  # refused before anything ran
+
+    def passed_too(x: torch.Tensor, buf: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return (x + buf[:3]) * y
+
+    buf, reference = torch.zeros(6), torch.zeros(6)
+    out = aotkit.aot_function(passed_too, nop)(buf[:3], buf, y)  # the fix the error names
+    torch.testing.assert_close(out, passed_too(reference[:3], reference, y))
+    torch.testing.assert_close(buf, reference)

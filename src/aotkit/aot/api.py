@@ -567,6 +567,9 @@ class _Entry:
     guard: ShapeGuard | None
     reads: Reads  # Note [What a trace reads besides its inputs]
     offsets: tuple[int, ...] | None = None  # Note [Absolute storage offsets]
+    # Inputs the graph writes, where it also reads constants (Note [Inputs sharing memory
+    # with constants]).
+    written: tuple[int, ...] = ()
 
     def accepts(self, tensors: list[Any]) -> bool:
         return self.reads.hold() and (self.guard is None or self.guard(tensors)) and (
@@ -620,7 +623,34 @@ class AotFunction:
             with COMPILE_LOCK:  # another thread may have compiled it meanwhile
                 found = self._find(key, leaves) or self._compile(args, kwargs, key)
         entry, tensors = found
+        if entry.written:
+            self._refuse_written_constants(entry, tensors, args, kwargs)
         return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
+
+    # Note [Inputs sharing memory with constants]
+    # A tensor the function reads as a constant (Note [Closed-over tensors]) may be the very
+    # memory of an argument it writes (``BUF`` closed over and passed as ``x``; ``x.add_(1);
+    # return x + BUF``). The functional graph reads the constant where the op reads it, but the
+    # write reaches the input only after the graph: eager's read after the write saw the new
+    # value, the graph's the old one (silently). So an entry that writes inputs and reads
+    # constants checks at every call that none of the inputs it writes shares memory with one
+    # of those constants, and refuses the call if one does. Passed as two arguments instead,
+    # they are inputs sharing memory, whose writes the graph orders as eager does (Note
+    # [Overlapping mutated inputs]).
+    def _refuse_written_constants(self, entry: _Entry, tensors: list[Any], args: tuple[Any, ...],
+                                  kwargs: dict[str, Any]) -> None:
+        for k in entry.written:
+            constant = entry.reads.sharing_memory(tensors[k])
+            if constant is not None:
+                name = self._leaf_names(args, kwargs)[entry.tensor_positions[k]]
+                raise UnsupportedError(
+                    f"{self.name} writes {name} in place, and {name} shares memory with a tensor "
+                    f"of shape {tuple(constant.shape)} that the function reads as a constant (a "
+                    "closed-over variable, a global or an attribute): the compiled graph would "
+                    "read that tensor as it was before the write.\nFix: read it through the "
+                    "argument inside the function, or pass it as an argument too (writes to "
+                    "arguments sharing memory are ordered as in eager)."
+                )
 
     def _find(self, key: tuple[Any, ...], leaves: Sequence[Any]) -> tuple[_Entry, list[Any]] | None:
         """The compiled entry for these arguments, with their tensors, if there is one."""
@@ -684,7 +714,10 @@ class AotFunction:
                                  "[Tracing tensors left in argument objects])")
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         offsets = storage_offsets(tensors) if graphs.absolute_offsets else None
-        entry = _Entry(graphs, positions, guard, reads, offsets)
+        written = tuple(k for k, info in enumerate(graphs.meta.inputs)
+                        if info.mutates_data or info.swaps_storage) \
+            if reads.read and graphs.boundary is None else ()
+        entry = _Entry(graphs, positions, guard, reads, offsets, written)
         self._entries.setdefault(key, []).append(entry)
         return entry, [leaves[i] for i in positions]
 

@@ -68,7 +68,18 @@ class Reads:
 
     flags: list[_Flag] = field(default_factory=list)
     slots: list[_Slot] = field(default_factory=list)
-    constants: list[torch.Tensor] = field(default_factory=list)
+    constants: list[torch.Tensor] = field(default_factory=list)  # read where grads could flow
+    read: list[torch.Tensor] = field(default_factory=list)  # every constant read
+
+    def sharing_memory(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A constant the graph reads that shares ``tensor``'s memory, if any (Note [Inputs
+        sharing memory with constants])."""
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr:  # 0: no memory to share
+            for c in self.read:
+                if c.untyped_storage().data_ptr() == ptr:
+                    return c
+        return None
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
@@ -156,6 +167,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
+        reads.read = list(constants.values())
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
