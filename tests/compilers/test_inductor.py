@@ -127,6 +127,23 @@ def test_copies_of_one_value_come_back_apart(grad: bool) -> None:
         torch.testing.assert_close(b, torch.full((3,), 2.0))
 
 
+def test_copies_come_back_apart_after_a_first_call_with_empty_outputs() -> None:
+    """An empty output has no memory to compare: the first call, whose outputs were empty,
+    could not show that Inductor merges them."""
+
+    def two_copies(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x[x > 0] * 2
+        return y.clone(), y.clone()
+
+    compiled = aotkit.aot_function(two_copies, inductor, decompositions=inductor.decompositions,
+                                   dynamic=True)
+    assert [t.numel() for t in compiled(-torch.ones(6))] == [0, 0]
+    for _ in range(2):
+        a, b = compiled(torch.arange(6.0) - 2)
+        a.fill_(-1)
+        torch.testing.assert_close(b, torch.tensor([2.0, 4.0, 6.0]))
+
+
 def test_compiled_autograd_gives_leaves_sharing_a_gradient_their_own_grad() -> None:
     """One gradient reaching two leaves (``W + dW``) became both ``.grad``s under Inductor;
     the next step's accumulation then added it twice (Note [Outputs Inductor merges])."""

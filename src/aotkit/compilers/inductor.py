@@ -49,7 +49,8 @@ _graph_ids = itertools.count()
 # Compiled autograd meets it whenever one gradient reaches two leaves (``W + dW``): both
 # ``.grad``s were one tensor. The first call compares the outputs' memory with the traced
 # graph's; outputs sharing memory that the graph gave memory of their own are copied from then
-# on (the sharing comes from Inductor's buffer plan, the same at every call).
+# on (the sharing comes from Inductor's buffer plan, the same at every call). An empty output
+# (a dynamic size of 0 at the first call) shows no memory: calls compare until one shows all.
 
 
 class Inductor:
@@ -151,17 +152,20 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
         graph_id=next(_graph_ids),
     )
     tensors = [tensor for _, tensor in lifted]
-    copies: list[int] | None = None  # the outputs to copy, once the first call has shown them
+    copies: list[int] | None = None  # the outputs to copy, once a call has shown them
 
     def run(args: list[Any]) -> Any:
         nonlocal copies
         args.extend(tensors)
         out = compiled(args)
-        if copies is None:
-            copies = _merged_outputs(out, storages)
-        if copies:
+        merged = copies
+        if merged is None:
+            merged, shown = _merged_outputs(out, storages)
+            if shown:
+                copies = merged
+        if merged:
             out = list(out)
-            for i in copies:
+            for i in merged:
                 out[i] = out[i].clone()
         return out
 
@@ -185,18 +189,23 @@ def _output_storages(gm: fx.GraphModule) -> list[Any]:
     return found
 
 
-def _merged_outputs(out: Sequence[Any], storages: list[Any]) -> list[int]:
+def _merged_outputs(out: Sequence[Any], storages: list[Any]) -> tuple[list[int], bool]:
     """The outputs that came back in memory an earlier output has, where the traced graph gave
-    them their own (Note [Outputs Inductor merges])."""
+    them their own (Note [Outputs Inductor merges]), and whether this call showed every output's
+    memory (an empty output has none to compare: a later call must look again)."""
     owner: dict[int, Any] = {}  # data pointer -> the traced memory of the output holding it
     merged = []
+    shown = True
     for i, (t, traced) in enumerate(zip(out, storages, strict=False)):
-        if traced is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        if traced is None or not isinstance(t, torch.Tensor):
             continue
         ptr = t.untyped_storage().data_ptr()
+        if t.numel() == 0 or not ptr:
+            shown = False
+            continue
         if owner.setdefault(ptr, traced) != traced:
             merged.append(i)
-    return merged
+    return merged, shown
 
 
 def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tensor]]:
