@@ -144,6 +144,32 @@ def test_copies_come_back_apart_after_a_first_call_with_empty_outputs() -> None:
         torch.testing.assert_close(b, torch.tensor([2.0, 4.0, 6.0]))
 
 
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+@pytest.mark.parametrize("pad", [(1, 2), (0, 2), (-1, 0), (1, 1, 2, 0)])
+def test_dynamic_constant_pad_backward_binds_the_input_size(pad: tuple[int, ...],
+                                                            partition: str) -> None:
+    """The backward of F.pad(x, (1, 2)) sees only s0 + 3, the tangent's size; Inductor needs s0
+    itself (Note [Binding symbols in the backward])."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, pad).exp()
+
+    compiled = aotkit.aot_function(
+        f, inductor, decompositions=inductor.decompositions, dynamic=True,
+        partition_fn=aotkit.min_cut_rematerialization_partition if partition == "min_cut"
+        else aotkit.default_partition)
+    for shape in [(2, 4), (3, 5)]:
+        x = torch.randn(shape, requires_grad=True)
+        out = compiled(x)
+        out.sum().backward()
+        got, x.grad = x.grad, None
+        expected = f(x)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(got, x.grad)
+    assert compiled.num_entries == 1
+
+
 def test_compiled_autograd_gives_leaves_sharing_a_gradient_their_own_grad() -> None:
     """One gradient reaching two leaves (``W + dW``) became both ``.grad``s under Inductor;
     the next step's accumulation then added it twice (Note [Outputs Inductor merges])."""

@@ -61,7 +61,7 @@ def default_partition(
     saved = [n for n in used_by_backward if not is_sym(n)]
     saved_syms += syms_binding_backward(  # Note [Binding symbols in the backward]
         [n for n in joint_gm.graph.nodes if n in parts.fw_syms and n not in saved_syms],
-        [*saved_syms, *saved, *parts.tangents])
+        [*saved_syms, *saved, *parts.tangents], parts.primals)
     fw_gm = extract(joint_gm, parts.primals, [*parts.fw_outputs, *saved, *saved_syms],
                     effects=fw_effects)
     bw_gm = extract(joint_gm, [*saved_syms, *saved, *parts.tangents], parts.bw_outputs,

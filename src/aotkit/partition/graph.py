@@ -178,10 +178,14 @@ def with_getitems(nodes: set[fx.Node]) -> set[fx.Node]:
 # backward of ``cat([x, y])`` under dynamic shapes reads x's size s0 and the total s0 + s1 (a
 # saved SymInt, the tangent's size), never s1 alone; a size read from data in the forward (u2 =
 # masked_select's count) arrives as u2 + 5. The forward then also saves the SymInt that is the
-# symbol itself (a SymInt input under Dynamo, or a size the forward reads).
-def syms_binding_backward(fw_syms: Iterable[fx.Node], bw_inputs: Sequence[fx.Node]) -> list[fx.Node]:
+# symbol itself (a SymInt input under Dynamo, or a size the forward reads); where the forward
+# reads none (``F.pad(x, (1, 2))`` of an input of size s0: the backward gets s0 + 3 only, and
+# aot_function's graphs take no SymInt inputs), it reads the input's size for that.
+def syms_binding_backward(fw_syms: Iterable[fx.Node], bw_inputs: Sequence[fx.Node],
+                          primals: Sequence[fx.Node]) -> list[fx.Node]:
     """Forward SymInt nodes, in ``fw_syms``' order, to save as well so that every symbol in the
-    backward inputs' sizes is bound by one of its inputs."""
+    backward inputs' sizes is bound by one of its inputs; for a symbol no such node is, a
+    ``sym_size``/``sym_stride`` node of a primal added to the primals' graph."""
     bound: set[sympy.Symbol] = set()
     needed: set[sympy.Symbol] = set()
     for node in bw_inputs:
@@ -206,7 +210,26 @@ def syms_binding_backward(fw_syms: Iterable[fx.Node], bw_inputs: Sequence[fx.Nod
         if expr in missing:
             extra.append(node)
             missing.discard(expr)
-    return extra
+    return extra + [read for symbol in sorted(missing, key=str)
+                    if (read := _read_symbol(symbol, primals)) is not None]
+
+
+def _read_symbol(symbol: sympy.Symbol, primals: Sequence[fx.Node]) -> fx.Node | None:
+    """A new node reading ``symbol`` off a primal's size or stride, if one is exactly it."""
+    for primal in primals:
+        val = primal.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for op, sizes in ((torch.ops.aten.sym_size.int, val.shape),
+                          (torch.ops.aten.sym_stride.int, val.stride())):
+            for dim, size in enumerate(sizes):
+                if isinstance(size, torch.SymInt) and _resolved(size) == symbol:
+                    graph = primal.graph
+                    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+                        read = graph.call_function(op, (primal, dim))
+                    read.meta["val"] = size
+                    return read
+    return None
 
 
 def _resolved(size: int | torch.SymInt) -> sympy.Expr:

@@ -243,7 +243,7 @@ class _Network:
         saved_syms = [n for n in self.index if n in self.fw_syms and n in region]
         saved_syms += syms_binding_backward(  # Note [Binding symbols in the backward]
             [n for n in self.index if n in self.fw_syms and n not in saved_syms],
-            [*saved_syms, *saved, *parts.tangents])
+            [*saved_syms, *saved, *parts.tangents], parts.primals)
         forward = ancestors([*parts.fw_outputs, *self.fw_effects, *saved, *saved_syms])
         recomputed = [n for n in self.fw_tensors if n in region and n in forward
                       and n not in stop and n.target is not operator.getitem]
