@@ -147,6 +147,30 @@ def test_layer_norm(partition: str) -> None:
 
 
 @pytest.mark.parametrize("partition", list(PARTITIONERS))
+@pytest.mark.parametrize("fn", [
+    lambda x: x / x.shape[-1] ** 0.5,
+    lambda x: F.batch_norm(x, None, None, training=True),
+    lambda x: x.std(-1),
+], ids=["scale", "batch_norm", "std"])
+def test_size_arithmetic_is_recomputed_not_saved(fn: Callable[..., Any], partition: str) -> None:
+    """Note [Size arithmetic is recomputed]: the backward takes SymInts, never a SymFloat."""
+    captured = Captured(PARTITIONERS[partition])
+    compiled = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=captured, dynamic=True)
+    for shape in [(4, 6, 3), (5, 7, 2)]:
+        x = torch.randn(shape, requires_grad=True)
+        out = compiled(x)
+        out.sum().backward()
+        got, x.grad = x.grad, None
+        expected = fn(x)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(got, x.grad)
+    [(_, bw)] = captured.graphs
+    inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
+    assert not any(isinstance(v, (torch.SymFloat, torch.SymBool)) for v in inputs), inputs
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
 def test_dropout_gradients_equal_eager(partition: str) -> None:
     x, w = torch.randn(16, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
 

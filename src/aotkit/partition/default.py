@@ -13,6 +13,7 @@ from aotkit.partition.graph import (
     ancestors,
     extract,
     is_sym,
+    size_arithmetic,
     split_joint,
     syms_binding_backward,
     with_getitems,
@@ -50,8 +51,10 @@ def default_partition(
     parts = split_joint(joint_gm, num_fwd_outputs)
     fw_effects, bw_effects = parts.fw_effects, parts.bw_effects
     forward = with_getitems(ancestors([*parts.fw_outputs, *fw_effects]) | set(parts.primals))
-    # A size the backward reads comes from the forward as a SymInt, never through the tensor.
-    computed_in_fw = forward | parts.fw_syms
+    # A size the backward reads comes from the forward as a SymInt, never through the tensor;
+    # floats computed from sizes are computed again (Note [Size arithmetic is recomputed]).
+    recomputed = size_arithmetic(n for n in joint_gm.graph.nodes if n in parts.fw_syms)
+    computed_in_fw = (forward | parts.fw_syms) - recomputed
     backward = ancestors([*parts.bw_outputs, *bw_effects], stop=computed_in_fw) - computed_in_fw
     used_by_backward = [
         n for n in joint_gm.graph.nodes

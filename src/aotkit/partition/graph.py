@@ -243,6 +243,25 @@ def is_sym(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+# Note [Size arithmetic is recomputed]
+# A float or bool the backward computes from sizes alone (batch norm's 1 / (N * H * W), the
+# ``x.shape[-1] ** 0.5`` of attention) is recomputed in the backward from the SymInts it comes
+# from, which are saved, rather than saved itself: a code generator keys its caches on its
+# inputs, and Inductor's cache cannot pickle a SymFloat input such as ``FloatTrueDiv(1.0,
+# IntTrueDiv(8*s0*s1**2, 8))`` (it logged a traceback and compiled without its cache); SymInts
+# it handles, and PyTorch's partitioners save those only.
+def size_arithmetic(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """The float and bool results among ``nodes`` (in graph order) computed from SymInts and
+    such results only (Note [Size arithmetic is recomputed])."""
+    found: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "call_function" and isinstance(node.meta.get("val"), (torch.SymFloat, torch.SymBool)) \
+                and node.all_input_nodes and all(
+                    u in found or isinstance(u.meta.get("val"), torch.SymInt) for u in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 # Side effects FX's list misses: the sink of effect tokens, torch._assert_async without a
 # message (its .msg overload is listed), which eager raises from and graphs dropped as dead, and
 # reading a tensor's value (x.item()) whose result the trace made a constant

@@ -59,6 +59,7 @@ from aotkit.partition.graph import (
     is_constant,
     is_input,
     is_sym,
+    size_arithmetic,
     split_joint,
     syms_binding_backward,
 )
@@ -149,11 +150,12 @@ class _Network:
         nodes = [n for n in joint.graph.nodes if n.op != "output"]
         self.index = {n: i for i, n in enumerate(nodes)}
         forward = [n for n in nodes if n not in tangent_side]
-        self.fw_syms = {n for n in forward if is_sym(n)}
+        # Saved where the backward reads them, but for Note [Size arithmetic is recomputed].
+        self.fw_syms = {n for n in forward if is_sym(n)} - size_arithmetic(forward)
         # Other get_attr nodes are the bodies of higher-order ops (torch.cond branches): the
         # backward reads them as its own attributes, never as saved values. Tensor constants
         # the forward reads are inputs (Note [Constants the backward reads]).
-        self.fw_tensors = [n for n in forward if n not in self.fw_syms and (n.op != "get_attr" or (
+        self.fw_tensors = [n for n in forward if not is_sym(n) and (n.op != "get_attr" or (
             is_constant(n) and any(u not in tangent_side for u in n.users)))]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
