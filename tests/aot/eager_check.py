@@ -132,6 +132,12 @@ def check_against_eager(
     return result
 
 
+def check_compiled(fn: Callable[..., Any], compiled: Any, *args: Any) -> Compared:
+    """Compare one call of an already compiled ``compiled`` with ``fn`` on clones of ``args``:
+    outputs, aliasing, inputs after the call and gradients."""
+    return compare_once(fn, compiled, args, {}, None, None, True, contextlib.nullcontext)
+
+
 def compare_once(fn: Callable[..., Any], compiled: Any, args: Any, kwargs: Any,
                   prepare: Any, seed: int | None, backward: bool, context: Any) -> Compared:
     sides = []

@@ -15,7 +15,7 @@ import importlib
 
 import pytest
 import torch
-from tests.aot.eager_check import RecordingCompiler
+from tests.aot.eager_check import RecordingCompiler, check_compiled
 from tests.compilers.compiler_check import train_like_eager
 from torch._inductor import config as inductor_config
 
@@ -159,14 +159,7 @@ def test_dynamic_constant_pad_backward_binds_the_input_size(pad: tuple[int, ...]
         partition_fn=aotkit.min_cut_rematerialization_partition if partition == "min_cut"
         else aotkit.default_partition)
     for shape in [(2, 4), (3, 5)]:
-        x = torch.randn(shape, requires_grad=True)
-        out = compiled(x)
-        out.sum().backward()
-        got, x.grad = x.grad, None
-        expected = f(x)
-        expected.sum().backward()
-        torch.testing.assert_close(out, expected)
-        torch.testing.assert_close(got, x.grad)
+        check_compiled(f, compiled, torch.randn(shape, requires_grad=True))
     assert compiled.num_entries == 1
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
-from tests.aot.eager_check import RecordingCompiler, check_against_eager
+from tests.aot.eager_check import RecordingCompiler, check_against_eager, check_compiled
 from tests.compilers.compiler_check import check_model, train_like_eager
 from torch import nn
 
@@ -161,14 +161,7 @@ def test_torchscript_compilers_take_size_arithmetic(fn: Any, compile_with: str) 
     compiled = (aotkit.aot_function(fn, ts_compile, dynamic=True) if compile_with == "ts_compile"
                 else memory_efficient_fusion(fn, dynamic=True))
     for shape in [(4, 6), (5, 7)]:
-        x = torch.randn(shape, requires_grad=True)
-        out = compiled(x)
-        out.sum().backward()
-        got, x.grad = x.grad, None
-        expected = fn(x)
-        expected.sum().backward()
-        torch.testing.assert_close(out, expected)
-        torch.testing.assert_close(got, x.grad)
+        check_compiled(fn, compiled, torch.randn(shape, requires_grad=True))
 
 
 def test_ts_compile_casts_devices_and_none_grads() -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
+from tests.aot.eager_check import check_compiled
 from torch import nn
 
 import aotkit
@@ -157,14 +158,7 @@ def test_size_arithmetic_is_recomputed_not_saved(fn: Callable[..., Any], partiti
     captured = Captured(PARTITIONERS[partition])
     compiled = aotkit.aot_function(fn, aotkit.compilers.nop, partition_fn=captured, dynamic=True)
     for shape in [(4, 6, 3), (5, 7, 2)]:
-        x = torch.randn(shape, requires_grad=True)
-        out = compiled(x)
-        out.sum().backward()
-        got, x.grad = x.grad, None
-        expected = fn(x)
-        expected.sum().backward()
-        torch.testing.assert_close(out, expected)
-        torch.testing.assert_close(got, x.grad)
+        check_compiled(fn, compiled, torch.randn(shape, requires_grad=True))
     [(_, bw)] = captured.graphs
     inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
     assert not any(isinstance(v, (torch.SymFloat, torch.SymBool)) for v in inputs), inputs
