@@ -522,6 +522,27 @@ def test_a_tensor_attribute_replaced_by_one_requiring_grad_is_read_with_its_grad
     torch.testing.assert_close(twin.scale.grad, eager.scale.grad)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_tensor_attribute_requiring_grad_at_the_first_call_is_read_with_its_gradient(
+        dynamic: bool) -> None:
+    """A hypernetwork's output set as a plain attribute before the first call: an input whose
+    gradient reaches the hypernetwork, not a constant refused for requiring grad."""
+    torch.manual_seed(0)
+    hyper = nn.Linear(2, 3)
+    eager, twin = _Scaled(), _Scaled()
+    twin.load_state_dict(eager.state_dict())
+    compiled = aotkit.aot_module(twin, compilers.nop, dynamic=dynamic)
+    z, x = torch.randn(2), torch.randn(4, 3)
+    twin.scale = hyper(z)
+    out = _step(compiled, x)
+    grads = [p.grad.clone() for p in hyper.parameters()]
+    hyper.zero_grad()
+    eager.scale = hyper(z)
+    torch.testing.assert_close(out, _step(eager, x))
+    for got, expected in zip(grads, [p.grad for p in hyper.parameters()], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -48,7 +48,9 @@ log = logging.getLogger("aotkit.aot")
 # the last one assigned. That layout is compiled at the next call, with a recompile decision
 # naming the attributes. So does one replaced from outside between calls (``model.scale =
 # ...``: the layout lists the modules' tensor attributes, and every call checks they are still
-# there; one forward never reads costs a recompile). One that requires grad ties each call's
+# there; one forward never reads costs a recompile), and one that requires grad when a layout
+# is compiled (``self.w = hyper(z)`` before the first call: a constant requiring grad would be
+# refused). One that requires grad ties each call's
 # graph to the last one's where forward reads it, as eager's does (a hidden state carried
 # without ``.detach()``: its gradient flows into the last call's graph); an input the graph
 # does not read gets no gradient edge. Whether forward reads an attribute cannot be told
@@ -145,6 +147,9 @@ class AotModule(nn.Module):
         if compiled is not None and compiled.layout.constants and self._read_replaced(compiled):
             key, state = _collect(self.orig_module, self._attributes, self._guarded)
             compiled = self._compiled.get(key)
+        if compiled is None and self._read_attributes_requiring_grad():
+            key, state = _collect(self.orig_module, self._attributes, self._guarded)
+            compiled = self._compiled.get(key)
         if compiled is None:
             with COMPILE_LOCK:  # Note [One compile at a time]
                 compiled = self._compiled.get(key) or self._compile_for(key)
@@ -196,6 +201,20 @@ class AotModule(nn.Module):
             self._attributes[id(module)] = (*self._attributes.get(id(module), ()), key)
             replaced.append(name)
         return bool(replaced)
+
+    def _read_attributes_requiring_grad(self) -> bool:
+        """Plain tensor attributes that require grad (``self.w = hyper(z)``) are read as inputs,
+        whose gradient flows back as in eager, not as constants, which the trace refuses (Note
+        [Module state as graph inputs]); whether there were new ones."""
+        found = False
+        for m in self.orig_module.modules():
+            read = self._attributes.get(id(m), ())
+            new = tuple(k for k, v in m.__dict__.items()
+                        if isinstance(v, torch.Tensor) and v.requires_grad and k not in read)
+            if new:
+                self._attributes[id(m)] = (*read, *new)
+                found = True
+        return found
 
     def _compile_for(self, key: Hashable) -> _Compiled:
         module = self.orig_module
