@@ -147,26 +147,32 @@ def _write(name: str, value: Any) -> None:
     _keys.clear()
 
 
-#: Bad AOTKIT_* variables by option (misspelled ones by their name), raised at the first use of aotkit.config rather than at
+#: Bad AOTKIT_* variables by option, raised at the first use of aotkit.config rather than at
 #: import, so that ``import aotkit`` and ``aotkit --help`` work and the error has a place to be
 #: reported. Setting the option from code replaces the variable's value.
 _environment_errors: dict[str, ConfigError] = {}
 
-
 #: AOTKIT_* variables that are not options (read by a repro script aotkit writes).
 _OTHER_VARIABLES = frozenset({"AOTKIT_REPRO_DEVICE"})
+
+#: A warning for AOTKIT_* variables naming no option (a misspelled option would otherwise go
+#: unnoticed; another program's variable of that prefix must not stop aotkit), given at the
+#: first use of aotkit.config.
+_unknown_variables: list[str] = []
 
 
 def _load_environment() -> None:
     import difflib
 
-    known = {o.env_var for o in _OPTIONS.values()} | _OTHER_VARIABLES
-    for variable in sorted(v for v in os.environ if v.startswith("AOTKIT_") and v not in known):
-        close = difflib.get_close_matches(variable, sorted(known), n=1)
-        _environment_errors[variable] = ConfigError(
+    options = {o.env_var.removeprefix("AOTKIT_"): o.env_var for o in _OPTIONS.values()}
+    for variable in sorted(v for v in os.environ if v.startswith("AOTKIT_")
+                           and v not in _OTHER_VARIABLES and v.removeprefix("AOTKIT_") not in options):
+        close = difflib.get_close_matches(variable.removeprefix("AOTKIT_"), list(options), n=1,
+                                          cutoff=0.8)
+        _unknown_variables.append(
             f"{variable} is set, but aotkit has no such option"
-            f"{f'; did you mean {close[0]}?' if close else '.'}\nFix: correct its name or unset "
-            f"it. Options: {', '.join(sorted(o.env_var for o in _OPTIONS.values()))}.")
+            f"{f'; did you mean {options[close[0]]}?' if close else ''} (it is ignored). "
+            f"Options: {', '.join(sorted(options.values()))}.")
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
         try:
@@ -179,7 +185,13 @@ def _load_environment() -> None:
 
 
 def check_environment() -> None:
-    """Raise a ConfigError naming every bad ``AOTKIT_*`` environment variable, if any."""
+    """Raise a ConfigError naming every bad ``AOTKIT_*`` environment variable, if any, and warn
+    once about variables naming no option."""
+    if _unknown_variables:
+        import warnings
+
+        warnings.warn("\n".join(_unknown_variables), stacklevel=3)
+        _unknown_variables.clear()
     if _environment_errors:
         raise ConfigError("\n".join(str(e) for e in _environment_errors.values()))
 

@@ -320,6 +320,9 @@ def test_compiler_factories_called_wrongly_say_how_to_call_them(tmp_path: Path) 
     with pytest.raises(aotkit.errors.ArgumentError, match=r"cannot draw '\.pdf' files"):
         draw_graph_compile(str(tmp_path / "graph.pdf"))
     assert list(tmp_path.iterdir()) == []
+    aotkit.aot_function(_scaled_sine, draw_graph_compile(str(tmp_path / "resnet.layer1")))(
+        torch.randn(2))  # a dot in a name is no extension
+    assert [p.stem for p in tmp_path.iterdir()] == ["resnet.layer1_0"]
 
 
 def test_make_boxed_compiler_of_a_compiler_returning_none_is_named() -> None:

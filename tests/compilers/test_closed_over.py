@@ -79,3 +79,19 @@ def test_writing_an_argument_that_is_a_closed_over_tensor_is_refused(requires_gr
     out = aotkit.aot_function(passed_too, nop)(buf[:3], buf, y)  # the fix the error names
     torch.testing.assert_close(out, passed_too(reference[:3], reference, y))
     torch.testing.assert_close(buf, reference)
+
+    def read_then_add(x: torch.Tensor) -> torch.Tensor:
+        out = x * BUF[:3]
+        x.add_(1)
+        return out
+
+    # A read before the write, or of elements the argument lacks: the graph's values are right.
+    for arg, reads in ((BUF[:3], read_then_add), (BUF[3:], lambda x: x.add_(1) + HEAD)):
+        BUF.zero_()
+        expected = reads(arg)
+        BUF.zero_()
+        torch.testing.assert_close(aotkit.aot_function(reads, nop)(arg), expected)
+    BUF.zero_()
+
+
+HEAD = BUF[:3]

@@ -121,8 +121,12 @@ class AotOptions:
         for flag in ("dynamic", "keep_inference_input_mutations"):
             value = getattr(self, flag)
             if not isinstance(value, bool):  # "False" would read as on
-                raise ArgumentError(f"{flag} must be True or False, got {type(value).__name__} "
-                                    f"{value!r}.\nFix: pass {flag}=True or {flag}=False.")
+                kind = type(value)
+                shown = kind.__name__ if kind.__module__ == "builtins" else \
+                    f"{kind.__module__}.{kind.__qualname__}"
+                raise ArgumentError(f"{flag} must be True or False, got {shown} {value!r}.\nFix: "
+                                    f"pass {flag}=True or {flag}=False (aotkit has no automatic "
+                                    "dynamic shapes: None is not False).")
         n = self.num_params_buffers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ArgumentError(
@@ -135,18 +139,20 @@ def _check_compiler_signature(role: str, compiler: Callable[..., Any]) -> None:
     """A compiler is called as ``compiler(gm, example_inputs)``; one that cannot be (a factory
     of compilers, ``lambda gm: gm``) would fail at the first call with a bare TypeError."""
     try:
-        inspect.signature(compiler).bind(None, None)
+        signature = inspect.signature(compiler)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
+        return
+    try:
+        signature.bind(None, None)
     except TypeError:
         name = getattr(compiler, "__name__", type(compiler).__name__)
         raise ArgumentError(
             f"{role} {name!r} cannot be called as compiler(gm, example_inputs): its signature is "
-            f"{name}{inspect.signature(compiler)}.\nFix: pass a function of the graph module and "
+            f"{name}{signature}.\nFix: pass a function of the graph module and "
             "its example inputs returning a callable (aotkit.compilers.nop); a factory of "
             "compilers is called first (draw_graph_compile('graph')), and "
             "memory_efficient_fusion wraps a function or module instead of compiling graphs."
         ) from None
-    except ValueError:  # no signature to read (some builtins): the first call will tell
-        pass
 
 
 def _check_decompositions(table: Any) -> None:
@@ -632,15 +638,16 @@ class AotFunction:
     # memory of an argument it writes (``BUF`` closed over and passed as ``x``; ``x.add_(1);
     # return x + BUF``). The functional graph reads the constant where the op reads it, but the
     # write reaches the input only after the graph: eager's read after the write saw the new
-    # value, the graph's the old one (silently). So an entry that writes inputs and reads
-    # constants checks at every call that none of the inputs it writes shares memory with one
-    # of those constants, and refuses the call if one does. Passed as two arguments instead,
-    # they are inputs sharing memory, whose writes the graph orders as eager does (Note
-    # [Overlapping mutated inputs]).
+    # value, the graph's the old one (silently). So the trace notes the constants read after
+    # any in-place write (by storage), and an entry that writes inputs and read such constants
+    # checks at every call that none of the inputs it writes shares elements with one of them,
+    # refusing the call if one does (a read before the write, or of other elements, is right).
+    # Passed as two arguments instead, they are inputs sharing memory, whose writes the graph
+    # orders as eager does (Note [Overlapping mutated inputs]).
     def _refuse_written_constants(self, entry: _Entry, tensors: list[Any], args: tuple[Any, ...],
                                   kwargs: dict[str, Any]) -> None:
         for k in entry.written:
-            constant = entry.reads.sharing_memory(tensors[k])
+            constant = entry.reads.overlapping_constant(tensors[k])
             if constant is not None:
                 name = self._leaf_names(args, kwargs)[entry.tensor_positions[k]]
                 raise UnsupportedError(
@@ -716,7 +723,7 @@ class AotFunction:
         offsets = storage_offsets(tensors) if graphs.absolute_offsets else None
         written = tuple(k for k, info in enumerate(graphs.meta.inputs)
                         if info.mutates_data or info.swaps_storage) \
-            if reads.read and graphs.boundary is None else ()
+            if reads.read_after_writes and graphs.boundary is None else ()
         entry = _Entry(graphs, positions, guard, reads, offsets, written)
         self._entries.setdefault(key, []).append(entry)
         return entry, [leaves[i] for i in positions]
@@ -982,15 +989,27 @@ def aot_module_simplified(
     except AotkitError as exc:
         _let_dynamo_split(exc, name)
         raise
-    # Note [Options changed after torch.compile]: one entry per value of the options.
-    by_options = {config.cache_key(*options.config_parts): graphs}
+    # Note [Options changed after torch.compile]: one entry per value of the options; the
+    # last one used is checked first, by identity (cache_key returns one tuple per value).
+    last, last_graphs = config.cache_key(*options.config_parts), graphs
+    by_options = {last: graphs}
     expected = len(args)
 
-    def recompile(key: tuple[tuple[str, Any], ...]) -> CompiledGraphs:
-        changes = config_changes(next(reversed(by_options)), key)
-        counters.record("recompile", name, "; ".join(changes), logger=log)
-        by_options[key] = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
-        return by_options[key]
+    def for_options(key: tuple[tuple[str, Any], ...]) -> CompiledGraphs:
+        nonlocal last, last_graphs
+        found = by_options.get(key)
+        if found is None:
+            if len(by_options) >= config.recompile_limit:
+                raise RecompileLimitError(
+                    f"{name} has been compiled for {len(by_options)} values of aotkit's options "
+                    f"(aotkit.config.recompile_limit); this call would compile another "
+                    f"({'; '.join(config_changes(last, key))}).\nFix: keep the options fixed "
+                    "while it runs, or raise the limit with aotkit.config.patch(recompile_limit=...).")
+            counters.record("recompile", name, "; ".join(config_changes(last, key)), logger=log)
+            found = by_options[key] = compile_graphs(flat_fn, fakes, options, name, mode,
+                                                     from_dynamo=True)
+        last, last_graphs = key, found
+        return found
 
     def forward(*runtime_args: Any) -> Any:
         if len(runtime_args) != expected:
@@ -998,10 +1017,11 @@ def aot_module_simplified(
                                 f"got {len(runtime_args)} (the module's parameters and buffers "
                                 "are passed for you).")
         key = config.cache_key(*options.config_parts)
-        current = by_options.get(key)
-        if current is None:
+        if key is last:
+            current = last_graphs
+        else:
             with COMPILE_LOCK:
-                current = by_options.get(key) or recompile(key)
+                current = for_options(key)
         return current.meta.unflatten(run(current, [*tensors, *runtime_args]))
 
     forward.graphs = graphs  # type: ignore[attr-defined]

@@ -109,7 +109,7 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any]) -> OverlapLayo
             continue
         sharing = by_storage.setdefault(ptr, [])
         for j in sharing:
-            if (meta.inputs[i].mutated or meta.inputs[j].mutated) and _may_overlap(args[j], a):
+            if (meta.inputs[i].mutated or meta.inputs[j].mutated) and may_overlap(args[j], a):
                 overlapping.add(ptr)
         sharing.append(i)
     if not overlapping:
@@ -155,7 +155,7 @@ def _end(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
 
 
-def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one storage share an element: first by the byte ranges they span,
     then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
     for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""

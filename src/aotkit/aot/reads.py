@@ -69,17 +69,17 @@ class Reads:
     flags: list[_Flag] = field(default_factory=list)
     slots: list[_Slot] = field(default_factory=list)
     constants: list[torch.Tensor] = field(default_factory=list)  # read where grads could flow
-    read: list[torch.Tensor] = field(default_factory=list)  # every constant read
+    # Constants read after the function wrote some tensor in place, by storage (Note [Inputs
+    # sharing memory with constants]).
+    read_after_writes: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
-    def sharing_memory(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A constant the graph reads that shares ``tensor``'s memory, if any (Note [Inputs
-        sharing memory with constants])."""
+    def overlapping_constant(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A constant read after a write that shares elements with ``tensor``, if any."""
+        from aotkit.aot.bases import may_overlap
+
         ptr = tensor.untyped_storage().data_ptr()
-        if ptr:  # 0: no memory to share
-            for c in self.read:
-                if c.untyped_storage().data_ptr() == ptr:
-                    return c
-        return None
+        return next((c for c in self.read_after_writes.get(ptr, ()) if ptr and (
+            c.untyped_storage().data_ptr() == ptr) and may_overlap(c, tensor)), None)
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
@@ -105,19 +105,23 @@ class Reads:
         return "; ".join(changes) or None
 
 
-# The constants read so far, and those read where a gradient could flow, by id.
-_ACTIVE: contextvars.ContextVar[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None] = \
+# The constants read so far, those read where a gradient could flow, and those read after a
+# write, by id.
+_ACTIVE: contextvars.ContextVar[tuple[dict[int, torch.Tensor], ...] | None] = \
     contextvars.ContextVar("aotkit_constants_read", default=None)
 
 
-def note_constant(t: torch.Tensor, grad: bool) -> None:
+def note_constant(t: torch.Tensor, grad: bool, after_write: bool) -> None:
     """Called by the tracing guard for every constant read; ``grad``: where a gradient could
-    flow (under no_grad none does, and its requires_grad does not matter)."""
+    flow (under no_grad none does, and its requires_grad does not matter); ``after_write``: the
+    function wrote a tensor in place before."""
     active = _ACTIVE.get()
     if active is not None:
         active[0].setdefault(id(t), t)
         if grad:
             active[1].setdefault(id(t), t)
+        if after_write:
+            active[2].setdefault(id(t), t)
 
 
 @contextlib.contextmanager
@@ -132,6 +136,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
     held: list[_Slot] = []  # every parameter and buffer of the modules called, when first called
     constants: dict[int, torch.Tensor] = {}
     grad_constants: dict[int, torch.Tensor] = {}
+    after_writes: dict[int, torch.Tensor] = {}
     original_train = nn.Module.train
 
     def record(module: nn.Module, args: object) -> None:
@@ -152,7 +157,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
     record._aotkit_recording = True  # type: ignore[attr-defined]
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     nn.Module.train = train  # type: ignore[method-assign]
-    token = _ACTIVE.set((constants, grad_constants))
+    token = _ACTIVE.set((constants, grad_constants, after_writes))
     try:
         yield reads
     finally:
@@ -167,7 +172,8 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
-        reads.read = list(constants.values())
+        for c in after_writes.values():
+            reads.read_after_writes.setdefault(c.untyped_storage().data_ptr(), []).append(c)
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:

@@ -446,6 +446,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.pass_id = next(_PASS_IDS)
         self.seeds: ReseedWatch | None = None  # None: reseeding is not refused
         self.refuse_inference_mode = False  # set by tracing()
+        self.wrote = False  # whether an op wrote a tensor in place yet
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -496,6 +497,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         elif may_not_cast_in_place(func, args, kwargs):
             check_out_dtype(func, args, kwargs, "cpu")
         for t in written_by(func, args, kwargs):
+            self.wrote = True  # Note [Inputs sharing memory with constants]
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
@@ -526,7 +528,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if grad and t.requires_grad:
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
-            note_constant(base, grad)
+            note_constant(base, grad, self.wrote)
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
@@ -546,6 +548,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         """The metadata pass is over; the pass whose graph is kept starts."""
         self.first_pass_generators = list(self.generators)
         self.pass_id = next(_PASS_IDS)
+        self.wrote = False
 
     def check_kept(self, how: str, tensors: Iterable[Any]) -> None:
         """A functional tensor made by another tracing pass was kept by the function."""

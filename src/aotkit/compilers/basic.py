@@ -57,6 +57,11 @@ def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
     return nop(gm, example_inputs)
 
 
+#: Image formats a name may ask for that draw_graph does not write.
+_OTHER_FORMATS = frozenset({".pdf", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp",
+                            ".ps", ".eps", ".gv"})
+
+
 def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
     """A compiler that draws every graph it gets to ``{name}_{n}.svg`` (``n`` counts from 0 per
     compiler, so the forward and backward get their own files; ``name="g.png"`` draws
@@ -75,12 +80,12 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
     """
     drawn = 0
     stem, suffix = os.path.splitext(os.fspath(name))
-    if not suffix:
-        suffix = ".svg"
-    elif suffix.lower() not in (".svg", ".png", ".dot"):
+    if suffix.lower() in _OTHER_FORMATS:  # not part of a name such as "resnet.layer1"
         raise ArgumentError(
             f"draw_graph_compile({name!r}): it cannot draw {suffix!r} files.\nFix: end the name "
             "in .svg, .png or .dot, or give none for SVG.")
+    if suffix.lower() not in (".svg", ".png", ".dot"):
+        stem, suffix = os.fspath(name), ".svg"
 
     def draw_and_run(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
         nonlocal drawn

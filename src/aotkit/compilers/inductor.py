@@ -182,7 +182,8 @@ def _output_storages(gm: fx.GraphModule) -> list[Any]:
     found = []
     for node in gm.graph.output_node().args[0]:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+        if not isinstance(val, torch.Tensor) or val.layout != torch.strided \
+                or (isinstance(val.numel(), int) and val.numel() == 0):  # no memory, ever
             found.append(None)
             continue
         found.append(index.setdefault(StorageWeakRef(val.untyped_storage()), len(index)))

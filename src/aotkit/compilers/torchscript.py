@@ -12,7 +12,6 @@ import functools
 import inspect
 import logging
 import math
-import operator
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -138,7 +137,7 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
 #: dynamic=True a graph holds them where eager computes with plain ints.
 _SIZE_FUNCTIONS: dict[Any, Any] = {torch.sym_float: float, torch.sym_int: int,
                                    torch.sym_max: max, torch.sym_min: min,
-                                   torch.sym_sqrt: math.sqrt, torch.sym_not: operator.not_}
+                                   torch.sym_sqrt: math.sqrt}
 
 
 def _script_type(val: Any) -> type | None:
