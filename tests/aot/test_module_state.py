@@ -956,3 +956,16 @@ def test_an_aot_module_inside_a_compiled_module_is_part_of_its_graph():
         for a, b in zip(eager.parameters(), inner.parameters(), strict=True):
             torch.testing.assert_close(b.grad, a.grad)
     assert inner.block.num_entries == 0  # traced as part of the outer graph only
+
+
+def test_the_wrapper_reads_as_the_module_it_compiles() -> None:
+    model = _Scaled()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    model.eval()
+    assert compiled.training is False  # as torch.compile's wrapper
+    compiled.train()
+    assert model.training and model.lin.training
+    assert compiled.lin is model.lin and compiled.scale is model.scale
+    with pytest.raises(AttributeError, match="'_Scaled' object has no attribute 'missing'"):
+        _ = compiled.missing
+    assert copy.deepcopy(compiled).training is True

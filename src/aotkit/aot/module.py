@@ -134,6 +134,29 @@ class AotModule(nn.Module):
         # symbolic under dynamic=True (Note [Static parameters]).
         self._reassigned_buffers: set[tuple[int, str]] = set()
 
+    # The wrapper reads as the module it compiles, as torch.compile's does: its training flag
+    # (``model.eval()`` on the original shows here) and the attributes it lacks itself
+    # (``compiled.encoder``).
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        modules = self.__dict__.get("_modules")
+        return True if not modules or "orig_module" not in modules else modules["orig_module"].training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        modules = self.__dict__.get("_modules")
+        if modules and "orig_module" in modules:  # nn.Module.__init__ sets it before
+            modules["orig_module"].training = mode
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if not modules or "orig_module" not in modules:
+                raise
+            return getattr(modules["orig_module"], name)
+
     @property
     def num_entries(self) -> int:
         """How many (layout, input signature) pairs have been traced and compiled."""
