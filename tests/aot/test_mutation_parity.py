@@ -1046,3 +1046,24 @@ def test_view_of_a_restrided_input_with_gaps_is_refused_before_anything_is_writt
         aotkit.aot_function(fn, compilers.nop)(x)
     torch.testing.assert_close(buf, torch.arange(24.0))
     assert x.stride() == (6, 2)
+
+
+@pytest.mark.parametrize("restride", [torch.Tensor.t_, lambda x: x.unsqueeze_(0)],
+                         ids=["t_", "unsqueeze_"])
+def test_restriding_and_writing_a_dynamic_input_matches_eager_or_is_refused_with_gaps(restride):
+    """Note [Layout after t_()]: under dynamic sizes the trace cannot tell an input's layout
+    afterwards; a dense input gets eager's from the graph's value, one with gaps is refused."""
+    def fn(x):
+        restride(x)
+        x.mul_(2)
+
+    for view in (lambda b: b, lambda b: b.t(), lambda b: b[1:]):
+        check_against_eager(fn, torch.arange(30.0).view(6, 5),
+                            prepare=lambda args, kwargs, view=view: ((view(args[0]),), kwargs),
+                            aot_kwargs={"dynamic": True}, backward=False)
+    buf = torch.arange(30.0).view(6, 5)
+    x = buf[:, :3]
+    with pytest.raises(UnsupportedError, match=r"has gaps between its(.|\n)*dynamic=False"):
+        aotkit.aot_function(fn, compilers.nop, dynamic=True)(x)
+    torch.testing.assert_close(buf, torch.arange(30.0).view(6, 5))
+    assert x.stride() == (5, 1)

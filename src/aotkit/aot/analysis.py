@@ -307,7 +307,9 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
 # contiguously, when the graph copied it (a non-leaf requiring grad, a data mutation too): its
 # strides are not x's, and for an input with gaps (``buf[:, 1:]``) x then read, and was written,
 # in the wrong elements. With static sizes the analysis records the layout functionalization
-# gave x, which the runtime applies to the caller's tensor.
+# gave x, which the runtime applies to the caller's tensor. With dynamic sizes it cannot (the
+# layout is symbolic): a dense input gets eager's layout from the graph's new value anyway, and
+# one with gaps is refused before anything is written.
 def _layout_after(arg: torch.Tensor, f_arg: Any) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
     """Sizes, strides and storage offset (from ``arg``'s) of ``f_arg`` once the function ran,
     or None where any is symbolic. Not for a resize by an out= argument, whose result the

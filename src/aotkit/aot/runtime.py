@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
@@ -490,8 +491,20 @@ def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any
                                       new_values: Mapping[int, Any]) -> None:
     """An input that takes its traced layout (Note [Layout after t_()]) where the graph laid its
     new value out otherwise: a view of it placed from the graph's layout would show other
-    elements, so returning one is refused before anything is written."""
+    elements, so returning one is refused before anything is written; so is an input with gaps
+    whose layout afterwards the trace could not tell (dynamic sizes)."""
     inputs = graphs.meta.inputs
+    for i, new in new_values.items():
+        info = inputs[i]
+        if info.mutates_metadata and info.layout_after is None and not info.swaps_storage \
+                and not _same_storage(args[i], new) and not is_non_overlapping_and_dense_or_false(args[i]):
+            raise UnsupportedError(
+                f"{graphs.name} changes the shape or strides of input {i} in place (t_(), "
+                "unsqueeze_(), ...) and writes it, and that input has gaps between its "
+                "elements: traced with dynamic sizes, the graph does not know the strides eager "
+                "would give it, so its values would land in the wrong elements.\nFix: pass a "
+                "contiguous input (x.contiguous()), or compile with dynamic=False."
+            )
     apart = {i for i, new in new_values.items() if inputs[i].layout_after is not None
              and not _same_storage(args[i], new) and tuple(new.stride()) != inputs[i].layout_after[1]}
     if apart and (viewed := sorted({o.base for o in graphs.meta.outputs
