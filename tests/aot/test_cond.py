@@ -71,3 +71,15 @@ def test_a_closed_over_tensor_requiring_grad_in_a_branch_is_refused() -> None:
     with torch.no_grad():  # no gradient to lose
         torch.testing.assert_close(aotkit.aot_function(f, aotkit.compilers.nop)(torch.ones(3)),
                                    f(torch.ones(3)))
+
+
+def test_a_branch_reading_a_closed_over_parameter_is_refused_naming_the_fix() -> None:
+    w = torch.nn.Parameter(torch.randn(3, 3))
+
+    def branches(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return torch.cond(p.sum() > 0, lambda x: x @ w, lambda x: x @ w * 2, (x,))
+
+    with pytest.raises(aotkit.errors.UnsupportedError,
+                       match=r"(?s)higher-order op.*Fix: pass such tensors in the op's operands"):
+        aotkit.aot_function(branches, aotkit.compilers.nop)(torch.randn(4, 3, requires_grad=True),
+                                                            torch.ones(2))
