@@ -171,8 +171,9 @@ def _load_environment() -> None:
                                           cutoff=0.8)
         _unknown_variables.append(
             f"{variable} is set, but aotkit has no such option"
-            f"{f'; did you mean {options[close[0]]}?' if close else ''} (it is ignored). "
-            f"Options: {', '.join(sorted(options.values()))}.")
+            f"{f'; did you mean {options[close[0]]}?' if close else ''} (it is ignored).")
+    if _unknown_variables:
+        _unknown_variables.append(f"Options: {', '.join(sorted(options.values()))}.")
     for option in _OPTIONS.values():
         text = os.environ.get(option.env_var)
         try:
@@ -184,13 +185,22 @@ def _load_environment() -> None:
         _write(option.name, value)
 
 
+def _outside_aotkit() -> int:
+    """The stacklevel of the first caller outside aotkit, for a warning given in its name."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def check_environment() -> None:
     """Raise a ConfigError naming every bad ``AOTKIT_*`` environment variable, if any, and warn
     once about variables naming no option."""
     if _unknown_variables:
         import warnings
 
-        warnings.warn("\n".join(_unknown_variables), stacklevel=3)
+        warnings.warn("\n".join(_unknown_variables), stacklevel=_outside_aotkit())
         _unknown_variables.clear()
     if _environment_errors:
         raise ConfigError("\n".join(str(e) for e in _environment_errors.values()))

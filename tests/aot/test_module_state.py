@@ -966,6 +966,24 @@ def test_the_wrapper_reads_as_the_module_it_compiles() -> None:
     compiled.train()
     assert model.training and model.lin.training
     assert compiled.lin is model.lin and compiled.scale is model.scale
-    with pytest.raises(AttributeError, match="'_Scaled' object has no attribute 'missing'"):
+    with pytest.raises(AttributeError, match="'AotModule' object has no attribute 'missing'"):
         _ = compiled.missing
     assert copy.deepcopy(compiled).training is True
+    compiled.scale = torch.full((3,), 2.0)  # written where it is read
+    assert model.scale.eq(2.0).all() and "scale" not in compiled.__dict__
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_a_copy_of_the_wrapper_of_a_parametrized_module_is_a_wrapper() -> None:
+    """The original's own __deepcopy__ (parametrize defines one) is not the wrapper's."""
+    class Doubled(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 2
+
+    lin = nn.Linear(3, 3)
+    torch.nn.utils.parametrize.register_parametrization(lin, "weight", Doubled())
+    copied = copy.deepcopy(aotkit.aot_module(lin, compilers.nop))
+    assert type(copied).__name__ == "AotModule"
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(copied(x), lin(x))

@@ -1067,3 +1067,15 @@ def test_restriding_and_writing_a_dynamic_input_matches_eager_or_is_refused_with
         aotkit.aot_function(fn, compilers.nop, dynamic=True)(x)
     torch.testing.assert_close(buf, torch.arange(30.0).view(6, 5))
     assert x.stride() == (5, 1)
+
+
+def test_an_out_argument_with_gaps_resized_by_the_op_matches_eager():
+    """Not a change of shape the trace cannot tell: the out= resize's layout is the graph's."""
+    a, b = torch.randn(2, 4), torch.randn(4, 3)
+
+    def fn(x):
+        torch.mm(a, b, out=x)
+        return x + 1
+
+    check_against_eager(fn, torch.zeros(3, 3), prepare=lambda args, kwargs: ((args[0][:, 1:],), kwargs),
+                        backward=False)

@@ -95,3 +95,17 @@ def test_writing_an_argument_that_is_a_closed_over_tensor_is_refused(requires_gr
 
 
 HEAD = BUF[:3]
+
+
+def test_a_constant_given_new_memory_after_tracing_is_checked_where_it_is_now() -> None:
+    c = torch.arange(4.0)
+
+    def add_then_read(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return c * 2
+
+    compiled = aotkit.aot_function(add_then_read, nop)
+    compiled(torch.zeros(4))
+    c.data = torch.arange(4.0) + 10
+    with pytest.raises(aotkit.errors.UnsupportedError, match="reads as a constant"):
+        compiled(c)

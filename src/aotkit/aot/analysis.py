@@ -60,6 +60,9 @@ class InputInfo:
     # For a metadata mutation with static sizes: the input's sizes, strides and storage offset
     # (from its own) afterwards, taken from its traced layout (Note [Layout after t_()]).
     layout_after: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+    # The function changed the input's shape or strides in place, to a layout the trace cannot
+    # tell (dynamic sizes): see Note [Layout after t_()].
+    layout_unknown: bool = False
 
     @property
     def mutated(self) -> bool:
@@ -297,8 +300,9 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
             f"the compiled function detaches input {index} in place (detach_()), which aotkit "
             "cannot apply to the caller's tensor.\nFix: detach it before calling (or use "
             "x.detach() inside), or use torch.compile(fn, backend='aotkit').")
+    layout = _layout_after(arg, f_arg) if restrided else None
     return InputInfo(True, arg.requires_grad, data, metadata, data and unseen, f_arg.requires_grad,
-                     layout_after=_layout_after(arg, f_arg) if restrided else None)
+                     layout_after=layout, layout_unknown=restrided and layout is None)
 
 
 # Note [Layout after t_()]

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
-from aotkit.aot.bases import OverlapLayout
+from aotkit.aot.bases import OverlapLayout, may_overlap
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
 from aotkit.aot.frames import region
@@ -646,8 +646,13 @@ class AotFunction:
     # orders as eager does (Note [Overlapping mutated inputs]).
     def _refuse_written_constants(self, entry: _Entry, tensors: list[Any], args: tuple[Any, ...],
                                   kwargs: dict[str, Any]) -> None:
+        by_storage: dict[int, list[torch.Tensor]] = {}  # where each is now (``C.data = ...``)
+        for c in entry.reads.read_after_writes:
+            by_storage.setdefault(c.untyped_storage().data_ptr(), []).append(c)
         for k in entry.written:
-            constant = entry.reads.overlapping_constant(tensors[k])
+            ptr = tensors[k].untyped_storage().data_ptr()
+            shared = by_storage.get(ptr, ()) if ptr else ()
+            constant = next((c for c in shared if may_overlap(c, tensors[k])), None)
             if constant is not None:
                 name = self._leaf_names(args, kwargs)[entry.tensor_positions[k]]
                 raise UnsupportedError(

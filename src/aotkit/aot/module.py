@@ -135,8 +135,10 @@ class AotModule(nn.Module):
         self._reassigned_buffers: set[tuple[int, str]] = set()
 
     # The wrapper reads as the module it compiles, as torch.compile's does: its training flag
-    # (``model.eval()`` on the original shows here) and the attributes it lacks itself
-    # (``compiled.encoder``).
+    # (``model.eval()`` on the original shows here) and the public attributes it lacks itself
+    # (``compiled.encoder``), which are also written there (``compiled.scale = 2.0``). Private
+    # and special names stay the wrapper's: a parametrized module's ``__deepcopy__`` would copy
+    # the original alone, and torch.compile's lazy-module check would find its hooks.
     @property  # type: ignore[override]
     def training(self) -> bool:
         modules = self.__dict__.get("_modules")
@@ -152,10 +154,25 @@ class AotModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            modules = self.__dict__.get("_modules")
-            if not modules or "orig_module" not in modules:
+            original = self._original_having(name)
+            if original is None:
                 raise
-            return getattr(modules["orig_module"], name)
+            return getattr(original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        original = self._original_having(name)
+        if original is not None and name not in self.__dict__:
+            setattr(original, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _original_having(self, name: str) -> nn.Module | None:
+        """The original module, where ``name`` is a public attribute of it."""
+        modules = self.__dict__.get("_modules")
+        if name.startswith("_") or not modules or "orig_module" not in modules \
+                or name == "orig_module" or not hasattr(modules["orig_module"], name):
+            return None
+        return modules["orig_module"]
 
     @property
     def num_entries(self) -> int:

@@ -69,17 +69,9 @@ class Reads:
     flags: list[_Flag] = field(default_factory=list)
     slots: list[_Slot] = field(default_factory=list)
     constants: list[torch.Tensor] = field(default_factory=list)  # read where grads could flow
-    # Constants read after the function wrote some tensor in place, by storage (Note [Inputs
-    # sharing memory with constants]).
-    read_after_writes: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-
-    def overlapping_constant(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A constant read after a write that shares elements with ``tensor``, if any."""
-        from aotkit.aot.bases import may_overlap
-
-        ptr = tensor.untyped_storage().data_ptr()
-        return next((c for c in self.read_after_writes.get(ptr, ()) if ptr and (
-            c.untyped_storage().data_ptr() == ptr) and may_overlap(c, tensor)), None)
+    # Constants read after the function wrote some tensor in place (Note [Inputs sharing
+    # memory with constants]).
+    read_after_writes: list[torch.Tensor] = field(default_factory=list)
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
@@ -172,8 +164,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
-        for c in after_writes.values():
-            reads.read_after_writes.setdefault(c.untyped_storage().data_ptr(), []).append(c)
+        reads.read_after_writes = list(after_writes.values())
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:

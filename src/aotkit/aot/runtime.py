@@ -496,8 +496,8 @@ def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any
     inputs = graphs.meta.inputs
     for i, new in new_values.items():
         info = inputs[i]
-        if info.mutates_metadata and info.layout_after is None and not info.swaps_storage \
-                and not _same_storage(args[i], new) and not is_non_overlapping_and_dense_or_false(args[i]):
+        if info.layout_unknown and info.mutates_data and not _same_storage(args[i], new) \
+                and not is_non_overlapping_and_dense_or_false(args[i]):
             raise UnsupportedError(
                 f"{graphs.name} changes the shape or strides of input {i} in place (t_(), "
                 "unsqueeze_(), ...) and writes it, and that input has gaps between its "

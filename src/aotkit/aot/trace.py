@@ -239,8 +239,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
             raise UnsupportedError(  # PyTorch's aot_function raises the same
                 f"{what} calls a higher-order op (torch.cond, torch.while_loop) that autograd "
                 f"could not trace ({str(exc).splitlines()[0]}); the usual cause is a branch reading "
-                "a tensor that requires grad (a parameter) which the op does not take as an "
-                "operand.\nFix: pass such tensors in the op's operands (torch.cond(pred, "
+                "a tensor the op does not take as an operand (a closed-over parameter).\nFix: "
+                "pass such tensors in the op's operands (torch.cond(pred, "
                 "true_fn, false_fn, (x, w))), or use torch.compile(fn, backend='aotkit'), which "
                 "lifts them."
             ) from exc
