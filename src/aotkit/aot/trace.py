@@ -12,9 +12,7 @@ import contextvars
 import functools
 import itertools
 import logging
-import os
 import threading
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -22,7 +20,6 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import UnsupportedOperatorException
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
@@ -30,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
-from aotkit.aot.frames import current_user_line, user_frame
+from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
     EagerDropout,
@@ -46,17 +43,16 @@ from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
+from aotkit.aot.trace_errors import first_line, op_failed, traced_error
 from aotkit.compat import (
     FakeTensor,
     FakeTensorMode,
     FunctionalTensor,
     FunctionalTensorMode,
     compiled_autograd_off,
-    data_dependent_errors,
     effect_tokens,
     effect_types,
     has_symbols,
-    is_nested_compile_refusal,
     onednn_off,
     rename_unbacked_symbol,
 )
@@ -161,7 +157,7 @@ def trace_with_fallback(trace: Callable[[Fallback], _T], mode: FakeTensorMode, w
     except TraceError as exc:
         if _symbolic(mode) or not isinstance(exc.__cause__, DataDependentOutputException):
             raise
-        why, error, fallback = _first_line(exc), exc, "python_dispatcher"
+        why, error, fallback = first_line(exc), exc, "python_dispatcher"
     try:
         traced = trace(fallback)
     except Exception:  # data-dependent in Python too: the first error is the one to fix
@@ -223,47 +219,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
             yield guard.generators
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)
-    except data_dependent_errors() as exc:
-        raise _data_dependent(what, exc, static=mode.shape_env is None) from exc
-    except AttributeError as exc:
-        # Some higher-order ops (torch.while_loop) trace their body with a ShapeEnv, which a
-        # static trace's fake mode does not have.
-        if mode.shape_env is not None or "ignore_fresh_unbacked_symbols" not in str(exc):
-            raise
-        raise UnsupportedError(
-            f"{what} calls a higher-order op (such as torch.while_loop) that can only be traced "
-            f"with symbolic shapes ({exc}).\nFix: pass dynamic=True."
-        ) from exc
-    except NotImplementedError as exc:
-        if "no rule registered for HOP" in str(exc) and "FunctionalTensor" in str(exc):
-            raise UnsupportedError(  # PyTorch's aot_function raises the same
-                f"{what} calls a higher-order op (torch.cond, torch.while_loop) that autograd "
-                f"could not trace ({str(exc).splitlines()[0]}); the usual cause is a branch reading "
-                "a tensor the op does not take as an operand (a closed-over parameter).\nFix: "
-                "pass such tensors in the op's operands (torch.cond(pred, "
-                "true_fn, false_fn, (x, w))), or use torch.compile(fn, backend='aotkit'), which "
-                "lifts them."
-            ) from exc
-        if "Generator" not in str(exc):
-            raise
-        raise UnsupportedError(  # torch < 2.13: FX cannot make a graph constant of a generator
-            f"{what} draws random numbers from a torch.Generator made outside it; this torch's "
-            f"make_fx cannot record a generator in a graph ({exc}).\nFix: draw from the default "
-            "generator (seeded with torch.manual_seed), or use torch >= 2.13."
-        ) from exc
-    except UnsupportedOperatorException as exc:
-        raise _no_fake_kernel(what, exc, _symbolic(mode)) from exc
-    except AssertionError as exc:
-        if "generator is not supported in refs" not in str(exc):
-            raise
-        raise UnsupportedError(  # exponential_, geometric_, cauchy_, log_normal_
-            f"{what} passes a torch.Generator to a random op whose functional form PyTorch "
-            f"traces through a reference implementation that takes no generator ({exc}).\nFix: "
-            "draw from the default generator (seeded with torch.manual_seed), or compile with "
-            "torch.compile(fn, backend='aotkit'), which runs the op eagerly."
-        ) from exc
-    except RuntimeError as exc:
-        error = _runtime_error(what, exc)
+    except Exception as exc:
+        error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode))
         if error is exc:
             raise
         raise error from exc
@@ -273,106 +230,6 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
             guard.seeds.end()
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(node_meta)
-
-
-def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
-    """The error a RuntimeError raised while tracing becomes: one that says what to change where
-    we know the cause, else ``exc`` itself."""
-    if is_nested_compile_refusal(exc):
-        return UnsupportedError(
-            f"{what} calls a function or module compiled with torch.compile; aotkit cannot "
-            "trace through it (Dynamo refuses to run under a trace, and inlining it would "
-            "change what torch.compiler.is_compiling() tells it).\nFix: call the original "
-            "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
-            "or compile the whole function with torch.compile(backend=\"aotkit\")."
-        )
-    if "to a storage on different device" in str(exc):  # x.set_(storage, ...) of a fake x
-        return UnsupportedError(
-            f"{what} calls x.set_(storage, ...), which cannot be traced: tracing runs on fake "
-            "tensors, which cannot take a real tensor's storage.\nFix: pass a tensor instead "
-            "(x.set_(y), or x.set_(y.as_strided(size, stride, offset)) under torch.no_grad()), or "
-            "do it outside the compiled function.")
-    if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
-        return UnsupportedError(
-            f"{what} uses torch.utils.checkpoint with use_reentrant=True, which cannot be "
-            "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
-            "use_reentrant=False (PyTorch's recommended setting)."
-        )
-    if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
-        return _data_dependent(what, exc)  # .tolist() of a fake tensor, 2-d or more
-    if "on tensor with symbolic sizes/strides" in str(exc):
-        return TraceError(
-            f"{what} could not be traced: it calls code that needs concrete sizes, or the "
-            f"data itself (.tolist()), on a tensor with symbolic sizes ({_first_line(exc)}).\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: move that code out of the compiled function, or compile with "
-            "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
-        )
-    if ".numpy() is not supported" in str(exc):
-        return TraceError(
-            f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
-            "which hold no data, and a graph cannot contain NumPy code.\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: do the NumPy work outside the compiled function, or compile it with "
-            "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
-        )
-    if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
-        return _data_dependent(what, exc)
-    if "you can only change requires_grad flags of leaf variables" in str(exc):
-        return UnsupportedError(
-            f"{what} changes requires_grad of a tensor that is not a leaf here "
-            f"({_first_line(exc)}). Inputs are not leaves inside aotkit's trace, and a change "
-            "to the caller's tensor could not be applied anyway.\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: set requires_grad before calling (or use x.detach() inside), or use "
-            "torch.compile(fn, backend=\"aotkit\")."
-        )
-    failed = getattr(exc, "_aotkit_failed", None)
-    if failed is not None and "unresolved conjugated tensors" in str(exc):
-        return _read_after_conj_write(what, failed[1], exc)
-    if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
-        return _op_failed(what, *failed, exc)
-    return exc
-
-
-def _read_after_conj_write(what: str, line: str, exc: Exception) -> UnsupportedError:
-    """Note [Conj bits of views after a write]: once written through ``y = x.conj()``, views
-    functionalization makes from ``y`` miss its conj bit, and ``y.imag`` then fails."""
-    return UnsupportedError(
-        f"{what}: {_first_line(exc)}\n  at {line}\n"
-        "If eager runs this line, the complex tensor (or its base) was written in place "
-        "through a conjugate view before (y = x.conj(); y.mul_(2); then y.imag, x.real or "
-        "torch.view_as_real(x)): functionalization, which aotkit traces with, rebuilds such "
-        "tensors from the written memory with the conj bit misplaced, and PyTorch's AOT "
-        "autograd fails the same way.\nFix: read a resolved copy there (y.resolve_conj().imag, "
-        "torch.view_as_real(x.resolve_conj())), or write through x itself (x.mul_(2) instead "
-        "of x.conj().mul_(2)).")
-
-
-def _op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
-    return TraceError(
-        f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
-        "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
-        "the op's shape-only kernel is stricter than its real one (aten._grouped_mm's wants "
-        "bfloat16 on every device): run that op outside the compiled function.")
-
-
-def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
-                    symbolic: bool) -> UnsupportedError:
-    op = getattr(exc, "func", None) or str(exc)
-    if symbolic and getattr(op, "namespace", None) == "aten":
-        return UnsupportedError(
-            f"{what} calls {op}, which has no fake-tensor kernel for symbolic sizes, so it cannot "
-            "be traced with dynamic shapes (with static sizes, fake tensors run its real kernel "
-            "instead).\nFix: trace with static sizes: dynamic=False for "
-            "aot_function/aot_module, torch.compile(..., dynamic=False) or "
-            "torch._dynamo.mark_static for the inputs this op sees."
-        )
-    return UnsupportedError(
-        f"{what} calls {op}, which has no fake-tensor kernel, so it cannot be traced.\nFix: "
-        "register one with torch.library.register_fake, or call the op outside the compiled "
-        "function."
-    )
 
 
 def tracing_active() -> bool:
@@ -607,16 +464,16 @@ class _OutsideTensorGuard(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except ValueError as exc:  # a Python reference's check; eager's kernel raises RuntimeError
-            raise _op_failed(self.what, func, current_user_line(), exc) from exc
+            raise op_failed(self.what, func, current_user_line(), exc) from exc
         except RuntimeError as exc:
             generator = any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs)))
             if not (self.dynamic and generator and "concrete" in str(exc)):
-                if type(exc) is RuntimeError:  # a kernel's own check: see _runtime_error
+                if type(exc) is RuntimeError:  # a kernel's own check: see trace_errors._runtime_error
                     exc._aotkit_failed = (func, current_user_line())  # type: ignore[attr-defined]
                 raise
             raise UnsupportedError(
                 f"{self.what} calls {func} with an explicit torch.Generator and symbolic sizes; "
-                f"its kernel needs concrete sizes ({_first_line(exc)}).\n"
+                f"its kernel needs concrete sizes ({first_line(exc)}).\n"
                 f"  at {current_user_line()}\n"
                 "Fix: use dynamic=False for this function, or draw with the default generator "
                 "(seeded by torch.manual_seed) instead of a torch.Generator."
@@ -641,52 +498,6 @@ _GRADLESS_READS = frozenset({
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _data_dependent(what: str, exc: BaseException, static: bool = False) -> TraceError:
-    """``static``: aot_function's trace without a ShapeEnv, which is told that dynamic=True
-    traces data-dependent sizes and values (Note [Data-dependent sizes])."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    dynamic = ", pass dynamic=True, which traces its size as a symbol" if static else ""
-    if any(f.filename.endswith(os.path.join("_higher_order_ops", "while_loop.py")) for f in frames):
-        return TraceError(
-            f"{what} could not be traced: torch.while_loop is differentiated by running its "
-            "loop to learn the trip count, which depends on tensor data "
-            f"({type(exc).__name__}: {_first_line(exc)}).\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: call it with inputs that do not require grad (or under torch.no_grad()), or "
-            "compile with torch.compile(fn, backend=\"aotkit\"), which runs the loop eagerly."
-        )
-    if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
-        return TraceError(
-            f"{what} could not be traced: {exc.func} returns a tensor whose size depends on "
-            f"tensor data{', which a trace with static sizes cannot hold' if static else ''}."
-            f"\n  at {user_frame(exc)}\n"
-            f"Fix: move the op out of the compiled function{dynamic}, or use "
-            "torch.compile(fn, backend=\"aotkit\"), which runs it eagerly between graphs."
-        )
-    if static and isinstance(exc, torch._subclasses.fake_tensor.DataDependentOutputException):
-        return TraceError(
-            f"{what} could not be traced: it reads a value from tensor data ({exc.func}) with "
-            "static sizes, where the trace holds no data.\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: a Python branch on it (if x.sum() > 0:) cannot be traced: express it with "
-            "torch.where or torch.cond; a value used in computation (x * n.item()) is traced "
-            "as a symbol with dynamic=True; or move the read out of the compiled function "
-            "(torch.compile splits the graph there for you)."
-        )
-    return TraceError(
-        f"{what} could not be traced: Python control flow or a Python value depends on "
-        f"tensor data ({type(exc).__name__}: {_first_line(exc)}).\n"
-        f"  at {user_frame(exc)}\n"
-        "Fix: express the branch with tensor ops (torch.where, torch.cond) or move the "
-        "data-dependent part out of the compiled function; torch.compile splits the graph "
-        "there for you."
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def trace_joint(
