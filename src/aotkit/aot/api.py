@@ -19,8 +19,6 @@ from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout, may_overlap
 from aotkit.aot.boxing import Compiler, compile_boxed
-from aotkit.aot.dynamo_decisions import note_dynamo_recompile
-from aotkit.aot.frames import region
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
@@ -28,7 +26,6 @@ from aotkit.aot.signature import (
     AutocastState,
     ShapeGuard,
     autocast_state,
-    config_changes,
     describe_change,
     differences,
     leaf_names,
@@ -53,9 +50,7 @@ from aotkit.aot.trace import (
     tracing_active,
 )
 from aotkit.compat import (
-    FakeTensor,
     FakeTensorMode,
-    dynamo_fallback_errors,
     dynamo_frames_off,
     hide_from_dynamo_if_loaded,
     keep_stack_traces_of,
@@ -945,158 +940,3 @@ def aot_function(
                          num_params_buffers, keep_inference_input_mutations,
                          inference_compiler, dynamic)
     return AotFunction(fn, options)
-
-
-def aot_module_simplified(
-    mod: fx.GraphModule | nn.Module,
-    args: Sequence[Any],
-    fw_compiler: Compiler,
-    bw_compiler: Compiler | None = None,
-    partition_fn: Partitioner = default_partition,
-    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
-    keep_inference_input_mutations: bool = False,
-    inference_compiler: Compiler | None = None,
-) -> Callable[..., Any]:
-    """The ``torch.compile`` entry: compile a graph for flat ``args`` (fake tensors and SymInts
-    from Dynamo, or real tensors) once, using the inputs' fake mode and ShapeEnv.
-
-    Parameters and buffers of ``mod`` (if any) become leading inputs. Returns ``f(*args)``.
-
-    Example::
-
-        >>> import torch, aotkit
-        >>> def backend(gm, example_inputs):
-        ...     return aotkit.aot_module_simplified(gm, example_inputs, aotkit.compilers.nop)
-        >>> f = torch.compile(lambda x: x.cos() + 1, backend=backend)
-        >>> f(torch.zeros(2))
-        tensor([2., 2.])
-    """
-    from torch._guards import detect_fake_mode
-
-    state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
-    names = [n for n, _ in state]
-    tensors = [t for _, t in state]
-    mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [_to_fake(mode, x) for x in [*tensors, *args]]
-    options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, len(names),
-                         keep_inference_input_mutations, inference_compiler)
-
-    def flat_fn(*flat: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        params = dict(zip(names, flat[: len(names)], strict=True))
-        with torch.nn.utils.stateless._reparametrize_module(mod, params):
-            out = _run_keeping_node_meta(mod, flat[len(names):], name)
-        return pytree.tree_flatten(out)
-
-    name = f"aot_module_simplified({region(mod)})"
-    note_dynamo_recompile(name)
-    try:
-        graphs = compile_graphs(flat_fn, fakes, options, name, mode, from_dynamo=True)
-    except AotkitError as exc:
-        _let_dynamo_split(exc, name)
-        raise
-    # Note [Options changed after torch.compile]: one entry per value of the options; the
-    # last one used is checked first, by identity (cache_key returns one tuple per value).
-    last, last_graphs = config.cache_key(*options.config_parts), graphs
-    by_options = {last: graphs}
-    expected = len(args)
-
-    def for_options(key: tuple[tuple[str, Any], ...]) -> CompiledGraphs:
-        nonlocal last, last_graphs
-        found = by_options.get(key)
-        if found is None:
-            if len(by_options) >= config.recompile_limit:
-                raise RecompileLimitError(
-                    f"{name} has been compiled for {len(by_options)} values of aotkit's options "
-                    f"(aotkit.config.recompile_limit); this call would compile another "
-                    f"({'; '.join(config_changes(last, key))}).\nFix: keep the options fixed "
-                    "while it runs, or raise the limit with aotkit.config.patch(recompile_limit=...).")
-            counters.record("recompile", name, "; ".join(config_changes(last, key)), logger=log)
-            found = by_options[key] = compile_graphs(flat_fn, fakes, options, name, mode,
-                                                     from_dynamo=True)
-        last, last_graphs = key, found
-        return found
-
-    def forward(*runtime_args: Any) -> Any:
-        if len(runtime_args) != expected:
-            raise ArgumentError(f"{name} takes {expected} argument(s), as it was compiled for, "
-                                f"got {len(runtime_args)} (the module's parameters and buffers "
-                                "are passed for you).")
-        key = config.cache_key(*options.config_parts)
-        if key is last:
-            current = last_graphs
-        else:
-            with COMPILE_LOCK:
-                current = for_options(key)
-        return current.meta.unflatten(run(current, [*tensors, *runtime_args]))
-
-    forward.graphs = graphs  # type: ignore[attr-defined]
-    return forward
-
-
-# Note [Options changed after torch.compile]
-# Dynamo guards on the inputs, not on aotkit.config: a graph it compiled kept the partition and
-# the calls it was compiled with after ``aotkit.config.activation_memory_budget`` or
-# ``bind_aten_calls`` changed, where aot_function's entries are keyed on them. Each call
-# compares the options that concern the graph (AotOptions.config_parts) with the ones it was
-# compiled for, and a change traces Dynamo's graph again on the fake inputs it came with, a
-# "recompile" decision naming the option. A value seen before reuses its graphs.
-
-
-# Note [Graph breaks for Dynamo]
-# Dynamo splits its graph where a backend raises one of fake tensors' "cannot trace this"
-# exceptions (data-dependent output or shape, an op without a fake kernel) and runs that part
-# eagerly, as it does for backend="aot_eager". aotkit turns those into TraceError or
-# UnsupportedError with a fix; under a Dynamo compile the original exception is raised instead,
-# so torch.compile splits the graph as our message promises, and a "graph_break" decision keeps
-# our message.
-def _let_dynamo_split(exc: AotkitError, name: str) -> None:
-    """See Note [Graph breaks for Dynamo]: raise ``exc``'s fake-tensor cause under Dynamo."""
-    from torch._guards import TracingContext
-
-    cause = exc.__cause__
-    if TracingContext.try_get() is None or not isinstance(cause, dynamo_fallback_errors()):
-        return
-    counters.record("graph_break", name, f"{str(exc).splitlines()[0]} Dynamo splits its graph "
-                    f"there and runs that part eagerly ({type(cause).__name__}).", logger=log)
-    raise cause.with_traceback(cause.__traceback__) from None
-
-
-def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") -> Any:
-    """Run ``mod``; a GraphModule runs node by node so traced ops inherit each node's meta
-    (Dynamo's stack traces), which costs nothing compared with recording stacks anew."""
-    if not isinstance(mod, fx.GraphModule):
-        return mod(*args)
-    from torch.fx import traceback as fx_traceback
-
-    with fx_traceback.preserve_node_meta():
-        return _Inlining(mod, name).run(*args)
-
-
-# Note [Nested compile regions are inlined]
-# Dynamo calls a torch.compiler.nested_compile_region through the invoke_subgraph higher-order
-# op. Traced as that op, its backward is a second subgraph that recomputes the whole region
-# from its inputs: PyTorch's AOT autograd partitions each such pair again afterwards, and
-# without that pass a dropout inside drew a fresh mask in the backward (wrong gradients). aotkit
-# traces the region's body inline instead, so its ops reach the partitioner like any others
-# (random ops run once); the region is then compiled with each graph that calls it, not once.
-class _Inlining(fx.Interpreter):
-    def __init__(self, mod: fx.GraphModule, name: str) -> None:
-        super().__init__(mod)
-        self.name = name
-
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is not torch.ops.higher_order.invoke_subgraph:
-            return super().call_function(target, args, kwargs)
-        subgraph, identifier, *operands = args
-        if self.name and not counters.counters["inline"].get(f"{self.name}: {identifier}"):
-            counters.record("inline", f"{self.name}: {identifier}", (
-                "a torch.compiler.nested_compile_region is traced inline (Note [Nested compile "
-                "regions are inlined]): compiled as part of this graph, once per graph that "
-                "calls it"), logger=log)
-        return _Inlining(subgraph, self.name).run(*operands)
-
-
-def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
-        return mode.from_tensor(x)
-    return x
