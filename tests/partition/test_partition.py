@@ -798,3 +798,18 @@ def test_random_ops_of_a_backward_draw_when_backward_runs(partition: str) -> Non
     for between, grad in results[1:]:
         assert torch.equal(between, results[0][0])
         torch.testing.assert_close(grad, results[0][1])
+
+
+def test_min_cut_keeps_equal_outputs_apart_through_unsafe_views() -> None:
+    """CSE merged the two bmm's under matmul's _unsafe_view (which aliases without being marked
+    a view), and the two outputs came back sharing memory."""
+    def twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ x.mT, x @ x.mT
+
+    compiled = aotkit.aot_function(twice, aotkit.compilers.nop,
+                                   partition_fn=min_cut_rematerialization_partition)
+    a, b = compiled(torch.randn(2, 4, 3, requires_grad=True))
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    expected = b.detach().clone()
+    a.detach().zero_()
+    torch.testing.assert_close(b.detach(), expected)

@@ -312,8 +312,10 @@ def _input_info(index: int, arg: Any, f_arg: Any, grad_fn_before: Any) -> InputI
 # strides are not x's, and for an input with gaps (``buf[:, 1:]``) x then read, and was written,
 # in the wrong elements. With static sizes the analysis records the layout functionalization
 # gave x, which the runtime applies to the caller's tensor. With dynamic sizes it cannot (the
-# layout is symbolic): a dense input gets eager's layout from the graph's new value anyway, and
-# one with gaps is refused before anything is written.
+# layout is symbolic): where the graph returns a new value of an x with gaps (not x's view),
+# the call is refused before anything is written (the graph's contiguous strides over the
+# caller's memory put x's elements in the wrong places); a dense x takes the new value's
+# layout, which may order its memory otherwise than eager's (a square x after t_()).
 def _layout_after(arg: torch.Tensor, f_arg: Any) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
     """Sizes, strides and storage offset (from ``arg``'s) of ``f_arg`` once the function ran,
     or None where any is symbolic. Not for a resize by an out= argument, whose result the

@@ -492,18 +492,20 @@ def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any
     """An input that takes its traced layout (Note [Layout after t_()]) where the graph laid its
     new value out otherwise: a view of it placed from the graph's layout would show other
     elements, so returning one is refused before anything is written; so is an input with gaps
-    whose layout afterwards the trace could not tell (dynamic sizes)."""
+    the graph gave a new value whose layout the trace could not tell (dynamic sizes)."""
     inputs = graphs.meta.inputs
     for i, new in new_values.items():
         info = inputs[i]
-        if info.layout_unknown and info.mutates_data and not _same_storage(args[i], new) \
+        if info.layout_unknown and not _same_storage(args[i], new) \
                 and not is_non_overlapping_and_dense_or_false(args[i]):
             raise UnsupportedError(
                 f"{graphs.name} changes the shape or strides of input {i} in place (t_(), "
-                "unsqueeze_(), ...) and writes it, and that input has gaps between its "
-                "elements: traced with dynamic sizes, the graph does not know the strides eager "
-                "would give it, so its values would land in the wrong elements.\nFix: pass a "
-                "contiguous input (x.contiguous()), or compile with dynamic=False."
+                "unsqueeze_(), ...) and also writes it, or the input requires grad, and that "
+                "input has gaps between its elements: the graph then makes a new value of it, "
+                "and traced with dynamic sizes it does not know the strides eager would give "
+                "the caller's tensor, whose elements would land in the wrong places.\nFix: pass "
+                "a contiguous input (x.contiguous()), compile with dynamic=False, or change the "
+                "shape out of place (x = x.t())."
             )
     apart = {i for i, new in new_values.items() if inputs[i].layout_after is not None
              and not _same_storage(args[i], new) and tuple(new.stride()) != inputs[i].layout_after[1]}

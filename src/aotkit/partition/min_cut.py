@@ -316,8 +316,11 @@ def _handed_out(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
 
 
 def _viewed_once(node: fx.Node) -> fx.Node | None:
-    """The value ``node`` is a view of, or None if it is no view."""
-    if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view \
+    """The value ``node`` is a view of, or None if it is no view (``_unsafe_view``, which
+    matmul's decomposition returns, shares its input's memory without being marked a view)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and (
+            target.is_view or target is torch.ops.aten._unsafe_view.default) \
             and node.args and isinstance(node.args[0], fx.Node):
         return node.args[0]
     return None
