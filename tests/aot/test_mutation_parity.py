@@ -1087,3 +1087,26 @@ def test_an_out_argument_with_gaps_resized_by_the_op_matches_eager():
 
     check_against_eager(fn, torch.zeros(3, 3), prepare=lambda args, kwargs: ((args[0][:, 1:],), kwargs),
                         backward=False)
+
+
+def test_a_returned_view_of_a_written_intermediate_can_be_written_by_the_caller():
+    """Note [Outputs that are views only inside the graph]: the intermediate the output views
+    was itself a view inside the graph, and the output inherited autograd's mark for views of a
+    Function with several outputs, which refuses in-place writes."""
+    def clamped_transpose(a):
+        v = (a @ a.mT).mT
+        v.clamp_(min=-0.5, max=0.5)
+        return v
+
+    def prepare(args, kwargs):
+        return (args[0] * 1,), kwargs
+
+    result = check_against_eager(clamped_transpose, rand(2, 4, grad=True), prepare=prepare)
+    grads = []
+    for fn in (clamped_transpose, result.compiled):
+        leaf = torch.arange(8.0).reshape(2, 4).div(10).requires_grad_()
+        out = fn(leaf * 1)
+        out.mul_(2)
+        out.sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0])

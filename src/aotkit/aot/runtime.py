@@ -86,8 +86,10 @@ class CompiledGraphs:
         # See Note [Replaying views]: only graphs returning views need view functions recorded.
         self.returns_views = any(o.alias in _VIEW_ALIASES for o in self.meta.outputs)
         start = len(self.returned_mutations)
-        self.plain_outputs = [start + self.graph_output_position[flat]
-                              for flat, o in enumerate(self.meta.outputs) if o.alias is Alias.NONE]
+        bases = range(start + len(self.graph_output_position), self.num_fw_outputs)
+        self.plain_outputs = [*(start + self.graph_output_position[flat]
+                                for flat, o in enumerate(self.meta.outputs) if o.alias is Alias.NONE),
+                              *bases]  # the intermediates aliased outputs are views of
         self.symbolic_tangents = any(spec is not None and spec[0] is None
                                      for spec in self.tangent_specs)
         self._reached: list[int] | None = None  # Note [Outputs backward does not reach]
@@ -428,8 +430,11 @@ def _run_on_bases(graphs: CompiledGraphs, layout: OverlapLayout, args: list[Any]
 # functionalization computes its final value as a view of the write's result, so the graph
 # returns a view of a tensor nobody else sees, and ``x.detach_()`` (or anything refusing views)
 # failed. Such an output is handed out detached inside the forward: same memory and strides, no
-# view, its autograd link made by the Function as for any output. Outputs eager returns as
-# views are other aliases (Note [Aliased outputs]); a view of an input stays as it is.
+# view, its autograd link made by the Function as for any output. So is an intermediate that
+# outputs are views of: a view of one still a view inside the graph (``v = (a @ b).mT;
+# v.clamp_(...); return v``) inherited autograd's mark for views of a Function with several
+# outputs, and the caller's ``v.mul_(2)`` was refused. Outputs eager returns as views are other
+# aliases (Note [Aliased outputs]); a view of an input stays as it is.
 
 
 # Note [Versions of inputs mutated in the graph]
