@@ -456,11 +456,13 @@ def graph_dumper_aot(current_name: str, folder_name: str | os.PathLike[str],
         ['module.py', 'mul_forward_0.input']
     """
     if not isinstance(current_name, str):
+        given = "GraphModule" if isinstance(current_name, fx.GraphModule) else \
+            type(current_name).__name__
         raise ArgumentError(
             "graph_dumper_aot(current_name, folder_name) makes the compiler; its current_name "
-            f"was a {'GraphModule' if isinstance(current_name, fx.GraphModule) else type(current_name).__name__}, "
-            "not a str (was graph_dumper_aot itself passed as a compiler?).\nFix: graph_dumper_aot('model', 'dumps') returns the object to "
-            "wrap a function with or to pass as the backend.")
+            f"was a {given}, not a str (was graph_dumper_aot itself passed as a compiler?).\n"
+            "Fix: graph_dumper_aot('model', 'dumps') returns the object to wrap a function "
+            "with or to pass as the backend.")
     return GraphDumper(current_name, folder_name, dump_example_input)
 
 

@@ -13,7 +13,6 @@ from aotkit.partition.graph import (
     ancestors,
     extract,
     is_sym,
-    size_arithmetic,
     split_joint,
     syms_binding_backward,
     with_getitems,
@@ -53,8 +52,7 @@ def default_partition(
     forward = with_getitems(ancestors([*parts.fw_outputs, *fw_effects]) | set(parts.primals))
     # A size the backward reads comes from the forward as a SymInt, never through the tensor;
     # floats computed from sizes are computed again (Note [Size arithmetic is recomputed]).
-    recomputed = size_arithmetic(n for n in joint_gm.graph.nodes if n in parts.fw_syms)
-    computed_in_fw = (forward | parts.fw_syms) - recomputed
+    computed_in_fw = (forward | parts.fw_syms) - parts.size_arithmetic
     backward = ancestors([*parts.bw_outputs, *bw_effects], stop=computed_in_fw) - computed_in_fw
     used_by_backward = [
         n for n in joint_gm.graph.nodes

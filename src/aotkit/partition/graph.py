@@ -30,6 +30,9 @@ class JointParts:
     # SymInts no tangent feeds (sizes of primals and of forward values): the forward computes
     # those the backward reads and saves them, so no tensor is kept only for its sizes.
     fw_syms: set[fx.Node] = field(default_factory=set)
+    # Floats and bools computed from those alone, which the backward computes again (Note [Size
+    # arithmetic is recomputed]); not in fw_syms.
+    size_arithmetic: set[fx.Node] = field(default_factory=set)
 
 
 def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
@@ -52,6 +55,8 @@ def split_joint(joint: fx.GraphModule, num_fwd_outputs: int) -> JointParts:
             (parts.bw_effects if node in parts.tangent_side else parts.fw_effects).append(node)
         elif is_sym(node) and node not in parts.tangent_side:
             parts.fw_syms.add(node)
+    parts.size_arithmetic = size_arithmetic(n for n in joint.graph.nodes if n in parts.fw_syms)
+    parts.fw_syms -= parts.size_arithmetic
     problem = _not_a_joint(parts, placeholders, outputs, num_fwd_outputs)
     if problem:
         raise ArgumentError(

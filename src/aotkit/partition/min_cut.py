@@ -59,7 +59,6 @@ from aotkit.partition.graph import (
     is_constant,
     is_input,
     is_sym,
-    size_arithmetic,
     split_joint,
     syms_binding_backward,
 )
@@ -150,8 +149,9 @@ class _Network:
         nodes = [n for n in joint.graph.nodes if n.op != "output"]
         self.index = {n: i for i, n in enumerate(nodes)}
         forward = [n for n in nodes if n not in tangent_side]
-        # Saved where the backward reads them, but for Note [Size arithmetic is recomputed].
-        self.fw_syms = {n for n in forward if is_sym(n)} - size_arithmetic(forward)
+        # Saved where the backward reads them (effectful ones, x.item()'s, too), but for Note
+        # [Size arithmetic is recomputed].
+        self.fw_syms = {n for n in forward if is_sym(n)} - self.parts.size_arithmetic
         # Other get_attr nodes are the bodies of higher-order ops (torch.cond branches): the
         # backward reads them as its own attributes, never as saved values. Tensor constants
         # the forward reads are inputs (Note [Constants the backward reads]).
