@@ -1110,3 +1110,66 @@ def test_a_returned_view_of_a_written_intermediate_can_be_written_by_the_caller(
         out.sum().backward()
         grads.append(leaf.grad)
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def _write_then_window(x):
+    x.add_(1)
+    return x.as_strided((2,), (1,), x.storage_offset() + 1) * 2
+
+
+def _write_then_strided(x):
+    x.add_(1)
+    return x.as_strided((2,), (2,)) * 2
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize(("fn", "make"), [
+    (_write_then_window, lambda: torch.arange(10.0)[2:9]),          # at storage offset 2
+    (_write_then_strided, lambda: torch.arange(20.0).view(4, 5)[:, ::2]),  # with gaps
+])
+def test_as_strided_on_an_input_after_writing_it_is_refused_where_it_would_move(fn, make, dynamic):
+    """Note [as_strided on a written input]: the graph placed the view on the written value's own
+    memory, and showed other elements (PyTorch's aot_function too)."""
+    buf = make()
+    before = buf.clone()
+    with pytest.raises(UnsupportedError, match=r"as_strided on input 0 .* after the function "
+                       r"wrote that input(.|\n)*Fix: take the as_strided view before writing"):
+        aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(buf)
+    torch.testing.assert_close(buf, before)  # refused while tracing: nothing written
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_as_strided_on_an_input_laid_out_as_its_written_value_matches_eager(dynamic):
+    def fn(x, w):
+        first = x.as_strided((2, 2), (1, 3), 1) * 2  # before the write
+        x.mul_(w.sum())
+        view = x[1:]
+        return first, view.as_strided((3,), (4,), 1) * 2, x.as_strided((2,), (3,), 5)
+
+    check_against_eager(fn, rand(12, grad=True), rand(1, grad=True),
+                        prepare=lambda args, kwargs: ((args[0] * 1, args[1]), {}),
+                        aot_kwargs={"dynamic": dynamic})
+
+
+def test_as_strided_on_a_written_input_beyond_its_elements_is_refused():
+    """Eager reads the caller's memory past the input's end; the written value has no such
+    elements (the graph failed at run time with a setStorage error)."""
+    def fn(x):
+        x.add_(1)
+        return x.as_strided((2,), (1,), 5)
+
+    with pytest.raises(UnsupportedError, match="as_strided on input 0"):
+        aotkit.aot_function(fn, compilers.nop)(torch.arange(10.0)[:4])
+
+
+def test_as_strided_after_a_write_under_torch_compile_is_refused_naming_the_users_line():
+    """PyTorch's aot_eager returns other elements here; the message names the line of the
+    function Dynamo captured (it said "<unknown location>": Dynamo's graph runs node by node)."""
+    def fn(x):
+        x.add_(1)
+        return x.as_strided((2,), (1,), 3) * 2
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"as_strided on input 0 of the compiled function \(at "
+                       r"\S*test_mutation_parity.py:\d+ in fn: return x.as_strided"):
+        torch.compile(fn, backend="aotkit")(torch.arange(10.0)[2:9])

@@ -404,7 +404,7 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
 
     def __init__(self, args: Sequence[Any], f_args: Sequence[Any]) -> None:
         super().__init__()
-        self.f_args = f_args
+        self.args, self.f_args = args, f_args
         self.storages = {StorageWeakRef(a.untyped_storage()): i for i, a in enumerate(f_args)
                          if isinstance(a, torch.Tensor)}
         self.nbytes = [a.untyped_storage().nbytes() if isinstance(a, torch.Tensor) else 0
@@ -428,7 +428,36 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
                 "keep computing with the old value.\nFix: use the new value directly (t = "
                 "new), or t.copy_(new) under torch.no_grad(); or torch.compile(fn, "
                 "backend='aotkit'), whose Dynamo handles it.")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _AS_STRIDED_CALLS:
+            self._check_as_strided(args[0], out)
+        return out
+
+    def _check_as_strided(self, t: torch.Tensor, view: torch.Tensor) -> None:
+        """See Note [as_strided on a written input]."""
+        index = self._input_of(t)
+        if index is None:
+            return
+        arg, f_arg = self.args[index], self.f_args[index]
+        torch._sync(f_arg)
+        if not torch._functionalize_has_data_mutation(f_arg.elem):
+            return  # the graph places the view on the input itself
+        value = torch._from_functional_tensor(f_arg.elem)
+        where = f"as_strided on input {index} of the compiled function (at {current_user_line()})"
+        if not (statically_known_true(value.storage_offset() == arg.storage_offset())
+                and _laid_out_alike(arg, value)):
+            raise UnsupportedError(
+                f"{where} after the function wrote that input: the graph holds the written "
+                f"value as a new tensor (strides {tuple(value.stride())}, storage offset "
+                f"{value.storage_offset()}) laid out otherwise than the input (strides "
+                f"{tuple(arg.stride())}, storage offset {arg.storage_offset()}), while "
+                "as_strided's strides and offset count in the input's own memory, so the view "
+                f"would show other elements.\n{_AS_STRIDED_FIX}")
+        if not bool(_extent(view) <= _extent(arg)):  # a shape guard with dynamic sizes
+            raise UnsupportedError(
+                f"{where} after the function wrote that input reaches memory beyond the "
+                "input's elements, which the graph's new value of the input does not hold."
+                f"\n{_AS_STRIDED_FIX}")
 
     def _input_of(self, t: torch.Tensor) -> int | None:
         return self.storages.get(StorageWeakRef(t.untyped_storage()))
@@ -480,6 +509,21 @@ def _extent(t: torch.Tensor) -> Any:
 
 
 _DATA_SETTER = torch.Tensor.data.__set__  # type: ignore[attr-defined]
+_AS_STRIDED_CALLS = frozenset({torch.Tensor.as_strided, torch.as_strided, torch.Tensor.as_strided_})
+_AS_STRIDED_FIX = ("Fix: take the as_strided view before writing the input, pass a contiguous "
+                   "tensor at storage offset 0 (x.clone()), or use ordinary view ops (x[1:3], "
+                   "x.view(...)).")
+
+
+# Note [as_strided on a written input]
+# Functionalization keeps an input's value, once written, as a new tensor (``x.add_(1)`` makes
+# ``add``), and places every later view of the input on that tensor. Ordinary views are
+# relative to the tensor they view and land right; as_strided's strides and storage offset
+# count in the input's own memory. On an input at storage offset 2, or with gaps between its
+# elements, the new tensor is laid out otherwise (offset 0, contiguous), and the same offset
+# and strides pick other elements: a silent wrong result (PyTorch 2.13's aot_function gives it).
+# So as_strided on an input after a write is refused unless the written value is laid out as
+# the input is and the view stays within it; before any write the value is the input itself.
 
 
 def _requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> Sequence[Any]:

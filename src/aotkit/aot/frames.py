@@ -6,7 +6,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
+import sys
 import traceback
+from collections.abc import Iterable
+from types import FrameType
 
 import torch
 
@@ -19,7 +23,10 @@ _CONTEXTLIB = os.path.abspath(contextlib.__file__)
 
 def user_frame(exc: BaseException) -> str:
     """Where in the user's code ``exc`` was raised (and the torch.nn line it passed through)."""
-    return _describe_frames(traceback.extract_tb(exc.__traceback__))
+    where = _describe_frames(traceback.extract_tb(exc.__traceback__))
+    if where != _UNKNOWN:
+        return where
+    return _graph_line(reversed(list(traceback.walk_tb(exc.__traceback__))))
 
 
 def current_user_line() -> str:
@@ -27,7 +34,8 @@ def current_user_line() -> str:
     above it are the caller's call of the compiled function)."""
     frames = traceback.extract_stack()
     ours = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
-    return _describe_frames(frames[ours[0]:] if ours else frames)
+    where = _describe_frames(frames[ours[0]:] if ours else frames)
+    return where if where != _UNKNOWN else _graph_line(traceback.walk_stack(sys._getframe()))
 
 
 def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
@@ -42,8 +50,26 @@ def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
         shown.append(library[-1])
     shown += user[-1:]
     if not shown:
-        return "<unknown location>"
+        return _UNKNOWN
     return "\n  called from ".join(f"{f.filename}:{f.lineno} in {f.name}: {f.line}" for f in shown)
+
+
+_UNKNOWN = "<unknown location>"
+_STACK_ENTRY = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>.*)')
+
+
+def _graph_line(frames: Iterable[tuple[FrameType, int]]) -> str:
+    """Under torch.compile the user's code runs as a Dynamo graph, node by node through an FX
+    interpreter (innermost frames first): the user's line its running node was recorded from."""
+    for frame, _ in frames:
+        node = frame.f_locals.get("n") if frame.f_code.co_name == "run_node" else None
+        if isinstance(node, torch.fx.Node) and isinstance(frame.f_locals.get("self"),
+                                                          torch.fx.Interpreter):
+            entries = list(_STACK_ENTRY.finditer(node.meta.get("stack_trace") or ""))
+            if entries:
+                last = entries[-1]
+                return f"{last['file']}:{last['line']} in {last['fn']}: {last['code'].strip()}"
+    return _UNKNOWN
 
 
 def region(mod: torch.nn.Module) -> str:
