@@ -19,6 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
+from aotkit.aot.autograd_state import RefuseAutogradState
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.subclass import is_subclass
@@ -202,7 +203,8 @@ def analyze(
         f_args = [to_fun(a) for a in args]
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
-        with _RefuseStorageChanges(args, f_args), fx_tracing():  # as the traced pass will be
+        with _RefuseStorageChanges(args, f_args), RefuseAutogradState(f_args), \
+                fx_tracing():  # as the traced pass will be
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]

@@ -194,6 +194,16 @@ class CompiledFunction(torch.autograd.Function):
         return (*fw_outs, anchor)
 
     @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise UnsupportedError(
+            f"forward-mode AD (torch.autograd.forward_ad dual tensors) through {ctx.graphs.name}, "
+            "whose inputs require grad, is not supported: its compiled forward has no "
+            "forward-mode derivative.\nFix: run the function eagerly inside "
+            "forward_ad.dual_level(), use torch.func.jvp on the eager function, or call the "
+            "compiled function under torch.no_grad(), where its graph's ATen ops carry the "
+            "dual tensors themselves.")
+
+    @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
         graphs: CompiledGraphs = ctx.graphs
         if graphs.backward_error is not None:

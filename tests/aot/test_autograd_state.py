@@ -1,0 +1,161 @@
+"""Autograd bookkeeping inside a compiled function (Note [Autograd state inside the function]):
+what a trace cannot capture is refused with its fix, where PyTorch's aot_function silently
+computes something else; PyTorch's own saved-tensor hooks and torch.compile still run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from eager_check import check_against_eager, rand
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import aotkit
+from aotkit import compilers
+from aotkit.errors import UnsupportedError
+
+
+def _with_grads() -> tuple[torch.Tensor, torch.Tensor]:
+    p, q = torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True)
+    p.grad, q.grad = torch.full((4,), 2.0), torch.full((4,), 3.0)
+    return p, q
+
+
+def _clip(p, q):
+    return torch.nn.utils.clip_grad_norm_([p, q], max_norm=1.0)
+
+
+def _step(p, q):
+    with torch.no_grad():
+        for t in (p, q):
+            if t.grad is not None:
+                t.add_(t.grad, alpha=-0.1)
+    return p * 1
+
+
+def _set_grad(p, q):
+    p.grad = q * 2
+    return q
+
+
+@pytest.mark.parametrize(("fn", "verb"), [(_clip, "reads"), (_step, "reads"),
+                                          (_set_grad, "sets")])
+def test_grad_of_an_input_inside_is_refused(fn, verb):
+    """The trace saw .grad as None: clip_grad_norm_ returned 0 and clipped nothing, the step
+    moved nothing, and p.grad stayed None (PyTorch's aot_function does all three)."""
+    p, q = _with_grads()
+    with pytest.raises(UnsupportedError, match=rf"{verb} \.grad of input 0 \(at (.|\n)*"
+                       rf"test_autograd_state.py:\d+ in {fn.__name__}(.|\n)*Fix: pass the gradient as an argument"):
+        aotkit.aot_function(fn, compilers.nop)(p, q)
+    torch.testing.assert_close(p.grad, torch.full((4,), 2.0))  # nothing ran
+
+
+def test_grad_of_a_parameter_read_by_an_aot_module_forward_is_refused():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            scale = 1.0 if self.weight.grad is None else 0.5
+            return super().forward(x) * scale
+
+    model = aotkit.aot_module(Scaled(3, 2), compilers.nop)
+    with pytest.raises(UnsupportedError, match=r"reads \.grad of input"):
+        model(torch.randn(4, 3))
+
+
+def test_grad_work_under_torch_compile_matches_eager():
+    torch._dynamo.reset()
+    results = []
+    for run in (_clip, torch.compile(_clip, backend="aotkit")):
+        p, q = _with_grads()
+        norm = run(p, q)
+        results.append((norm, p.grad, q.grad))
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_grad_of_a_tensor_made_inside_reads_none_as_in_eager():
+    def fn(x):
+        y = x * 2
+        return y if y.grad is None else y * 0
+
+    with pytest.warns(UserWarning, match="non-leaf Tensor"):
+        check_against_eager(fn, rand(3, grad=True))
+
+
+@pytest.mark.parametrize(("call", "what"), [
+    (lambda x: x.retain_grad(), r"retain_grad\(\)"),
+    (lambda x: x.register_post_accumulate_grad_hook(lambda p: None),
+     r"register_post_accumulate_grad_hook\(\)"),
+    (lambda x: (x * 2).sum().backward(), r"backward\(\)"),
+    (lambda x: torch.autograd.backward([(x * 2).sum()]), r"backward\(\)"),
+])
+def test_autograd_calls_inside_are_refused(call, what):
+    """retain_grad and the hook were silently lost; backward() failed with PyTorch's "Cannot
+    backprop through mirrored meta"; the post-accumulate hook said the leaf was no leaf."""
+    def fn(x, w):
+        y = x * w
+        call(x if "post_accumulate" in what else y)
+        return y
+
+    with pytest.raises(UnsupportedError, match=rf"calls {what} \(at \S+test_autograd_state.py"):
+        aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True), rand(3, grad=True))
+
+
+def _halve(t):
+    return t * 0.5
+
+
+def test_saved_tensor_hooks_entered_inside_are_refused():
+    """They do not run while tracing: a pack hook halving activations changed eager's weight
+    gradient and not aotkit's (PyTorch's aot_function the same)."""
+    def fn(x, w):
+        with torch.autograd.graph.saved_tensors_hooks(_halve, lambda t: t):
+            return (x @ w).tanh().sum()
+
+    with pytest.raises(UnsupportedError, match=r"saved-tensor hooks of its own \(pack hook "
+                       r"'_halve'(.|\n)*Fix: enter torch.autograd.graph.saved_tensors_hooks "
+                       r"around the call"):
+        aotkit.aot_function(fn, compilers.nop)(rand(2, 3), rand(3, 4, grad=True))
+
+
+def test_saved_tensor_hooks_around_the_call_still_run():
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    compiled = aotkit.aot_function(lambda x, w: (x @ w).tanh().sum(), compilers.nop)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(rand(2, 3), rand(3, 4, grad=True))
+    out.backward()
+    assert packed  # the compiled forward's saved tensors went through the hook
+
+
+def test_pytorch_checkpoint_and_save_on_cpu_inside_still_match_eager():
+    def fn(x, w):
+        with torch.autograd.graph.save_on_cpu():
+            h = checkpoint(lambda a: (a @ w).tanh(), x, use_reentrant=False)
+        return (h * h).sum()
+
+    check_against_eager(fn, rand(2, 3, grad=True), rand(3, 4, grad=True))
+
+
+def _sine(x, w):
+    return (x * w).sin()
+
+
+def test_forward_mode_ad_through_a_function_requiring_grad_is_refused_naming_the_fix():
+    """The error named a custom Function's jvp the user never wrote (PyTorch's the same)."""
+    compiled = aotkit.aot_function(_sine, compilers.nop)
+    with fwAD.dual_level(), pytest.raises(UnsupportedError, match=r"forward-mode AD(.|\n)*Fix: "):
+        compiled(fwAD.make_dual(rand(4, grad=True), torch.ones(4)), rand(4, grad=True))
+
+
+def test_forward_mode_ad_under_no_grad_matches_eager():
+    compiled = aotkit.aot_function(_sine, compilers.nop)
+    x, w, tangent = rand(4), rand(4), rand(4)
+    with torch.no_grad(), fwAD.dual_level():
+        expected = fwAD.unpack_dual(_sine(fwAD.make_dual(x, tangent), w))
+        actual = fwAD.unpack_dual(compiled(fwAD.make_dual(x, tangent), w))
+    torch.testing.assert_close((actual.primal, actual.tangent),
+                               (expected.primal, expected.tangent))
