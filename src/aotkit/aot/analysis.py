@@ -19,7 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
-from aotkit.aot.autograd_state import RefuseAutogradState
+from aotkit.aot.autograd_state import RefuseAutogradState, inputs_saved_after_write, versions_of
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.subclass import is_subclass
@@ -64,6 +64,9 @@ class InputInfo:
     # The function changed the input's shape or strides in place, to a layout the trace cannot
     # tell (dynamic sizes): see Note [Layout after t_()].
     layout_unknown: bool = False
+    # Autograd saved the input as the function left it, after writing it: backward checks that
+    # the caller did not write it since (Note [Inputs saved after a write]).
+    saved_after_write: bool = False
 
     @property
     def mutated(self) -> bool:
@@ -203,11 +206,14 @@ def analyze(
         f_args = [to_fun(a) for a in args]
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
+        versions = versions_of(f_args)
         with _RefuseStorageChanges(args, f_args), RefuseAutogradState(f_args), \
                 fx_tracing():  # as the traced pass will be
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
+        for i in inputs_saved_after_write(f_args, versions, f_outs, grad_fns):
+            inputs[i] = dataclasses.replace(inputs[i], saved_after_write=True)
         _refuse_swaps_into_mutated_memory(inputs, args, f_args)
         outputs, bases = _output_infos(f_args, f_outs)
         _refuse_views_of_swapped_inputs(inputs, outputs)

@@ -104,13 +104,20 @@ def _from_torch(pack: Any) -> bool:
 # its final version makes the runtime record the caller's tensor's version after writing the
 # new value back, and backward checks it. Writes autograd's version counter does not see
 # (BatchNorm's running statistics, updated inside the kernel) are not watched, as in eager.
-def inputs_saved_after_write(f_args: Sequence[Any], versions: Sequence[int],
+def versions_of(tensors: Sequence[Any]) -> list[int | None]:
+    """Version counters, None where there is none (not a tensor, an inference tensor)."""
+    return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
+            for t in tensors]
+
+
+def inputs_saved_after_write(f_args: Sequence[Any], versions: Sequence[int | None],
                              f_outs: Sequence[Any], before: Sequence[Any]) -> set[int]:
     """The inputs of Note [Inputs saved after a write]: ``versions`` are the inputs' versions
-    before the function ran, ``before`` the grad_fns they had (where the search stops)."""
+    before the function ran (:func:`versions_of`), ``before`` the grad_fns they had (where the
+    search stops)."""
     written = {StorageWeakRef(f.untyped_storage()): i for i, (f, v) in
                enumerate(zip(f_args, versions, strict=True))
-               if isinstance(f, torch.Tensor) and f._version != v}
+               if v is not None and f._version != v}
     if not written:
         return set()
     stop = {id(g) for g in before if g is not None}

@@ -93,6 +93,8 @@ class CompiledGraphs:
         self.symbolic_tangents = any(spec is not None and spec[0] is None
                                      for spec in self.tangent_specs)
         self._reached: list[int] | None = None  # Note [Outputs backward does not reach]
+        self.saved_after_write = [i for i, info in enumerate(self.meta.inputs)
+                                  if info.saved_after_write] if self.training else []
 
     def reached_by(self) -> list[int]:
         """Per backward output (an input's gradient), a bit mask of the tangents it depends on
@@ -208,6 +210,8 @@ class CompiledFunction(torch.autograd.Function):
         graphs: CompiledGraphs = ctx.graphs
         if graphs.backward_error is not None:
             raise RuntimeError(graphs.backward_error)
+        for ref, version, index in getattr(ctx, "watched", ()):  # Note [Inputs saved after a write]
+            _check_version(ref(), version, index, graphs.name)
         grads = grads[:-1]  # the anchor's
         tangents = [g for g, d in zip(grads, graphs.differentiable, strict=True) if d]
         unreached = sum(1 << k for k, g in enumerate(tangents) if g is None)
@@ -392,15 +396,30 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():
-            fw_outs = CompiledFunction.apply(graphs, *args)[:-1]
+            *fw_outs, anchor = CompiledFunction.apply(graphs, *args)
     elif graphs.training:
-        fw_outs = CompiledFunction.apply(graphs, *_cut_gradless(graphs.gradless, args))[:-1]
+        *fw_outs, anchor = CompiledFunction.apply(graphs, *_cut_gradless(graphs.gradless, args))
     else:
         with torch.no_grad():
             fw_outs = graphs.run_forward(list(args))
         for i in graphs.mutated_in_graph:  # Note [Versions of inputs mutated in the graph]
             torch.autograd.graph.increment_version(args[i])
-    return epilogue(graphs, args, fw_outs)
+        return epilogue(graphs, args, fw_outs)
+    outs = epilogue(graphs, args, fw_outs)
+    if graphs.saved_after_write and anchor.grad_fn is not None:  # the node backward gets as ctx
+        # Note [Inputs saved after a write]; weak: the caller's tensor leads back to the node.
+        anchor.grad_fn.watched = [(weakref.ref(args[i]), args[i]._version, i)
+                                  for i in graphs.saved_after_write]
+    return outs
+
+
+def _check_version(t: torch.Tensor | None, version: int, index: int, name: str) -> None:
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}], input {index} of {name}, which "
+            f"the function wrote and then saved, is at version {t._version}; expected version "
+            f"{version} instead. (Note [Inputs saved after a write] in aotkit.aot.autograd_state)")
 
 
 # Note [Inputs without a gradient]
