@@ -303,3 +303,89 @@ def test_mutating_a_subclass_argument_under_autograd_is_refused() -> None:
         x = TwoTensor(torch.ones(4), torch.ones(4))
         aotkit.aot_function(f, aotkit.compilers.nop)(x)
     torch.testing.assert_close(x.a, torch.full((4,), 2.0))
+
+
+class Offset(torch.Tensor):
+    """Adds 100 to the result of every out-of-place multiplication it takes part in."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.mul, torch.mul, torch.Tensor.__mul__):
+            result = result + 100
+        return result
+
+
+class ScaledParam(nn.Parameter):
+    """A weight wrapper that scales itself inside F.linear."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            args = (args[0], args[1].as_subclass(torch.Tensor) * 10, *args[2:])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _times(t, x):
+    return x * t
+
+
+def test_torch_function_subclass_arguments_are_refused_by_aot_function():
+    """Note [Subclasses with __torch_function__]: the trace never ran the override, and the
+    graph's own calls ran it again (a mul_ left 102 where eager leaves 2; PyTorch raises a
+    TypeError)."""
+    compiled = aotkit.aot_function(_times, aotkit.compilers.nop)
+    compiled(torch.ones(2), torch.ones(2))  # a plain tensor's graph must not serve a subclass
+    with pytest.raises(UnsupportedError, match=r"tensor of subclass Offset as args\[0\], which "
+                       r"has its own __torch_function__(.|\n)*Fix: use torch.compile"):
+        compiled(torch.ones(2).as_subclass(Offset), torch.ones(2))
+
+
+def test_torch_function_parameter_subclass_is_refused_by_aot_module():
+    """Its scaling was silently skipped: output and weight grad of the unscaled weight."""
+    model = nn.Linear(3, 2)
+    model.weight = ScaledParam(model.weight.detach())
+    with pytest.raises(UnsupportedError, match=r"tensor of subclass ScaledParam as weight"):
+        aotkit.aot_module(model, aotkit.compilers.nop)(torch.ones(1, 3))
+
+
+def test_torch_function_subclass_under_torch_compile_matches_eager():
+    """Dynamo traces the override; the backward's mul, bound to torch.mul, ran it again on the
+    saved subclass input (x.grad 101 where eager gives 1)."""
+    results = []
+    torch._dynamo.reset()
+    for run in (_times, torch.compile(_times, backend="aotkit")):
+        t, x = torch.ones(2).as_subclass(Offset).requires_grad_(), torch.ones(2, requires_grad=True)
+        out = run(t, x)
+        out.sum().backward()
+        results.append((out.as_subclass(torch.Tensor).detach(), x.grad))
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_torch_function_parameter_subclass_under_torch_compile_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model.weight = ScaledParam(model.weight.detach())
+    results = []
+    torch._dynamo.reset()
+    for run in (model, torch.compile(model, backend="aotkit")):
+        model.zero_grad()
+        out = run(torch.ones(1, 3))
+        out.sum().backward()
+        results.append((out.detach(), model.weight.grad.clone()))
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_a_python_attribute_of_a_tensor_argument_is_refused_naming_the_fix():
+    """The trace's stand-ins carry no attributes: PyTorch's AttributeError named a
+    FunctionalTensor the user never made."""
+    weight = nn.Parameter(torch.randn(2, 3))
+    weight.scale = 3.0
+
+    def fn(x, w):
+        return torch.nn.functional.linear(x, w) * w.scale
+
+    with pytest.raises(UnsupportedError, match=r"reads a Python attribute of a tensor argument "
+                       r"(.|\n)*'scale'(.|\n)*Fix: pass the value as an argument"):
+        aotkit.aot_function(fn, aotkit.compilers.nop)(torch.ones(1, 3), weight)

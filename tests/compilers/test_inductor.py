@@ -248,3 +248,35 @@ def test_max_pool_in_a_fresh_process() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _incremented(x: torch.Tensor) -> torch.Tensor:
+    return x.add_(1)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("fn", [_doubled, _incremented])
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, dtype=torch.complex64).conj().imag,  # negative bit, strides (2,)
+    lambda: torch.randn(4, dtype=torch.complex64).conj(),       # conjugate bit
+], ids=["neg", "conj"])
+def test_inputs_with_a_sign_bit_read_and_write_as_in_eager(make, fn, keep) -> None:
+    """Note [Inputs with a conjugate or negative bit]: Inductor read a negative view's memory
+    without its sign, and wrote the wrong values back (PyTorch's inductor backend the same)."""
+    compiled = aotkit.aot_function(fn, aotkit.compilers.inductor,
+                                   keep_inference_input_mutations=keep)
+    torch.manual_seed(0)
+    expected_input = make()
+    expected = fn(expected_input).clone()
+    torch.manual_seed(0)
+    actual_input = make()
+    with torch.no_grad():
+        actual = compiled(actual_input)
+    torch.testing.assert_close(actual.resolve_conj().resolve_neg(),
+                               expected.resolve_conj().resolve_neg())
+    torch.testing.assert_close(actual_input.resolve_conj().resolve_neg(),
+                               expected_input.resolve_conj().resolve_neg())

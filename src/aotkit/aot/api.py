@@ -33,7 +33,7 @@ from aotkit.aot.signature import (
 )
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
 from aotkit.aot.state import StateWatch
-from aotkit.aot.subclass import Boundary, is_subclass
+from aotkit.aot.subclass import Boundary, is_subclass, overrides_torch_function
 from aotkit.aot.trace import (
     COMPILE_LOCK,
     Fallback,
@@ -695,6 +695,7 @@ class AotFunction:
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = self._leaf_names(args, kwargs)
         _refuse_tensor_sets(leaves, names, self.name)
+        _refuse_torch_function_overrides(leaves, names, self.name)
         tensors = [leaves[i] for i in positions]
         subclasses = any(map(is_subclass, tensors))
         if subclasses and self.options.dynamic:
@@ -871,6 +872,29 @@ def _stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
         f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
         "\nFix: return the tensor and store it outside the compiled function, or use "
         "torch.compile(fn, backend='aotkit'), which replays such stores.")
+
+
+# Note [Subclasses with __torch_function__]
+# A tensor subclass overriding __torch_function__ (a parameter wrapper scaling its weight in
+# F.linear) changes what the user's calls compute. A trace on fake tensors never runs the
+# override, so the graph computed without it, and the graph's own ATen calls, bound to torch.*
+# functions, ran it again at run time on ops the user never called (the functional ``mul`` of a
+# ``mul_``, a backward's ``mul``). aot_function and aot_module refuse such arguments
+# (torch.compile's Dynamo traces the override into its graph), the signature keys on each
+# tensor's type so a plain tensor's graph never serves one, and compiled graphs run with
+# subclass __torch_function__ disabled. Subclasses made of plain tensors (Note [Tensor
+# subclasses]) and nn.Parameter / nn.Buffer are traced as before.
+def _refuse_torch_function_overrides(leaves: Sequence[Any], names: Sequence[str],
+                                     name: str) -> None:
+    for leaf, where in zip(leaves, names, strict=False):
+        if isinstance(leaf, torch.Tensor) and overrides_torch_function(leaf):
+            raise UnsupportedError(
+                f"{name} was passed a tensor of subclass {type(leaf).__qualname__} as {where}, "
+                "which has its own __torch_function__, and a trace on fake tensors does not run "
+                "it: "
+                "the graph would compute without it.\nFix: use torch.compile(fn, "
+                "backend='aotkit'), whose Dynamo traces __torch_function__, or pass a plain "
+                "tensor (x.as_subclass(torch.Tensor)).")
 
 
 def _refuse_tensor_sets(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:

@@ -118,8 +118,9 @@ class CompiledGraphs:
     def run_forward(self, args: list[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
         when it returns views, their view functions recorded (Note [Replaying views])."""
-        with torch._C._DisableAutocast():  # a copy: the graph may empty its list
-            if not self.returns_views:
+        # Note [Subclasses with __torch_function__]: the graph's calls must not run overrides.
+        with torch._C._DisableAutocast(), torch._C.DisableTorchFunctionSubclass():
+            if not self.returns_views:  # a copy of args: the graph may empty its list
                 outs = self.fw(list(args))
             else:
                 with torch.autograd._force_original_view_tracking(True):
@@ -229,11 +230,12 @@ class CompiledFunction(torch.autograd.Function):
         args = [*ctx.saved_syms, *saved, *tangents]
         del saved
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
-            with torch.no_grad(), torch._C._DisableAutocast():
+            with torch.no_grad(), torch._C._DisableAutocast(), \
+                    torch._C.DisableTorchFunctionSubclass():
                 input_grads = backward(args)
             input_grads = _refuse_double_backward(graphs.name, anchor, tangents, input_grads)
         else:
-            with torch._C._DisableAutocast():
+            with torch._C._DisableAutocast(), torch._C.DisableTorchFunctionSubclass():
                 input_grads = backward(args)
         if unreached:
             input_grads = [None if mask and not mask & ~unreached and i in quiet else g

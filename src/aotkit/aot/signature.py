@@ -45,6 +45,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
             None if dynamic else leaf.stride(),
             leaf.is_conj(),  # the graph reads its storage conjugated / negated
             leaf.is_neg(),
+            type(leaf),  # Note [Subclasses with __torch_function__]
         )
     if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
         return (type(leaf), repr(leaf))
@@ -204,7 +205,7 @@ def autocast_state() -> AutocastState:
 
 
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride",
-           "conjugate bit", "negative bit")
+           "conjugate bit", "negative bit", "type")
 _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
           "torch.backends.mkldnn.enabled", "torch.backends.cudnn.enabled",
           "deterministic algorithms", "the default dtype")

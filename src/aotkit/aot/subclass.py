@@ -39,6 +39,17 @@ from aotkit.errors import CompilerError
 _PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter, nn.Buffer})
 
 
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__,  # type: ignore[attr-defined]
+                          torch._C._disabled_torch_function_impl)
+
+
+def overrides_torch_function(x: torch.Tensor) -> bool:
+    """Is ``x`` of a subclass with a __torch_function__ of its own, other than one made of plain
+    tensors (Note [Subclasses with __torch_function__] in aotkit.aot.api)?"""
+    override = getattr(type(x).__torch_function__, "__func__", type(x).__torch_function__)
+    return override not in _PLAIN_TORCH_FUNCTIONS and not is_subclass(x)
+
+
 def is_subclass(x: Any) -> bool:
     """Is ``x`` a tensor subclass made of plain tensors (``__tensor_flatten__``)?"""
     return type(x) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(x)

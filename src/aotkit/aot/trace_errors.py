@@ -14,12 +14,21 @@ from aotkit.aot.frames import user_frame
 from aotkit.compat import data_dependent_errors, is_nested_compile_refusal
 from aotkit.errors import TraceError, UnsupportedError
 
+_TRACED_TENSORS = ("'FunctionalTensor' object has no attribute",
+                   "'FakeTensor' object has no attribute")
+
 
 def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> BaseException:
     """The error ``exc``, raised while tracing ``what``, becomes; ``static``: a trace without
     a ShapeEnv, ``symbolic``: one with symbolic sizes."""
     if isinstance(exc, data_dependent_errors()):
         return data_dependent(what, exc, static=static)
+    if isinstance(exc, AttributeError) and str(exc).startswith(_TRACED_TENSORS):
+        return UnsupportedError(
+            f"{what} reads a Python attribute of a tensor argument ({exc}, at "
+            f"{user_frame(exc)}); a trace runs on stand-ins of the arguments, which carry no "
+            "attributes of their own.\nFix: pass the value as an argument, or use "
+            "torch.compile(fn, backend='aotkit'), whose Dynamo reads it.")
     if isinstance(exc, AttributeError):
         # Some higher-order ops (torch.while_loop) trace their body with a ShapeEnv, which a
         # static trace's fake mode does not have.

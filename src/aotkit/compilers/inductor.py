@@ -153,11 +153,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     )
     tensors = [tensor for _, tensor in lifted]
     copies: list[int] | None = None  # the outputs to copy, once a call has shown them
+    signed = _signed_inputs(gm, example_inputs)
 
     def run(args: list[Any]) -> Any:
         nonlocal copies
         args.extend(tensors)
+        written = _resolve_signs(args, signed) if signed else None
         out = compiled(args)
+        if written:
+            for caller, resolved in written:
+                caller.copy_(resolved)
         merged = copies
         if merged is None:
             merged, shown = _merged_outputs(out, storages)
@@ -171,6 +176,35 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+# Note [Inputs with a conjugate or negative bit]
+# ``z.conj()`` and ``z.conj().imag`` are views whose values are their memory's conjugated or
+# negated; the bit belongs to the tensor. Inductor's kernels read memory as it is, so such an
+# input gave values of the wrong sign (``x * 2``) and wrote them back (``x.add_(1)``; PyTorch's
+# inductor backend the same). Each is passed as a resolved copy instead, and where the graph
+# writes it (keep_inference_input_mutations) the copy is written back through the caller's
+# tensor, whose bit applies. The signature keys on the bits, so a graph knows its inputs'.
+def _signed_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[tuple[int, bool]]:
+    """(position, written by the graph) of each input carrying a conjugate or negative bit."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    written = {n.args[0] for n in gm.graph.find_nodes(op="call_function",
+                                                      target=torch.ops.aten.copy_.default)}
+    return [(i, placeholders[i] in written) for i, t in enumerate(example_inputs)
+            if isinstance(t, torch.Tensor) and (t.is_conj() or t.is_neg())]
+
+
+def _resolve_signs(args: list[Any], signed: list[tuple[int, bool]]) -> list[tuple[Any, Any]]:
+    """See Note [Inputs with a conjugate or negative bit]; returns (caller's, resolved) pairs
+    to write back."""
+    written = []
+    for i, writes in signed:
+        caller = args[i]  # resolved in the layout the graph was compiled for
+        args[i] = torch.empty_strided(caller.shape, caller.stride(), dtype=caller.dtype,
+                                      device=caller.device).copy_(caller)
+        if writes:
+            written.append((caller, args[i]))
+    return written
 
 
 def _output_storages(gm: fx.GraphModule) -> list[Any]:
