@@ -389,3 +389,23 @@ def test_a_python_attribute_of_a_tensor_argument_is_refused_naming_the_fix():
     with pytest.raises(UnsupportedError, match=r"reads a Python attribute of a tensor argument "
                        r"(.|\n)*'scale'(.|\n)*Fix: pass the value as an argument"):
         aotkit.aot_function(fn, aotkit.compilers.nop)(torch.ones(1, 3), weight)
+
+
+@pytest.mark.parametrize("entry", ["aot_function", "torch.compile"])
+def test_jagged_output_keeps_its_inputs_ragged_size(entry):
+    """Note [Parts outputs share with inputs]: the output held an alias of n's offsets and got
+    a ragged size of its own, so ``f(n) + n`` raised where eager runs."""
+    def fn(n):
+        return n.sin() * 2
+
+    torch._dynamo.reset()
+    compiled = aotkit.aot_function(fn, aotkit.compilers.nop) if entry == "aot_function" \
+        else torch.compile(fn, backend="aotkit")
+    results = []
+    for run in (fn, compiled):
+        n = jagged(2, 4)
+        out = run(n)
+        assert out.shape == n.shape and out.offsets() is n.offsets()
+        loss((out + n) * n).backward()
+        results.append((data(out + n), n.grad.values()))
+    torch.testing.assert_close(results[1], results[0])

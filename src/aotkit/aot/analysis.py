@@ -19,10 +19,10 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
-from aotkit.aot.autograd_state import RefuseAutogradState, inputs_saved_after_write, versions_of
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.subclass import is_subclass
+from aotkit.aot.untraceable import RefuseUntraceable, inputs_saved_after_write, versions_of
 from aotkit.compat import (
     FakeTensor,
     FunctionalTensor,
@@ -207,7 +207,7 @@ def analyze(
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
         versions = versions_of(f_args)
-        with _RefuseStorageChanges(args, f_args), RefuseAutogradState(f_args), \
+        with _RefuseStorageChanges(args, f_args), RefuseUntraceable(f_args), \
                 fx_tracing():  # as the traced pass will be
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)

@@ -421,7 +421,7 @@ def _check_version(t: torch.Tensor | None, version: int, index: int, name: str) 
             "one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{t.type()} {list(t.shape)}], input {index} of {name}, which "
             f"the function wrote and then saved, is at version {t._version}; expected version "
-            f"{version} instead. (Note [Inputs saved after a write] in aotkit.aot.autograd_state)")
+            f"{version} instead. (Note [Inputs saved after a write] in aotkit.aot.untraceable)")
 
 
 # Note [Inputs without a gradient]

@@ -288,7 +288,11 @@ class Boundary:
         layouts = [None if x is None else layout_of(a) for a, x in zip(args, self.inputs, strict=True)]
         symbols = [v for a, x in zip(args, self.inputs, strict=True) if x is not None
                    for v in symbol_values(a, x)]
-        return _rebuild_all(self.outputs, run(self._flatten(args, layouts) + symbols), exprs=True)
+        outs = run(self._flatten(args, layouts) + symbols)
+        originals = [p for a, x in zip(args, layouts, strict=True) if x is not None
+                     for p in parts(a, x)]
+        return _rebuild_all(self.outputs, _shared_parts(self.outputs, outs, originals),
+                            exprs=True)
 
     @staticmethod
     def _flatten(values: Sequence[Any], layouts: Sequence[Layout | None]) -> list[Any]:
@@ -296,6 +300,35 @@ class Boundary:
         for v, layout in zip(values, layouts, strict=True):
             out.extend([v] if layout is None else unwrap(layout, v))
         return out
+
+
+# Note [Parts outputs share with inputs]
+# ``n * 2`` on a jagged tensor keeps n's offsets: eager's output holds the very same offsets
+# tensor, whose identity names the ragged size (j1), so the output composes with n (``out +
+# n``). The graph hands back an alias of the offsets (a detach), a new tensor object, and the
+# rebuilt output got a ragged size of its own (j2): ``out + n`` raised. An output part that
+# needs no gradient and is exactly an input part's memory (same address, dtype, sizes and
+# strides) is therefore replaced by that input part before rebuilding.
+def _shared_parts(layouts: Sequence[Layout | None], flat: list[Any],
+                  inputs: Sequence[Any]) -> list[Any]:
+    """See Note [Parts outputs share with inputs]."""
+    by_memory = {_memory(t): t for t in inputs
+                 if isinstance(t, torch.Tensor) and not t.requires_grad}
+    if not by_memory:
+        return flat
+    flat, start = list(flat), 0
+    for layout in layouts:
+        end = start + (1 if layout is None else layout.num_plain)
+        for k in range(start, end) if layout is not None else ():
+            part = flat[k]
+            if isinstance(part, torch.Tensor) and not part.requires_grad:
+                flat[k] = by_memory.get(_memory(part), part)
+        start = end
+    return flat
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...]:
+    return t.data_ptr(), t.dtype, t.device, t.shape, t.stride()
 
 
 def _rebuild_all(layouts: Sequence[Layout | None], flat: Sequence[Any], exprs: bool) -> list[Any]:

@@ -1,6 +1,8 @@
-"""Autograd bookkeeping inside a compiled function (Note [Autograd state inside the function]):
-what a trace cannot capture is refused with its fix, where PyTorch's aot_function silently
-computes something else; PyTorch's own saved-tensor hooks and torch.compile still run."""
+"""What a trace cannot capture (aotkit.aot.untraceable): autograd bookkeeping inside a compiled
+function and gradients through sparse tensors made inside are refused with their fix, where
+PyTorch's aot_function silently computes something else; PyTorch's own saved-tensor hooks,
+sparse tensors without gradients and torch.compile still run. Also inputs autograd saved after
+the function wrote them (Note [Inputs saved after a write])."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def test_grad_of_an_input_inside_is_refused(fn, verb):
     moved nothing, and p.grad stayed None (PyTorch's aot_function does all three)."""
     p, q = _with_grads()
     with pytest.raises(UnsupportedError, match=rf"{verb} \.grad of input 0 \(at (.|\n)*"
-                       rf"test_autograd_state.py:\d+ in {fn.__name__}(.|\n)*Fix: pass the gradient as an argument"):
+                       rf"test_untraceable.py:\d+ in {fn.__name__}(.|\n)*Fix: pass the gradient as an argument"):
         aotkit.aot_function(fn, compilers.nop)(p, q)
     torch.testing.assert_close(p.grad, torch.full((4,), 2.0))  # nothing ran
 
@@ -98,7 +100,7 @@ def test_autograd_calls_inside_are_refused(call, what):
         call(x if "post_accumulate" in what else y)
         return y
 
-    with pytest.raises(UnsupportedError, match=rf"calls {what} \(at \S+test_autograd_state.py"):
+    with pytest.raises(UnsupportedError, match=rf"calls {what} \(at \S+test_untraceable.py"):
         aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True), rand(3, grad=True))
 
 
@@ -221,3 +223,29 @@ def test_batch_norm_statistics_written_twice_before_backward_do_not_raise():
         (run(x1).pow(2).sum() + run(x2).pow(3).sum()).backward()
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize(("fn", "op"), [
+    (lambda x, w: x.to_sparse().to_dense() * w, "to_dense"),  # x's gradient was lost
+    (lambda x, w: torch.sparse.mm(x.to_sparse(), w), "_sparse_mm"),
+    (lambda x, w: x.to_sparse_csr().to_dense() * w, "to_sparse_csr"),  # aborted the process
+    (lambda x, w: torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), x[0, :2], (3, 3)),
+     "sparse_coo_tensor"),  # failed in the backward
+])
+def test_gradients_through_sparse_tensors_made_inside_are_refused(fn, op):
+    """Note [Sparse tensors made inside]."""
+    with pytest.raises(UnsupportedError, match=rf"sparse or mkldnn tensor that autograd must "
+                       rf"differentiate \({op}, at (.|\n)*Fix: do this part outside"):
+        aotkit.aot_function(fn, compilers.nop)(rand(3, 3, grad=True), rand(3, 3, grad=True))
+
+
+def test_sparse_tensors_without_gradients_and_sparse_outputs_still_match_eager():
+    index = torch.tensor([[0, 1, 2], [1, 2, 0]])
+
+    def message_passing(h, w):
+        adjacency = torch.sparse_coo_tensor(index, torch.ones(3), (3, 3))
+        return torch.sparse.mm(adjacency, h @ w), (h * 2).to_sparse().to_dense()
+
+    check_against_eager(message_passing, rand(3, 4), rand(4, 2, grad=True))
+    out = aotkit.aot_function(lambda x: (x * 2).to_sparse(), compilers.nop)(rand(3, grad=True))
+    assert out.layout is torch.sparse_coo and out.requires_grad

@@ -1,6 +1,7 @@
-"""Autograd state inside a traced function: what a trace cannot capture, refused while the
-metadata pass runs (Note [Autograd state inside the function]), and inputs autograd saved after
-the function wrote them (Note [Inputs saved after a write])."""
+"""What a trace cannot capture, refused while the metadata pass runs: autograd state (Note
+[Autograd state inside the function]) and gradients through sparse tensors (Note [Sparse
+tensors made inside]); and the inputs autograd saved after the function wrote them (Note
+[Inputs saved after a write])."""
 
 from __future__ import annotations
 
@@ -30,13 +31,40 @@ _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
 _USE_TORCH_COMPILE = "or use torch.compile(fn, backend='aotkit'), whose Dynamo handles it"
 
 
-class RefuseAutogradState(torch.overrides.TorchFunctionMode):
-    """See Note [Autograd state inside the function]; ``f_args`` are the traced inputs."""
+# Note [Sparse tensors made inside]
+# Graphs hold strided tensors, and autograd through a sparse tensor made inside does not
+# survive the trace: ``x.to_sparse().to_dense() * 2`` silently lost x's gradient, a compressed
+# layout of a tensor requiring grad (``x.to_sparse_csr()``) aborted the process in C++, and
+# ``sparse_coo_tensor`` of values requiring grad failed in the backward. Those are refused
+# before the call, and so is any use of a sparse tensor made from tensors requiring grad
+# (Dynamo runs such code eagerly, splitting its graph); ``to_mkldnn`` cannot be traced at all. Sparse tensors without gradients still work, and so does a sparse output
+# (``x.to_sparse()`` returned: the backward densifies its gradient, as eager's does).
+_SPARSE_MAKERS = frozenset({
+    torch.Tensor.to_sparse_csr, torch.Tensor.to_sparse_csc, torch.Tensor.to_sparse_bsr,
+    torch.Tensor.to_sparse_bsc, torch.sparse_coo_tensor, torch.sparse_csr_tensor,
+    torch.sparse_csc_tensor, torch.sparse_bsr_tensor, torch.sparse_bsc_tensor,
+    torch.sparse_compressed_tensor})
+
+
+_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                            torch.sparse_bsc})
+
+
+def _tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple))
+                                                          else (a,))
+            if isinstance(t, torch.Tensor)]
+
+
+class RefuseUntraceable(torch.overrides.TorchFunctionMode):
+    """See Note [Autograd state inside the function] and Note [Sparse tensors made inside];
+    ``f_args`` are the traced inputs."""
 
     def __init__(self, f_args: Sequence[Any]) -> None:
         super().__init__()
         self.inputs = {id(a): i for i, a in enumerate(f_args) if isinstance(a, torch.Tensor)}
         self.hooks = _top_hooks()
+        self.sparse_from_grads: dict[int, torch.Tensor] = {}  # held: ids stay unique
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if torch.compiler.is_compiling():  # Dynamo tracing a branch of torch.cond through us
@@ -51,6 +79,8 @@ class RefuseAutogradState(torch.overrides.TorchFunctionMode):
                 "compiled backward has no place for: the tensor's .grad or hook would never "
                 f"be filled or run.\nFix: call it on the tensor outside the compiled function "
                 f"(return the tensor if it is made inside), {_USE_TORCH_COMPILE}.")
+        elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
+            raise _sparse_refusal(func)
         elif func in _BACKWARD:
             raise UnsupportedError(
                 f"the compiled function calls backward() (at {current_user_line()}); aotkit "
@@ -58,7 +88,27 @@ class RefuseAutogradState(torch.overrides.TorchFunctionMode):
                 "accumulate gradients into .grad while tracing.\nFix: return the loss and call "
                 f"loss.backward() after the call, {_USE_TORCH_COMPILE}.")
         self._refuse_saved_tensor_hooks()
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._follow_sparse(func, out, _tensors(args, kwargs or {}))
+        return out
+
+    def _follow_sparse(self, func: Any, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """A sparse tensor made from tensors requiring grad may be returned, not computed with:
+        see Note [Sparse tensors made inside]."""
+        lost = any(id(t) in self.sparse_from_grads for t in tensors)
+        if out.layout in _SPARSE_LAYOUTS and (lost or any(t.requires_grad for t in tensors)):
+            for t in (out, getattr(out, "elem", None)):  # FunctionalTensor.to_dense: elem's
+                self.sparse_from_grads[id(t)] = t
+        elif lost:
+            raise _sparse_refusal(func)
+
+    def _loses_gradients(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """See Note [Sparse tensors made inside]."""
+        tensors = _tensors(args, kwargs)
+        compressed = func is torch.Tensor.to_sparse and kwargs.get("layout") not in (
+            None, torch.sparse_coo)
+        return (compressed or func in _SPARSE_MAKERS) and any(t.requires_grad for t in tensors)
 
     def _refuse_grad_access(self, t: Any, verb: str) -> None:
         index = self.inputs.get(id(t))
@@ -82,6 +132,15 @@ class RefuseAutogradState(torch.overrides.TorchFunctionMode):
             "themselves, not what the hooks make of them.\nFix: enter "
             "torch.autograd.graph.saved_tensors_hooks around the call of the compiled function "
             f"(the hooks then see what the compiled forward saves), {_USE_TORCH_COMPILE}.")
+
+
+def _sparse_refusal(func: Any) -> UnsupportedError:
+    return UnsupportedError(
+        f"the compiled function makes or uses a sparse or mkldnn tensor that autograd must "
+        f"differentiate ({getattr(func, '__name__', func)}, at {current_user_line()}); "
+        "aotkit's graphs hold strided tensors, and gradients through sparse tensors made "
+        f"inside are lost in the trace.\nFix: do this part outside the compiled function, "
+        f"{_USE_TORCH_COMPILE} eagerly.")
 
 
 def _top_hooks() -> tuple[Any, Any] | None:
