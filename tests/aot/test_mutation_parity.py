@@ -1173,3 +1173,16 @@ def test_as_strided_after_a_write_under_torch_compile_is_refused_naming_the_user
     with pytest.raises(Exception, match=r"as_strided on input 0 of the compiled function \(at "
                        r"\S*test_mutation_parity.py:\d+ in fn: return x.as_strided"):
         torch.compile(fn, backend="aotkit")(torch.arange(10.0)[2:9])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_as_strided_without_an_offset_after_a_write_counts_from_the_input_and_matches_eager(dynamic):
+    """No offset counts from the tensor's own start, which moves with the written value: the
+    first version of Note [as_strided on a written input] refused this (framing a signal)."""
+    def frames(x, w):
+        x.mul_(w.sum())
+        return x.as_strided((3, 4), (2, 1)) * w
+
+    check_against_eager(frames, rand(16, grad=True), rand(1, grad=True),
+                        prepare=lambda args, kwargs: (((args[0] * 1)[4:], args[1]), {}),
+                        aot_kwargs={"dynamic": dynamic})

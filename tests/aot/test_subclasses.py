@@ -409,3 +409,20 @@ def test_jagged_output_keeps_its_inputs_ragged_size(entry):
         loss((out + n) * n).backward()
         results.append((data(out + n), n.grad.values()))
     torch.testing.assert_close(results[1], results[0])
+
+
+class Tagged(torch.Tensor):
+    """A subclass without a __torch_function__ of its own: eager's results keep its type."""
+
+
+def test_a_subclass_without_an_override_keeps_its_type_through_the_graphs():
+    """Dynamo's graphs run with subclass __torch_function__ off; aot_function's must not, or the
+    outputs came back as plain tensors."""
+    def fn(x, w):
+        return x * w
+
+    x = torch.randn(3).as_subclass(Tagged)
+    out = aotkit.aot_function(fn, aotkit.compilers.nop)(x, torch.randn(3, requires_grad=True))
+    assert type(out) is type(fn(x, torch.randn(3))) is Tagged
+    model = nn.Linear(3, 2)
+    assert type(aotkit.aot_module(model, aotkit.compilers.nop)(x)) is type(model(x)) is Tagged

@@ -262,10 +262,10 @@ def _incremented(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fn", [_doubled, _incremented])
 @pytest.mark.parametrize("make", [
     lambda: torch.randn(4, dtype=torch.complex64).conj().imag,  # negative bit, strides (2,)
-    lambda: torch.randn(4, dtype=torch.complex64).conj(),       # conjugate bit
+    lambda: torch.randn(4, dtype=torch.complex64).conj(),       # conjugate bit: the graph's own
 ], ids=["neg", "conj"])
 def test_inputs_with_a_sign_bit_read_and_write_as_in_eager(make, fn, keep) -> None:
-    """Note [Inputs with a conjugate or negative bit]: Inductor read a negative view's memory
+    """Note [Inputs with a negative bit]: Inductor read a negative view's memory
     without its sign, and wrote the wrong values back (PyTorch's inductor backend the same)."""
     compiled = aotkit.aot_function(fn, aotkit.compilers.inductor,
                                    keep_inference_input_mutations=keep)
@@ -280,3 +280,13 @@ def test_inputs_with_a_sign_bit_read_and_write_as_in_eager(make, fn, keep) -> No
                                expected.resolve_conj().resolve_neg())
     torch.testing.assert_close(actual_input.resolve_conj().resolve_neg(),
                                expected_input.resolve_conj().resolve_neg())
+
+
+def test_real_and_imag_of_a_conjugate_input_match_eager() -> None:
+    """The graph resolves a conjugate input's bit itself: a resolved copy was conjugated twice
+    (view_as_real refused it)."""
+    def parts(z: torch.Tensor) -> torch.Tensor:
+        return z.real * 2 + z.imag
+
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
+    torch.testing.assert_close(aotkit.aot_function(parts, aotkit.compilers.inductor)(z), parts(z))

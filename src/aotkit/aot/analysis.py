@@ -22,7 +22,12 @@ from torch.utils import _pytree as pytree
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.subclass import is_subclass
-from aotkit.aot.untraceable import RefuseUntraceable, inputs_saved_after_write, versions_of
+from aotkit.aot.untraceable import (
+    RefuseUntraceable,
+    SavedAfterWrite,
+    inputs_saved_after_write,
+    versions_of,
+)
 from aotkit.compat import (
     FakeTensor,
     FunctionalTensor,
@@ -64,9 +69,6 @@ class InputInfo:
     # The function changed the input's shape or strides in place, to a layout the trace cannot
     # tell (dynamic sizes): see Note [Layout after t_()].
     layout_unknown: bool = False
-    # Autograd saved the input as the function left it, after writing it: backward checks that
-    # the caller did not write it since (Note [Inputs saved after a write]).
-    saved_after_write: bool = False
 
     @property
     def mutated(self) -> bool:
@@ -123,6 +125,8 @@ class AotMeta:
     outputs: list[OutputInfo]
     out_spec: pytree.TreeSpec
     intermediate_bases_requires_grad: list[bool] = field(default_factory=list)
+    # Inputs autograd saved after the function wrote them (Note [Inputs saved after a write]).
+    saved_after_write: dict[int, SavedAfterWrite] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._returns_sizes = _has_size(self.out_spec)
@@ -207,18 +211,17 @@ def analyze(
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
         versions = versions_of(f_args)
-        with _RefuseStorageChanges(args, f_args), RefuseUntraceable(f_args), \
+        with _RefuseStorageChanges(args, f_args), RefuseUntraceable(args, f_args), \
                 fx_tracing():  # as the traced pass will be
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
-        for i in inputs_saved_after_write(f_args, versions, f_outs, grad_fns):
-            inputs[i] = dataclasses.replace(inputs[i], saved_after_write=True)
+        saved = inputs_saved_after_write(f_args, versions, f_outs, grad_fns)
         _refuse_swaps_into_mutated_memory(inputs, args, f_args)
         outputs, bases = _output_infos(f_args, f_outs)
         _refuse_views_of_swapped_inputs(inputs, outputs)
         outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
-        meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases])
+        meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases], saved)
         fw_outs = [
             *(f_args[i] for i in meta.mutated_inputs),
             *(f_outs[i] for i in meta.graph_user_outputs()),
@@ -438,10 +441,11 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
                 "backend='aotkit'), whose Dynamo handles it.")
         out = func(*args, **kwargs)
         if func in _AS_STRIDED_CALLS:
-            self._check_as_strided(args[0], out)
+            offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+            self._check_as_strided(args[0], out, explicit_offset=offset is not None)
         return out
 
-    def _check_as_strided(self, t: torch.Tensor, view: torch.Tensor) -> None:
+    def _check_as_strided(self, t: torch.Tensor, view: torch.Tensor, explicit_offset: bool) -> None:
         """See Note [as_strided on a written input]."""
         index = self._input_of(t)
         if index is None:
@@ -452,8 +456,9 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
             return  # the graph places the view on the input itself
         value = torch._from_functional_tensor(f_arg.elem)
         where = f"as_strided on input {index} of the compiled function (at {current_user_line()})"
-        if not (statically_known_true(value.storage_offset() == arg.storage_offset())
-                and _laid_out_alike(arg, value)):
+        same_offset = not explicit_offset or statically_known_true(
+            value.storage_offset() == arg.storage_offset())  # none: counts from the tensor's own
+        if not (same_offset and _laid_out_alike(arg, value)):
             raise UnsupportedError(
                 f"{where} after the function wrote that input: the graph holds the written "
                 f"value as a new tensor (strides {tuple(value.stride())}, storage offset "
@@ -527,9 +532,10 @@ _AS_STRIDED_FIX = ("Fix: take the as_strided view before writing the input, pass
 # Functionalization keeps an input's value, once written, as a new tensor (``x.add_(1)`` makes
 # ``add``), and places every later view of the input on that tensor. Ordinary views are
 # relative to the tensor they view and land right; as_strided's strides and storage offset
-# count in the input's own memory. On an input at storage offset 2, or with gaps between its
-# elements, the new tensor is laid out otherwise (offset 0, contiguous), and the same offset
-# and strides pick other elements: a silent wrong result (PyTorch 2.13's aot_function gives it).
+# count in the input's own memory. On an input with gaps between its elements, or at storage
+# offset 2 with an explicit offset (none counts from the tensor's own start, which moves with
+# it), the new tensor is laid out otherwise (offset 0, contiguous), and the same offset and
+# strides pick other elements: a silent wrong result (PyTorch 2.13's aot_function gives it).
 # So as_strided on an input after a write is refused unless the written value is laid out as
 # the input is and the view stays within it; before any write the value is the input itself.
 

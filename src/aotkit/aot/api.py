@@ -196,6 +196,8 @@ def _compile_within(boundary: Boundary | None, flat_fn: FlatFn, args: Sequence[A
         graphs = _compile_graphs(watched, args, options, name, mode, from_dynamo)
     graphs.boundary = boundary
     graphs.state_after = watched.after  # Note [Global state the function leaves changed]
+    if from_dynamo:  # Note [Subclasses with __torch_function__]
+        graphs.no_overrides = torch._C.DisableTorchFunctionSubclass
     if boundary is not None and graphs.training and any(
             graphs.meta.inputs[i].mutated for i in boundary.subclass_parts()):
         raise UnsupportedError(
@@ -879,11 +881,12 @@ def _stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
 # F.linear) changes what the user's calls compute. A trace on fake tensors never runs the
 # override, so the graph computed without it, and the graph's own ATen calls, bound to torch.*
 # functions, ran it again at run time on ops the user never called (the functional ``mul`` of a
-# ``mul_``, a backward's ``mul``). aot_function and aot_module refuse such arguments
-# (torch.compile's Dynamo traces the override into its graph), the signature keys on each
-# tensor's type so a plain tensor's graph never serves one, and compiled graphs run with
-# subclass __torch_function__ disabled. Subclasses made of plain tensors (Note [Tensor
-# subclasses]) and nn.Parameter / nn.Buffer are traced as before.
+# ``mul_``, a backward's ``mul``). aot_function and aot_module refuse such arguments, and the
+# signature keys on each tensor's type so a plain tensor's graph never serves one; a subclass
+# without an override keeps its type through the graphs' calls, as in eager. torch.compile's
+# Dynamo traces the override into its graph, so Dynamo's graphs run with subclass
+# __torch_function__ off (Dynamo gives outputs their subclass itself). Subclasses made of plain
+# tensors (Note [Tensor subclasses]) and nn.Parameter / nn.Buffer are traced as before.
 def _refuse_torch_function_overrides(leaves: Sequence[Any], names: Sequence[str],
                                      name: str) -> None:
     for leaf, where in zip(leaves, names, strict=False):

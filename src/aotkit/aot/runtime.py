@@ -23,6 +23,7 @@ from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, a
 from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
+from aotkit.aot.untraceable import SavedAfterWrite
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -67,6 +68,9 @@ class CompiledGraphs:
     tangent_specs: list[tuple[Any, torch.dtype, torch.device] | None] = field(default_factory=list)
     # The graph places a view at an absolute storage offset (Note [Absolute storage offsets]).
     absolute_offsets: bool = False
+    # Around the graphs' calls: Dynamo's graphs run with subclass __torch_function__ off, as
+    # Dynamo traced the overrides in (Note [Subclasses with __torch_function__] in api).
+    no_overrides: Callable[[], Any] = contextlib.nullcontext
 
     def __post_init__(self) -> None:
         self.num_fw_outputs = len(self.returned_mutations) + len(self.meta.graph_user_outputs()) + len(
@@ -93,8 +97,8 @@ class CompiledGraphs:
         self.symbolic_tangents = any(spec is not None and spec[0] is None
                                      for spec in self.tangent_specs)
         self._reached: list[int] | None = None  # Note [Outputs backward does not reach]
-        self.saved_after_write = [i for i, info in enumerate(self.meta.inputs)
-                                  if info.saved_after_write] if self.training else []
+        self.watched = [_Watch.of(self, i, where) for i, where
+                        in self.meta.saved_after_write.items()] if self.training else []
 
     def reached_by(self) -> list[int]:
         """Per backward output (an input's gradient), a bit mask of the tangents it depends on
@@ -118,8 +122,7 @@ class CompiledGraphs:
     def run_forward(self, args: list[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
         when it returns views, their view functions recorded (Note [Replaying views])."""
-        # Note [Subclasses with __torch_function__]: the graph's calls must not run overrides.
-        with torch._C._DisableAutocast(), torch._C.DisableTorchFunctionSubclass():
+        with torch._C._DisableAutocast(), self.no_overrides():
             if not self.returns_views:  # a copy of args: the graph may empty its list
                 outs = self.fw(list(args))
             else:
@@ -211,8 +214,9 @@ class CompiledFunction(torch.autograd.Function):
         graphs: CompiledGraphs = ctx.graphs
         if graphs.backward_error is not None:
             raise RuntimeError(graphs.backward_error)
-        for ref, version, index in getattr(ctx, "watched", ()):  # Note [Inputs saved after a write]
-            _check_version(ref(), version, index, graphs.name)
+        for watch, ref, version in getattr(ctx, "watched", ()):  # Note [Inputs saved after a write]
+            if watch.eager_checks(ctx, grads):
+                _check_version(ref(), version, watch.index, graphs.name)
         grads = grads[:-1]  # the anchor's
         tangents = [g for g, d in zip(grads, graphs.differentiable, strict=True) if d]
         unreached = sum(1 << k for k, g in enumerate(tangents) if g is None)
@@ -230,12 +234,11 @@ class CompiledFunction(torch.autograd.Function):
         args = [*ctx.saved_syms, *saved, *tangents]
         del saved
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
-            with torch.no_grad(), torch._C._DisableAutocast(), \
-                    torch._C.DisableTorchFunctionSubclass():
+            with torch.no_grad(), torch._C._DisableAutocast(), graphs.no_overrides():
                 input_grads = backward(args)
             input_grads = _refuse_double_backward(graphs.name, anchor, tangents, input_grads)
         else:
-            with torch._C._DisableAutocast(), torch._C.DisableTorchFunctionSubclass():
+            with torch._C._DisableAutocast(), graphs.no_overrides():
                 input_grads = backward(args)
         if unreached:
             input_grads = [None if mask and not mask & ~unreached and i in quiet else g
@@ -408,11 +411,42 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
             torch.autograd.graph.increment_version(args[i])
         return epilogue(graphs, args, fw_outs)
     outs = epilogue(graphs, args, fw_outs)
-    if graphs.saved_after_write and anchor.grad_fn is not None:  # the node backward gets as ctx
+    if graphs.watched and anchor.grad_fn is not None:  # the node backward gets as ctx
         # Note [Inputs saved after a write]; weak: the caller's tensor leads back to the node.
-        anchor.grad_fn.watched = [(weakref.ref(args[i]), args[i]._version, i)
-                                  for i in graphs.saved_after_write]
+        anchor.grad_fn.watched = [(w, weakref.ref(args[w.index]), args[w.index]._version)
+                                  for w in graphs.watched]
     return outs
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """An input of Note [Inputs saved after a write], and when eager would check it: a gradient
+    arrived at one of ``positions`` (forward outputs; None: always), and the engine runs one of
+    ``slots`` (the Function's input edges)."""
+
+    index: int
+    positions: tuple[int, ...] | None
+    slots: tuple[int, ...]
+
+    @staticmethod
+    def of(graphs: CompiledGraphs, index: int, where: SavedAfterWrite) -> _Watch:
+        outputs, start = graphs.meta.outputs, len(graphs.returned_mutations)
+        positions: list[int] | None = [graphs.returned_mutations.index(j) for j in where.written]
+        for o in where.outputs:  # a view's gradient goes through its base: always check
+            if positions is not None and outputs[o].alias is Alias.NONE:
+                positions.append(start + graphs.graph_output_position[o])
+            else:
+                positions = None
+        tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
+        return _Watch(index, None if positions is None else tuple(positions),
+                      tuple(tensors.index(j) for j in where.leads_to))
+
+    def eager_checks(self, ctx: Any, grads: Sequence[Any]) -> bool:
+        if self.positions is not None and all(grads[p] is None for p in self.positions):
+            return False
+        return not self.slots or any(
+            (node := ctx.next_functions[s][0]) is not None
+            and torch._C._will_engine_execute_node(node) for s in self.slots)
 
 
 def _check_version(t: torch.Tensor | None, version: int, index: int, name: str) -> None:

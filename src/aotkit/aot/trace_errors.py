@@ -27,8 +27,9 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
         return UnsupportedError(
             f"{what} reads a Python attribute of a tensor argument ({exc}, at "
             f"{user_frame(exc)}); a trace runs on stand-ins of the arguments, which carry no "
-            "attributes of their own.\nFix: pass the value as an argument, or use "
-            "torch.compile(fn, backend='aotkit'), whose Dynamo reads it.")
+            "attributes of their own (if the argument has no such attribute either, the name "
+            "is misspelt: eager raises AttributeError).\nFix: pass the value as an argument, "
+            "or use torch.compile(fn, backend='aotkit'), whose Dynamo reads it.")
     if isinstance(exc, AttributeError):
         # Some higher-order ops (torch.while_loop) trace their body with a ShapeEnv, which a
         # static trace's fake mode does not have.

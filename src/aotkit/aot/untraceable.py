@@ -5,13 +5,14 @@ tensors made inside]); and the inputs autograd saved after the function wrote th
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from aotkit.aot.frames import current_user_line
-from aotkit.compat import StorageWeakRef
 from aotkit.errors import UnsupportedError
 
 # Note [Autograd state inside the function]
@@ -60,9 +61,11 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     """See Note [Autograd state inside the function] and Note [Sparse tensors made inside];
     ``f_args`` are the traced inputs."""
 
-    def __init__(self, f_args: Sequence[Any]) -> None:
+    def __init__(self, args: Sequence[Any], f_args: Sequence[Any]) -> None:
         super().__init__()
         self.inputs = {id(a): i for i, a in enumerate(f_args) if isinstance(a, torch.Tensor)}
+        self.leaves = {id(f): a.is_leaf for a, f in zip(args, f_args, strict=True)
+                       if isinstance(a, torch.Tensor)}
         self.hooks = _top_hooks()
         self.sparse_from_grads: dict[int, torch.Tensor] = {}  # held: ids stay unique
 
@@ -71,6 +74,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if func in (_GRAD_GET, _GRAD_SET):
             self._refuse_grad_access(args[0], "reads" if func == _GRAD_GET else "sets")
+        elif func is torch.Tensor.retain_grad and self.leaves.get(id(args[0])):
+            pass  # retain_grad() on a leaf input does nothing in eager
         elif func is torch.Tensor.retain_grad or func is torch.Tensor.register_post_accumulate_grad_hook:
             what = "retain_grad()" if func is torch.Tensor.retain_grad else \
                 "register_post_accumulate_grad_hook()"
@@ -149,6 +154,8 @@ def _top_hooks() -> tuple[Any, Any] | None:
 
 
 def _from_torch(pack: Any) -> bool:
+    while isinstance(pack, functools.partial):  # tensor parallelism wraps its hooks so
+        pack = pack.func
     module = getattr(pack, "__module__", None) or ""
     return module == "torch" or module.startswith("torch.")
 
@@ -159,38 +166,84 @@ def _from_torch(pack: Any) -> bool:
 # returned, or a second call writing it): "modified by an inplace operation". The graph holds
 # x's new value as a tensor of its own and saves that, so the caller's write went unnoticed and
 # the gradient used the old value. The metadata pass therefore looks at what autograd saved:
-# an input the function wrote (its version moved) whose memory some saved tensor shares at
-# its final version makes the runtime record the caller's tensor's version after writing the
-# new value back, and backward checks it. Writes autograd's version counter does not see
-# (BatchNorm's running statistics, updated inside the kernel) are not watched, as in eager.
+# an input the function wrote (its version moved) that some node saved at its final version
+# (the input or a view of it: ``.data`` has a version counter of its own) makes the runtime
+# record the caller's tensor's version after writing the new value back. Backward checks it
+# when eager would run that node: a gradient arrived for an output whose backward reaches it
+# (not an unused auxiliary output), and the engine runs an edge its gradient flows to (not
+# ``autograd.grad`` with respect to other inputs only). Writes autograd's version counter
+# does not see (BatchNorm's running statistics, updated inside the kernel) are not watched,
+# as in eager.
 def versions_of(tensors: Sequence[Any]) -> list[int | None]:
     """Version counters, None where there is none (not a tensor, an inference tensor)."""
     return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
             for t in tensors]
 
 
+@dataclass(frozen=True)
+class SavedAfterWrite:
+    """Where autograd saved a written input (Note [Inputs saved after a write]): the flat
+    outputs and written inputs whose backward reaches a node that saved it, and the inputs that
+    node's gradient flows to. Eager checks the version only when that node runs."""
+
+    outputs: frozenset[int]
+    written: frozenset[int]
+    leads_to: frozenset[int]
+
+
 def inputs_saved_after_write(f_args: Sequence[Any], versions: Sequence[int | None],
-                             f_outs: Sequence[Any], before: Sequence[Any]) -> set[int]:
+                             f_outs: Sequence[Any], before: Sequence[Any]
+                             ) -> dict[int, SavedAfterWrite]:
     """The inputs of Note [Inputs saved after a write]: ``versions`` are the inputs' versions
     before the function ran (:func:`versions_of`), ``before`` the grad_fns they had (where the
     search stops)."""
-    written = {StorageWeakRef(f.untyped_storage()): i for i, (f, v) in
-               enumerate(zip(f_args, versions, strict=True))
+    written = {id(_root(f)): i for i, (f, v) in enumerate(zip(f_args, versions, strict=True))
                if v is not None and f._version != v}
     if not written:
-        return set()
-    stop = {id(g) for g in before if g is not None}
-    roots = [t.grad_fn for t in (*f_outs, *f_args) if isinstance(t, torch.Tensor)]
+        return {}
+    stop = {id(g): j for j, g in enumerate(before) if g is not None}
+    leaves = {id(f): j for j, f in enumerate(f_args) if isinstance(f, torch.Tensor)}
+    found: dict[int, tuple[set[int], set[int], set[int]]] = {}
+    for kind, k, t in [*(("out", k, t) for k, t in enumerate(f_outs)),
+                       *(("arg", k, f_args[k]) for k in written.values())]:
+        for node in _nodes_below(getattr(t, "grad_fn", None), stop):
+            for i in {written[id(_root(s))] for s in _saved_tensors(node)
+                      if id(_root(s)) in written}:
+                outs, args, leads = found.setdefault(i, (set(), set(), set()))
+                (outs if kind == "out" else args).add(k)
+                leads.update(_inputs_below(node, stop, leaves))
+    return {i: SavedAfterWrite(frozenset(o), frozenset(a), frozenset(n))
+            for i, (o, a, n) in found.items()}
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` shares (a view's base); ``.data`` has its own."""
+    return t._base if t._base is not None else t
+
+
+def _nodes_below(node: Any, stop: Mapping[int, int]) -> Iterator[Any]:
+    """Autograd nodes from ``node`` down, not past the inputs' own histories (``stop``)."""
     seen: dict[int, Any] = {}  # held: an id is unique only while its node lives
-    found = set()
-    while roots:
-        node = roots.pop()
+    todo = [node]
+    while todo:
+        node = todo.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
         seen[id(node)] = node
-        found.update(i for t in _saved_tensors(node)
-                     if (i := written.get(StorageWeakRef(t.untyped_storage()))) is not None)
-        roots.extend(next_node for next_node, _ in node.next_functions)
+        yield node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _inputs_below(node: Any, stop: Mapping[int, int], leaves: Mapping[int, int]) -> set[int]:
+    """The inputs ``node``'s gradient flows to: their histories, or their AccumulateGrad."""
+    found = set()
+    for below in _nodes_below(node, stop):
+        for next_node, _ in below.next_functions:
+            variable = getattr(next_node, "variable", None)
+            if id(next_node) in stop:
+                found.add(stop[id(next_node)])
+            elif variable is not None and id(variable) in leaves:
+                found.add(leaves[id(variable)])
     return found
 
 

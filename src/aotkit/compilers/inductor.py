@@ -178,24 +178,25 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     return run
 
 
-# Note [Inputs with a conjugate or negative bit]
-# ``z.conj()`` and ``z.conj().imag`` are views whose values are their memory's conjugated or
-# negated; the bit belongs to the tensor. Inductor's kernels read memory as it is, so such an
-# input gave values of the wrong sign (``x * 2``) and wrote them back (``x.add_(1)``; PyTorch's
-# inductor backend the same). Each is passed as a resolved copy instead, and where the graph
-# writes it (keep_inference_input_mutations) the copy is written back through the caller's
-# tensor, whose bit applies. The signature keys on the bits, so a graph knows its inputs'.
+# Note [Inputs with a negative bit]
+# ``z.conj().imag`` is a view whose values are its memory's negated; the bit belongs to the
+# tensor. Inductor's kernels read memory as it is, so such an input gave values of the wrong
+# sign (``x * 2``) and wrote them back (``x.add_(1)``; PyTorch's inductor backend the same).
+# It is passed as a resolved copy instead, and where the graph writes it
+# (keep_inference_input_mutations) the copy is written back through the caller's tensor,
+# whose bit applies. The signature keys on the bits, so a graph knows its inputs'. A conjugate
+# input needs nothing: the graph resolves its conjugation with ops of its own.
 def _signed_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[tuple[int, bool]]:
-    """(position, written by the graph) of each input carrying a conjugate or negative bit."""
+    """(position, written by the graph) of each input carrying a negative bit."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     written = {n.args[0] for n in gm.graph.find_nodes(op="call_function",
                                                       target=torch.ops.aten.copy_.default)}
     return [(i, placeholders[i] in written) for i, t in enumerate(example_inputs)
-            if isinstance(t, torch.Tensor) and (t.is_conj() or t.is_neg())]
+            if isinstance(t, torch.Tensor) and t.is_neg() and not t.is_conj()]
 
 
 def _resolve_signs(args: list[Any], signed: list[tuple[int, bool]]) -> list[tuple[Any, Any]]:
-    """See Note [Inputs with a conjugate or negative bit]; returns (caller's, resolved) pairs
+    """See Note [Inputs with a negative bit]; returns (caller's, resolved) pairs
     to write back."""
     written = []
     for i, writes in signed:
