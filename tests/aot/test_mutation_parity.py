@@ -1186,3 +1186,15 @@ def test_as_strided_without_an_offset_after_a_write_counts_from_the_input_and_ma
     check_against_eager(frames, rand(16, grad=True), rand(1, grad=True),
                         prepare=lambda args, kwargs: (((args[0] * 1)[4:], args[1]), {}),
                         aot_kwargs={"dynamic": dynamic})
+
+
+def test_as_strided_in_place_after_a_write_is_refused():
+    """The write was lost when the caller's tensor took its new layout."""
+    def fn(x):
+        x.add_(1)
+        x.as_strided_((2,), (1,))
+        return x * 2
+
+    with pytest.raises(UnsupportedError, match=r"as_strided_ on input 0 .* after the function "
+                       "wrote that input"):
+        aotkit.aot_function(fn, compilers.nop)(torch.arange(10.0)[2:6])

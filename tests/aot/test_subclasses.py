@@ -426,3 +426,13 @@ def test_a_subclass_without_an_override_keeps_its_type_through_the_graphs():
     assert type(out) is type(fn(x, torch.randn(3))) is Tagged
     model = nn.Linear(3, 2)
     assert type(aotkit.aot_module(model, aotkit.compilers.nop)(x)) is type(model(x)) is Tagged
+
+
+def test_subclass_outputs_viewing_an_input_have_parts_of_their_own():
+    """Only a jagged tensor's offsets are shared by identity (Note [Parts outputs share with
+    inputs]): a detached TwoTensor's parts were the input's, and out.t_() changed the input."""
+    x = two(requires_grad=False)
+    out = aotkit.aot_function(lambda t: t.detach(), aotkit.compilers.nop)(x)
+    assert out.a is not x.a and out.a.data_ptr() == x.a.data_ptr()
+    out.t_()
+    assert x.shape == x.a.shape == (3, 4)

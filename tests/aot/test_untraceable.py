@@ -296,8 +296,55 @@ def test_retain_grad_on_a_leaf_input_and_torch_hooks_wrapped_in_partial_still_ru
 
     def fn(x, w):
         x.retain_grad()
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(torch.clone),
-                                                      functools.partial(torch.clone)):
+        keep = functools.partial(nn.Identity())  # of a torch submodule, as TP's hooks are
+        with torch.autograd.graph.saved_tensors_hooks(keep, keep):
             return (x * w).tanh().sum()
 
     check_against_eager(fn, rand(3, grad=True), rand(3, grad=True))
+
+
+def test_autograd_grad_of_parameters_through_a_block_writing_its_input_matches_eager():
+    """PyTorch cannot tell whether autograd.grad runs a leaf's AccumulateGrad: asking raised
+    "A leaf node was passed to _will_engine_execute_node" (ReLU(inplace=True) saves its input)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2))
+    compiled = aotkit.aot_module(copy.deepcopy(block), compilers.nop)
+    x = torch.randn(3, 4)
+    grads = [torch.autograd.grad(run(x * 1).sum(), list(run.parameters()))
+             for run in (block, compiled)]
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_an_input_saved_through_detach_is_checked_as_in_eager():
+    """x.detach() shares x's version counter (x.data does not)."""
+    def fn(x, w):
+        x.mul_(2)
+        return x.detach() * w
+
+    expected = _backward_after(lambda x, w: (fn(x, w), x.view(-1)), caller_write=True)
+    assert expected.startswith("one of the variables needed for gradient computation")
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    assert _backward_after(lambda x, w: (compiled(x, w), x.view(-1)), caller_write=True) == expected
+
+
+def test_sparse_tensors_made_under_no_grad_or_detached_still_match_eager():
+    def fn(x, w):
+        with torch.no_grad():
+            a = x.to_sparse()
+        return torch.sparse.mm(a, w).sum() + (x.to_sparse().detach().to_dense() * x).sum()
+
+    check_against_eager(fn, rand(3, 3, grad=True), rand(3, 2, grad=True))
+
+
+def test_torch_ops_used_as_saved_tensor_hooks_are_refused_wrapped_or_not():
+    """torch.round changes values; only hooks of torch's submodules (checkpoint, save_on_cpu,
+    tensor parallelism's) are known to keep them."""
+    import functools
+
+    def fn(x, w):
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(torch.round, decimals=1),
+                                                      lambda t: t):
+            return (x * w).tanh().sum()
+
+    with pytest.raises(UnsupportedError, match="saved-tensor hooks of its own"):
+        aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True), rand(3, grad=True))

@@ -442,10 +442,12 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in _AS_STRIDED_CALLS:
             offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
-            self._check_as_strided(args[0], out, explicit_offset=offset is not None)
+            self._check_as_strided(args[0], out, explicit_offset=offset is not None,
+                                   in_place=func is torch.Tensor.as_strided_)
         return out
 
-    def _check_as_strided(self, t: torch.Tensor, view: torch.Tensor, explicit_offset: bool) -> None:
+    def _check_as_strided(self, t: torch.Tensor, view: torch.Tensor, explicit_offset: bool,
+                          in_place: bool) -> None:
         """See Note [as_strided on a written input]."""
         index = self._input_of(t)
         if index is None:
@@ -454,8 +456,13 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
         torch._sync(f_arg)
         if not torch._functionalize_has_data_mutation(f_arg.elem):
             return  # the graph places the view on the input itself
-        value = torch._from_functional_tensor(f_arg.elem)
         where = f"as_strided on input {index} of the compiled function (at {current_user_line()})"
+        if in_place:
+            raise UnsupportedError(
+                f"{where.replace('as_strided', 'as_strided_', 1)} after the function wrote that "
+                "input: the write would be lost when the caller's tensor takes its new layout."
+                f"\n{_AS_STRIDED_FIX}")
+        value = torch._from_functional_tensor(f_arg.elem)
         same_offset = not explicit_offset or statically_known_true(
             value.storage_offset() == arg.storage_offset())  # none: counts from the tensor's own
         if not (same_offset and _laid_out_alike(arg, value)):

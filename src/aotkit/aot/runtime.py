@@ -444,9 +444,16 @@ class _Watch:
     def eager_checks(self, ctx: Any, grads: Sequence[Any]) -> bool:
         if self.positions is not None and all(grads[p] is None for p in self.positions):
             return False
-        return not self.slots or any(
-            (node := ctx.next_functions[s][0]) is not None
-            and torch._C._will_engine_execute_node(node) for s in self.slots)
+        return not self.slots or any(_will_run(ctx.next_functions[s][0]) for s in self.slots)
+
+
+def _will_run(node: Any) -> bool:
+    """Does the running backward execute ``node``? PyTorch does not tell for a leaf's
+    AccumulateGrad under autograd.grad: no check then, rather than a false error."""
+    try:
+        return node is not None and torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return False
 
 
 def _check_version(t: torch.Tensor | None, version: int, index: int, name: str) -> None:

@@ -306,9 +306,13 @@ class Boundary:
 # ``n * 2`` on a jagged tensor keeps n's offsets: eager's output holds the very same offsets
 # tensor, whose identity names the ragged size (j1), so the output composes with n (``out +
 # n``). The graph hands back an alias of the offsets (a detach), a new tensor object, and the
-# rebuilt output got a ragged size of its own (j2): ``out + n`` raised. An output part that
-# needs no gradient and is exactly an input part's memory (same address, dtype, sizes and
-# strides) is therefore replaced by that input part before rebuilding.
+# rebuilt output got a ragged size of its own (j2): ``out + n`` raised. A jagged output's
+# offsets (or lengths) that are exactly an input part's memory (same address, dtype, sizes and
+# strides) are therefore that input part. Only those: other parts are new tensors in eager too
+# (``x.detach()`` of a TwoTensor has parts of its own, which the caller may change in place).
+_IDENTITY_PARTS = ("_offsets", "_lengths")
+
+
 def _shared_parts(layouts: Sequence[Layout | None], flat: list[Any],
                   inputs: Sequence[Any]) -> list[Any]:
     """See Note [Parts outputs share with inputs]."""
@@ -318,12 +322,11 @@ def _shared_parts(layouts: Sequence[Layout | None], flat: list[Any],
         return flat
     flat, start = list(flat), 0
     for layout in layouts:
-        end = start + (1 if layout is None else layout.num_plain)
-        for k in range(start, end) if layout is not None else ():
-            part = flat[k]
-            if isinstance(part, torch.Tensor) and not part.requires_grad:
-                flat[k] = by_memory.get(_memory(part), part)
-        start = end
+        if layout is not None and layout.cls.__name__ == "NestedTensor":
+            for k, (attr, child) in enumerate(zip(layout.attrs, layout.children, strict=True)):
+                if attr in _IDENTITY_PARTS and child is None:  # parts of NJT are all plain
+                    flat[start + k] = by_memory.get(_memory(flat[start + k]), flat[start + k])
+        start += 1 if layout is None else layout.num_plain
     return flat
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from aotkit.aot.frames import current_user_line
+from aotkit.compat import StorageWeakRef
 from aotkit.errors import UnsupportedError
 
 # Note [Autograd state inside the function]
@@ -101,6 +102,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     def _follow_sparse(self, func: Any, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """A sparse tensor made from tensors requiring grad may be returned, not computed with:
         see Note [Sparse tensors made inside]."""
+        if not torch.is_grad_enabled() or func is torch.Tensor.detach:
+            return  # autograd records nothing here
         lost = any(id(t) in self.sparse_from_grads for t in tensors)
         if out.layout in _SPARSE_LAYOUTS and (lost or any(t.requires_grad for t in tensors)):
             for t in (out, getattr(out, "elem", None)):  # FunctionalTensor.to_dense: elem's
@@ -110,6 +113,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
 
     def _loses_gradients(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """See Note [Sparse tensors made inside]."""
+        if not torch.is_grad_enabled():
+            return False
         tensors = _tensors(args, kwargs)
         compressed = func is torch.Tensor.to_sparse and kwargs.get("layout") not in (
             None, torch.sparse_coo)
@@ -154,10 +159,11 @@ def _top_hooks() -> tuple[Any, Any] | None:
 
 
 def _from_torch(pack: Any) -> bool:
-    while isinstance(pack, functools.partial):  # tensor parallelism wraps its hooks so
+    """A hook of PyTorch's own (checkpoint, save_on_cpu, tensor parallelism's, which it wraps
+    in functools.partial); not an op such as torch.round used as a hook, which changes values."""
+    while isinstance(pack, functools.partial):
         pack = pack.func
-    module = getattr(pack, "__module__", None) or ""
-    return module == "torch" or module.startswith("torch.")
+    return (getattr(pack, "__module__", None) or "").startswith("torch.")
 
 
 # Note [Inputs saved after a write]
@@ -167,13 +173,14 @@ def _from_torch(pack: Any) -> bool:
 # x's new value as a tensor of its own and saves that, so the caller's write went unnoticed and
 # the gradient used the old value. The metadata pass therefore looks at what autograd saved:
 # an input the function wrote (its version moved) that some node saved at its final version
-# (the input or a view of it: ``.data`` has a version counter of its own) makes the runtime
-# record the caller's tensor's version after writing the new value back. Backward checks it
-# when eager would run that node: a gradient arrived for an output whose backward reaches it
-# (not an unused auxiliary output), and the engine runs an edge its gradient flows to (not
-# ``autograd.grad`` with respect to other inputs only). Writes autograd's version counter
-# does not see (BatchNorm's running statistics, updated inside the kernel) are not watched,
-# as in eager.
+# (the input, a view, ``x.detach()``; not ``x.data``, whose version counter is its own) makes
+# the runtime record the caller's tensor's version after writing the new value back. Backward
+# checks it when eager would run that node: a gradient arrived for an output whose backward
+# reaches it (not an unused auxiliary output), and the engine runs an edge its gradient flows
+# to (not ``autograd.grad`` with respect to other inputs only; PyTorch cannot tell that for a
+# leaf under autograd.grad, and then nothing is checked). Writes autograd's version counter
+# does not see (BatchNorm's running statistics, updated inside the kernel) are not watched, as
+# in eager.
 def versions_of(tensors: Sequence[Any]) -> list[int | None]:
     """Version counters, None where there is none (not a tensor, an inference tensor)."""
     return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
@@ -196,29 +203,41 @@ def inputs_saved_after_write(f_args: Sequence[Any], versions: Sequence[int | Non
                              ) -> dict[int, SavedAfterWrite]:
     """The inputs of Note [Inputs saved after a write]: ``versions`` are the inputs' versions
     before the function ran (:func:`versions_of`), ``before`` the grad_fns they had (where the
-    search stops)."""
-    written = {id(_root(f)): i for i, (f, v) in enumerate(zip(f_args, versions, strict=True))
-               if v is not None and f._version != v}
+    search stops). Bumps the written inputs' versions (see :func:`_sharing_versions`)."""
+    written = {StorageWeakRef(f.untyped_storage()): i for i, (f, v) in
+               enumerate(zip(f_args, versions, strict=True)) if v is not None and f._version != v}
     if not written:
         return {}
     stop = {id(g): j for j, g in enumerate(before) if g is not None}
-    leaves = {id(f): j for j, f in enumerate(f_args) if isinstance(f, torch.Tensor)}
-    found: dict[int, tuple[set[int], set[int], set[int]]] = {}
+    found = []  # (input, saved tensor, root kind, root index, saving node)
     for kind, k, t in [*(("out", k, t) for k, t in enumerate(f_outs)),
                        *(("arg", k, f_args[k]) for k in written.values())]:
         for node in _nodes_below(getattr(t, "grad_fn", None), stop):
-            for i in {written[id(_root(s))] for s in _saved_tensors(node)
-                      if id(_root(s)) in written}:
-                outs, args, leads = found.setdefault(i, (set(), set(), set()))
-                (outs if kind == "out" else args).add(k)
-                leads.update(_inputs_below(node, stop, leaves))
+            found += [(i, saved, kind, k, node) for saved in _saved_tensors(node)
+                      if (i := written.get(StorageWeakRef(saved.untyped_storage()))) is not None]
+    shared = _sharing_versions(f_args, found)
+    leaves = {id(f): j for j, f in enumerate(f_args) if isinstance(f, torch.Tensor)}
+    reach: dict[int, tuple[set[int], set[int], set[int]]] = {}
+    for i, saved, kind, k, node in found:
+        if id(saved) in shared:
+            outs, args, leads = reach.setdefault(i, (set(), set(), set()))
+            (outs if kind == "out" else args).add(k)
+            leads.update(_inputs_below(node, stop, leaves))
     return {i: SavedAfterWrite(frozenset(o), frozenset(a), frozenset(n))
-            for i, (o, a, n) in found.items()}
+            for i, (o, a, n) in reach.items()}
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose version counter ``t`` shares (a view's base); ``.data`` has its own."""
-    return t._base if t._base is not None else t
+def _sharing_versions(f_args: Sequence[Any], found: Sequence[tuple[Any, ...]]) -> set[int]:
+    """The saved tensors (ids) that share their input's version counter (a view, ``x.detach()``),
+    not only its memory (``x.data``, whose writes eager's check never sees): bumping the input's
+    version tells. The metadata pass reads no version after this."""
+    shared = set()
+    for i in {entry[0] for entry in found}:
+        saved = [entry[1] for entry in found if entry[0] == i]
+        versions = [t._version for t in saved]
+        torch.autograd.graph.increment_version(f_args[i])
+        shared.update(id(t) for t, v in zip(saved, versions, strict=True) if t._version != v)
+    return shared
 
 
 def _nodes_below(node: Any, stop: Mapping[int, int]) -> Iterator[Any]:
