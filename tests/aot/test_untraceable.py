@@ -246,6 +246,10 @@ def test_sparse_tensors_without_gradients_and_sparse_outputs_still_match_eager()
         adjacency = torch.sparse_coo_tensor(index, torch.ones(3), (3, 3))
         return torch.sparse.mm(adjacency, h @ w), (h * 2).to_sparse().to_dense()
 
+    if torch.__version__ < "2.13":  # its fake tensors run sparse conversions outside the trace
+        with pytest.raises(UnsupportedError, match="lost track of"):
+            aotkit.aot_function(message_passing, compilers.nop)(rand(3, 4), rand(4, 2, grad=True))
+        return
     check_against_eager(message_passing, rand(3, 4), rand(4, 2, grad=True))
     out = aotkit.aot_function(lambda x: (x * 2).to_sparse(), compilers.nop)(rand(3, grad=True))
     assert out.layout is torch.sparse_coo and out.requires_grad
@@ -333,6 +337,10 @@ def test_sparse_tensors_made_under_no_grad_or_detached_still_match_eager():
             a = x.to_sparse()
         return torch.sparse.mm(a, w).sum() + (x.to_sparse().detach().to_dense() * x).sum()
 
+    if torch.__version__ < "2.13":  # its fake tensors run sparse conversions outside the trace
+        with pytest.raises(aotkit.errors.AotkitError):
+            aotkit.aot_function(fn, compilers.nop)(rand(3, 3, grad=True), rand(3, 2, grad=True))
+        return
     check_against_eager(fn, rand(3, 3, grad=True), rand(3, 2, grad=True))
 
 
