@@ -1805,6 +1805,30 @@ def test_aot_module_lstm_under_cpu_autocast_computes_as_eager_without_onednn():
     assert "oneDNN's kernel returns the autocast dtype" in retraced.why
 
 
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(4, 8, num_layers=3, dropout=0.5, batch_first=True),
+    lambda: nn.GRU(4, 8, num_layers=2, dropout=0.3, bidirectional=True, batch_first=True),
+    lambda: nn.LSTM(4, 8, num_layers=2, dropout=0.5, proj_size=3, batch_first=True),
+    lambda: nn.RNN(4, 8, num_layers=2, dropout=0.5, nonlinearity="relu", batch_first=True),
+], ids=["lstm", "gru_bidirectional", "lstm_proj", "rnn_relu"])
+def test_dropout_between_rnn_layers_under_dynamic_shapes_matches_eager(make):
+    """Note [Dropout between RNN layers]: PyTorch's Python decomposition never dropped out, so
+    a symbolic trace trained the RNN as in eval mode (PyTorch's aot_eager the same)."""
+    torch.manual_seed(0)
+    eager = make()
+    compiled = aotkit.aot_module(copy.deepcopy(eager), compilers.nop, dynamic=True)
+    results = []
+    for run in (eager, compiled):
+        for batch in (3, 5):  # one graph serves both
+            torch.manual_seed(batch)
+            out = run(torch.randn(batch, 6, 4))[0]
+            out.pow(2).sum().backward()
+            results.append((out.detach(), [p.grad.clone() for p in run.parameters()]))
+            run.zero_grad()
+    torch.testing.assert_close(results[2:], results[:2])
+    assert counters.counters["aot"]["traces"] == 1
+
+
 # --- the graphs compilers receive ------------------------------------------------------------
 
 

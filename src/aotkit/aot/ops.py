@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -125,11 +126,68 @@ class EagerDropout(torch.overrides.TorchFunctionMode):
             call = _DROPOUT_SIGNATURES[func].bind(*args, **kwargs).arguments
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
             if train and not call.get("inplace") and 0 < p < 1:
-                out, mask = torch.ops.aten.native_dropout.default(x, p, True)
-                if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-                    return x * mask.to(x.dtype).div(1 - p)
-                return out
+                return _dropout(x, p)
+        elif func in _RNNS and not kwargs and _layers_with_dropout(args) \
+                and torch._C._dispatch_tls_is_dispatch_key_included(
+                    torch._C.DispatchKey.PythonDispatcher):
+            return _rnn_by_layer(func, args)
         return func(*args, **kwargs)
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """See :class:`EagerDropout`."""
+    out, mask = torch.ops.aten.native_dropout.default(x, p, True)
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return x * mask.to(x.dtype).div(1 - p)
+    return out
+
+
+# Note [Dropout between RNN layers]
+# Traced with the Python dispatcher (symbolic sizes), ``aten.lstm``, ``gru`` and ``rnn_*``
+# run PyTorch's Python decomposition, whose test for dropout between layers is never true
+# (2.13): a two-layer LSTM with dropout=0.5 trained as if in eval mode, silently. So a
+# multi-layer call with dropout in training runs one layer at a time, as eager's kernel does,
+# with eager's dropout on each layer's output but the last (the same draws, in the same order).
+_RNNS = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
+
+
+def _layers_with_dropout(args: Sequence[Any]) -> bool:
+    """(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first),
+    or packed: (data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, ...)."""
+    num_layers, dropout, train = args[4:7] if _unpacked(args) else args[5:8]
+    return bool(train) and dropout > 0 and num_layers > 1
+
+
+def _unpacked(args: Sequence[Any]) -> bool:
+    return isinstance(args[2], (list, tuple)) and not (args[2] and isinstance(args[1], torch.Tensor)
+                                                       and args[1].dtype == torch.int64
+                                                       and args[1].dim() == 1)
+
+
+def _rnn_by_layer(func: Any, args: Sequence[Any]) -> Any:
+    """See Note [Dropout between RNN layers]."""
+    unpacked = _unpacked(args)
+    x, hx, params = (args[0], args[1], args[2]) if unpacked else (args[0], args[2], args[3])
+    num_layers, dropout = (args[4], args[5]) if unpacked else (args[5], args[6])
+    states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    directions = 2 if (args[7] if unpacked else args[8]) else 1
+    per_layer = len(params) // num_layers
+    finals: list[list[torch.Tensor]] = [[] for _ in states]
+    for layer in range(num_layers):
+        rows = slice(layer * directions, (layer + 1) * directions)
+        state = [s[rows] for s in states]
+        weights = params[layer * per_layer:(layer + 1) * per_layer]
+        rest = (1, 0.0, *(args[6:] if unpacked else args[7:]))
+        if unpacked:
+            x, *new = func(x, tuple(state) if len(state) > 1 else state[0], weights, args[3], *rest)
+        else:
+            x, *new = func(x, args[1], tuple(state) if len(state) > 1 else state[0], weights,
+                           args[4], *rest)
+        for final, s in zip(finals, new, strict=True):
+            final.append(s)
+        if layer < num_layers - 1:
+            x = _dropout(x, dropout)
+    return (x, *(torch.cat(final) for final in finals))
 
 
 def _dropout_signatures() -> dict[Any, inspect.Signature]:
