@@ -352,3 +352,23 @@ def test_right_outputs_pass_the_check_as_lists_or_tuples() -> None:
     x = torch.randn(3, requires_grad=True)
     f(x).sum().backward()
     torch.testing.assert_close(x.grad, 2 * x.cos())
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_debug_nop_lets_batch_norms_known_dtype_difference_through_and_records_it(train) -> None:
+    """Note [Mismatches PyTorch is known to have]: under CPU autocast batch norm's saved mean
+    comes back float32 where its fake kernel says bfloat16, so every AMP CNN failed the check."""
+    import copy
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train(train)
+    compiled = torch.compile(copy.deepcopy(eager), backend="aotkit_debug")
+    x = torch.randn(2, 3, 6, 6)
+    outs = []
+    for run in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(run(x))
+    torch.testing.assert_close(outs[1], outs[0])
+    known = aotkit.explain().of_kind("known_mismatch")  # once per node: the op, its getitems
+    assert any("_native_batch_norm_legit" in d.why for d in known)
+    assert all("dtype torch.float32, traced torch.bfloat16" in d.why for d in known)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -114,8 +115,10 @@ def debug_nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[li
         torch.Size([2, 2])
     """
 
+    recorded: set[str] = set()  # Note [Mismatches PyTorch is known to have]: once per node
+
     def run(*args: Any) -> Any:
-        return _CheckingInterpreter(gm).run(*args)  # fresh: no values kept between calls
+        return _CheckingInterpreter(gm, recorded).run(*args)  # fresh: no values kept
 
     return make_boxed_func(run)
 
@@ -123,9 +126,10 @@ def debug_nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[li
 class _CheckingInterpreter(fx.Interpreter):
     """An ``fx.Interpreter`` comparing every real value with the node's ``meta["val"]``."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, recorded: set[str]) -> None:
         super().__init__(gm)
         self.bindings: dict[sympy.Symbol, int] = {}
+        self.recorded = recorded
 
     def run_node(self, n: fx.Node) -> Any:
         real = super().run_node(n)
@@ -139,13 +143,46 @@ class _CheckingInterpreter(fx.Interpreter):
             self._fail(n, f"it returned {len(reals)} value(s), traced {len(fakes)}")
         for i, (f, r) in enumerate(zip(fakes, reals, strict=True)):
             problem = _difference(f, r, self.bindings)
-            if problem:
+            if problem and _known_to_pytorch(n, i, f, r):
+                self._record_known(n, f"output {i}: {problem}")
+            elif problem:
                 self._fail(n, problem if len(fakes) == 1 else f"output {i}: {problem}")
         return real
+
+    def _record_known(self, n: fx.Node, problem: str) -> None:
+        if n.name not in self.recorded:
+            self.recorded.add(n.name)
+            counters.record("known_mismatch", "debug_nop", (
+                f"node {n.name!r} ({n.target}) gave {problem}: a difference of PyTorch's own "
+                "kernels from their shape functions (Note [Mismatches PyTorch is known to "
+                "have]), not of aotkit's graph"), logger=log)
 
     def _fail(self, n: fx.Node, problem: str) -> None:
         self.extra_traceback = False  # fx would append "While executing <node>": ours names it
         raise MetadataMismatchError(_mismatch_message(n, problem, self.bindings))
+
+
+# Note [Mismatches PyTorch is known to have]
+# debug_nop exists to find values whose metadata differ from the trace's. Some differences are
+# PyTorch's own: under reduced precision, batch norm's CPU kernels return the saved mean and
+# inverse standard deviation (and running statistics) in another dtype than their fake kernels
+# say (2.13), so every AMP CNN failed the check although eager and the graph agree. Those are
+# recorded once per node as a ``known_mismatch`` decision instead of raised.
+_BATCH_NORMS = frozenset({
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten.native_batch_norm.default})
+
+
+def _known_to_pytorch(n: fx.Node, output: int, fake: Any, real: Any) -> bool:
+    """See Note [Mismatches PyTorch is known to have]: dtype only, never the normalized output
+    (also where a ``getitem`` takes one of the others out)."""
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        n, output = n.args[0], n.args[1]
+    return (n.target in _BATCH_NORMS and isinstance(output, int) and output > 0
+            and isinstance(real, torch.Tensor) and fake.dtype != real.dtype)
 
 
 def _bind(fake: Any, real: Any, bindings: dict[sympy.Symbol, int]) -> None:
