@@ -39,15 +39,14 @@ _USE_TORCH_COMPILE = "or use torch.compile(fn, backend='aotkit'), whose Dynamo h
 # layout of a tensor requiring grad (``x.to_sparse_csr()``) aborted the process in C++, and
 # ``sparse_coo_tensor`` of values requiring grad failed in the backward. Those are refused
 # before the call, and so is any use of a sparse tensor made from tensors requiring grad
-# (Dynamo runs such code eagerly, splitting its graph); ``to_mkldnn`` cannot be traced at all. Sparse tensors without gradients still work, and so does a sparse output
+# (Dynamo runs such code eagerly, splitting its graph); ``to_mkldnn`` cannot be traced at all.
+# Sparse tensors made where autograd records nothing still work, and so does a sparse output
 # (``x.to_sparse()`` returned: the backward densifies its gradient, as eager's does).
 _SPARSE_MAKERS = frozenset({
     torch.Tensor.to_sparse_csr, torch.Tensor.to_sparse_csc, torch.Tensor.to_sparse_bsr,
     torch.Tensor.to_sparse_bsc, torch.sparse_coo_tensor, torch.sparse_csr_tensor,
     torch.sparse_csc_tensor, torch.sparse_bsr_tensor, torch.sparse_bsc_tensor,
     torch.sparse_compressed_tensor})
-
-
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                             torch.sparse_bsc})
 
@@ -137,7 +136,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
             return
         raise UnsupportedError(
             f"the compiled function enters saved-tensor hooks of its own (pack hook "
-            f"{getattr(hooks[0], '__qualname__', hooks[0])!r}, before {current_user_line()}); "
+            f"{getattr(hooks[0], '__qualname__', hooks[0])!r}, noticed at {current_user_line()}); "
             "they do not run while tracing, so the compiled backward would use the tensors "
             "themselves, not what the hooks make of them.\nFix: enter "
             "torch.autograd.graph.saved_tensors_hooks around the call of the compiled function "
