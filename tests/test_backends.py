@@ -760,3 +760,20 @@ def test_data_assignment_in_a_compiled_forward(backend: str) -> None:
         torch.testing.assert_close(b, a, msg=name)
     for a, b in zip(eager.q.parameters(), model.q.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad)
+
+
+def test_explain_forgets_dynamos_graph_breaks_at_reset() -> None:
+    """Dynamo's counters are process-wide and outlive torch._dynamo.reset(): explain() listed
+    graph breaks of functions compiled before aotkit.counters.reset()."""
+    def breaks(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch._dynamo.reset()
+    torch.compile(breaks, backend="aotkit")(torch.randn(3))
+    assert aotkit.explain().dynamo
+    aotkit.counters.reset()
+    torch._dynamo.reset()
+    assert not aotkit.explain().dynamo
+    torch.compile(breaks, backend="aotkit")(torch.randn(3))
+    assert aotkit.explain().dynamo  # new breaks are counted again

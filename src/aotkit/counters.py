@@ -162,7 +162,19 @@ def explain() -> Explanation:
 
 
 def _dynamo_breaks() -> dict[str, int]:
-    """Dynamo's graph-break and unsupported-code counters, if Dynamo has been used."""
+    """Dynamo's graph-break and unsupported-code counts since the last :func:`reset` (Dynamo
+    keeps process-wide counters, which torch._dynamo.reset() does not clear)."""
+    found = {}
+    for reason, count in _dynamo_totals().items():
+        since = count - _dynamo_at_reset.get(reason, 0)
+        if since < 0:  # Dynamo's counters were cleared since
+            since = count
+        if since:
+            found[reason] = since
+    return found
+
+
+def _dynamo_totals() -> dict[str, int]:
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return {}
@@ -173,7 +185,12 @@ def _dynamo_breaks() -> dict[str, int]:
     return found
 
 
+_dynamo_at_reset: dict[str, int] = {}
+
+
 def reset() -> None:
-    """Forget every counter and decision."""
+    """Forget every counter and decision (Dynamo's graph breaks counted until now included)."""
     counters.clear()
     _decisions.clear()
+    _dynamo_at_reset.clear()
+    _dynamo_at_reset.update(_dynamo_totals())
