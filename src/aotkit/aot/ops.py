@@ -159,9 +159,8 @@ def _layers_with_dropout(args: Sequence[Any]) -> bool:
 
 
 def _unpacked(args: Sequence[Any]) -> bool:
-    return isinstance(args[2], (list, tuple)) and not (args[2] and isinstance(args[1], torch.Tensor)
-                                                       and args[1].dtype == torch.int64
-                                                       and args[1].dim() == 1)
+    """Not the packed overload, whose second argument is the int64 batch sizes (never hx)."""
+    return not (isinstance(args[1], torch.Tensor) and args[1].dtype == torch.int64)
 
 
 def _rnn_by_layer(func: Any, args: Sequence[Any]) -> Any:
