@@ -1462,6 +1462,24 @@ def test_an_output_whose_size_depends_on_data_is_named_as_such():
         f(rand(4, grad=True))
 
 
+def test_a_byte_mask_indexes_as_in_eager():
+    """Note [Byte masks as indices]: eager takes a uint8 index as a bool mask; the fake kernel
+    refused it."""
+    mask = torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="uint8 is now deprecated"):
+        check_against_eager(lambda x, m: x[m] * 2, rand(6, grad=True), mask,
+                            aot_kwargs={"dynamic": True})
+
+
+def test_an_int8_index_raises_eagers_index_error():
+    """The fake kernel took int8 as a mask, where eager refuses it."""
+    index = torch.tensor([1, 0, 1], dtype=torch.int8)
+    with pytest.raises(IndexError, match="must be long, int, byte or bool"):
+        rand(3)[index]
+    with pytest.raises(IndexError, match="must be long, int, byte or bool"):
+        aotkit.aot_function(lambda x, i: x[i] * 2, compilers.nop)(rand(3, grad=True), index)
+
+
 def test_data_dependence_inside_a_library_call_names_both_lines():
     def loss(x, var):
         return F.gaussian_nll_loss(x * 2, x, var)  # checks torch.any(var < 0) in Python

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -340,6 +341,27 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     written = {id(t) for t in written_by(func, args, {})}
     return tuple(_laid_out(a, layout, rank, gaps) if i < read and id(a) not in written else a
                  for i, a in enumerate(args))
+
+
+# Note [Byte masks as indices]
+# Eager takes a uint8 index tensor as a bool mask (deprecated, with a warning) and refuses an
+# int8 one; the fake kernel of ``aten.index.Tensor`` does the opposite: it refuses uint8 and
+# takes int8 as a mask. So ``x[byte_mask]``, which eager runs, failed to trace. The tracing
+# guard hands ``aten.index.Tensor`` its uint8 indices as bool masks (a ``to(bool)`` in the
+# graph: the same elements eager picks) and raises eager's IndexError for int8 ones.
+def in_eager_indices(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``aten.index.Tensor``'s arguments as its real kernel reads them (Note [Byte masks as
+    indices])."""
+    if func is not _aten.index.Tensor or not any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.uint8, torch.int8) for i in args[1]):
+        return args
+    if any(isinstance(i, torch.Tensor) and i.dtype == torch.int8 for i in args[1]):
+        raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+    warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype "
+                  "torch.bool instead.", UserWarning, stacklevel=2)
+    indices = [i.to(torch.bool) if isinstance(i, torch.Tensor) and i.dtype == torch.uint8 else i
+               for i in args[1]]
+    return (args[0], indices, *args[2:])
 
 
 PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}
