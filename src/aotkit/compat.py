@@ -155,6 +155,14 @@ def set_autograd_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
         return _engine().set_autograd_compiler(factory, dynamic)
 
 
+def pytorch_disable_is_open() -> bool:
+    """Whether PyTorch's own off window, ``torch._dynamo.compiled_autograd._disable()``, is
+    open: ``torch.func``'s transforms and Inductor's compile empty the engine's compiler slot
+    in one around their ``autograd.grad`` (Note [Compiler cleared inside enable()])."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "active_disable_ctx", False))
+
+
 def compiled_autograd_is_off() -> bool:
     """Whether a :func:`compiled_autograd_off` block (``disable()``, a trace) is open."""
     return _slot_off > 0

@@ -164,6 +164,26 @@ def test_create_graph_raises_typed_error_with_workaround() -> None:
     torch.testing.assert_close(w.grad, 3 * w.detach() ** 2)
 
 
+def test_torch_func_transforms_inside_enable_run_eagerly_with_a_decision() -> None:
+    """torch.func opens PyTorch's own off window around its autograd.grad(create_graph=True);
+    enable() set its compiler again there and failed the call as a double backward."""
+    x = torch.randn(4)
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        grad = torch.func.grad(lambda t: t.sin().sum())(x)
+        _, vjp_fn = torch.func.vjp(torch.sin, x)
+        (cotangent,) = vjp_fn(torch.ones(4))
+        jacobian = torch.func.jacrev(torch.sin)(x)
+        (w * w).sum().backward()  # the compiler is installed again afterwards
+    torch.testing.assert_close(grad, x.cos())
+    torch.testing.assert_close(cotangent, x.cos())
+    torch.testing.assert_close(jacobian, torch.diag(x.cos()))
+    torch.testing.assert_close(w.grad, 2 * w.detach())
+    assert counts() == (1, 1)
+    fallbacks = aotkit.explain().of_kind("fallback")
+    assert len(fallbacks) == 3 and all("torch.func" in d.why for d in fallbacks)
+
+
 def test_batched_grad_outputs_raise_typed_error_with_workaround() -> None:
     x = torch.randn(3, requires_grad=True)
     y = x.exp()
@@ -195,8 +215,17 @@ def test_a_size_that_changes_the_structure_names_the_size_and_the_fix() -> None:
         torch.testing.assert_close(grad(1), 2 * torch.arange(20.0).reshape(4, 5) * (
             torch.arange(5) == 1))
         torch.testing.assert_close(grad(2), expected)
+        # A third value: the engine made the size dynamic at the second, so it replays again.
+        with pytest.raises(aotkit.errors.UnsupportedError,
+                           match=r"(?s)sizes\[\d+\] is 3.*first new value only.*disable\(\).*"
+                                 r"reset\(\) outside") as info:
+            grad(3)
     (cleared,) = aotkit.explain().of_kind("cache_clear")
     assert "dynamic changed from True to False" in cleared.why
+    aotkit.compiled_autograd.reset()  # the other fix the error names
+    with aotkit.compiled_autograd.enable(nop, dynamic=False):
+        torch.testing.assert_close(grad(3), 2 * torch.arange(20.0).reshape(4, 5) * (
+            torch.arange(5) >= 3))
 
 
 def test_failed_captures_do_not_poison_the_engine_cache() -> None:

@@ -269,6 +269,38 @@ def test_accumulation_into_a_grad_of_another_dtype(setup: str) -> None:
     torch.testing.assert_close(actual, expected)
 
 
+def test_a_changed_grad_dtype_is_refused_before_the_replay_runs() -> None:
+    """Note [grad_dtype is not in the engine's cache key]: the engine replayed the old cast."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("Tensor.grad_dtype arrived in PyTorch 2.10")
+    p = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    other = torch.ones(4, requires_grad=True)
+
+    def backward() -> None:
+        p.grad = other.grad = None
+        ((p * 3).float().sum() + (other * 2).sum()).backward()
+
+    p.grad_dtype = None
+    backward()
+    eager_dtype = p.grad.dtype  # the formula's: bfloat16
+    p.grad = None
+    p.grad_dtype = torch.float32
+    with aotkit.compiled_autograd.enable(nop):
+        backward()
+        assert p.grad.dtype == torch.float32
+        p.grad = None
+        p.grad_dtype = None
+        with pytest.raises(aotkit.errors.UnsupportedError,
+                           match=r"grad_dtype is now None, but was torch.float32(.|\n)*reset"):
+            backward()
+    assert p.grad is None and other.grad is None  # nothing ran
+    aotkit.compiled_autograd.reset()  # the fix the error names
+    with aotkit.compiled_autograd.enable(nop):
+        backward()
+    assert p.grad.dtype == eager_dtype == torch.bfloat16
+    assert counts() == (2, 2)  # captured again after reset()
+
+
 def test_in_place_on_view_backward() -> None:
     def step(log: list[str]) -> Any:
         w = torch.randn(4, 3, requires_grad=True)

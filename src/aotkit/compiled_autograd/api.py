@@ -100,9 +100,17 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
 # test) empties the engine's compiler slot, and the rest of the enable() block ran eagerly
 # without a word. Every backward in the block first looks at the slot (enable() stands in for the
 # engine, Note [Final callbacks]); found empty outside a disable() window, it is set again and a
-# decision says so. Another compiler in the slot is left alone.
+# decision says so. Another compiler in the slot is left alone, and so is the slot emptied by
+# PyTorch's own off window (``torch._dynamo.compiled_autograd._disable()``), which
+# ``torch.func.grad``/``vjp``/``jacrev`` open around their ``autograd.grad(create_graph=True)``:
+# setting it again captured that backward and failed it as a double backward.
 def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
     if compat.compiled_autograd_is_off():
+        return
+    if compat.pytorch_disable_is_open():
+        counters.record("fallback", "compiled_autograd",
+                        "a backward inside torch._dynamo.compiled_autograd._disable() (torch.func's "
+                        "transforms open one around their autograd.grad) runs eagerly", logger=log)
         return
     prior = compat.set_autograd_compiler(factory, dynamic)
     if prior[0] is factory:

@@ -300,9 +300,12 @@ class Capture(GraphBuilder):
         variant = make_variant(gm, self.example, self.session, why_captured=(
             f"inputs {to_cuda} move to CUDA for CUDA graphs" if to_cuda else None))
         captured_for = Example([], list(self.example.sizes), list(self.example.scalars))
+        grad_dtypes = [(i, self.example.inputs[i].grad_dtype)
+                       for i in runtime.accumulated_inputs(gm)]
         self.example = None  # the backward's real tensors: not kept past the capture
         self._record()
-        return CompiledBackward(gm, self.session, variant, to_cuda, captured_for), variant.compiled
+        return CompiledBackward(gm, self.session, variant, to_cuda, captured_for,
+                                grad_dtypes), variant.compiled
 
     def _follow_eager_order(self, graph: fx.Graph) -> None:
         """Put the recorded calls in eager's node order (See Note [Eager node order]); where it

@@ -272,6 +272,14 @@ def make_variant(captured: fx.GraphModule, example: Example, session: Session,
     return Variant(captured, None, compile_graph(captured, session.compiler_fn))
 
 
+# Note [grad_dtype is not in the engine's cache key]
+# A leaf's ``grad_dtype`` (float32 gradients for a bfloat16 parameter) is a cast the engine's
+# shape check makes before accumulation, and the captured graph keeps it as a constant. The
+# engine's cache key leaves grad_dtype out, so after ``p.grad_dtype`` changed, or for a second
+# model of the same structure with another grad_dtype, it replayed the old cast: a ``.grad`` of
+# the old dtype without a word, or PyTorch's "attempting to assign a gradient with dtype". Each
+# replay now compares the grad_dtype of every leaf it accumulates into with the capture's and
+# refuses, before anything runs, where one changed.
 class CompiledBackward:
     """What the engine caches per autograd-graph structure and calls on each replay.
 
@@ -282,13 +290,30 @@ class CompiledBackward:
     """
 
     def __init__(self, captured: fx.GraphModule, session: Session, first: Variant,
-                 to_cuda: list[int], captured_for: Example) -> None:
+                 to_cuda: list[int], captured_for: Example,
+                 grad_dtypes: list[tuple[int, torch.dtype | None]]) -> None:
         self.captured = captured
         self.variants = [first]
         self.to_cuda = to_cuda
         self.captured_for = captured_for  # the capturing backward's sizes and scalars
         self._identity = session.identity
         self.accumulated = runtime.accumulated_inputs(captured)  # the leaves taking .grad
+        self.grad_dtypes = grad_dtypes  # (input position, grad_dtype) of those leaves
+
+    def _check_grad_dtypes(self, inputs: list[Any]) -> None:
+        """Note [grad_dtype is not in the engine's cache key]."""
+        for i, dtype in self.grad_dtypes:
+            if inputs[i].grad_dtype != dtype:
+                raise UnsupportedError(
+                    f"compiled autograd: {self.captured.__class__.__name__} accumulates into a "
+                    f"leaf of shape {tuple(inputs[i].shape)} whose grad_dtype is now "
+                    f"{inputs[i].grad_dtype}, but was {dtype} when this backward was captured; "
+                    "PyTorch's engine replays the graph, with that cast in it, without looking "
+                    "at grad_dtype. Nothing ran.\nFix: after changing a grad_dtype, call "
+                    "aotkit.compiled_autograd.reset() outside the enable() block (the next "
+                    "backward is captured again), or run this backward under "
+                    "aotkit.compiled_autograd.disable()."
+                )
 
     def _check_compiler(self, session: Session | None) -> Session:
         """The active session, its compiler's graphs compiled again after a switch."""
@@ -339,6 +364,7 @@ class CompiledBackward:
                  hooks: Any, packed_data: Any) -> Any:
         if torch.is_grad_enabled():
             raise UnsupportedError(CREATE_GRAPH_MESSAGE)
+        self._check_grad_dtypes(inputs)
         example = Example(inputs, list(sizes), list(scalars))
         fn = self.compiled_for(active(), example)
         for i in self.to_cuda:
@@ -352,19 +378,29 @@ class CompiledBackward:
             changed = changed_value(example, self.captured_for, made="captured")
             if changed is None or isinstance(exc, AotkitError):  # ours already say what failed
                 raise
-            raise self._structure_changed(changed, exc) from exc
+            raise self._structure_changed(changed, exc, active()) from exc
 
-    def _structure_changed(self, changed: str, exc: RuntimeError) -> UnsupportedError:
-        """Under enable(dynamic=True) the engine replays a captured backward whenever only sizes
-        changed, though a size can decide a formula's structure (``x.split(k)``'s chunk count);
-        the replay then fails inside that formula. Say so, and how to capture again instead."""
+    def _structure_changed(self, changed: str, exc: RuntimeError,
+                           session: Session | None) -> UnsupportedError:
+        """The engine replays a captured backward whenever only sizes changed (under
+        ``dynamic=False``, from the second value of a size on), though a size can decide a
+        formula's structure (``x.split(k)``'s chunk count); the replay then fails inside that
+        formula. Say so, and how to avoid it in this block's mode."""
+        if session is not None and not session.dynamic:
+            fix = ("Under enable(dynamic=False) the engine captures again for the first new "
+                   "value only, then treats the value as dynamic. Fix: run the backwards whose "
+                   "value varies under aotkit.compiled_autograd.disable(), or call "
+                   "aotkit.compiled_autograd.reset() outside the enable() block before a "
+                   "backward with a new value.")
+        else:
+            fix = ("Fix: aotkit.compiled_autograd.enable(compiler_fn, dynamic=False), which "
+                   "captures again for the first new value, or run this backward under "
+                   "aotkit.compiled_autograd.disable().")
         return UnsupportedError(
             f"compiled autograd: {self.captured.__class__.__name__} failed on a replay with "
             f"values it was not captured for ({changed}): "
             f"{type(exc).__name__}: {exc}\nThe graph was captured, or compiled by "
             "compiler_fn, for a backward whose formulas depend on that value (a split whose "
             "split size changed; a compiler specializing an interpolation's output size), "
-            "which PyTorch's engine does not notice when sizes are dynamic. Fix: "
-            "aotkit.compiled_autograd.enable(compiler_fn, dynamic=False), which captures again "
-            "for new sizes, or run this backward under aotkit.compiled_autograd.disable()."
+            f"which PyTorch's engine does not notice when sizes are dynamic. {fix}"
         )
