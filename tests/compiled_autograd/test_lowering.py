@@ -151,6 +151,27 @@ def test_a_lowering_failure_is_recorded_and_the_captured_graph_runs(
     assert "no fake kernel for this formula" in fallback.why
 
 
+def test_a_fake_kernel_failing_in_lowering_logs_no_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``_embedding_bag_backward``'s meta kernel fails for sparse weights with per-sample
+    weights (PyTorch's bug): the fallback decision says so, without the fake mode's ERROR."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(10, 4, mode="sum", sparse=True)
+    reference = copy.deepcopy(bag)
+    index, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    weights = torch.rand(8, requires_grad=True)
+    reference_weights = weights.detach().clone().requires_grad_()
+    reference(index, offsets, per_sample_weights=reference_weights).pow(2).sum().backward()
+    with caplog.at_level("ERROR", logger="torch._subclasses.fake_tensor"), \
+            aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+        bag(index, offsets, per_sample_weights=weights).pow(2).sum().backward()
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses.fake_tensor")]
+    (fallback,) = aotkit.explain().of_kind("fallback")
+    assert "lowering to ATen failed" in fallback.why
+    torch.testing.assert_close(weights.grad, reference_weights.grad)
+    torch.testing.assert_close(bag.weight.grad.to_dense(), reference.weight.grad.to_dense())
+
+
 class TransposeGrad(nn.Module):
     """A module whose output gradient a hook replaces by one of other strides."""
 

@@ -177,16 +177,32 @@ def trace_with_fallback(trace: Callable[[Fallback], _T], mode: FakeTensorMode, w
 class _QuietFakeFailures(logging.Filter):
     """Drops the fake mode's ERROR log (with a traceback) of an op that failed on fake tensors
     while an aotkit trace runs: the failure is raised as a TraceError naming the op, its message
-    and the user's line (``_op_failed``), and the same traceback printed first only buries it."""
+    and the user's line (``_op_failed``), and the same traceback printed first only buries it.
+    Compiled autograd's lowering too: a formula it cannot lower is a decision with the reason."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (_GUARD.get() is not None
+        return not ((_GUARD.get() is not None or _QUIET.get())
                     and str(record.msg).startswith("failed while attempting to run meta"))
+
+
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("aotkit_quiet_fake", default=False)
 
 
 @functools.cache
 def _quiet_fake_failures() -> None:
     logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietFakeFailures())
+
+
+@contextlib.contextmanager
+def quiet_fake_failures() -> Iterator[None]:
+    """No fake-mode ERROR log of a failing op inside the block, for callers that report the
+    failure themselves."""
+    _quiet_fake_failures()
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
 
 
 @contextlib.contextmanager

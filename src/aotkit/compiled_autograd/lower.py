@@ -55,6 +55,7 @@ from torch import fx
 from aotkit import compat
 from aotkit.aot.ops import EagerLayouts
 from aotkit.aot.simplify import drop_noop_views
+from aotkit.aot.trace import quiet_fake_failures
 from aotkit.compiled_autograd import passes, runtime
 from aotkit.compiled_autograd.builder import GraphBuilder
 
@@ -166,7 +167,7 @@ class _Lowering(GraphBuilder):
 
     def run(self, captured: fx.GraphModule) -> fx.GraphModule:
         env: dict[fx.Node, Any] = {}
-        with self.stack, self.fake_mode, self.proxy_mode, EagerLayouts():
+        with self.stack, quiet_fake_failures(), self.fake_mode, self.proxy_mode, EagerLayouts():
             for node in captured.graph.nodes:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 if node.op == "placeholder":
