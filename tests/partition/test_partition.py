@@ -339,6 +339,33 @@ def test_attention_without_dropout_is_recomputable_at_budget_zero() -> None:
     assert not any("scaled_dot_product" in op for op in recomputed(0.5))  # it draws the mask
 
 
+@pytest.mark.parametrize("budget", [0.5, 0.0])
+@pytest.mark.parametrize("branch", ["dropout", "rand_like", "pure"])
+def test_a_cond_whose_branch_draws_is_never_recomputed(budget: float, branch: str) -> None:
+    """Recomputing the torch.cond drew once more before the backward's own draws (eager's cond
+    backward runs the branch again, drawing anew): gradients off silently."""
+    bodies = {"dropout": lambda a: F.dropout(a, 0.5, training=True) * a,
+              "rand_like": lambda a: a * torch.rand_like(a), "pure": lambda a: a.sin() * a}
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        return torch.cond(y.sum() > -1e9, bodies[branch], lambda a: a * 2, (y,)).sin()
+
+    def step(fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x, w = torch.randn(6, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+        out = fn(x, w)
+        out.sum().backward()  # draws, if the branch does, at the same point of the stream
+        return [out, x.grad, w.grad]
+
+    captured = Captured(min_cut_rematerialization_partition)
+    with aotkit.config.patch(activation_memory_budget=budget):
+        actual = step(aotkit.aot_function(f, aotkit.compilers.nop, partition_fn=captured))
+    torch.testing.assert_close(actual, step(f))
+    recomputed = " ".join(captured.report.recomputed)
+    assert ("cond" in recomputed) == (branch == "pure"), recomputed
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
 def test_lstm_trains_at_every_budget(budget: float) -> None:
     """oneDNN's LSTM kernel would hand its backward an undefined workspace: training graphs are

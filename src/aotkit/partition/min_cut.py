@@ -38,8 +38,9 @@ recomputed.
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,10 +335,14 @@ def _viewed(node: fx.Node) -> fx.Node:
 
 
 def _pinned(node: fx.Node) -> bool:
-    """Never recomputed, whatever the budget: inputs, random, side-effecting and RNN ops."""
+    """Never recomputed, whatever the budget: inputs, random, side-effecting and RNN ops, and
+    higher-order ops (``torch.cond``) whose bodies hold one: recomputing a branch that drops
+    out drew a new mask for the backward."""
     if is_input(node):
         return True
     target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return has_effects(node) or any(map(_pinned, _body_nodes(node)))
     if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _RNN_KERNELS:
         return True
     random = isinstance(target, torch._ops.OpOverload) and \
@@ -345,6 +350,16 @@ def _pinned(node: fx.Node) -> bool:
     if random and _dropout_p(node) == 0:
         return False  # an attention kernel without dropout draws no random numbers
     return random or has_effects(node)
+
+
+def _body_nodes(node: fx.Node) -> Iterator[fx.Node]:
+    """The ops of the subgraphs a higher-order op runs (its ``get_attr`` arguments)."""
+    owner = node.graph.owning_module
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr" and owner is not None:
+            body = functools.reduce(getattr, str(arg.target).split("."), owner)
+            if isinstance(body, fx.GraphModule):
+                yield from (n for n in body.graph.nodes if n.op == "call_function")
 
 
 def _dropout_p(node: fx.Node) -> Any:
