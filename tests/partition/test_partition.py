@@ -241,6 +241,61 @@ def test_budget_saved_bytes_fall_monotonically() -> None:
     assert "aten.addmm.default" not in mlp_step(1.0).recomputed
 
 
+def _bytes_held(call: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> int:
+    """Bytes of the storages autograd keeps for the backward of ``call()``, inputs' aside."""
+    storages: dict[int, int] = {}
+    skip = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_saved_bytes_count_a_saved_slice_as_what_it_keeps(partition: str) -> None:
+    """A saved ``y[:, :32]`` keeps all of ``y``: it was counted at the slice's size."""
+    x, w = torch.randn(64, 16, requires_grad=True), torch.randn(16, 128, requires_grad=True)
+    captured = Captured(PARTITIONERS[partition])
+    compiled = aotkit.aot_function(lambda x, w: (x @ w)[:, :32].sin(), aotkit.compilers.nop,
+                                   partition_fn=captured)
+    held = _bytes_held(lambda: compiled(x, w), [x, w])
+    assert captured.report.saved_bytes == held > 0
+
+
+def test_saved_bytes_count_a_saved_view_of_an_input_as_nothing() -> None:
+    """Two checkpointed regions reading one weight: the backward gets ``weight.t()`` saved (a
+    view of an input, which keeps nothing new); it was counted at the weight's size."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    lin = nn.Linear(256, 256)
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               lambda *a, **k: torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = checkpoint(lambda h: F.gelu(lin(h)), x, use_reentrant=False, context_fn=policy)
+        return x.tanh()
+
+    captured = Captured(min_cut_rematerialization_partition)
+
+    def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> Callable[..., Any]:
+        return aotkit.aot_module_simplified(gm, example, aotkit.compilers.nop,
+                                            partition_fn=captured)
+
+    x = torch.randn(4, 256, requires_grad=True)
+    compiled = torch.compile(f, backend=backend)
+    held = _bytes_held(lambda: compiled(x), [x, lin.weight, lin.bias])
+    saved = [n.name for n in captured.graphs[-1][0].graph.output_node().args[0]]
+    assert any(name.startswith("t") and not name.startswith("tanh") for name in saved), saved
+    assert captured.report.saved_bytes == held == 2 * 4 * 256 * 4  # gelu's and tanh's outputs
+
+
 @pytest.mark.parametrize("budget", [1.5, -0.1, float("nan")])
 def test_budget_outside_zero_one_is_a_config_error(budget: float) -> None:
     with pytest.raises(aotkit.errors.ConfigError, match=r"must lie in \[0.0, 1.0\]"):

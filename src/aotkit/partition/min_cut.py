@@ -62,8 +62,10 @@ from aotkit.partition.graph import (
     is_sym,
     split_joint,
     syms_binding_backward,
+    view_root,
+    viewed_once,
 )
-from aotkit.partition.report import nbytes, report
+from aotkit.partition.report import held_bytes, nbytes, report
 
 aten = torch.ops.aten
 
@@ -160,7 +162,7 @@ class _Network:
             is_constant(n) and any(u not in tangent_side for u in n.users)))]
         self.pinned = [n for n in self.fw_tensors if _pinned(n)]
         pinned = set(self.pinned)
-        self.held = {_viewed(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
+        self.held = {view_root(n) for n in self.parts.fw_outputs if isinstance(n, fx.Node)}
         # See Note [Activation checkpointing].
         forward_code = ancestors([*self.parts.fw_outputs, *self.fw_effects])
         self.checkpointed, region_outputs = _checkpointed_regions(
@@ -169,10 +171,10 @@ class _Network:
         # What eager's backward formulas read: besides what the backward graph reads, the
         # inputs of values only the backward needs (sin's backward computes cos(y) from y).
         backward_only = {n for n in self.fw_tensors if n not in forward_code}
-        read_whole = {_viewed(u) for u in self.read_by_bw | {
+        read_whole = {view_root(u) for u in self.read_by_bw | {
             u for n in backward_only for u in n.all_input_nodes} if u not in backward_only}
         self.unsaveable = {n for n in self.fw_tensors if not is_input(n)
-                           and _viewed(n) in self.held and _viewed(n) not in read_whole}
+                           and view_root(n) in self.held and view_root(n) not in read_whole}
         self.last_resort = sum(nbytes(n) for n in self.fw_tensors) + 2  # bytes, see _capacity
         self.must_save = [n for n in self.fw_tensors if n not in self.unsaveable and (
             n.meta.get("recompute") in _SAVE or n in region_outputs
@@ -204,7 +206,7 @@ class _Network:
             ) from exc
         saved = [n for n in self.fw_tensors
                  if (n, "in") in source_side and (n, "out") not in source_side]
-        return _Cut(saved, sum(nbytes(n) for n in saved if not free_to_save(n)))
+        return _Cut(saved, held_bytes(saved))
 
     def _flow_graph(self, banned: set[fx.Node]) -> nx.DiGraph:
         graph = nx.DiGraph()
@@ -312,26 +314,8 @@ def _handed_out(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
     for node in outputs[:num_fwd_outputs] if isinstance(outputs, (list, tuple)) else ():
         while isinstance(node, fx.Node) and node not in handed:
             handed.add(node)
-            node = _viewed_once(node)
+            node = viewed_once(node)
     return handed
-
-
-def _viewed_once(node: fx.Node) -> fx.Node | None:
-    """The value ``node`` is a view of, or None if it is no view (``_unsafe_view``, which
-    matmul's decomposition returns, shares its input's memory without being marked a view)."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload) and (
-            target.is_view or target is torch.ops.aten._unsafe_view.default) \
-            and node.args and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    return None
-
-
-def _viewed(node: fx.Node) -> fx.Node:
-    """The value ``node`` is a chain of views of (``node`` itself if it is no view)."""
-    while (base := _viewed_once(node)) is not None:
-        node = base
-    return node
 
 
 def _pinned(node: fx.Node) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from aotkit.compat import size_hint
-from aotkit.partition.graph import free_to_save, is_sym
+from aotkit.partition.graph import free_to_save, is_sym, view_root
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,11 @@ class PartitionReport:
     """Attached to the forward graph as ``fw_gm.meta["partition"]`` by every aotkit partitioner.
 
     ``saved_bytes`` is the activation memory the partition adds: the sizes (numel x element size,
-    symbolic sizes through their hints) of the saved tensors that are not graph inputs; inputs
-    are free to save (the caller holds them) and are counted in ``saved_inputs``, except inputs
-    the function mutates, of which the runtime saves a copy (Note [Saving inputs the function
+    symbolic sizes through their hints; a size read from data, such as nonzero's count, at
+    4096) of the values whose memory the saved tensors keep alive,
+    each once (a saved view counts as the whole value it views). Inputs (counted in
+    ``saved_inputs``) and views of them are free to save: the caller holds them. Inputs the
+    function mutates are not, since the runtime saves a copy (Note [Saving inputs the function
     mutates]).
     ``recomputed`` names the ops the backward runs again instead of loading them.
     """
@@ -54,6 +56,14 @@ def nbytes(node: fx.Node) -> int:
     return total
 
 
+def held_bytes(saved: Iterable[fx.Node]) -> int:
+    """Bytes the saved tensors keep alive: each storage once, at the size of the value that owns
+    it (a saved ``y[:, :32]`` keeps all of ``y``), nothing for the caller's inputs and their
+    views (a saved ``weight.t()``)."""
+    roots = {view_root(n) for n in saved if not is_sym(n)}
+    return sum(nbytes(r) for r in roots if not free_to_save(r))
+
+
 def report(partitioner: str, saved: Iterable[fx.Node], recomputed: Iterable[fx.Node] = ()) -> PartitionReport:
     """Describe a partition from the nodes it saves and the nodes its backward recomputes."""
     saved = list(saved)
@@ -62,7 +72,7 @@ def report(partitioner: str, saved: Iterable[fx.Node], recomputed: Iterable[fx.N
     return PartitionReport(
         partitioner=partitioner,
         saved_tensors=len(tensors),
-        saved_bytes=sum(nbytes(n) for n in tensors if not free_to_save(n)),
+        saved_bytes=held_bytes(tensors),
         saved_symints=len(saved) - len(tensors),
         saved_inputs=len(inputs),
         recomputed=tuple(_op_name(n) for n in recomputed),
