@@ -532,6 +532,27 @@ def test_checkpointed_regions_are_recomputed_with_eager_values(partition: str) -
     assert report.saved_bytes < plain.report.saved_bytes
 
 
+def test_an_in_place_op_on_a_saved_value_in_a_region_names_the_checkpoint() -> None:
+    """Eager's checkpoint saves nothing inside its region, so ``h.relu_(); h.mul_(2)`` passes
+    there; the traced region's saved relu output is checked, and the error says why."""
+    lin = nn.Linear(16, 16)
+
+    def region(a: torch.Tensor) -> torch.Tensor:
+        h = lin(a)
+        h.relu_()
+        return h.mul_(2)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).tanh()
+
+    x = torch.randn(6, 16)
+    f(x).sum().backward()  # eager runs
+    out = torch.compile(f, backend="aotkit")(x)
+    with pytest.raises(RuntimeError, match=r"(?s)modified by an inplace operation.*checkpoint "
+                       r"region.*h = h.relu\(\)"):
+        out.sum().backward()
+
+
 def test_selective_checkpointing_policy_saves_what_it_names() -> None:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 

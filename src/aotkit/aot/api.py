@@ -65,6 +65,7 @@ from aotkit.errors import (
     UnsupportedError,
 )
 from aotkit.partition.default import default_partition
+from aotkit.partition.min_cut import has_checkpointed_regions
 from aotkit.partition.report import PartitionReport, report
 
 log = logging.getLogger("aotkit.aot")
@@ -430,8 +431,16 @@ def _trace_joint_or_defer_error(flat_fn: FlatFn, primals: list[Any], meta: AotMe
     except RuntimeError as exc:
         if "modified by an inplace operation" not in str(exc):
             raise
-        return trace_joint(flat_fn, primals, meta, fw_out_fakes, decompositions,
-                           grad_mode=grad_mode, take_grads=False), str(exc)
+        gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, decompositions,
+                         grad_mode=grad_mode, take_grads=False)
+        return gm, str(exc) + (_CHECKPOINT_HINT if has_checkpointed_regions(gm) else "")
+
+
+_CHECKPOINT_HINT = (
+    "\n(aotkit: the function holds a torch.utils.checkpoint region. Eager's non-reentrant "
+    "checkpoint saves nothing inside its region, so it skips this check there; aotkit traces "
+    "the region as ordinary code, whose saved tensors are checked. Fix: inside the region, "
+    "use out-of-place ops on values autograd saves, e.g. h = h.relu() for h.relu_().)")
 
 
 # Note [Grad mode turned on inside]
