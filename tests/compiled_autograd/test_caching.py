@@ -184,6 +184,18 @@ def test_torch_func_transforms_inside_enable_run_eagerly_with_a_decision() -> No
     assert len(fallbacks) == 3 and all("torch.func" in d.why for d in fallbacks)
 
 
+def test_enable_inside_pytorchs_off_window_captures_without_a_fallback_decision() -> None:
+    """enable() sets its compiler, so its backwards are captured: no "runs eagerly" decision."""
+    w = torch.ones(3, requires_grad=True)
+    with torch._dynamo.compiled_autograd._disable(), aotkit.compiled_autograd.enable(nop):
+        for _ in range(2):
+            w.grad = None
+            (w * w).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+    assert counts() == (1, 1)
+    assert aotkit.explain().of_kind("fallback") == []
+
+
 def test_batched_grad_outputs_raise_typed_error_with_workaround() -> None:
     x = torch.randn(3, requires_grad=True)
     y = x.exp()

@@ -257,15 +257,48 @@ def _bytes_held(call: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) ->
     return sum(storages.values())
 
 
+_PARTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "slice": lambda y: y[:, :32], "split chunk": lambda y: y.split(8, 1)[0],
+    "unbind row": lambda y: y.unbind(0)[3], "split chunk of an input": lambda y: y,
+}
+
+
 @pytest.mark.parametrize("partition", list(PARTITIONERS))
-def test_saved_bytes_count_a_saved_slice_as_what_it_keeps(partition: str) -> None:
-    """A saved ``y[:, :32]`` keeps all of ``y``: it was counted at the slice's size."""
+@pytest.mark.parametrize("part", list(_PARTS))
+def test_saved_bytes_count_a_saved_part_as_what_it_keeps(partition: str, part: str) -> None:
+    """A saved ``y[:, :32]`` (or chunk of ``y.split``) keeps all of ``y``: it was counted at
+    its own size; a chunk of an input keeps nothing new."""
     x, w = torch.randn(64, 16, requires_grad=True), torch.randn(16, 128, requires_grad=True)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if part == "split chunk of an input":
+            return (x @ w).sum() + x.split(4, 1)[0].sin().sum()
+        return _PARTS[part](x @ w).sin().sum()
+
     captured = Captured(PARTITIONERS[partition])
-    compiled = aotkit.aot_function(lambda x, w: (x @ w)[:, :32].sin(), aotkit.compilers.nop,
-                                   partition_fn=captured)
+    compiled = aotkit.aot_function(f, aotkit.compilers.nop, partition_fn=captured)
     held = _bytes_held(lambda: compiled(x, w), [x, w])
-    assert captured.report.saved_bytes == held > 0
+    assert captured.report.saved_bytes == held
+    assert (held == 0) == (part == "split chunk of an input")
+
+
+def test_a_budget_below_one_never_keeps_more_than_the_default() -> None:
+    """A small slice of a large random tensor (pinned, so saved as the slice): the cut weighed
+    the slice at its own size and, below budget 1, kept the whole random tensor alive."""
+    def f(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = torch.rand(1000, 64)[:2]
+        return ((s.t() @ s) * v).sin().sum() + (x @ w).tanh().sum()
+
+    held = []
+    for budget in (1.0, 0.75, 0.5, 0.0):
+        captured = Captured(min_cut_rematerialization_partition)
+        args = [torch.randn(8, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True),
+                torch.randn(64, 64, requires_grad=True)]
+        with aotkit.config.patch(activation_memory_budget=budget):
+            compiled = aotkit.aot_function(f, aotkit.compilers.nop, partition_fn=captured)
+            held.append(_bytes_held(functools.partial(compiled, *args), args))
+        assert captured.report.saved_bytes == held[-1]
+    assert held == sorted(held, reverse=True) and held[0] < 1000 * 64 * 4, held
 
 
 def test_saved_bytes_count_a_saved_view_of_an_input_as_nothing() -> None:

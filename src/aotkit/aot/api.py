@@ -437,10 +437,11 @@ def _trace_joint_or_defer_error(flat_fn: FlatFn, primals: list[Any], meta: AotMe
 
 
 _CHECKPOINT_HINT = (
-    "\n(aotkit: the function holds a torch.utils.checkpoint region. Eager's non-reentrant "
-    "checkpoint saves nothing inside its region, so it skips this check there; aotkit traces "
-    "the region as ordinary code, whose saved tensors are checked. Fix: inside the region, "
-    "use out-of-place ops on values autograd saves, e.g. h = h.relu() for h.relu_().)")
+    "\n(aotkit: the function holds a torch.utils.checkpoint region. If that value is computed "
+    "inside the region: eager's non-reentrant checkpoint saves nothing there, so it skips this "
+    "check, while aotkit traces the region as ordinary code, whose saved tensors are checked. "
+    "Fix: inside the region, use out-of-place ops on values autograd saves, e.g. h = h.relu() "
+    "for h.relu_(). Outside the region, eager raises this error too.)")
 
 
 # Note [Grad mode turned on inside]

@@ -107,16 +107,16 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
 def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
     if compat.compiled_autograd_is_off():
         return
-    if compat.pytorch_disable_is_open():
-        counters.record("fallback", "compiled_autograd",
-                        "a backward inside torch._dynamo.compiled_autograd._disable() (torch.func's "
-                        "transforms open one around their autograd.grad) runs eagerly", logger=log)
-        return
     prior = compat.set_autograd_compiler(factory, dynamic)
     if prior[0] is factory:
         return
-    if prior[0] is not None:
+    if prior[0] is not None or compat.pytorch_disable_is_open():
         compat.set_autograd_compiler(*prior)
+        if prior[0] is None:
+            counters.record("fallback", "compiled_autograd",
+                            "a backward inside torch._dynamo.compiled_autograd._disable() "
+                            "(torch.func's transforms open one around their autograd.grad) runs "
+                            "eagerly", logger=log)
         return
     compat.set_autograd_verbose_logger(_engine_log)  # emptied too
     counters.record("cache_clear", "compiled_autograd",

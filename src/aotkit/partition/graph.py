@@ -123,7 +123,12 @@ def is_input(node: fx.Node) -> bool:
 # costs its bytes like any activation.
 def viewed_once(node: fx.Node) -> fx.Node | None:
     """The value ``node`` is a view of, or None if it is no view (``_unsafe_view``, which
-    matmul's decomposition returns, shares its input's memory without being marked a view)."""
+    matmul's decomposition returns, shares its input's memory without being marked a view; a
+    chunk of ``split``/``unbind`` is a view of what they split)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        if not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view):
+            return None
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and (
             target.is_view or target is torch.ops.aten._unsafe_view.default) \

@@ -236,8 +236,12 @@ class _Network:
             return None
         if node in self.unsaveable:
             size = self.last_resort
-        else:
-            size = 0 if free_to_save(node) or node in self.held else nbytes(node)
+        elif free_to_save(node) or node in self.held:
+            size = 0
+        else:  # a saved view of an intermediate keeps all of it (held_bytes); one of an input
+            # is free there, but weighed at its size here, so the input itself is saved instead
+            root = view_root(node)
+            size = nbytes(node) if free_to_save(root) else max(nbytes(node), nbytes(root))
         return size * scale + len(self.index) - self.index[node]
 
     def split(self, cut: _Cut) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -291,8 +295,10 @@ def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
 
 def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
     """Let the backward recompute expensive ops, largest outputs first, until the saved bytes
-    fit the budget: the fewest such ops that do (a binary search; fewer banned ops never save
-    more bytes, so the result shrinks as the budget falls)."""
+    fit the budget: the fewest such ops that do (a binary search: fewer banned ops save no more
+    bytes, so the result shrinks as the budget falls). The cut weighs each value by its own
+    size, or its base's for a view, which can still misjudge a view sharing its base with
+    another saved value: a result keeping more than the default does is never taken."""
     order = sorted(network.expensive, key=lambda n: (-nbytes(n), network.index[n]))
     least = network.cut([])
     target = least.activation_bytes + budget * (default.activation_bytes - least.activation_bytes)
@@ -304,7 +310,7 @@ def _within_budget(network: _Network, budget: float, default: _Cut) -> _Cut:
             hi, best = mid, attempt
         else:
             lo = mid + 1
-    return best
+    return best if best.activation_bytes <= default.activation_bytes else default
 
 
 def _handed_out(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
