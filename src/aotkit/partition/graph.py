@@ -121,6 +121,11 @@ def is_input(node: fx.Node) -> bool:
 # (aotkit.aot.runtime). Min-cut counted such an input as free and saved a 1000x1000 buffer to
 # recompute a 1000-element slice of it. The joint trace marks these placeholders, and saving one
 # costs its bytes like any activation.
+def free_to_save(node: fx.Node) -> bool:
+    """Saving ``node`` adds no memory: an input the function does not mutate, or a constant."""
+    return is_input(node) and not node.meta.get("mutated_input", False)
+
+
 def viewed_once(node: fx.Node) -> fx.Node | None:
     """The value ``node`` is a view of, or None if it is no view (``_unsafe_view``, which
     matmul's decomposition returns, shares its input's memory without being marked a view; a
@@ -142,11 +147,6 @@ def view_root(node: fx.Node) -> fx.Node:
     while (base := viewed_once(node)) is not None:
         node = base
     return node
-
-
-def free_to_save(node: fx.Node) -> bool:
-    """Saving ``node`` adds no memory: an input the function does not mutate, or a constant."""
-    return is_input(node) and not node.meta.get("mutated_input", False)
 
 
 def _not_a_joint(parts: JointParts, placeholders: list[fx.Node], outputs: object,
