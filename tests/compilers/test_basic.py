@@ -368,7 +368,13 @@ def test_debug_nop_lets_batch_norms_known_dtype_difference_through_and_records_i
     for run in (eager, compiled):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs.append(run(x))
+        outs[-1].float().sum().backward()  # the backward gets the saved mean as an input
     torch.testing.assert_close(outs[1], outs[0])
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
     known = aotkit.explain().of_kind("known_mismatch")  # once per node: the op, its getitems
     assert any("_native_batch_norm_legit" in d.why for d in known)
     assert all("dtype torch.float32, traced torch.bfloat16" in d.why for d in known)
+    if train:  # the backward's placeholders of the saved mean and inverse deviation
+        assert any("(placeholder: output 1 of aten._native_batch_norm_legit" in d.why
+                   for d in known)

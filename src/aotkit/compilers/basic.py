@@ -152,8 +152,10 @@ class _CheckingInterpreter(fx.Interpreter):
     def _record_known(self, n: fx.Node, problem: str) -> None:
         if n.name not in self.recorded:
             self.recorded.add(n.name)
+            op = (f"placeholder: output {n.meta['computed_by'][1]} of "
+                  f"{n.meta['computed_by'][0]}" if n.op == "placeholder" else n.target)
             counters.record("known_mismatch", "debug_nop", (
-                f"node {n.name!r} ({n.target}) gave {problem}: a difference of PyTorch's own "
+                f"node {n.name!r} ({op}) gave {problem}: a difference of PyTorch's own "
                 "kernels from their shape functions (Note [Mismatches PyTorch is known to "
                 "have]), not of aotkit's graph"), logger=log)
 
@@ -178,10 +180,14 @@ _BATCH_NORMS = frozenset({
 
 def _known_to_pytorch(n: fx.Node, output: int, fake: Any, real: Any) -> bool:
     """See Note [Mismatches PyTorch is known to have]: dtype only, never the normalized output
-    (also where a ``getitem`` takes one of the others out)."""
-    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        n, output = n.args[0], n.args[1]
-    return (n.target in _BATCH_NORMS and isinstance(output, int) and output > 0
+    (also where a ``getitem`` takes one of the others out, or the backward graph gets one as
+    a saved value: its placeholder's ``computed_by``, set by aotkit's partitioners)."""
+    target = n.target
+    if n.op == "placeholder" and "computed_by" in n.meta:
+        target, output = n.meta["computed_by"]
+    elif target is operator.getitem and isinstance(n.args[0], fx.Node):
+        target, output = n.args[0].target, n.args[1]
+    return (target in _BATCH_NORMS and isinstance(output, int) and output > 0
             and isinstance(real, torch.Tensor) and fake.dtype != real.dtype)
 
 

@@ -324,6 +324,10 @@ def extract(
     for i, node in enumerate(inputs):
         env[node] = graph.placeholder(names[i] if names else node.name)
         env[node].meta = dict(node.meta)
+        if node.op == "call_function":  # a value the other graph computed: which op's output
+            made_by = node.args[0] if node.target is operator.getitem else node
+            output = node.args[1] if node.target is operator.getitem else 0
+            env[node].meta["computed_by"] = (getattr(made_by, "target", None), output)
     needed = ancestors([*outputs, *effects], stop=set(inputs))
     for node in joint.graph.nodes:
         if node in needed and node not in env and node.op != "output":
