@@ -5,6 +5,7 @@ eagerly and through aot_module and compares outputs, gradients and the module's 
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import pytest
@@ -571,6 +572,89 @@ def test_tensor_attributes_replaced_from_outside_are_read_from_then_on():
     torch.testing.assert_close(_step(compiled, x), _step(eager, x))
     (reason,) = aotkit.explain().of_kind("recompile")
     assert reason.why.startswith("plain tensor attribute(s) ['scale'] assigned anew")
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        mask = getattr(self, "mask", None)
+        return y * mask if mask is not None else y
+
+
+def test_a_tensor_attribute_set_to_none_a_number_or_deleted_is_traced_again():
+    """Only a new tensor counted as a replacement: after ``model.mask = None`` the graph went on
+    multiplying by the old mask."""
+    torch.manual_seed(0)
+    eager = _Masked()
+    twin = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(twin, compilers.nop)
+    x = torch.randn(2, 4)
+    changes = [None, 2.0, torch.full((4,), 3.0), None, "delete", torch.ones(4)]
+    for value in [*changes, None]:
+        torch.testing.assert_close(_step(compiled, x), _step(eager, x))
+        for m in (eager, twin):
+            if isinstance(value, str):
+                del m.mask
+            else:
+                m.mask = value.clone() if isinstance(value, torch.Tensor) else value
+    whys = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert whys[:2] == [
+        "plain attribute(s) set anew (mask a tensor -> None): traced again for that value",
+        "plain attribute(s) set anew (mask None -> 2.0): traced again for that value"], whys
+    assert any("(mask None -> (not set))" in why for why in whys), whys
+
+
+class _Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.table = {"scale": torch.ones(4)}
+        self.cfg = types.SimpleNamespace(shift=torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.table["scale"] + self.cfg.shift
+
+
+@pytest.mark.parametrize("replace", ["dict entry", "namespace attribute", "whole dict"])
+def test_tensors_replaced_in_a_container_attribute_are_refused(replace: str) -> None:
+    """Note [Tensors in containers]: the graph went on reading the old tensors silently."""
+    torch.manual_seed(0)
+    model = _Tables()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(compiled(x), model(x))
+    with torch.no_grad():  # changed in place: the graph reads the same tensors
+        model.table["scale"].mul_(2)
+    torch.testing.assert_close(compiled(x), model(x))
+    if replace == "dict entry":
+        model.table["scale"] = torch.full((4,), 5.0)
+    elif replace == "namespace attribute":
+        model.cfg.shift = torch.full((4,), 100.0)
+    else:
+        model.table = {"scale": model.table["scale"]}  # a new dict, the same tensor: fine
+        torch.testing.assert_close(compiled(x), model(x))
+        model.table = {"scale": torch.full((4,), 5.0)}
+    name = "cfg" if replace == "namespace attribute" else "table"
+    with pytest.raises(UnsupportedError, match=rf"attribute '{name}' .* holds other tensors"):
+        compiled(x)
+
+
+def test_a_container_a_hook_fills_while_tracing_is_not_refused_after_a_new_layout() -> None:
+    """A hook storing outputs in a dict stores tracing values (its decision says so): a later
+    layout (eval mode) must not take those for replaced constants."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    model.store = {}
+    model[0].register_forward_hook(lambda m, i, o: model.store.__setitem__("out", o.detach()))
+    compiled = aotkit.aot_module(model, compilers.nop)
+    x = torch.randn(2, 4)
+    for training in (True, False, True, False):
+        model.train(training)
+        compiled(x)
 
 
 def test_weight_norm_recomputed_by_an_eager_call_between_compiled_ones_still_runs():

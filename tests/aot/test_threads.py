@@ -95,6 +95,38 @@ def test_modules_and_functions_compiled_in_parallel_threads_match_eager() -> Non
             torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def test_a_compiled_module_runs_while_another_thread_traces_it() -> None:
+    """A trace points the module's parameter slots at its tracing values: another thread's call
+    read them ("Attempting to use FunctionalTensor on its own")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    compiled = aotkit.aot_module(model, aotkit.compilers.nop)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        compiled(x)
+    done, errors = threading.Event(), []
+
+    def serve() -> None:
+        try:
+            while not done.is_set():
+                with torch.no_grad():
+                    torch.testing.assert_close(compiled(x), expected)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with aotkit.config.patch(recompile_limit=100), torch.no_grad():
+            for n in range(3, 9):  # each batch size a new trace
+                compiled(torch.randn(n, 8))
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, errors[0]
+
+
 def test_a_trace_in_another_thread_does_not_change_a_compiled_modules_layout():
     """While a trace records the modules it calls (a global forward pre-hook, Note [What a trace
     reads besides its inputs]), compiled modules in other threads took that hook for a user's

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 
@@ -90,6 +93,13 @@ class _Layout:
     guarded_values: dict[str, Any] = dataclasses.field(default_factory=dict)
     values_traced_from: dict[str, Any] = dataclasses.field(default_factory=dict)
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
+    # Attributes read as state, as the graph was traced: "a tensor", or a constant's repr.
+    attribute_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Containers of tensors (a dict, list or namespace attribute), constants of the graph:
+    # (qualified name, the module's __dict__, key, container type, its tensors as traced). See
+    # Note [Tensors in containers].
+    containers: list[tuple[str, dict[str, Any], str, type, list[torch.Tensor]]] = \
+        dataclasses.field(default_factory=list)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -182,17 +192,10 @@ class AotModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if tracing_active():  # inside another compiled module's trace: part of its graph
             return self.orig_module(*args, **kwargs)
-        key, state = _collect(self.orig_module, self._attributes, self._guarded)
-        compiled = self._compiled.get(key)
-        if compiled is not None and compiled.layout.constants and self._read_replaced(compiled):
-            key, state = _collect(self.orig_module, self._attributes, self._guarded)
-            compiled = self._compiled.get(key)
-        if compiled is None and self._read_attributes_requiring_grad():
-            key, state = _collect(self.orig_module, self._attributes, self._guarded)
-            compiled = self._compiled.get(key)
-        if compiled is None:
-            with COMPILE_LOCK:  # Note [One compile at a time]
-                compiled = self._compiled.get(key) or self._compile_for(key)
+        # Under the lock: a trace in another thread points the module's slots at its tracing
+        # values until it ends (Note [One compile at a time]).
+        with COMPILE_LOCK:
+            compiled, state = self._compiled_and_state()
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
         for table, after in compiled.registered:  # after the trace only
@@ -218,6 +221,20 @@ class AotModule(nn.Module):
                 self._attributes[id(module)] = (*self._attributes.get(id(module), ()), attribute)
         return out
 
+    def _compiled_and_state(self) -> tuple[_Compiled, list[torch.Tensor]]:
+        """The compiled function for the module's layout (compiled now if new), and its state."""
+        key, state = _collect(self.orig_module, self._attributes, self._guarded)
+        compiled = self._compiled.get(key)
+        if compiled is not None and compiled.layout.constants and self._read_replaced(compiled):
+            key, state = _collect(self.orig_module, self._attributes, self._guarded)
+            compiled = self._compiled.get(key)
+        if compiled is None and self._read_attributes_requiring_grad():
+            key, state = _collect(self.orig_module, self._attributes, self._guarded)
+            compiled = self._compiled.get(key)
+        if compiled is not None and compiled.layout.containers:
+            _check_containers(compiled.layout)
+        return (compiled or self._compile_for(key)), state
+
     def _guard(self, compiled: _Compiled, name: str, module: nn.Module, attribute: str) -> None:
         """A plain value forward assigned that differs from the one the graph was traced from
         makes the attribute part of the layout key (Note [Attributes forward assigns])."""
@@ -234,8 +251,7 @@ class AotModule(nn.Module):
         constants = compiled.layout.constants
         replaced = []
         for name, (d, key, value) in constants.items():
-            new = d.get(key)
-            if new is value or not isinstance(new, torch.Tensor):
+            if d.get(key, _MISSING) is value:  # else a tensor, None, a number, or deleted
                 continue
             module = self.orig_module.get_submodule(name.rpartition(".")[0])
             self._attributes[id(module)] = (*self._attributes.get(id(module), ()), key)
@@ -336,8 +352,10 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
             key.append(tuple(map(tuple, _hook_tables(m))))
         params.extend(p.values())
         buffers.extend(b.values())
-        if attributes and (names := _tensor_attributes(m, attributes)):
-            key.append(("attributes", *names))
+        if attributes and (read := attributes.get(id(m))):
+            names = _tensor_attributes(m, attributes)
+            others = [(n, _hashable(m.__dict__.get(n, _MISSING))) for n in read if n not in names]
+            key.append(("attributes", *names, None, *others))  # None, 2.0, unset: a constant
             values.extend(m.__dict__[n] for n in names)
         if guarded and (names := guarded.get(id(m))):
             key.append(("values", *(_hashable(m.__dict__.get(n, _MISSING)) for n in names)))
@@ -489,7 +507,51 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]),
         constants, {id(m.__dict__) for _, m in modules if _defined_by_pytorch(m)},
         {f"{n}.{k}" if n else k: m.__dict__.get(k, _MISSING) for n, m in modules
-         for k in guarded.get(id(m), ())})
+         for k in guarded.get(id(m), ())},
+        attribute_kinds={f"{n}.{k}" if n else k: _kind_shown(m.__dict__.get(k, _MISSING))
+                         for n, m in modules for k in attributes.get(id(m), ())},
+        containers=[(f"{n}.{k}" if n else k, m.__dict__, k, type(v), _held_tensors(v))
+                    for n, m in modules for k, v in m.__dict__.items()
+                    if k not in _MODULE_STATE and not (k.startswith("_") and _defined_by_pytorch(m))
+                    and _held_tensors(v)])
+
+
+_MODULE_STATE = frozenset(nn.Module().__dict__)  # _parameters, _buffers, hook tables, ...
+
+
+# Note [Tensors in containers]
+# Tensors a module keeps in a dict, list or namespace attribute (``self.table["scale"]``) are
+# read while tracing: constants of the graph. Replaced from outside between calls, eager reads
+# the new ones and the graph went on with the old, silently. Each call now checks that every
+# such container still holds the tensors the graph was traced with, and refuses otherwise:
+# unlike a plain tensor attribute, a container's place cannot be a graph input.
+def _held_tensors(value: Any) -> list[torch.Tensor]:
+    """The real tensors a container attribute holds (a namespace's attributes included; not
+    the tracing values a hook stored while tracing, which its decision reports)."""
+    if isinstance(value, torch.Tensor | nn.Module):
+        return []
+    leaves = pytree.tree_leaves(vars(value) if isinstance(value, types.SimpleNamespace) else value)
+    return [t for t in leaves if isinstance(t, torch.Tensor)
+            and not isinstance(t, FakeTensor | FunctionalTensor)]
+
+
+def _check_containers(layout: _Layout) -> None:
+    """Note [Tensors in containers]."""
+    for name, d, key, kind, tensors in layout.containers:
+        held = _held_tensors(d.get(key, _MISSING))
+        if len(held) != len(tensors) or any(a is not b for a, b in zip(held, tensors,
+                                                                          strict=True)):
+            raise UnsupportedError(
+                f"the module's attribute {name!r} ({kind.__name__}) holds other "
+                "tensors than when aot_module traced it: the graph holds them as constants and "
+                "would go on reading the old ones.\nFix: register each tensor as a buffer "
+                "(self.register_buffer(...)) or a plain tensor attribute of its own, whose "
+                "replacements are read at every call, update the tensors in place (copy_), or "
+                "use torch.compile(model, backend='aotkit').")
+
+
+def _kind_shown(value: Any) -> str:
+    return "a tensor" if isinstance(value, torch.Tensor) else _shown(value)
 
 
 def _defined_by_pytorch(m: nn.Module) -> bool:
@@ -683,6 +745,13 @@ def _describe(old: _Layout, new: _Layout) -> str:
     if changed:
         reasons.append(f"plain attribute(s) forward assigns changed ({', '.join(changed)}): "
                        "traced again from the current values")
+    before = {**dict.fromkeys(old.constants, "a tensor"), **old.attribute_kinds}
+    replaced = [f"{n} {before.get(n, _shown(_MISSING))} -> {kind}"
+                for n, kind in new.attribute_kinds.items()
+                if kind != "a tensor" and before.get(n, _shown(_MISSING)) != kind]
+    if replaced:
+        reasons.append(f"plain attribute(s) set anew ({', '.join(replaced)}): traced again for "
+                       "that value")
     reasons += _state_changes(old, new, read)
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
