@@ -772,6 +772,39 @@ def test_lone_view_of_an_intermediate_is_a_view_the_caller_may_change(fn):
         torch.testing.assert_close(grad, e_grad)
 
 
+class _Tap(torch.autograd.Function):
+    """Passes x through; its backward adds the gradient into ``stats``, a tensor it saved."""
+
+    @staticmethod
+    def forward(ctx, x, stats):
+        ctx.save_for_backward(stats)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (stats,) = ctx.saved_tensors
+        stats.add_(grad)
+        return grad, None
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_a_backward_writing_into_a_saved_input_writes_the_callers_tensor(partition: str) -> None:
+    """Note [Inputs the backward writes]: the write became a value nothing copied back."""
+    def f(x, stats):
+        return (_Tap.apply(x, stats) * 3).sum()
+
+    partition_fn = {"default": aotkit.default_partition,
+                    "min_cut": aotkit.min_cut_rematerialization_partition}[partition]
+    compiled = aotkit.aot_function(f, compilers.nop, partition_fn=partition_fn)
+    for _ in range(2):
+        x, stats = rand(3, grad=True), torch.zeros(3)
+        loss = compiled(x, stats)
+        assert torch.equal(stats, torch.zeros(3))  # written when backward() runs, as in eager
+        loss.backward()
+        torch.testing.assert_close(stats, torch.full((3,), 3.0))
+        torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+
+
 # --- custom Functions returning views (Note [Views made by custom Functions]) ---------------------
 
 

@@ -555,8 +555,12 @@ def trace_joint(
             before = _traced_nodes()
             with autocast_as(backward_autocast):
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
-            in_backward.extend(n for n in _traced_nodes() if n not in before)
-        return [*_outputs_from_fun(fw_outs, meta), *map(from_fun, grads)]
+            written = {i: from_fun(f_primals[i]) for i in _written_by_backward(f_primals, meta)}
+            outs = [*_outputs_from_fun(fw_outs, meta), *map(from_fun, grads)]
+        for i, value in written.items():  # Note [Inputs the backward writes]
+            primals[i].copy_(value)
+        in_backward.extend(n for n in _traced_nodes() if n not in before)
+        return outs
 
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
     for node in in_backward:  # Note [Effects of the backward]
@@ -566,6 +570,20 @@ def trace_joint(
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
         placeholders[i].meta["mutated_input"] = True
     return gm
+
+
+# Note [Inputs the backward writes]
+# A backward formula may write in place to a tensor it saved from the forward's inputs (a custom
+# Function or a custom op's registered backward accumulating statistics: ``stats.add_(g)``).
+# Functionalization turns that write into a new value inside the backward, which nothing copied
+# back to the caller's tensor: the write was lost silently. The joint graph now ends with a
+# ``copy_`` of that value into the input, recorded with the backward (Note [Effects of the
+# backward]), so the backward graph makes the write when backward() runs, as eager does.
+def _written_by_backward(f_primals: Sequence[Any], meta: AotMeta) -> list[int]:
+    """The inputs the gradient computation wrote in place (not the forward's writes)."""
+    return [i for i, p in enumerate(f_primals)
+            if i not in meta.mutated_inputs and isinstance(p, FunctionalTensor)
+            and torch._functionalize_has_data_mutation(p.elem)]
 
 
 def _traced_nodes() -> set[fx.Node]:
