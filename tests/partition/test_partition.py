@@ -454,6 +454,39 @@ def test_a_cond_whose_branch_draws_is_never_recomputed(budget: float, branch: st
     assert ("cond" in recomputed) == (branch == "pure"), recomputed
 
 
+_drawn: list[torch.Tensor] = []
+
+
+@torch.library.custom_op("aotkit_test::rand_mask_", mutates_args=("m",),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def _rand_mask_(m: torch.Tensor) -> None:
+    m.copy_((torch.rand_like(m) > 0.5).to(m.dtype))
+    _drawn.append(m.clone())
+
+
+@_rand_mask_.register_fake
+def _(m: torch.Tensor) -> None:
+    return None
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
+def test_a_random_custom_op_writing_its_input_runs_once(budget: float) -> None:
+    """Under ``auto_functionalized`` the op's random tag was not seen: below budget 1 the
+    backward drew a second mask."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        m = torch.empty_like(x)
+        _rand_mask_(m)
+        return (x.exp() * m).sum()
+
+    _drawn.clear()
+    x = torch.randn(64, requires_grad=True)
+    with aotkit.config.patch(activation_memory_budget=budget):
+        aotkit.aot_function(f, aotkit.compilers.nop,
+                            partition_fn=min_cut_rematerialization_partition)(x).backward()
+    assert len(_drawn) == 1
+    torch.testing.assert_close(x.grad, x.detach().exp() * _drawn[0])
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.5, 0.0])
 def test_lstm_trains_at_every_budget(budget: float) -> None:
     """oneDNN's LSTM kernel would hand its backward an undefined workspace: training graphs are

@@ -326,13 +326,16 @@ def _handed_out(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
 
 def _pinned(node: fx.Node) -> bool:
     """Never recomputed, whatever the budget: inputs, random, side-effecting and RNN ops, and
-    higher-order ops (``torch.cond``) whose bodies hold one: recomputing a branch that drops
-    out drew a new mask for the backward."""
+    higher-order ops (``torch.cond``) whose bodies hold one or that wrap a random op (a random
+    custom op that writes its input, under ``auto_functionalized``): recomputing a branch that
+    drops out drew a new mask for the backward."""
     if is_input(node):
         return True
     target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return has_effects(node) or any(map(_pinned, _body_nodes(node)))
+    if isinstance(target, torch._ops.HigherOrderOperator):  # also auto_functionalized(op, ...)
+        wrapped = [a for a in node.args if isinstance(a, torch._ops.OpOverload)]
+        return has_effects(node) or any(map(_pinned, _body_nodes(node))) or any(
+            torch.Tag.nondeterministic_seeded in op.tags for op in wrapped)
     if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _RNN_KERNELS:
         return True
     random = isinstance(target, torch._ops.OpOverload) and \
