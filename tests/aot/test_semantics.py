@@ -9,6 +9,7 @@ import functools
 import logging
 import re
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -803,6 +804,58 @@ def test_a_backward_writing_into_a_saved_input_writes_the_callers_tensor(partiti
         loss.backward()
         torch.testing.assert_close(stats, torch.full((3,), 3.0))
         torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+
+
+class _Accumulate(torch.autograd.Function):
+    """Its backward adds into ``ctx.stats``, kept on ctx (no version check in eager)."""
+
+    @staticmethod
+    def forward(ctx, x, stats):
+        ctx.stats = stats
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.stats.add_(grad.sum())
+        return grad * 2, None
+
+
+@pytest.mark.parametrize("between", ["two calls", "zero_", "retain_graph"])
+def test_a_backward_writing_an_input_matches_eager_around_it(between: str) -> None:
+    """The written input is kept by reference (Note [Inputs the backward writes]): saved with
+    a version check, each of these raised "modified by an inplace operation"."""
+    def run(f: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, stats = torch.arange(3.0, requires_grad=True), torch.zeros(())
+        if between == "two calls":
+            (f(x, stats) + f(x, stats)).sum().backward()
+        elif between == "zero_":
+            loss = f(x, stats).sum()
+            stats.fill_(5.0)
+            loss.backward()
+        else:
+            loss = f(x, stats).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+        return stats, x.grad
+
+    def f(x, stats):
+        return _Accumulate.apply(x, stats)
+
+    torch.testing.assert_close(run(aotkit.aot_function(f, compilers.nop)), run(f))
+
+
+def test_a_backward_writing_a_leaf_that_requires_grad_updates_it() -> None:
+    """An optimizer step in a backward (``ctx.w.add_(...)``) on a leaf requiring grad: the
+    joint's copy_ ran with grad mode on and failed as an in-place op on a leaf."""
+    def f(x, w):
+        return _Accumulate.apply(x, w)
+
+    def run(fn: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = torch.ones(2, 3, requires_grad=True), torch.ones((), requires_grad=True)
+        fn(x, w).sum().backward()
+        return w.detach(), x.grad
+
+    torch.testing.assert_close(run(aotkit.aot_function(f, compilers.nop)), run(f))
 
 
 # --- custom Functions returning views (Note [Views made by custom Functions]) ---------------------

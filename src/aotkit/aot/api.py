@@ -333,6 +333,10 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     counters.bump("aot", "fw_compiles")
     num_saved = sum(1 for v in _graph_outputs(fw_gm)[meta.num_fw_outputs:]
                     if isinstance(v, torch.Tensor))
+    saved_nodes = list(fw_gm.graph.output_node().args[0])[meta.num_fw_outputs:][:num_saved]
+    written_by_backward = tuple(  # Note [Inputs the backward writes]
+        k for k, n in enumerate(saved_nodes)
+        if isinstance(n, fx.Node) and n.meta.get("written_by_backward", False))
 
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
@@ -359,7 +363,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
-        num_saved_tensors=num_saved, differentiable=meta.fw_output_differentiable(),
+        num_saved_tensors=num_saved, written_by_backward=written_by_backward,
+        differentiable=meta.fw_output_differentiable(),
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],
         tangent_specs=[_tangent_spec(o) for o in fw_out_fakes],

@@ -42,6 +42,8 @@ class CompiledGraphs:
     bw_gm: fx.GraphModule | None = None
     bw_compiler: Compiler | None = None
     num_saved_tensors: int = 0
+    # Saved inputs the backward writes, kept by reference (Note [Inputs the backward writes]).
+    written_by_backward: tuple[int, ...] = ()
     differentiable: list[bool] = field(default_factory=list)
     # Per forward output: its tangent's memory format (Note [Tangents in the outputs' memory
     # format]).
@@ -185,6 +187,9 @@ class CompiledFunction(torch.autograd.Function):
             saved = _unshare_with_mutated_inputs(saved, args, graphs.returned_mutations)
         ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
         anchor = torch.empty(0)
+        if graphs.written_by_backward:  # Note [Inputs the backward writes]
+            ctx.written = [(k, saved[k]) for k in graphs.written_by_backward]
+            saved = [t for k, t in enumerate(saved) if k not in graphs.written_by_backward]
         _save(ctx, saved, anchor)
         ctx.graphs = graphs
         ctx.set_materialize_grads(False)  # Note [Outputs backward does not reach]
@@ -229,6 +234,8 @@ class CompiledFunction(torch.autograd.Function):
                                                    graphs.tangent_formats, strict=True) if d]
         backward = graphs.backward_fn(autocast_state())  # a failed compile can be retried
         saved, anchor = _saved(ctx)
+        for k, t in getattr(ctx, "written", ()):  # Note [Inputs the backward writes]
+            saved.insert(k, t)
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):  # not replayed by CA
             ctx.maybe_clear_saved_tensors()  # Note [Freeing inputs as the graph goes]
         args = [*ctx.saved_syms, *saved, *tangents]

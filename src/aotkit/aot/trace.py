@@ -545,6 +545,7 @@ def trace_joint(
 
     _begin_graph_pass()
     in_backward: list[fx.Node] = []
+    written_inputs: list[int] = []
 
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
         with functionalized():
@@ -557,9 +558,11 @@ def trace_joint(
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
             written = {i: from_fun(f_primals[i]) for i in _written_by_backward(f_primals, meta)}
             outs = [*_outputs_from_fun(fw_outs, meta), *map(from_fun, grads)]
-        for i, value in written.items():  # Note [Inputs the backward writes]
-            primals[i].copy_(value)
+        with torch.no_grad():  # as backward() runs: a leaf requiring grad may be written
+            for i, value in written.items():  # Note [Inputs the backward writes]
+                primals[i].copy_(value)
         in_backward.extend(n for n in _traced_nodes() if n not in before)
+        written_inputs.extend(written)
         return outs
 
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
@@ -569,6 +572,8 @@ def trace_joint(
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
         placeholders[i].meta["mutated_input"] = True
+    for i in written_inputs:  # Note [Inputs the backward writes]
+        placeholders[i].meta["written_by_backward"] = True
     return gm
 
 
@@ -578,7 +583,10 @@ def trace_joint(
 # Functionalization turns that write into a new value inside the backward, which nothing copied
 # back to the caller's tensor: the write was lost silently. The joint graph now ends with a
 # ``copy_`` of that value into the input, recorded with the backward (Note [Effects of the
-# backward]), so the backward graph makes the write when backward() runs, as eager does.
+# backward]), so the backward graph makes the write when backward() runs, as eager does. The
+# runtime keeps such an input for the backward as a reference, not a saved tensor, whose
+# version check would fail where eager's ``ctx.stats`` passes: the tensor changed in place
+# between forward and backward, a second call's backward wrote it first, or retain_graph.
 def _written_by_backward(f_primals: Sequence[Any], meta: AotMeta) -> list[int]:
     """The inputs the gradient computation wrote in place (not the forward's writes)."""
     return [i for i, p in enumerate(f_primals)
