@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import types
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 
@@ -22,7 +20,7 @@ from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.reads import is_recording_hook
 from aotkit.aot.signature import leaf_names
-from aotkit.aot.trace import COMPILE_LOCK, tracing_active
+from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
 
@@ -95,11 +93,6 @@ class _Layout:
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
     # Attributes read as state, as the graph was traced: "a tensor", or a constant's repr.
     attribute_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Containers of tensors (a dict, list or namespace attribute), constants of the graph:
-    # (qualified name, the module's __dict__, key, container type, its tensors as traced). See
-    # Note [Tensors in containers].
-    containers: list[tuple[str, dict[str, Any], str, type, list[torch.Tensor]]] = \
-        dataclasses.field(default_factory=list)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -143,6 +136,9 @@ class AotModule(nn.Module):
         # Buffers forward assigns anew, (id of the module's _buffers, name): their sizes are
         # symbolic under dynamic=True (Note [Static parameters]).
         self._reassigned_buffers: set[tuple[int, str]] = set()
+        # Held while a trace points the module's slots at tracing values, and while a call
+        # reads them (other threads' calls must not read tracing values).
+        self._slots_lock = threading.RLock()
 
     # The wrapper reads as the module it compiles, as torch.compile's does: its training flag
     # (``model.eval()`` on the original shows here) and the public attributes it lacks itself
@@ -192,9 +188,9 @@ class AotModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if tracing_active():  # inside another compiled module's trace: part of its graph
             return self.orig_module(*args, **kwargs)
-        # Under the lock: a trace in another thread points the module's slots at its tracing
-        # values until it ends (Note [One compile at a time]).
-        with COMPILE_LOCK:
+        # A trace in another thread points the module's slots at its tracing values until it
+        # ends: read them under the lock the trace holds meanwhile (in ``call``).
+        with self._slots_lock:
             compiled, state = self._compiled_and_state()
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
@@ -231,8 +227,6 @@ class AotModule(nn.Module):
         if compiled is None and self._read_attributes_requiring_grad():
             key, state = _collect(self.orig_module, self._attributes, self._guarded)
             compiled = self._compiled.get(key)
-        if compiled is not None and compiled.layout.containers:
-            _check_containers(compiled.layout)
         return (compiled or self._compile_for(key)), state
 
     def _guard(self, compiled: _Compiled, name: str, module: nn.Module, attribute: str) -> None:
@@ -296,7 +290,7 @@ class AotModule(nn.Module):
         registered: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
         def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-            with _filled(layout, flat[: len(names)], registered) as assigned:
+            with self._slots_lock, _filled(layout, flat[: len(names)], registered) as assigned:
                 out = module(*flat[len(names):], **kwargs)
             return out, assigned
 
@@ -324,7 +318,12 @@ class AotModule(nn.Module):
         state = super().__getstate__()
         state = {**state, "_compiled": {}, "_last": None, "_attributes": {}, "_guarded": {},
                  "_layouts_compiled": 0}
+        del state["_slots_lock"]  # a lock neither copies nor pickles: a new one per copy
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._slots_lock = threading.RLock()
 
 
 def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], None]:
@@ -354,8 +353,8 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         buffers.extend(b.values())
         if attributes and (read := attributes.get(id(m))):
             names = _tensor_attributes(m, attributes)
-            others = [(n, _hashable(m.__dict__.get(n, _MISSING))) for n in read if n not in names]
-            key.append(("attributes", *names, None, *others))  # None, 2.0, unset: a constant
+            others = [(n, _kind_of(m.__dict__.get(n, _MISSING))) for n in read if n not in names]
+            key.append(("attributes", *names, None, *others))  # None, a float, unset: a constant
             values.extend(m.__dict__[n] for n in names)
         if guarded and (names := guarded.get(id(m))):
             key.append(("values", *(_hashable(m.__dict__.get(n, _MISSING)) for n in names)))
@@ -509,49 +508,19 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         {f"{n}.{k}" if n else k: m.__dict__.get(k, _MISSING) for n, m in modules
          for k in guarded.get(id(m), ())},
         attribute_kinds={f"{n}.{k}" if n else k: _kind_shown(m.__dict__.get(k, _MISSING))
-                         for n, m in modules for k in attributes.get(id(m), ())},
-        containers=[(f"{n}.{k}" if n else k, m.__dict__, k, type(v), _held_tensors(v))
-                    for n, m in modules for k, v in m.__dict__.items()
-                    if k not in _MODULE_STATE and not (k.startswith("_") and _defined_by_pytorch(m))
-                    and _held_tensors(v)])
-
-
-_MODULE_STATE = frozenset(nn.Module().__dict__)  # _parameters, _buffers, hook tables, ...
-
-
-# Note [Tensors in containers]
-# Tensors a module keeps in a dict, list or namespace attribute (``self.table["scale"]``) are
-# read while tracing: constants of the graph. Replaced from outside between calls, eager reads
-# the new ones and the graph went on with the old, silently. Each call now checks that every
-# such container still holds the tensors the graph was traced with, and refuses otherwise:
-# unlike a plain tensor attribute, a container's place cannot be a graph input.
-def _held_tensors(value: Any) -> list[torch.Tensor]:
-    """The real tensors a container attribute holds (a namespace's attributes included; not
-    the tracing values a hook stored while tracing, which its decision reports)."""
-    if isinstance(value, torch.Tensor | nn.Module):
-        return []
-    leaves = pytree.tree_leaves(vars(value) if isinstance(value, types.SimpleNamespace) else value)
-    return [t for t in leaves if isinstance(t, torch.Tensor)
-            and not isinstance(t, FakeTensor | FunctionalTensor)]
-
-
-def _check_containers(layout: _Layout) -> None:
-    """Note [Tensors in containers]."""
-    for name, d, key, kind, tensors in layout.containers:
-        held = _held_tensors(d.get(key, _MISSING))
-        if len(held) != len(tensors) or any(a is not b for a, b in zip(held, tensors,
-                                                                          strict=True)):
-            raise UnsupportedError(
-                f"the module's attribute {name!r} ({kind.__name__}) holds other "
-                "tensors than when aot_module traced it: the graph holds them as constants and "
-                "would go on reading the old ones.\nFix: register each tensor as a buffer "
-                "(self.register_buffer(...)) or a plain tensor attribute of its own, whose "
-                "replacements are read at every call, update the tensors in place (copy_), or "
-                "use torch.compile(model, backend='aotkit').")
+                         for n, m in modules for k in attributes.get(id(m), ())})
 
 
 def _kind_shown(value: Any) -> str:
-    return "a tensor" if isinstance(value, torch.Tensor) else _shown(value)
+    if value is None or value is _MISSING:
+        return _shown(value)
+    return f"a {type(value).__name__}"
+
+
+def _kind_of(value: Any) -> Hashable:
+    """What a state attribute holding no tensor is keyed on: unset, None, or its type (its
+    value is a constant of the graph, as other plain attributes' are)."""
+    return value if value is None or value is _MISSING else type(value)
 
 
 def _defined_by_pytorch(m: nn.Module) -> bool:
