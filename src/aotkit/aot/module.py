@@ -91,7 +91,7 @@ class _Layout:
     guarded_values: dict[str, Any] = dataclasses.field(default_factory=dict)
     values_traced_from: dict[str, Any] = dataclasses.field(default_factory=dict)
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
-    # Attributes read as state, as the graph was traced: "a tensor", or a constant's repr.
+    # Attributes read as state, as the graph was traced: "a tensor", "None", "a float", ...
     attribute_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
