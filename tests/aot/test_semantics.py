@@ -1566,6 +1566,20 @@ def test_an_int8_index_raises_eagers_index_error():
         aotkit.aot_function(lambda x, i: x[i] * 2, compilers.nop)(rand(3, grad=True), index)
 
 
+def test_a_shape_function_dividing_by_an_empty_tensors_size_is_a_trace_error():
+    """mse_loss's backward on an empty batch: PyTorch's shape code raised a bare
+    ZeroDivisionError (its aot_function and aot_eager too); eager gives nan."""
+    f = aotkit.aot_function(F.mse_loss, compilers.nop)
+    with pytest.raises(TraceError, match=r"division by zero(.|\n)*empty tensor(.|\n)*Fix: skip"):
+        f(torch.randn(0, 3, requires_grad=True), torch.randn(0, 3))
+
+
+def test_python_code_refusing_a_symbolic_size_is_a_trace_error_naming_the_line():
+    f = aotkit.aot_function(lambda x: x * divmod(x.shape[0], 3)[1], compilers.nop, dynamic=True)
+    with pytest.raises(TraceError, match=r"divmod(.|\n)*test_semantics.py(.|\n)*// and %"):
+        f(torch.ones(4, 3))
+
+
 def test_data_dependence_inside_a_library_call_names_both_lines():
     def loss(x, var):
         return F.gaussian_nll_loss(x * 2, x, var)  # checks torch.any(var < 0) in Python

@@ -52,6 +52,20 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
             "torch.compile(fn, backend='aotkit'), which runs the op eagerly.")
     if isinstance(exc, RuntimeError):
         return _runtime_error(what, exc)
+    if isinstance(exc, ZeroDivisionError):  # PyTorch's aot_function and aot_eager the same
+        where = user_frame(exc)
+        return TraceError(
+            f"{what}: {exc}, in the shape function of an op"
+            f"{'' if where == '<unknown location>' else ' traced at ' + where}: an op "
+            "on an empty tensor (no elements) whose shape function divides by its element count "
+            "(the backward of a mean-reduced loss); eager's kernel returns nan there.\nFix: "
+            "skip empty batches before calling the compiled function.")
+    if isinstance(exc, TypeError) and symbolic and "Sym" in str(exc):
+        return TraceError(
+            f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes are symbolic "
+            "integers (torch.SymInt), which this Python operation does not take.\nFix: use "
+            "operators on the size instead (// and % for divmod), int(size), which fixes that "
+            "size, or torch.compile(fn, backend='aotkit'), whose Dynamo handles such code.")
     return exc
 
 
