@@ -820,6 +820,31 @@ class _Accumulate(torch.autograd.Function):
         return grad * 2, None
 
 
+def test_an_input_the_backward_writes_is_released_with_the_saved_tensors() -> None:
+    """Kept on ctx by reference, it outlived backward() while the caller kept the loss."""
+    import weakref
+
+    class Save(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, stats):
+            ctx.save_for_backward(stats)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (stats,) = ctx.saved_tensors
+            stats.add_(grad.sum())
+            return grad * 2, None
+
+    f = aotkit.aot_function(lambda x, s: Save.apply(x, s), compilers.nop)
+    x, base = torch.ones(3, requires_grad=True), torch.zeros(1000, 1000)
+    loss = f(x, base[0]).sum()
+    loss.backward()
+    alive = weakref.ref(base)
+    del base
+    assert alive() is None  # loss is still held
+
+
 @pytest.mark.parametrize("between", ["two calls", "zero_", "retain_graph"])
 def test_a_backward_writing_an_input_matches_eager_around_it(between: str) -> None:
     """The written input is kept by reference (Note [Inputs the backward writes]): saved with
@@ -1578,6 +1603,19 @@ def test_python_code_refusing_a_symbolic_size_is_a_trace_error_naming_the_line()
     f = aotkit.aot_function(lambda x: x * divmod(x.shape[0], 3)[1], compilers.nop, dynamic=True)
     with pytest.raises(TraceError, match=r"divmod(.|\n)*test_semantics.py(.|\n)*// and %"):
         f(torch.ones(4, 3))
+
+
+def test_the_users_own_zero_division_and_type_errors_stay_as_eager_raises_them():
+    def f(x, items):
+        if not isinstance(items, list):
+            raise TypeError("expected a Symbol table (dict)")
+        return x * (1 / len(items))
+
+    g = aotkit.aot_function(f, compilers.nop, dynamic=True)
+    with pytest.raises(ZeroDivisionError):
+        g(torch.ones(3), [])
+    with pytest.raises(TypeError, match="Symbol table"):
+        g(torch.ones(3), 3)
 
 
 def test_data_dependence_inside_a_library_call_names_both_lines():

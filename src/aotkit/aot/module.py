@@ -136,9 +136,6 @@ class AotModule(nn.Module):
         # Buffers forward assigns anew, (id of the module's _buffers, name): their sizes are
         # symbolic under dynamic=True (Note [Static parameters]).
         self._reassigned_buffers: set[tuple[int, str]] = set()
-        # Held while a trace points the module's slots at tracing values, and while a call
-        # reads them (other threads' calls must not read tracing values).
-        self._slots_lock = threading.RLock()
 
     # The wrapper reads as the module it compiles, as torch.compile's does: its training flag
     # (``model.eval()`` on the original shows here) and the public attributes it lacks itself
@@ -188,9 +185,10 @@ class AotModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if tracing_active():  # inside another compiled module's trace: part of its graph
             return self.orig_module(*args, **kwargs)
-        # A trace in another thread points the module's slots at its tracing values until it
-        # ends: read them under the lock the trace holds meanwhile (in ``call``).
-        with self._slots_lock:
+        # A trace in another thread points its modules' slots (this module's too, where they
+        # share submodules) at tracing values until it ends: read them under the lock the trace
+        # holds meanwhile (in ``call``).
+        with _SLOTS_LOCK:
             compiled, state = self._compiled_and_state()
         self._last = compiled
         out, assigned = compiled.fn(*state, *args, **kwargs)
@@ -290,7 +288,7 @@ class AotModule(nn.Module):
         registered: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
         def call(*flat: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-            with self._slots_lock, _filled(layout, flat[: len(names)], registered) as assigned:
+            with _SLOTS_LOCK, _filled(layout, flat[: len(names)], registered) as assigned:
                 out = module(*flat[len(names):], **kwargs)
             return out, assigned
 
@@ -318,12 +316,13 @@ class AotModule(nn.Module):
         state = super().__getstate__()
         state = {**state, "_compiled": {}, "_last": None, "_attributes": {}, "_guarded": {},
                  "_layouts_compiled": 0}
-        del state["_slots_lock"]  # a lock neither copies nor pickles: a new one per copy
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._slots_lock = threading.RLock()
+
+# Held while a tracing pass points modules' slots at tracing values, and while a call reads a
+# module's state: calls in other threads wait for aot_module's tracing passes (not for
+# compilers, nor for other traces).
+_SLOTS_LOCK = threading.RLock()
 
 
 def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], None]:

@@ -238,6 +238,8 @@ class CompiledFunction(torch.autograd.Function):
             saved.insert(k, t)
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):  # not replayed by CA
             ctx.maybe_clear_saved_tensors()  # Note [Freeing inputs as the graph goes]
+            if hasattr(ctx, "written") and _saved_freed(ctx):  # released with the others
+                del ctx.written
         args = [*ctx.saved_syms, *saved, *tangents]
         del saved
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
@@ -335,6 +337,15 @@ def _saved(ctx: Any) -> tuple[list[Any], torch.Tensor]:
         return saved, anchor
     # Reading saved_tensors after a backward raises even when there were none.
     return [] if ctx.nothing_saved else list(ctx.saved_tensors), ctx.anchor
+
+
+def _saved_freed(ctx: Any) -> bool:
+    """Whether autograd freed ``ctx``'s saved tensors (a backward without retain_graph)."""
+    try:
+        ctx.saved_tensors  # noqa: B018 - raises once they are freed
+    except RuntimeError:
+        return True
+    return False
 
 
 class _DoubleBackwardGuard(torch.autograd.Function):

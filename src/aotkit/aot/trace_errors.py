@@ -52,7 +52,7 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
             "torch.compile(fn, backend='aotkit'), which runs the op eagerly.")
     if isinstance(exc, RuntimeError):
         return _runtime_error(what, exc)
-    if isinstance(exc, ZeroDivisionError):  # PyTorch's aot_function and aot_eager the same
+    if isinstance(exc, ZeroDivisionError) and _raised_in_torch(exc):  # aot_eager the same
         where = user_frame(exc)
         return TraceError(
             f"{what}: {exc}, in the shape function of an op"
@@ -60,13 +60,20 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
             "on an empty tensor (no elements) whose shape function divides by its element count "
             "(the backward of a mean-reduced loss); eager's kernel returns nan there.\nFix: "
             "skip empty batches before calling the compiled function.")
-    if isinstance(exc, TypeError) and symbolic and "Sym" in str(exc):
+    if isinstance(exc, TypeError) and symbolic and any(
+            f"'{t}'" in str(exc) for t in ("SymInt", "SymFloat", "SymBool")):
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes are symbolic "
             "integers (torch.SymInt), which this Python operation does not take.\nFix: use "
             "operators on the size instead (// and % for divmod), int(size), which fixes that "
             "size, or torch.compile(fn, backend='aotkit'), whose Dynamo handles such code.")
     return exc
+
+
+def _raised_in_torch(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside PyTorch's own code (its shape functions), not the user's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and f"{os.sep}torch{os.sep}" in frames[-1].filename
 
 
 def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
