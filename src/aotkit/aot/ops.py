@@ -184,7 +184,8 @@ def _rnn_by_layer(func: Any, args: Sequence[Any]) -> Any:
             x, *new = func(x, args[1], tuple(state) if len(state) > 1 else state[0], weights,
                            args[4], *rest)
         for final, s in zip(finals, new, strict=True):
-            final.append(s)
+            # torch 2.11's oneDNN decomposition returns (layers, directions, batch, hidden)
+            final.append(s.flatten(0, -3))
         if layer < num_layers - 1:
             x = _dropout(x, dropout)
     return (x, *(torch.cat(final) for final in finals))
