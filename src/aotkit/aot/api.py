@@ -331,12 +331,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     _mark_static_inputs(fw_gm, options.num_params_buffers)
     fw = compile_boxed(options.fw_compiler, fw_gm, _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
-    num_saved = sum(1 for v in _graph_outputs(fw_gm)[meta.num_fw_outputs:]
-                    if isinstance(v, torch.Tensor))
-    saved_nodes = list(fw_gm.graph.output_node().args[0])[meta.num_fw_outputs:][:num_saved]
-    written_by_backward = tuple(  # Note [Inputs the backward writes]
-        k for k, n in enumerate(saved_nodes)
-        if isinstance(n, fx.Node) and n.meta.get("written_by_backward", False))
+    num_saved, written = _saved_tensors(fw_gm, meta.num_fw_outputs)
 
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
@@ -363,7 +358,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
-        num_saved_tensors=num_saved, written_by_backward=written_by_backward,
+        num_saved_tensors=num_saved, written_by_backward=written,
         differentiable=meta.fw_output_differentiable(),
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],
@@ -418,6 +413,16 @@ def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: 
     if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
         pin_factory_dtypes(gm)
     return gm
+
+
+def _saved_tensors(fw_gm: fx.GraphModule, num_fw_outputs: int) -> tuple[int, tuple[int, ...]]:
+    """How many tensors the forward saves (after its outputs, before the SymInts), and which of
+    them are inputs the backward writes (Note [Inputs the backward writes])."""
+    saved = list(fw_gm.graph.output_node().args[0])[num_fw_outputs:]
+    values = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in saved]
+    tensors = [n for n, v in zip(saved, values, strict=True) if isinstance(v, torch.Tensor)]
+    return len(tensors), tuple(k for k, n in enumerate(tensors)
+                               if n.meta.get("written_by_backward", False))
 
 
 # Note [Saved tensors the forward changes]
@@ -555,11 +560,6 @@ def _as_leaf(a: Any) -> Any:
 
 def _graph_inputs(gm: fx.GraphModule) -> list[Any]:
     return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-
-
-def _graph_outputs(gm: fx.GraphModule) -> list[Any]:
-    return [n.meta.get("val") if isinstance(n, fx.Node) else n
-            for n in gm.graph.output_node().args[0]]
 
 
 def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
