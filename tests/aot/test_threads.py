@@ -127,6 +127,42 @@ def test_a_compiled_module_runs_while_another_thread_traces_it() -> None:
     assert not errors, errors[0]
 
 
+def test_a_module_sharing_submodules_with_one_tracing_waits_for_the_trace() -> None:
+    """A trace points every submodule's slots at tracing values: a compiled module over a
+    shared submodule, called from another thread meanwhile, read them."""
+    import time
+
+    class Slow(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.2)  # Python: runs while tracing only, which widens the window
+            return x * 2
+
+    shared = nn.Linear(4, 4)
+    traced = aotkit.aot_module(nn.Sequential(shared, Slow()), aotkit.compilers.nop)
+    other = aotkit.aot_module(nn.Sequential(shared), aotkit.compilers.nop)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = shared(x)
+        other(x)
+    errors = []
+
+    def serve() -> None:
+        try:
+            for _ in range(40):
+                with torch.no_grad():
+                    torch.testing.assert_close(other(x), expected)
+                time.sleep(0.01)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with torch.no_grad():
+        traced(x)
+    thread.join()
+    assert not errors, errors[0]
+
+
 def test_a_trace_in_another_thread_does_not_change_a_compiled_modules_layout():
     """While a trace records the modules it calls (a global forward pre-hook, Note [What a trace
     reads besides its inputs]), compiled modules in other threads took that hook for a user's
