@@ -806,6 +806,42 @@ def test_a_backward_writing_into_a_saved_input_writes_the_callers_tensor(partiti
         torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
 
 
+class _DecayThenTap(torch.autograd.Function):
+    """Writes ``stats`` in its forward, and again in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, stats):
+        stats.mul_(0.5)
+        ctx.save_for_backward(stats)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (stats,) = ctx.saved_tensors
+        stats.add_(grad.sum(0))
+        return grad * 2, None
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_an_input_written_by_forward_and_backward_gets_both_writes(partition: str) -> None:
+    """The forward's new value was taken after the backward had run (a partitioner error,
+    "tangents_1 is needed"), then the saved input was cloned like other saved tensors that
+    share the mutated input, and the backward wrote the clone."""
+    def f(x, stats):
+        return _DecayThenTap.apply(x, stats)
+
+    partition_fn = {"default": aotkit.default_partition,
+                    "min_cut": aotkit.min_cut_rematerialization_partition}[partition]
+    compiled = aotkit.aot_function(f, compilers.nop, partition_fn=partition_fn)
+    for fn in (f, compiled):
+        x, stats = rand(3, 4, grad=True), torch.ones(4)
+        out = fn(x, stats)
+        torch.testing.assert_close(stats, torch.full((4,), 0.5))  # the forward's write
+        out.sum().backward()
+        torch.testing.assert_close(stats, torch.full((4,), 3.5))  # and the backward's
+        torch.testing.assert_close(x.grad, torch.full((3, 4), 2.0))
+
+
 class _Accumulate(torch.autograd.Function):
     """Its backward adds into ``ctx.stats``, kept on ctx (no version check in eager)."""
 

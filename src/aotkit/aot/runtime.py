@@ -183,13 +183,13 @@ class CompiledFunction(torch.autograd.Function):
         outs = graphs.run_forward(list(args))
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.num_saved_tensors]
+        if graphs.written_by_backward:  # Note [Inputs the backward writes]
+            ctx.written = [(k, saved[k]) for k in graphs.written_by_backward]
+            saved = [t for k, t in enumerate(saved) if k not in graphs.written_by_backward]
         if graphs.returned_mutations:
             saved = _unshare_with_mutated_inputs(saved, args, graphs.returned_mutations)
         ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
         anchor = torch.empty(0)
-        if graphs.written_by_backward:  # Note [Inputs the backward writes]
-            ctx.written = [(k, saved[k]) for k in graphs.written_by_backward]
-            saved = [t for k, t in enumerate(saved) if k not in graphs.written_by_backward]
         _save(ctx, saved, anchor)
         ctx.graphs = graphs
         ctx.set_materialize_grads(False)  # Note [Outputs backward does not reach]

@@ -553,11 +553,14 @@ def trace_joint(
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True,
                                        grad_mode=grad_mode)
+            # Taken before the backward runs, which may write a mutated input again.
+            fw_values = _outputs_from_fun(fw_outs, meta)
+            writes = list(map(_writes, f_primals))
             before = _traced_nodes()
             with autocast_as(backward_autocast):
                 grads = _grads(fw_outs, differentiable, f_primals, wrt, f_tangents)
-            written = {i: from_fun(f_primals[i]) for i in _written_by_backward(f_primals, meta)}
-            outs = [*_outputs_from_fun(fw_outs, meta), *map(from_fun, grads)]
+            written = {i: from_fun(p) for i, p in enumerate(f_primals) if _writes(p) != writes[i]}
+            outs = [*fw_values, *map(from_fun, grads)]
         with torch.no_grad():  # as backward() runs: a leaf requiring grad may be written
             for i, value in written.items():  # Note [Inputs the backward writes]
                 primals[i].copy_(value)
@@ -579,7 +582,8 @@ def trace_joint(
 
 # Note [Inputs the backward writes]
 # A backward formula may write in place to a tensor it saved from the forward's inputs (a custom
-# Function or a custom op's registered backward accumulating statistics: ``stats.add_(g)``).
+# Function or a custom op's registered backward accumulating statistics: ``stats.add_(g)``),
+# whether or not the forward wrote it too (the forward's value is taken before the backward).
 # Functionalization turns that write into a new value inside the backward, which nothing copied
 # back to the caller's tensor: the write was lost silently. The joint graph now ends with a
 # ``copy_`` of that value into the input, recorded with the backward (Note [Effects of the
@@ -587,11 +591,9 @@ def trace_joint(
 # runtime keeps such an input for the backward as a reference, not a saved tensor, whose
 # version check would fail where eager's ``ctx.stats`` passes: the tensor changed in place
 # between forward and backward, a second call's backward wrote it first, or retain_graph.
-def _written_by_backward(f_primals: Sequence[Any], meta: AotMeta) -> list[int]:
-    """The inputs the gradient computation wrote in place (not the forward's writes)."""
-    return [i for i, p in enumerate(f_primals)
-            if i not in meta.mutated_inputs and isinstance(p, FunctionalTensor)
-            and torch._functionalize_has_data_mutation(p.elem)]
+def _writes(p: Any) -> int:
+    """How many times a functionalized input has been written so far."""
+    return torch._functionalize_mutation_counter(p.elem) if isinstance(p, FunctionalTensor) else 0
 
 
 def _traced_nodes() -> set[fx.Node]:
