@@ -155,3 +155,96 @@ def test_views_returned_under_no_grad_are_views_of_the_callers_tensor():
     out = aotkit.aot_function(fn, compilers.nop)(x[:4], x[2:6])
     assert out._base is x
     torch.testing.assert_close(out, torch.tensor([6.0, 4.0, 5.0]))
+
+
+@pytest.mark.parametrize("first", ["same tensor", "two tensors"])
+def test_one_tensor_passed_twice_then_two_tensors(first):
+    """Note [One tensor passed twice]: traced for f(s, s), the graph read its second input for
+    both (a * 2 + b gave b * 2 + b) and was run again for f(a, b) (PyTorch's aot_function is
+    right here)."""
+
+    def fn(a, b):
+        return a * 2 + b
+
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    s, a, b = rand(3, grad=True), rand(3, grad=True), rand(3, grad=True)
+    calls = [(s, s), (a, b)] if first == "same tensor" else [(a, b), (s, s)]
+    for args in calls * 2:
+        out = compiled(*args)
+        torch.testing.assert_close(out, fn(*args))
+        out.sum().backward()
+    torch.testing.assert_close(s.grad, torch.full((3,), 6.0))
+    torch.testing.assert_close(a.grad, torch.full((3,), 4.0))
+    torch.testing.assert_close(b.grad, torch.full((3,), 2.0))
+    assert compiled.num_entries == 2
+    [reason] = [d.why for d in aotkit.explain().of_kind("recompile") if d.what == compiled.name]
+    expected = "args[0] is args[1] -> none" if first == "same tensor" else \
+        "none -> args[0] is args[1]"
+    assert reason.endswith(f"the tensors passed more than once changed: {expected}")
+
+
+def test_a_module_called_with_one_tensor_twice_then_two():
+    class Mix(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, a, b):
+            return self.lin(a) - b
+
+    model = Mix()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    s, a, b = rand(2, 3), rand(2, 3), rand(2, 3)
+    for args in [(s, s), (a, b)]:
+        torch.testing.assert_close(compiled(*args), model(*args))
+
+
+class _WriteBothInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b):
+        ctx.save_for_backward(a, b)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        a.add_(1)
+        b.add_(10)
+        return grad * 2, None, None
+
+
+@pytest.mark.parametrize("split", ["same tensor", "overlapping views", "separate views"])
+def test_inputs_the_backward_writes_that_share_memory(split):
+    """Written by the backward (Note [Inputs the backward writes]) through two inputs of one
+    memory, each write was made on its own copy and one was lost."""
+
+    def fn(x, a, b):
+        return _WriteBothInBackward.apply(x, a, b)
+
+    views = {"same tensor": lambda s: (s, s), "overlapping views": lambda s: (s[:4], s[2:6]),
+             "separate views": lambda s: (s[:3], s[3:])}[split]
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    for _ in range(2):
+        results = []
+        for f in (fn, compiled):
+            x, s = torch.ones(3, requires_grad=True), torch.zeros(6)
+            a, b = views(s)
+            f(x, a, b).sum().backward()
+            results.append((s, x.grad))
+        torch.testing.assert_close(results[1], results[0])
+
+
+def test_aot_module_simplified_given_one_example_tensor_twice():
+    """Compiled once for its examples, it ran ``b * 2 + b`` for separate tensors."""
+
+    def fn(a, b):
+        return (a * 2 + b,)
+
+    s, a, b = rand(3, grad=True), rand(3, grad=True), rand(3, grad=True)
+    compiled = aotkit.aot_module_simplified(torch.fx.symbolic_trace(fn), [s, s], compilers.nop)
+    for args in [(s, s), (a, b)]:
+        (out,) = compiled(*args)
+        torch.testing.assert_close(out, fn(*args)[0])
+        out.sum().backward()
+    torch.testing.assert_close((s.grad, a.grad, b.grad),
+                               (torch.full((3,), 3.0), torch.full((3,), 2.0), torch.ones(3)))

@@ -359,6 +359,9 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         num_saved_tensors=num_saved, written_by_backward=written,
+        inputs_written_by_backward=tuple(
+            i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")[:len(args)])
+            if n.meta.get("written_by_backward", False)),
         differentiable=meta.fw_output_differentiable(),
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],

@@ -4,7 +4,7 @@ views of one base input per shared storage. See Note [Overlapping mutated inputs
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,8 @@ from aotkit.errors import UnsupportedError
 
 # Note [Overlapping mutated inputs]
 # ``f(x[:3], x[1:])`` where f writes to its first argument: in eager the second argument sees the
-# write, since they share memory. A graph traced for two separate inputs reads the old value and
+# write, since they share memory. (Or its backward writes it: Note [Inputs the backward writes];
+# with ``f(s, s)`` one of the two writes was lost.) A graph traced for two separate inputs reads the old value and
 # writes back each input on its own, so such a call cannot run the entry traced for it. The
 # runtime notices the overlap at the call (the entry mutates inputs, so it checks their memory
 # anyway) and runs an entry traced for its layout instead, a "recompile" decision saying why:
@@ -98,9 +99,11 @@ class OverlapLayout:
         return on_bases
 
 
-def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any]) -> OverlapLayout | None:
-    """The layout of a call where a mutated input overlaps another, else None; raises for the
-    cases Note [Overlapping mutated inputs] refuses."""
+def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
+                   written: Collection[int]) -> OverlapLayout | None:
+    """The layout of a call where an input the forward or the backward writes (``written``)
+    overlaps another, else None; raises for the cases Note [Overlapping mutated inputs]
+    refuses."""
     by_storage: dict[int, list[int]] = {}
     overlapping: set[int] = set()
     for i, a in enumerate(args):
@@ -109,7 +112,7 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any]) -> OverlapLayo
             continue
         sharing = by_storage.setdefault(ptr, [])
         for j in sharing:
-            if (meta.inputs[i].mutated or meta.inputs[j].mutated) and may_overlap(args[j], a):
+            if (i in written or j in written) and may_overlap(args[j], a):
                 overlapping.add(ptr)
         sharing.append(i)
     if not overlapping:

@@ -44,6 +44,8 @@ class CompiledGraphs:
     num_saved_tensors: int = 0
     # Saved inputs the backward writes, kept by reference (Note [Inputs the backward writes]).
     written_by_backward: tuple[int, ...] = ()
+    # The inputs those are (positions in the call).
+    inputs_written_by_backward: tuple[int, ...] = ()
     differentiable: list[bool] = field(default_factory=list)
     # Per forward output: its tangent's memory format (Note [Tangents in the outputs' memory
     # format]).
@@ -82,7 +84,9 @@ class CompiledGraphs:
         graph_outputs = self.meta.graph_user_outputs()
         self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
         # Also mutations the graph keeps as copy_ (keep_inference_input_mutations).
-        self.mutates_inputs = bool(self.meta.mutated_inputs)
+        self.written_inputs = frozenset(self.meta.mutated_inputs).union(
+            self.inputs_written_by_backward)
+        self.mutates_inputs = bool(self.written_inputs)
         self.mutated_in_graph = [i for i in self.meta.mutated_inputs
                                  if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
@@ -415,7 +419,8 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
 def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
-    if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args)):
+    if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args,
+                                                              graphs.written_inputs)):
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():

@@ -180,6 +180,7 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
     return (
         structure,
         keys,
+        repeated_tensors(leaves),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         *autocast_state(),  # CPU, CUDA
@@ -190,6 +191,24 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         torch.get_default_dtype(),  # factories inside (torch.ones(3)) trace to it
         config.cache_key(*config_parts),
     )
+
+
+# Note [One tensor passed twice]
+# Fake tensors are made once per tensor object, so a call passing one tensor at two positions
+# (``f(x, x)``) is traced with one fake for both, and the graph reads the last of its
+# placeholders at every use: ``a * 2 + b`` became ``b * 2 + b``. Such a graph is right for calls
+# that repeat the tensor at the same positions only, so which positions hold one tensor object
+# is part of the key (tensors that merely share memory are separate inputs: Note [Overlapping
+# mutated inputs]).
+def repeated_tensors(leaves: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+    """The positions of each tensor passed more than once, grouped; empty when none is."""
+    if len({id(x) for x in leaves}) == len(leaves):  # the common case, checked cheaply
+        return ()
+    at: dict[int, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            at.setdefault(id(x), []).append(i)
+    return tuple(tuple(group) for group in at.values() if len(group) > 1)
 
 
 AutocastState = tuple[Any, ...]  # per device in AUTOCAST_DEVICES: its dtype, or False when off
@@ -250,8 +269,12 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
         return [f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"]
     found = [_leaf_change(name, a, b)
              for name, a, b in zip(names, old[1], new[1], strict=True) if a != b]
+    grouped = {i for group in (*old[2], *new[2]) for i in group}
+    if old[2] != new[2] and all(old[1][i] == new[1][i] for i in grouped):  # else said above
+        found.append(f"the tensors passed more than once changed: {_repeated(old[2], names)} "
+                     f"-> {_repeated(new[2], names)}")
     found += [f"{mode} changed: {x} -> {y}"
-              for mode, x, y in zip(_MODES, old[2:-1], new[2:-1], strict=True) if x != y]
+              for mode, x, y in zip(_MODES, old[3:-1], new[3:-1], strict=True) if x != y]
     return found + config_changes(old[-1], new[-1])
 
 
@@ -259,6 +282,13 @@ def config_changes(old: tuple[tuple[str, Any], ...], new: tuple[tuple[str, Any],
     """One phrase per option that differs between two :func:`aotkit.config.cache_key` values."""
     return [f"aotkit.config.{option} changed: {x!r} -> {y!r}"
             for (option, x), (_, y) in zip(old, new, strict=True) if x != y]
+
+
+def _repeated(groups: tuple[tuple[int, ...], ...], names: Sequence[str]) -> str:
+    if not groups:
+        return "none"
+    return "; ".join(" is ".join(names[i] if i < len(names) else f"leaf {i}" for i in group)
+                     for group in groups)
 
 
 def _leaf_change(name: str, a: Any, b: Any) -> str:

@@ -57,7 +57,7 @@ def aot_module_simplified(
     names = [n for n, _ in state]
     tensors = [t for _, t in state]
     mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [_to_fake(mode, x) for x in [*tensors, *args]]
+    fakes = _to_fakes(mode, [*tensors, *args])
     options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, len(names),
                          keep_inference_input_mutations, inference_compiler)
 
@@ -185,7 +185,16 @@ class _Inlining(fx.Interpreter):
         return _Inlining(subgraph, self.name).run(*operands)
 
 
-def _to_fake(mode: FakeTensorMode, x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
-        return mode.from_tensor(x)
-    return x
+def _to_fakes(mode: FakeTensorMode, xs: list[Any]) -> list[Any]:
+    """Fakes of real tensors, one per position: a tensor passed twice gets a second fake, which
+    shares its memory, so that the graph is right for separate tensors too (Note [One tensor
+    passed twice]); Dynamo passes fakes, and never one twice."""
+    seen: set[int] = set()
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+            again = id(x) in seen  # the fake mode would hand out the first fake again
+            seen.add(id(x))
+            x = mode.from_tensor(x.detach().requires_grad_(x.requires_grad) if again else x)
+        out.append(x)
+    return out
