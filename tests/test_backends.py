@@ -777,3 +777,27 @@ def test_explain_forgets_dynamos_graph_breaks_at_reset() -> None:
     assert not aotkit.explain().dynamo
     torch.compile(breaks, backend="aotkit")(torch.randn(3))
     assert aotkit.explain().dynamo  # new breaks are counted again
+
+
+@pytest.mark.parametrize("backend", ["aotkit", pytest.param("aotkit_inductor", marks=pytest.mark.xfail(
+    torch.__version__ < "2.13", strict=True, raises=pytest.fail.Exception,
+    reason="torch 2.11's Inductor drops linalg's error check (its own backend='inductor' too)"))])
+def test_linalg_errors_raise_in_the_forward_when_training(backend: str) -> None:
+    """Note [Effect tokens do not cross to the backward]: the forward's error check went to the
+    backward with the token chain (inv of a singular matrix returned NaNs; cholesky of a
+    non-positive-definite matrix garbage), and aotkit_inductor failed on the saved token."""
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.solve(a, torch.ones(3, 2)).sum() + torch.linalg.cholesky(a).sum()
+
+    compiled = torch.compile(f, backend=backend)
+    good = (torch.eye(3) * 2).requires_grad_()
+    good_eager = good.detach().clone().requires_grad_()
+    compiled(good).backward()
+    f(good_eager).backward()
+    torch.testing.assert_close(good.grad, good_eager.grad)
+    for bad in (torch.zeros(3, 3), -torch.eye(3)):
+        with pytest.raises(torch.linalg.LinAlgError):
+            f(bad.clone().requires_grad_())
+        with pytest.raises(torch.linalg.LinAlgError):
+            compiled(bad.clone().requires_grad_())

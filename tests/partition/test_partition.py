@@ -982,3 +982,39 @@ def test_min_cut_keeps_equal_outputs_apart_through_unsafe_views() -> None:
     expected = b.detach().clone()
     a.detach().zero_()
     torch.testing.assert_close(b.detach(), expected)
+
+
+class _SolveInBackward(torch.autograd.Function):
+    """Its backward solves with ``m``: an error check of the backward's own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(m)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (m,) = ctx.saved_tensors
+        return torch.linalg.solve(m, grad), None
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_error_checks_run_where_eager_runs_them(partition: str) -> None:
+    """Note [Effect tokens do not cross to the backward]: one token chain ran from the forward's
+    check to the backward's, so the forward's check ran in backward() (a singular matrix gave
+    NaNs from the forward and no error)."""
+
+    def f(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return _SolveInBackward.apply(torch.linalg.inv(a), m)
+
+    compiled = aotkit.aot_function(f, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    m = torch.eye(3) * 2
+    for fn in (f, compiled):
+        a = (torch.eye(3) * 4).requires_grad_()
+        fn(a, m).sum().backward()
+        torch.testing.assert_close(a.grad, torch.full((3, 3), -1 / 32))
+        with pytest.raises(torch.linalg.LinAlgError, match=r"linalg\.inv"):
+            fn(torch.zeros(3, 3, requires_grad=True), m)
+        out = fn(a, torch.zeros(3, 3))  # only the backward's check fails
+        with pytest.raises(torch.linalg.LinAlgError, match=r"linalg\.solve"):
+            out.sum().backward()

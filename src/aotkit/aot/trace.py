@@ -571,6 +571,7 @@ def trace_joint(
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
     for node in in_backward:  # Note [Effects of the backward]
         node.meta["in_backward"] = True
+    _split_token_chains(gm)
     _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
@@ -714,6 +715,36 @@ def _drop_unused_tokens(graph: fx.Graph) -> None:
     for node in graph.find_nodes(op="call_function", target=sink):
         if all(t.target is make for t in node.args[0]):
             graph.erase_node(node)
+
+
+# Note [Effect tokens do not cross to the backward]
+# Ordered side effects (``aten._linalg_check_errors``, which raises for a singular matrix) chain
+# through one token per effect type, made at the start of the joint trace and sunk at its end.
+# The sink, traced with the backward, took the forward's last token, so the forward's checks were
+# ancestors of the backward's sink only: partitioned into the backward, ``torch.linalg.inv`` of
+# a singular matrix returned NaNs and raised in backward() at best; min-cut saved the token for
+# the backward instead, which Inductor cannot lower. Each chain is now cut where it crosses:
+# the forward sinks its own last token and the backward starts from a fresh one.
+def _split_token_chains(gm: fx.GraphModule) -> None:
+    graph = gm.graph
+    make, sink = torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default
+    with_effects = torch.ops.higher_order.with_effects
+    for node in list(graph.nodes):
+        if not node.meta.get("in_backward") or node.target not in (sink, with_effects):
+            continue
+        tokens = list(node.args[0]) if node.target is sink else [node.args[0]]
+        for token in tokens:
+            if not isinstance(token, fx.Node) or token.meta.get("in_backward") \
+                    or token.target is make:
+                continue
+            with graph.inserting_after(token):
+                graph.call_function(sink, ([token],))
+            with graph.inserting_before(node):
+                fresh = graph.call_function(make, ())
+            fresh.meta = {**token.meta, "in_backward": True}
+            node.replace_input_with(token, fresh)
+    _drop_unused_tokens(graph)
+    gm.recompile()
 
 
 def _forward_outputs(flat_fn: FlatFn, f_primals: list[Any], meta: AotMeta, *, clone_mutated: bool,

@@ -290,13 +290,16 @@ def size_arithmetic(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     return found
 
 
-# Side effects FX's list misses: the sink of effect tokens, torch._assert_async without a
+# Side effects FX's list misses: effect tokens' ops, torch._assert_async without a
 # message (its .msg overload is listed), which eager raises from and graphs dropped as dead, and
 # reading a tensor's value (x.item()) whose result the trace made a constant
 # (``torch._check(n == 3)``) or never used: the checks on it (Note [Data-dependent sizes]) need
 # the value read at every call.
 _ALSO_IMPURE = {torch.ops.prims._sink_tokens.default, torch.ops.aten._assert_async.default,
-                torch.ops.aten._local_scalar_dense.default}
+                torch.ops.aten._local_scalar_dense.default,
+                # Ordered effects (Note [Effect tokens do not cross to the backward]); torch 2.11
+                # does not register linalg's error check as one, and its graphs dropped it.
+                torch.ops.higher_order.with_effects, torch.ops.aten._linalg_check_errors.default}
 
 
 def is_impure(node: fx.Node) -> bool:
