@@ -842,6 +842,35 @@ def test_hooks_with_side_effects_are_named_in_a_warning(caplog):
     assert any(r.levelname == "WARNING" and "store" in r.getMessage() for r in caplog.records)
 
 
+def test_tensor_hooks_registered_inside_are_named_in_a_warning():
+    """Note [Tensor hooks registered inside]: the hook stored a tracing tensor once, and nothing
+    said why; the hooks a module's full backward hook registers are PyTorch's, not named."""
+    stored: list[torch.Tensor] = []
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            y.register_hook(lambda g: stored.append(g) or g * 3)
+            return y.sum()
+
+    model = Scaled()
+    model.lin.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    eager = copy.deepcopy(model)
+    compiled = aotkit.aot_module(model, compilers.nop)
+    x = torch.randn(2, 3, requires_grad=True)
+    compiled(x).backward()
+    eager(x).backward()  # the gradient the hook computes is the graph's
+    torch.testing.assert_close(model.lin.weight.grad, eager.lin.weight.grad)
+    tensor_hooks = [d.why for d in aotkit.explain().of_kind("hook") if d.why.startswith("tensor hook")]
+    assert len(tensor_hooks) == 1
+    assert "Scaled.forward.<locals>.<lambda> registered at" in tensor_hooks[0]
+    assert "y.register_hook(" in tensor_hooks[0]
+
+
 def test_pytorch_tensor_only_hooks_are_not_reported():
     def model() -> nn.Module:  # built twice: pruned modules cannot be deep-copied
         torch.manual_seed(0)

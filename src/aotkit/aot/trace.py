@@ -503,6 +503,13 @@ _PASS_IDS = itertools.count()
 _GUARD: contextvars.ContextVar[_OutsideTensorGuard | None] = contextvars.ContextVar(
     "aotkit_outside_tensor_guard", default=None)
 
+
+def traced_function() -> str | None:
+    """The name of the function aotkit is tracing, where it is not Dynamo's graph."""
+    guard = _GUARD.get()
+    return guard.what if guard is not None and guard.seeds is not None else None
+
+
 #: Ops that read a tensor without linking its gradient to their outputs.
 _GRADLESS_READS = frozenset({
     torch.ops.aten.detach.default, torch.ops.aten.zeros_like.default,

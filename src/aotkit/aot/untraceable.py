@@ -6,13 +6,16 @@ tensors made inside]); and the inputs autograd saved after the function wrote th
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from aotkit.aot.frames import current_user_line
+from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.compat import StorageWeakRef
 from aotkit.errors import UnsupportedError
 
@@ -57,6 +60,44 @@ def _tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor)]
 
 
+# Note [Tensor hooks registered inside]
+# ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
+# [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
+# is in the graph, and its other Python side effects (appending the gradient to a list) happen
+# once, with tracing tensors. A ``hook`` decision, logged as a warning, names it; Dynamo, which
+# runs such hooks at every backward, traces its graphs before we see them, so the decision is
+# for aotkit's own traces (aot_function, aot_module).
+def _registered_by_torch() -> bool:
+    """Whether PyTorch's own code registers the hook (a module's full backward hooks, Note
+    [Module hooks], checkpointing), not the user's."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code is not _REGISTER_HOOK_CODE:
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    return caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(TORCH_DIR)
+
+
+_REGISTER_HOOK_CODE = torch.Tensor.register_hook.__code__
+
+
+def _record_tensor_hook(hook: Any) -> None:
+    from aotkit import counters
+    from aotkit.aot.trace import traced_function
+
+    what = traced_function()
+    if what is None:
+        return
+    counters.record(
+        "hook", what,
+        f"tensor hook {getattr(hook, '__qualname__', repr(hook))} registered at "
+        f"{current_user_line()}: traced with the backward, so what it computes on the gradient "
+        "is in the graph, but its other Python side effects (storing the gradient, counting "
+        "calls) happen only while tracing, with tracing tensors, never when the compiled "
+        "function runs. Fix: torch.compile(fn, backend='aotkit') runs such hooks as eager "
+        "does; or register the hook on an output of the compiled function.",
+        logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
+
+
 class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     """See Note [Autograd state inside the function] and Note [Sparse tensors made inside];
     ``f_args`` are the traced inputs."""
@@ -86,6 +127,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
                 f"(return the tensor if it is made inside), {_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
             raise _sparse_refusal(func)
+        elif func is torch.Tensor.register_hook and not _registered_by_torch():
+            _record_tensor_hook(args[1] if len(args) > 1 else (kwargs or {}).get("hook"))
         elif func in _BACKWARD:
             raise UnsupportedError(
                 f"the compiled function calls backward() (at {current_user_line()}); aotkit "
