@@ -22,6 +22,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -220,6 +221,10 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
     restore them afterwards. Only the options named here are restored: others assigned inside
     the block keep their values. One ``patch`` object may be entered again, and nested.
 
+    Options are process-wide: a patch in one thread is seen by the others while it is active.
+    Patches may end in any order (two threads' overlapping blocks): when the last one ends,
+    every option has the value it had before the first began.
+
         >>> import aotkit
         >>> fewer = aotkit.config.patch(recompile_limit=2)
         >>> with fewer:
@@ -232,7 +237,7 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
 
     def __init__(self, **changes: Any) -> None:
         self.changes = changes
-        self._saved: list[dict[str, Any]] = []  # one per active entry
+        self._active: list[tuple[int, dict[str, _Saved]]] = []  # (thread, what it replaced)
 
     def __call__(self, func: Any) -> Any:
         if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func) \
@@ -246,29 +251,58 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
         return super().__call__(func)
 
     def __enter__(self) -> None:
-        for name in self.changes:  # what it sets replaces a bad variable's value
-            _environment_errors.pop(name, None)
-        check_environment()
-        saved: dict[str, Any] = {}
-        try:
-            for name, value in self.changes.items():
-                if name not in _OPTIONS:
-                    raise ConfigError(_unknown(name))
-                previous = _values[name]
-                _write(name, _check(_OPTIONS[name], value))
-                saved[name] = previous
-        except BaseException:
-            _restore(saved)
-            raise
-        self._saved.append(saved)
+        for name in self.changes:
+            if name not in _OPTIONS:
+                raise ConfigError(_unknown(name))
+        values = {name: _check(_OPTIONS[name], value) for name, value in self.changes.items()}
+        with _PATCH_LOCK:
+            replaced = {name: _Saved(_values[name], _environment_errors.get(name))
+                        for name in values}
+            for name in values:  # what it sets replaces a bad variable's value
+                _environment_errors.pop(name, None)
+            try:
+                check_environment()
+            except ConfigError:
+                _environment_errors.update({n: r.error for n, r in replaced.items() if r.error})
+                raise
+            for name, value in values.items():
+                _write(name, value)
+                _patched.setdefault(name, []).append(replaced[name])
+            self._active.append((threading.get_ident(), replaced))
 
     def __exit__(self, *exc: Any) -> None:
-        _restore(self._saved.pop())
+        with _PATCH_LOCK:
+            thread = threading.get_ident()
+            k = max(i for i, (t, _) in enumerate(self._active) if t == thread)
+            for name, replaced in self._active.pop(k)[1].items():
+                _end_patch(name, replaced)
 
 
-def _restore(saved: dict[str, Any]) -> None:
-    for name, value in saved.items():
-        _write(name, value)
+@dataclass
+class _Saved:
+    """What a patch replaced: a value, and the bad environment variable behind it, if any."""
+
+    value: Any
+    error: ConfigError | None
+
+
+#: Per option, what each active patch replaced, oldest first.
+_patched: dict[str, list[_Saved]] = {}
+_PATCH_LOCK = threading.Lock()
+
+
+def _end_patch(name: str, replaced: _Saved) -> None:
+    """Put back what a patch replaced; where a later patch of the option is still active, that
+    one puts it back when it ends (it replaced this patch's value)."""
+    stack = _patched[name]
+    i = next(i for i, r in enumerate(stack) if r is replaced)
+    del stack[i]
+    if i < len(stack):
+        stack[i].value, stack[i].error = replaced.value, replaced.error
+        return
+    _write(name, replaced.value)
+    if replaced.error is not None:
+        _environment_errors[name] = replaced.error
 
 
 def options() -> dict[str, Option]:

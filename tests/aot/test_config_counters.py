@@ -61,6 +61,54 @@ def test_patch_with_a_bad_value_restores_what_it_had_set():
     assert config.recompile_limit == before and config.log_graphs is False
 
 
+def test_patches_ending_out_of_order_restore_the_value_before_the_first():
+    """Two threads' overlapping patches end in the order they began: the first restored the
+    default, the second then restored the first's value, which stayed for the process."""
+    before = config.recompile_limit
+    first, second = config.patch(recompile_limit=20), config.patch(recompile_limit=30)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert config.recompile_limit == 30  # the second is still active
+    second.__exit__(None, None, None)
+    assert config.recompile_limit == before
+
+
+def test_patches_in_threads_leave_the_value_they_found():
+    import threading
+
+    before = config.recompile_limit
+    barrier = threading.Barrier(4)
+
+    def work(limit: int) -> None:
+        with config.patch(recompile_limit=limit):
+            barrier.wait()
+        barrier.wait()  # every thread is out of its block
+
+    threads = [threading.Thread(target=work, args=(10 + k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert config.recompile_limit == before
+
+
+def test_a_bad_variable_is_reported_again_after_a_patch_of_its_option():
+    """The patch replaced the bad value for its block; afterwards the option read its default
+    and the error was gone for good."""
+    result = _python(
+        "import aotkit\n"
+        "with aotkit.config.patch(recompile_limit=3):\n"
+        "    print(aotkit.config.recompile_limit)\n"
+        "try:\n"
+        "    aotkit.config.recompile_limit\n"
+        "except aotkit.errors.ConfigError as exc:\n"
+        "    print('error:', str(exc).splitlines()[0])\n",
+        AOTKIT_RECOMPILE_LIMIT="abc")
+    assert result.stdout.splitlines() == [
+        "3", "error: AOTKIT_RECOMPILE_LIMIT='abc' is not a valid int."], result.stderr
+
+
 def test_patch_refuses_names_that_are_not_options():
     before = config.recompile_limit
     with pytest.raises(ConfigError, match="has no option '_values'"), config.patch(_values={}):
