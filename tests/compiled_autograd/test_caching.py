@@ -95,6 +95,23 @@ def test_nested_enable_raises() -> None:
         pass
 
 
+@pytest.mark.parametrize(("compiler", "dynamic", "message"), [
+    (aotkit.compilers.nop, True, r"calls its compiler as compiler\(gm\), but 'nop' takes"),
+    ("nop", True, "takes a compiler function, got 'nop'"),
+    (nop, "False", "takes True or False, got 'False'"),
+    (nop, None, "takes True or False, got None"),
+])
+def test_enable_refuses_what_would_fail_at_the_first_backward(compiler: Any, dynamic: Any,
+                                                              message: str) -> None:
+    """AOT autograd's nop failed at the first backward with a missing argument and a hint to try
+    lambda gm: gm; ``dynamic="False"`` meant dynamic, None static."""
+    w = torch.ones(3, requires_grad=True)
+    with pytest.raises(aotkit.errors.ArgumentError, match=message), \
+            aotkit.compiled_autograd.enable(compiler, dynamic=dynamic):
+        (w * 2).sum().backward()
+    assert w.grad is None
+
+
 def test_enable_in_a_second_thread_raises_and_its_backward_is_captured_exactly() -> None:
     """The engine's compiler slot is one per process (Note [Backwards in other threads]): a
     block in another thread is refused (not called nested), and that thread's backward is

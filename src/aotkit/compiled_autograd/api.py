@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ import torch
 from aotkit import compat, counters
 from aotkit.compiled_autograd import capture, runtime, session
 from aotkit.compilers.bind import bind_aten_calls
-from aotkit.errors import UnsupportedError
+from aotkit.errors import ArgumentError, UnsupportedError
 
 log = session.log
 # The engine logs why its cache missed to a Logger it is given; we keep those under ours.
@@ -58,13 +59,14 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         >>> w.grad
         tensor([2., 2., 2.])
     """
+    _check_arguments(compiler_fn, dynamic)
     with _ENTER_LOCK:  # two threads must not both find no active block
         if (outer := session.active()) is not None:
             raise _overlapping(outer)
-        new = session.Session(compiler_fn, bool(dynamic))
+        new = session.Session(compiler_fn, dynamic)
         compat.hide_from_dynamo()  # the engine may capture under Dynamo's frame callback
         factory = functools.partial(capture.Capture, new)
-        prior = compat.set_autograd_compiler(factory, bool(dynamic))
+        prior = compat.set_autograd_compiler(factory, dynamic)
         if prior[0] is not None:
             compat.set_autograd_compiler(*prior)
             raise UnsupportedError(
@@ -80,7 +82,7 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(new)
         engine = compat.execution_engine()
         compat.set_execution_engine(runtime.Engine(
-            engine, functools.partial(_reinstall_if_cleared, factory, bool(dynamic)),
+            engine, functools.partial(_reinstall_if_cleared, factory, dynamic),
             _engine_log))
         runtime.note_removed_hooks(True)
     try:
@@ -93,6 +95,32 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)
         compat.set_autograd_compiler(*prior)
+
+
+def _check_arguments(compiler_fn: Any, dynamic: Any) -> None:
+    """Refuse at enable() what would fail, or mean something else, at the first backward."""
+    if not isinstance(dynamic, bool):
+        raise ArgumentError(f"compiled_autograd.enable(dynamic=...) takes True or False, got "
+                            f"{dynamic!r}.\nFix: pass a bool.")
+    if not callable(compiler_fn):
+        raise ArgumentError(
+            f"compiled_autograd.enable() takes a compiler function, got {compiler_fn!r}.\nFix: "
+            "pass aotkit.compiled_autograd.nop, lambda gm: gm, or "
+            "lambda gm: torch.compile(gm, backend=...).")
+    try:
+        signature = inspect.signature(compiler_fn)
+    except (TypeError, ValueError):  # no signature to read: the first backward will tell
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        name = getattr(compiler_fn, "__name__", type(compiler_fn).__name__)
+        raise ArgumentError(
+            f"compiled_autograd.enable() calls its compiler as compiler(gm), but {name!r} takes "
+            f"{name}{signature}.\nFix: pass aotkit.compiled_autograd.nop (aotkit.compilers.nop "
+            "is AOT autograd's compiler, called as compiler(gm, example_inputs)), or wrap it: "
+            "lambda gm: ..."
+        ) from None
 
 
 # Note [Compiler cleared inside enable()]
