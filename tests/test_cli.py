@@ -271,3 +271,13 @@ def test_graphs_without_graphviz_say_so_once(tmp_path: Path, monkeypatch: pytest
     for kind in ("forward", "backward"):
         assert f"drew the {kind} graph: {tmp_path / 'out' / (kind + '.dot')}" in captured.out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["backward.dot", "forward.dot"]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """``aotkit graphs --code | head -1`` ended in a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "aotkit", "graphs", "--model", "mlp", "--code"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes anything
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

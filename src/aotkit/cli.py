@@ -13,6 +13,7 @@ forward and backward, or with ``--compiled-autograd`` the whole backward)::
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -174,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except AotkitError as exc:  # a deliberate error already says what failed and how to fix it
         print(f"aotkit {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader stopped early (``aotkit graphs --code | head``)
+        # Python flushes stdout once more at exit, which would fail again: point it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 

@@ -123,6 +123,9 @@ class Explanation:
 
     def of_kind(self, kind: str) -> list[Decision]:
         """The decisions of one kind (see :data:`KINDS`), e.g. ``explain().of_kind("recompile")``."""
+        if not isinstance(kind, str):
+            raise ArgumentError(f"of_kind takes a kind's name, got {kind!r}.\nFix: use one of "
+                                f"{', '.join(KINDS)}.")
         found = [d for d in self.decisions if d.kind == kind]
         if not found and kind not in KINDS:  # a misspelled kind would always be []
             import difflib

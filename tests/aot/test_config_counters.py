@@ -299,6 +299,8 @@ def test_explain_lists_decisions_and_counters():
 def test_of_kind_refuses_a_kind_aotkit_never_records():
     with pytest.raises(aotkit.errors.ArgumentError, match="did you mean 'recompile'"):
         aotkit.explain().of_kind("recompiles")
+    with pytest.raises(aotkit.errors.ArgumentError, match="takes a kind's name, got None"):
+        aotkit.explain().of_kind(None)  # type: ignore[arg-type]
     assert aotkit.explain().of_kind("recompile") == []
     counters.record("my_kind", "mine", "a kind of the user's own")
     assert [d.why for d in aotkit.explain().of_kind("my_kind")] == ["a kind of the user's own"]
@@ -348,6 +350,18 @@ def test_recompile_reason_names_every_difference_from_the_closest_signature():
         "requires_grad of args[0] changed: True -> False; shape of args[0] changed: (3,) -> (4,)",
         "grad mode changed: True -> False",
     ]
+
+
+def test_recompile_reason_prefers_a_signature_of_the_same_structure():
+    """Against the latest signature, a keyword call, the reason named the structure where the
+    call missed the first signature by its strides only."""
+    f = aotkit.aot_function(lambda x, y=None: x * 2 if y is None else x * y, compilers.nop)
+    a = torch.randn(4, 4)
+    f(a)
+    f(a, y=a)
+    f(a.t())
+    assert aotkit.explain().of_kind("recompile")[-1].why == \
+        "stride of args[0] changed: (4, 1) -> (1, 4)"
 
 
 def test_a_new_default_dtype_is_a_new_signature():

@@ -2128,8 +2128,9 @@ def test_num_params_buffers_reaches_the_compilers():
 def test_on_off_arguments_must_be_bools(flag: str, bad: object) -> None:
     for make in (lambda **kw: aotkit.aot_function(torch.sin, aotkit.compilers.nop, **kw),
                  lambda **kw: aotkit.aot_module(nn.Linear(2, 2), aotkit.compilers.nop, **kw)):
-        with pytest.raises(ArgumentError, match=f"{flag} must be True or False"):
+        with pytest.raises(ArgumentError, match=f"{flag} must be True or False") as info:
             make(**{flag: bad})
+        assert ("automatic dynamic shapes" in str(info.value)) == (flag == "dynamic")
 
 
 class _FullPrecisionRegion(nn.Module):

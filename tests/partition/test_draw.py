@@ -90,16 +90,22 @@ def test_unknown_extension_names_the_accepted_ones(tmp_path: Path) -> None:
 
 def test_without_graphviz_writes_dot_and_warns(tmp_path: Path, monkeypatch: Any,
                                                caplog: Any) -> None:
+    from aotkit.partition import draw
+
     monkeypatch.setenv("PATH", str(tmp_path / "no-graphviz-here"))
-    with caplog.at_level(logging.WARNING, logger="aotkit.partition"):
+    monkeypatch.setattr(draw, "_told_no_dot", False)
+    with caplog.at_level(logging.INFO, logger="aotkit.partition"):
         result = draw_graph(forward_graph(), tmp_path / "g.png")
+        again = draw_graph(forward_graph(), tmp_path / "h.png")  # logged, not warned again
     assert result.path == tmp_path / "g.dot" and result.format == "dot"
     assert result.path.read_text().startswith("digraph")
     assert not (tmp_path / "g.png").exists()
     assert result.fallback is not None and "apt-get install graphviz" in result.fallback
     assert f"dot -Tpng {tmp_path / 'g.dot'} -o {tmp_path / 'g.png'}" in result.fallback
-    [record] = [r for r in caplog.records if r.name == "aotkit.partition"]
+    assert again.fallback is not None and again.path == tmp_path / "h.dot"
+    [record, later] = [r for r in caplog.records if r.getMessage().startswith("draw_graph:")]
     assert record.levelno == logging.WARNING and "brew install graphviz" in record.getMessage()
+    assert later.levelno == logging.INFO and "h.png" in later.getMessage()
 
 
 def test_missing_folders_are_created_and_graphs_accepted(tmp_path: Path) -> None:

@@ -120,9 +120,10 @@ class AotOptions:
                 kind = type(value)
                 shown = kind.__name__ if kind.__module__ == "builtins" else \
                     f"{kind.__module__}.{kind.__qualname__}"
+                why = " (aotkit has no automatic dynamic shapes: None is not False)" \
+                    if flag == "dynamic" else ""
                 raise ArgumentError(f"{flag} must be True or False, got {shown} {value!r}.\nFix: "
-                                    f"pass {flag}=True or {flag}=False (aotkit has no automatic "
-                                    "dynamic shapes: None is not False).")
+                                    f"pass {flag}=True or {flag}=False{why}.")
         n = self.num_params_buffers
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ArgumentError(
@@ -781,9 +782,9 @@ class AotFunction:
             why = entry.guard.explain([leaves[i] for i in entry.tensor_positions],
                                       [names[i] for i in entry.tensor_positions])
         elif self._entries:  # against the compiled signature it differs least from, latest first
-            skip = self._checked[1]
-            closest = min(reversed(self._entries),
-                          key=lambda old: len(differences(old, key, names, skip)))
+            skip = self._checked[1]  # (another structure is further than any leaf's change)
+            closest = min(reversed(self._entries), key=lambda old: (
+                old[0] != key[0], len(differences(old, key, names, skip))))
             why = describe_change(closest, key, names, skip)
         else:
             why = "new input signature"

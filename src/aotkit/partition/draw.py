@@ -102,8 +102,15 @@ def _write_dot_instead(dot: Any, path: Path) -> DrawnGraph:
            "(apt-get install graphviz, brew install graphviz or conda install graphviz) or "
            f"render the file elsewhere: dot -T{path.suffix.lstrip('.').lower()} {dot_path} "
            f"-o {path}")
-    log.warning("draw_graph: %s", why)
+    global _told_no_dot
+    # A warning once per process; each later file is logged at INFO (and, through
+    # draw_graph_compile, still a decision of its own).
+    log.log(logging.INFO if _told_no_dot else logging.WARNING, "draw_graph: %s", why)
+    _told_no_dot = True
     return DrawnGraph(dot_path, "dot", why)
+
+
+_told_no_dot = False
 
 
 def _to_dot(gm: fx.GraphModule, name: str, clear_meta: bool) -> Any:
