@@ -483,3 +483,15 @@ def test_partitioners_refuse_graphs_that_are_not_joint_graphs():
     for partition in (aotkit.default_partition, aotkit.min_cut_rematerialization_partition):
         with pytest.raises(aotkit.errors.ArgumentError, match="neither primals_"):
             partition(gm, [], num_fwd_outputs=1)
+
+
+def test_log_graphs_alone_shows_the_graphs():
+    """With no logging set up, AOTKIT_LOG_GRAPHS=1 logged the graphs to nowhere."""
+    result = _python("import torch, aotkit\n"
+                     "f = aotkit.aot_function(torch.sin, aotkit.compilers.nop)\n"
+                     "f(torch.ones(2, requires_grad=True))\n", AOTKIT_LOG_GRAPHS="1")
+    assert result.returncode == 0, result.stderr
+    assert "[aotkit.aot] aot_function(_VariableFunctionsClass.sin) forward graph:" in result.stderr
+    quiet = _python("import torch, aotkit\n"
+                    "aotkit.aot_function(torch.sin, aotkit.compilers.nop)(torch.ones(2))\n")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

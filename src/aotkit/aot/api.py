@@ -568,6 +568,14 @@ def _graph_inputs(gm: fx.GraphModule) -> list[Any]:
 
 def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
     level = logging.INFO if config.log_graphs else logging.DEBUG
+    if config.log_graphs and not log.hasHandlers():
+        # Asked for graphs (AOTKIT_LOG_GRAPHS=1) where nothing shows aotkit's logs: the graphs
+        # went nowhere. Show them on stderr, as TORCH_LOGS does for PyTorch's.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
     if log.isEnabledFor(level):
         for kind, gm in graphs.items():
             log.log(level, "%s %s graph:\n%s", name, kind, gm.print_readable(print_output=False))
