@@ -202,7 +202,7 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
 # mutated inputs]).
 def repeated_tensors(leaves: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
     """The positions of each tensor passed more than once, grouped; empty when none is."""
-    if len({id(x) for x in leaves}) == len(leaves):  # the common case, checked cheaply
+    if len(set(map(id, leaves))) == len(leaves):  # the common case, checked cheaply
         return ()
     at: dict[int, list[int]] = {}
     for i, x in enumerate(leaves):
