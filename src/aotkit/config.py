@@ -59,7 +59,9 @@ _define("recompile_limit", int, 8,
 _define("debug_graphs", bool, False,
         "Run graph.lint() after every pass and log every graph at DEBUG level.")
 _define("log_graphs", bool, False,
-        "Log the forward, backward and inference graphs at INFO level under aotkit.aot.")
+        "Log the forward, backward and inference graphs at INFO level under aotkit.aot (and "
+        "compiled autograd's lowered graphs under aotkit.compiled_autograd, whose captured "
+        "graphs are logged at INFO always).")
 _define("bind_aten_calls", bool, True,
         "nop and the compilers that run a graph as Python call each ATen op through PyTorch's "
         "Python binding for it (torch.mm, Tensor.view) where that binding makes exactly the "

@@ -382,3 +382,19 @@ def test_formulas_given_transposed_gradients_are_lowered_on_real_layouts() -> No
         torch.testing.assert_close(h.grad, h2.grad)
     assert_same_grads(grads(eager), grads(model))
     assert all(_aten_calls(gm) for gm in keep.graphs)  # lowered, not the captured fallback
+
+
+@pytest.mark.parametrize("log_graphs", [False, True])
+def test_the_lowered_graph_is_logged_at_info_only_with_log_graphs(
+        log_graphs: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The captured graph is logged at INFO (the issue asks for it); its lowered form doubled
+    that for every capture."""
+    aotkit.compiled_autograd.reset()
+    w = torch.ones(3, requires_grad=True)
+    with caplog.at_level("INFO", logger="aotkit.compiled_autograd"), \
+            aotkit.config.patch(log_graphs=log_graphs), \
+            aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+        (w * 2).sum().backward()
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert any(m.startswith("captured backward graph") for m in messages)
+    assert any(m.startswith("lowered ") for m in messages) == log_graphs

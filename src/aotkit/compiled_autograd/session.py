@@ -261,9 +261,11 @@ def make_variant(captured: fx.GraphModule, example: Example, session: Session,
         except Exception as exc:  # any failure keeps the captured graph, recorded
             why_captured = f"lowering to ATen failed: {type(exc).__name__}: {exc}"
         else:
-            if log.isEnabledFor(logging.INFO):
-                log.info("lowered %s to ATen:\n%s", captured.__class__.__name__,
-                         lowered.gm.print_readable(print_output=False))
+            # The captured graph is logged at INFO; its lowered form too where asked for.
+            level = logging.INFO if config.log_graphs else logging.DEBUG
+            if log.isEnabledFor(level):
+                log.log(level, "lowered %s to ATen:\n%s", captured.__class__.__name__,
+                        lowered.gm.print_readable(print_output=False))
             return Variant(lowered.gm, lowered, compile_graph(lowered.gm, session.compiler_fn))
     if config.compiled_autograd_lower:
         counters.record("fallback", "compiled_autograd",
