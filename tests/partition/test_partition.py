@@ -1018,3 +1018,9 @@ def test_error_checks_run_where_eager_runs_them(partition: str) -> None:
         out = fn(a, torch.zeros(3, 3))  # only the backward's check fails
         with pytest.raises(torch.linalg.LinAlgError, match=r"linalg\.solve"):
             out.sum().backward()
+
+
+def test_a_report_counts_each_recomputed_op_once() -> None:
+    report = PartitionReport("min_cut", 1, 4, 0, 0, ("aten.exp.default", "aten.mul.Tensor",
+                                                   "aten.exp.default", "aten.exp.default"))
+    assert str(report).endswith("recomputed 4 op(s): aten.exp.default x3, aten.mul.Tensor")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,7 +39,9 @@ class PartitionReport:
                 f"({self.saved_inputs} of them inputs), {self.saved_bytes} activation bytes, "
                 f"{self.saved_symints} symint(s)")
         if self.recomputed:
-            text += f"; recomputed {len(self.recomputed)} op(s): {', '.join(self.recomputed)}"
+            counts = collections.Counter(self.recomputed)
+            ops = ", ".join(op if n == 1 else f"{op} x{n}" for op, n in counts.items())
+            text += f"; recomputed {len(self.recomputed)} op(s): {ops}"
         return text
 
 
