@@ -54,6 +54,16 @@ _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_cs
                             torch.sparse_bsc})
 
 
+def _is_leaf(t: torch.Tensor) -> bool:
+    """``t.is_leaf``; False for a view made under no_grad of a base an earlier tracing pass
+    wrote with grad mode on (keep_inference_input_mutations' copy_ into a shared base), whose
+    autograd state PyTorch refuses to read."""
+    try:
+        return t.is_leaf
+    except RuntimeError:
+        return False
+
+
 def _tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     return [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple))
                                                           else (a,))
@@ -105,7 +115,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     def __init__(self, args: Sequence[Any], f_args: Sequence[Any]) -> None:
         super().__init__()
         self.inputs = {id(a): i for i, a in enumerate(f_args) if isinstance(a, torch.Tensor)}
-        self.leaves = {id(f): a.is_leaf for a, f in zip(args, f_args, strict=True)
+        self.leaves = {id(f): _is_leaf(a) for a, f in zip(args, f_args, strict=True)
                        if isinstance(a, torch.Tensor)}
         self.hooks = _top_hooks()
         self.sparse_from_grads: dict[int, torch.Tensor] = {}  # held: ids stay unique
