@@ -252,3 +252,22 @@ def test_aot_module_simplified_given_one_example_tensor_twice():
         out.sum().backward()
     torch.testing.assert_close((s.grad, a.grad, b.grad),
                                (torch.full((3,), 3.0), torch.full((3,), 2.0), torch.ones(3)))
+
+
+@pytest.mark.parametrize("first", ["one tensor twice", "a part also an argument"])
+def test_subclass_parts_that_are_one_tensor_then_separate(first):
+    """Note [One tensor passed twice], within a subclass: traced for TwoTensor(s, s), the graph
+    read one part for both and ran again for separate parts (PyTorch's aot_function too)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(t, y):
+        return t * 2 + y
+
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    s, a, b, y = torch.tensor([1.0, 2.0]), torch.ones(2), torch.tensor([10.0, 20.0]), \
+        torch.full((2,), 100.0)
+    compiled(TwoTensor(s, s) if first == "one tensor twice" else TwoTensor(a, y), y)
+    out, expected = compiled(TwoTensor(a, b), y), fn(TwoTensor(a, b), y)
+    torch.testing.assert_close((out.a, out.b), (expected.a, expected.b))
+    reason = aotkit.explain().of_kind("recompile")[-1].why
+    assert reason.startswith("the tensors passed more than once changed: part ")

@@ -195,18 +195,23 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
 
 # Note [One tensor passed twice]
 # Fake tensors are made once per tensor object, so a call passing one tensor at two positions
-# (``f(x, x)``) is traced with one fake for both, and the graph reads the last of its
-# placeholders at every use: ``a * 2 + b`` became ``b * 2 + b``. Such a graph is right for calls
-# that repeat the tensor at the same positions only, so which positions hold one tensor object
-# is part of the key (tensors that merely share memory are separate inputs: Note [Overlapping
-# mutated inputs]).
-def repeated_tensors(leaves: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
-    """The positions of each tensor passed more than once, grouped; empty when none is."""
-    if len(set(map(id, leaves))) == len(leaves):  # the common case, checked cheaply
+# (``f(x, x)``, or a subclass made of it twice, ``TwoTensor(x, x)``) is traced with one fake for
+# both, and the graph reads the last of its placeholders at every use: ``a * 2 + b`` became
+# ``b * 2 + b``. Such a graph is right for calls that repeat the tensor at the same positions
+# only, so which positions (and subclass parts) hold one tensor object is part of the key
+# (tensors that merely share memory are separate inputs: Note [Overlapping mutated inputs]).
+def repeated_tensors(leaves: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
+    """The positions of each tensor passed more than once, grouped (a subclass's part as
+    ``(position, part)``); empty when none is."""
+    subclasses = any(map(is_subclass, leaves))
+    if not subclasses and len(set(map(id, leaves))) == len(leaves):  # the common case
         return ()
-    at: dict[int, list[int]] = {}
+    at: dict[int, list[Any]] = {}
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor):
+        if is_subclass(x):
+            for k, p in enumerate(parts(x, layout_of(x))):
+                at.setdefault(id(p), []).append((i, k))
+        elif isinstance(x, torch.Tensor):
             at.setdefault(id(x), []).append(i)
     return tuple(tuple(group) for group in at.values() if len(group) > 1)
 
@@ -269,7 +274,8 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
         return [f"the number of arguments changed: {len(old[1])} -> {len(new[1])}"]
     found = [_leaf_change(name, a, b)
              for name, a, b in zip(names, old[1], new[1], strict=True) if a != b]
-    grouped = {i for group in (*old[2], *new[2]) for i in group}
+    grouped = {at[0] if isinstance(at, tuple) else at for group in (*old[2], *new[2])
+               for at in group}
     if old[2] != new[2] and all(old[1][i] == new[1][i] for i in grouped):  # else said above
         found.append(f"the tensors passed more than once changed: {_repeated(old[2], names)} "
                      f"-> {_repeated(new[2], names)}")
@@ -284,11 +290,13 @@ def config_changes(old: tuple[tuple[str, Any], ...], new: tuple[tuple[str, Any],
             for (option, x), (_, y) in zip(old, new, strict=True) if x != y]
 
 
-def _repeated(groups: tuple[tuple[int, ...], ...], names: Sequence[str]) -> str:
-    if not groups:
-        return "none"
-    return "; ".join(" is ".join(names[i] if i < len(names) else f"leaf {i}" for i in group)
-                     for group in groups)
+def _repeated(groups: tuple[tuple[Any, ...], ...], names: Sequence[str]) -> str:
+    def name(at: Any) -> str:
+        i, part = at if isinstance(at, tuple) else (at, None)
+        where = names[i] if i < len(names) else f"leaf {i}"
+        return where if part is None else f"part {part} of {where}"
+
+    return "; ".join(" is ".join(map(name, group)) for group in groups) or "none"
 
 
 def _leaf_change(name: str, a: Any, b: Any) -> str:
