@@ -410,6 +410,23 @@ def test_out_argument_growing_an_input_is_refused():
 
 
 @pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_out_argument_with_room_then_one_without_is_refused():
+    """Traced for an out= view into a larger tensor, the entry ran for a tensor of just the old
+    size, and as_strided_ failed with a bare RuntimeError."""
+    def fn(x, buf):
+        torch.add(x, 1, out=buf)
+        return buf
+
+    f = aotkit.aot_function(fn, compilers.nop)
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.zeros(4), torch.zeros(4)[:2]), torch.ones(4))
+        buf = torch.full((2,), 7.0)
+        with pytest.raises(UnsupportedError, match=r"in place to \(4,\) .*beyond its memory"):
+            f(torch.zeros(4), buf)
+    torch.testing.assert_close(buf, torch.full((2,), 7.0))
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
 def test_out_argument_of_a_symbolic_size_under_dynamic_shapes():
     """``cat([a, a], out=out)``: out's size is its own symbol, equal to the result's only for
     these calls; the entry guards on that relation instead of refusing."""

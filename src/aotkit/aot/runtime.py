@@ -637,6 +637,7 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
         # Like eager's x.t_() on a non-leaf: later grads to x must arrive in the new shape. (A
         # leaf that requires grad can only have been changed under no_grad, or eager raises.)
         tracked = info.requires_grad and not inp.is_leaf and torch.is_grad_enabled()
+        _refuse_growth_beyond_memory(inp, size, stride, offset)
         with contextlib.nullcontext() if tracked else torch.no_grad():
             inp.as_strided_(size, stride, offset)
     if info.mutates_data:
@@ -647,6 +648,24 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
         else:
             with torch.no_grad():
                 inp.copy_(new)
+
+
+def _refuse_growth_beyond_memory(inp: torch.Tensor, size: Sequence[int],
+                                 stride: Sequence[int], offset: int) -> None:
+    """An entry traced for an ``out=`` argument with room for its new size (a view into a larger
+    tensor) may be called with one of just its old size, whose memory the layout would pass:
+    refused as the trace refuses it (as_strided_ failed with a bare RuntimeError)."""
+    if any(n == 0 for n in size):
+        return
+    needed = (offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1) \
+        * inp.element_size()
+    if needed > inp.untyped_storage().nbytes():
+        raise UnsupportedError(
+            f"the compiled function resizes an input of shape {tuple(inp.shape)} in place to "
+            f"{tuple(size)} (an out= argument, resize_ or as_strided_), beyond its memory; "
+            "the graph was traced for a call whose tensor had room, and aotkit cannot give the "
+            "caller's tensor new memory.\nFix: pass a tensor of the result's size, or build a new "
+            "tensor inside and return it.")
 
 
 def _resize_as_eager(inp: torch.Tensor, new: torch.Tensor) -> None:
