@@ -1007,8 +1007,18 @@ def test_error_checks_run_where_eager_runs_them(partition: str) -> None:
     def f(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         return _SolveInBackward.apply(torch.linalg.inv(a), m)
 
-    compiled = aotkit.aot_function(f, aotkit.compilers.nop, partition_fn=PARTITIONERS[partition])
+    graphs: list[fx.GraphModule] = []
+
+    def keep(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        graphs.append(gm)
+        return aotkit.compilers.nop(gm, example_inputs)
+
+    compiled = aotkit.aot_function(f, keep, partition_fn=PARTITIONERS[partition])
     m = torch.eye(3) * 2
+    compiled((torch.eye(3) * 4).requires_grad_(), m).sum().backward()
+    saved = graphs[0].graph.output_node().args[0]  # merged with the forward's, min-cut saved
+    assert not any(getattr(n, "target", None) is torch.ops.prims._make_token.default
+                   for n in saved)  # the backward's token, which Inductor cannot take
     for fn in (f, compiled):
         a = (torch.eye(3) * 4).requires_grad_()
         fn(a, m).sum().backward()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from aotkit.partition.graph import is_impure
@@ -44,7 +45,10 @@ def cse(gm: fx.GraphModule, keep: Collection[fx.Node] = ()) -> fx.GraphModule:
 
 def _key(node: fx.Node, env: dict[fx.Node, fx.Node]) -> Any:
     """What makes two nodes compute the same value, or None when they must stay apart."""
-    if node.op != "call_function" or is_impure(node):
+    # Effect tokens start chains of their own (Note [Effect tokens do not cross to the
+    # backward]): merged, the backward's chain began at the forward's token, which min-cut saved.
+    if node.op != "call_function" or is_impure(node) \
+            or node.target is torch.ops.prims._make_token.default:
         return None
     args = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
     key = (node.target, _frozen(args[0]), _frozen(tuple(sorted(args[1].items()))))
