@@ -238,6 +238,33 @@ def test_inputs_the_backward_writes_that_share_memory(split):
         torch.testing.assert_close(results[1], results[0])
 
 
+def test_an_input_the_backward_writes_beside_one_it_overlaps_that_requires_grad():
+    """Only inputs the backward writes overlapping each other need one base: this one, beside a
+    view of a leaf requiring grad with no common base, was refused."""
+
+    class Accumulate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, stats):
+            ctx.save_for_backward(stats)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (stats,) = ctx.saved_tensors
+            stats.add_(grad.sum())
+            return grad * 2, None
+
+    def fn(x, stats):
+        return Accumulate.apply(x, stats).sin()
+
+    results = []
+    for f in (fn, aotkit.aot_function(fn, compilers.nop)):
+        w = torch.arange(4.0, requires_grad=True)
+        f(w[:3], w.detach()[1:]).sum().backward()  # statistics kept in the leaf's memory
+        results.append((w.detach().clone(), w.grad))
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_aot_module_simplified_given_one_example_tensor_twice():
     """Compiled once for its examples, it ran ``b * 2 + b`` for separate tensors."""
 

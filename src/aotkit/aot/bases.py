@@ -100,10 +100,11 @@ class OverlapLayout:
 
 
 def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
-                   written: Collection[int]) -> OverlapLayout | None:
-    """The layout of a call where an input the forward or the backward writes (``written``)
-    overlaps another, else None; raises for the cases Note [Overlapping mutated inputs]
-    refuses."""
+                   written_by_backward: Collection[int]) -> OverlapLayout | None:
+    """The layout of a call where an input the forward writes overlaps another, or two the
+    backward writes overlap, else None; raises for the cases Note [Overlapping mutated inputs]
+    refuses. (One input the backward writes is written into the caller's memory after the
+    forward ran: overlapping inputs the forward only read need no base.)"""
     by_storage: dict[int, list[int]] = {}
     overlapping: set[int] = set()
     for i, a in enumerate(args):
@@ -112,7 +113,9 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
             continue
         sharing = by_storage.setdefault(ptr, [])
         for j in sharing:
-            if (i in written or j in written) and may_overlap(args[j], a):
+            if (meta.inputs[i].mutated or meta.inputs[j].mutated
+                    or (i in written_by_backward and j in written_by_backward)) \
+                    and may_overlap(args[j], a):
                 overlapping.add(ptr)
         sharing.append(i)
     if not overlapping:
@@ -148,8 +151,9 @@ def _root(tensors: Sequence[torch.Tensor]) -> Any:
 
 def _refused(name: str, which: str, why: str) -> UnsupportedError:
     return UnsupportedError(
-        f"{name}: {which} {why}, and the function mutates one of them in place; aotkit cannot "
-        "replay that mutation exactly.\nFix: pass separate tensors (e.g. .clone() one of them)."
+        f"{name}: {which} {why}, and the function (or its backward) mutates one of them in "
+        "place; aotkit cannot replay that mutation exactly.\nFix: pass separate tensors (e.g. "
+        ".clone() one of them)."
     )
 
 

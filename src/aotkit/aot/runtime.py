@@ -84,9 +84,7 @@ class CompiledGraphs:
         graph_outputs = self.meta.graph_user_outputs()
         self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
         # Also mutations the graph keeps as copy_ (keep_inference_input_mutations).
-        self.written_inputs = frozenset(self.meta.mutated_inputs).union(
-            self.inputs_written_by_backward)
-        self.mutates_inputs = bool(self.written_inputs)
+        self.mutates_inputs = bool(self.meta.mutated_inputs or self.inputs_written_by_backward)
         self.mutated_in_graph = [i for i in self.meta.mutated_inputs
                                  if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
@@ -420,7 +418,7 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
     if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args,
-                                                              graphs.written_inputs)):
+                                                              graphs.inputs_written_by_backward)):
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():
