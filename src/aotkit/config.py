@@ -274,8 +274,10 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
 
     def __exit__(self, *exc: Any) -> None:
         with _PATCH_LOCK:
+            # This thread's latest entry; the latest of all where it entered in another thread.
             thread = threading.get_ident()
-            k = max(i for i, (t, _) in enumerate(self._active) if t == thread)
+            k = max((i for i, (t, _) in enumerate(self._active) if t == thread),
+                    default=len(self._active) - 1)
             for name, replaced in self._active.pop(k)[1].items():
                 _end_patch(name, replaced)
 

@@ -93,6 +93,18 @@ def test_patches_in_threads_leave_the_value_they_found():
     assert config.recompile_limit == before
 
 
+def test_a_patch_ended_in_another_thread_restores_the_value():
+    import threading
+
+    before = config.recompile_limit
+    patch = config.patch(recompile_limit=3)
+    patch.__enter__()
+    ender = threading.Thread(target=patch.__exit__, args=(None, None, None))
+    ender.start()
+    ender.join()
+    assert config.recompile_limit == before
+
+
 def test_a_bad_variable_is_reported_again_after_a_patch_of_its_option():
     """The patch replaced the bad value for its block; afterwards the option read its default
     and the error was gone for good."""
@@ -495,3 +507,16 @@ def test_log_graphs_alone_shows_the_graphs():
     quiet = _python("import torch, aotkit\n"
                     "aotkit.aot_function(torch.sin, aotkit.compilers.nop)(torch.ones(2))\n")
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    # Logging's configuration is left alone: after the patch, a recompile's INFO decision is
+    # not shown, and basicConfig later shows it once.
+    after = _python("import logging, sys, torch, aotkit\n"
+                    "f = aotkit.aot_function(torch.sin, aotkit.compilers.nop)\n"
+                    "with aotkit.config.patch(log_graphs=True):\n"
+                    "    f(torch.ones(2))\n"
+                    "print('---', file=sys.stderr)\n"
+                    "f(torch.ones(3))\n"
+                    "logging.basicConfig(level=logging.INFO)\n"
+                    "f(torch.ones(4))\n")
+    shown = after.stderr.split("---\n")[1]
+    assert shown.count("shape of args[0] changed: (3,) -> (4,)") == 1, shown
+    assert "(2,) -> (3,)" not in shown, shown

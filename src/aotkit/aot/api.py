@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -568,17 +569,17 @@ def _graph_inputs(gm: fx.GraphModule) -> list[Any]:
 
 def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
     level = logging.INFO if config.log_graphs else logging.DEBUG
-    if config.log_graphs and not log.hasHandlers():
-        # Asked for graphs (AOTKIT_LOG_GRAPHS=1) where nothing shows aotkit's logs: the graphs
-        # went nowhere. Show them on stderr, as TORCH_LOGS does for PyTorch's.
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
-        log.addHandler(handler)
-        if log.level == logging.NOTSET:
-            log.setLevel(logging.INFO)
-    if log.isEnabledFor(level):
+    # Asked for graphs (AOTKIT_LOG_GRAPHS=1) where nothing shows aotkit's logs, they went
+    # nowhere: they are printed to stderr then, as TORCH_LOGS shows PyTorch's (logging's
+    # configuration is left as it is).
+    unseen = config.log_graphs and not log.hasHandlers()
+    if unseen or log.isEnabledFor(level):
         for kind, gm in graphs.items():
-            log.log(level, "%s %s graph:\n%s", name, kind, gm.print_readable(print_output=False))
+            text = f"{name} {kind} graph:\n{gm.print_readable(print_output=False)}"
+            if unseen:
+                print(f"[{log.name}] {text}", file=sys.stderr)
+            else:
+                log.log(level, "%s", text)
 
 
 def _under_transform(name: str) -> UnsupportedError:
