@@ -1641,6 +1641,17 @@ def test_python_code_refusing_a_symbolic_size_is_a_trace_error_naming_the_line()
         f(torch.ones(4, 3))
 
 
+def test_a_symbolic_bool_passed_to_a_cpp_argument_is_a_trace_error_naming_the_line():
+    """``is_causal=q.size(-2) == k.size(-2)`` raised a bare TypeError ("must be bool, not
+    SymBool"), which names its type unquoted."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(-2) == k.size(-2))
+
+    f = aotkit.aot_function(attend, compilers.nop, dynamic=True)
+    with pytest.raises(TraceError, match=r"not SymBool(.|\n)*test_semantics.py(.|\n)*bool\(\.\.\.\)"):
+        f(*(torch.randn(2, 4, 8) for _ in range(3)))
+
+
 def test_the_users_own_zero_division_and_type_errors_stay_as_eager_raises_them():
     def f(x, items):
         if not isinstance(items, list):

@@ -4,6 +4,7 @@ where the cause is known, or the exception itself."""
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from typing import Any
 
@@ -60,14 +61,20 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
             "on an empty tensor (no elements) whose shape function divides by its element count "
             "(the backward of a mean-reduced loss); eager's kernel returns nan there.\nFix: "
             "skip empty batches before calling the compiled function.")
-    if isinstance(exc, TypeError) and symbolic and any(
-            f"'{t}'" in str(exc) for t in ("SymInt", "SymFloat", "SymBool")):
+    if isinstance(exc, TypeError) and symbolic and _SYMBOLIC_REFUSED.search(str(exc)):
         return TraceError(
-            f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes are symbolic "
-            "integers (torch.SymInt), which this Python operation does not take.\nFix: use "
-            "operators on the size instead (// and % for divmod), int(size), which fixes that "
-            "size, or torch.compile(fn, backend='aotkit'), whose Dynamo handles such code.")
+            f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes, and what is "
+            "computed from them (q.size(-2) == k.size(-2)), are symbolic (torch.SymInt, "
+            "SymBool), which this Python operation or argument does not take.\nFix: use "
+            "operators on the size instead (// and % for divmod), int(size) or bool(...), "
+            "which fix that value, or torch.compile(fn, backend='aotkit'), whose Dynamo "
+            "handles such code.")
     return exc
+
+
+# "unsupported operand type(s) for divmod(): 'SymInt' and 'int'"; "argument 'is_causal' must be
+# bool, not SymBool" (a C++ argument).
+_SYMBOLIC_REFUSED = re.compile(r"'Sym(Int|Float|Bool)'|\bnot Sym(Int|Float|Bool)\b")
 
 
 def _raised_in_torch(exc: BaseException) -> bool:
