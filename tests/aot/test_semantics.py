@@ -1652,6 +1652,20 @@ def test_a_symbolic_bool_passed_to_a_cpp_argument_is_a_trace_error_naming_the_li
         f(*(torch.randn(2, 4, 8) for _ in range(3)))
 
 
+def test_a_tensor_passed_as_a_size_is_a_trace_error():
+    """pack_padded_sequence's GRU builds its state with a tensor element as a size, a bare
+    TypeError ("got FunctionalTensor") under dynamic=True."""
+    gru = nn.GRU(3, 4, batch_first=True)
+
+    def run(x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        return nn.utils.rnn.pad_packed_sequence(gru(packed)[0], batch_first=True)[0]
+
+    f = aotkit.aot_function(run, compilers.nop, dynamic=True)
+    with pytest.raises(TraceError, match=r"got FunctionalTensor(.|\n)*Fix: keep that code outside"):
+        f(torch.randn(2, 5, 3), torch.tensor([5, 3]))
+
+
 def test_the_users_own_zero_division_and_type_errors_stay_as_eager_raises_them():
     def f(x, items):
         if not isinstance(items, list):

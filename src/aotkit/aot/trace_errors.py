@@ -69,6 +69,13 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
             "operators on the size instead (// and % for divmod), int(size) or bool(...), "
             "which fix that value, or torch.compile(fn, backend='aotkit'), whose Dynamo "
             "handles such code.")
+    if isinstance(exc, TypeError) and "but got FunctionalTensor" in str(exc):
+        return TraceError(
+            f"{what}: {exc}, at {user_frame(exc)}: a tensor is passed where Python ints are "
+            "expected (a size read from a tensor's element, as pack_padded_sequence's RNN "
+            "does with its batch sizes); eager reads its value, which a trace cannot hold as "
+            "a constant.\nFix: keep that code outside the compiled function, or use "
+            "torch.compile(fn, backend='aotkit'), whose Dynamo runs it eagerly.")
     return exc
 
 
