@@ -801,3 +801,25 @@ def test_linalg_errors_raise_in_the_forward_when_training(backend: str) -> None:
             f(bad.clone().requires_grad_())
         with pytest.raises(torch.linalg.LinAlgError):
             compiled(bad.clone().requires_grad_())
+
+
+def test_aotkit_inductor_dynamic_graphs_compile_again_after_a_reset() -> None:
+    """Note [Inductor's graph cache and symbolic sizes]: the second compile found the first's
+    backward in Inductor's FX graph cache and failed binding its guards (KeyError: 'x')."""
+    conv = torch.nn.Conv1d(3, 8, 3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return conv(x).sum()
+
+    for _ in range(2):
+        compiled = torch.compile(f, backend="aotkit_inductor", dynamic=True)
+        for n in (4, 5):
+            x = torch.randn(n, 3, 10)
+            conv.zero_grad()
+            compiled(x).backward()
+            got = conv.weight.grad.clone()
+            conv.zero_grad()
+            f(x).backward()
+            torch.testing.assert_close(got, conv.weight.grad)
+        torch._dynamo.reset()
+    assert aotkit.explain().of_kind("fallback")[0].what == "inductor (symbolic sizes)"

@@ -265,6 +265,39 @@ def test_an_input_the_backward_writes_beside_one_it_overlaps_that_requires_grad(
     torch.testing.assert_close(results[1], results[0])
 
 
+class _WriteThenRead(torch.autograd.Function):
+    """Its backward writes ``stats``, then reads ``scale``, which it saved."""
+
+    @staticmethod
+    def forward(ctx, x, stats, scale):
+        ctx.save_for_backward(stats, scale)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        stats, scale = ctx.saved_tensors
+        stats.add_(1)
+        return grad * scale, None, None
+
+
+@pytest.mark.parametrize("split", ["same tensor", "two views"])
+def test_an_input_the_backward_writes_and_one_it_reads_that_share_memory(split):
+    """The backward's read sees its write in eager; without one base it read the old value
+    (x.grad 0 instead of 1; PyTorch's aot_function the same)."""
+
+    def fn(x, stats, scale):
+        return _WriteThenRead.apply(x, stats, scale)
+
+    results = []
+    for f in (fn, aotkit.aot_function(fn, compilers.nop)):
+        x, buf = torch.ones(3, requires_grad=True), torch.zeros(3)
+        stats, scale = (buf, buf) if split == "same tensor" else (buf[:], buf.view(3))
+        f(x, stats, scale).sum().backward()
+        results.append((x.grad, buf))
+    torch.testing.assert_close(results[1], results[0])
+    torch.testing.assert_close(results[0][0], torch.ones(3))
+
+
 def test_aot_module_simplified_given_one_example_tensor_twice():
     """Compiled once for its examples, it ran ``b * 2 + b`` for separate tensors."""
 

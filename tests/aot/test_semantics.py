@@ -1678,6 +1678,14 @@ def test_the_users_own_zero_division_and_type_errors_stay_as_eager_raises_them()
     with pytest.raises(TypeError, match="Symbol table"):
         g(torch.ones(3), 3)
 
+    def sized(x, sizes):
+        if not isinstance(sizes, list):
+            raise TypeError(f"sizes must be a list, but got {type(sizes).__name__}")
+        return x
+
+    with pytest.raises(TypeError, match="but got FunctionalTensor"):
+        aotkit.aot_function(sized, compilers.nop, dynamic=True)(torch.ones(3), torch.ones(2))
+
 
 def test_data_dependence_inside_a_library_call_names_both_lines():
     def loss(x, var):

@@ -66,6 +66,7 @@ from aotkit.errors import (
     UnsupportedError,
 )
 from aotkit.partition.default import default_partition
+from aotkit.partition.graph import view_root
 from aotkit.partition.min_cut import has_checkpointed_regions
 from aotkit.partition.report import PartitionReport, report
 
@@ -364,6 +365,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         inputs_written_by_backward=tuple(
             i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")[:len(args)])
             if n.meta.get("written_by_backward", False)),
+        inputs_read_by_backward=_inputs_saved(fw_gm, meta.num_fw_outputs),
         differentiable=meta.fw_output_differentiable(),
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],
@@ -428,6 +430,14 @@ def _saved_tensors(fw_gm: fx.GraphModule, num_fw_outputs: int) -> tuple[int, tup
     tensors = [n for n, v in zip(saved, values, strict=True) if isinstance(v, torch.Tensor)]
     return len(tensors), tuple(k for k, n in enumerate(tensors)
                                if n.meta.get("written_by_backward", False))
+
+
+def _inputs_saved(fw_gm: fx.GraphModule, num_fw_outputs: int) -> tuple[int, ...]:
+    """The inputs the forward saves for the backward, whole or as views."""
+    position = {p: i for i, p in enumerate(fw_gm.graph.find_nodes(op="placeholder"))}
+    saved = list(fw_gm.graph.output_node().args[0])[num_fw_outputs:]
+    return tuple(sorted({position[root] for n in saved if isinstance(n, fx.Node)
+                         and (root := view_root(n)) in position}))
 
 
 # Note [Saved tensors the forward changes]

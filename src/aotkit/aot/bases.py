@@ -100,11 +100,14 @@ class OverlapLayout:
 
 
 def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
-                   written_by_backward: Collection[int]) -> OverlapLayout | None:
-    """The layout of a call where an input the forward writes overlaps another, or two the
-    backward writes overlap, else None; raises for the cases Note [Overlapping mutated inputs]
-    refuses. (One input the backward writes is written into the caller's memory after the
-    forward ran: overlapping inputs the forward only read need no base.)"""
+                   written_by_backward: Collection[int] = (),
+                   read_by_backward: Collection[int] = ()) -> OverlapLayout | None:
+    """The layout of a call where an input the forward writes overlaps another, or one the
+    backward writes overlaps another the backward writes or reads, else None; raises for the
+    cases Note [Overlapping mutated inputs] refuses. (An input the backward writes is written
+    into the caller's memory after the forward ran: inputs only the forward read need no
+    base.)"""
+    backward = {*written_by_backward, *read_by_backward}
     by_storage: dict[int, list[int]] = {}
     overlapping: set[int] = set()
     for i, a in enumerate(args):
@@ -114,7 +117,8 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
         sharing = by_storage.setdefault(ptr, [])
         for j in sharing:
             if (meta.inputs[i].mutated or meta.inputs[j].mutated
-                    or (i in written_by_backward and j in written_by_backward)) \
+                    or (i in written_by_backward and j in backward)
+                    or (j in written_by_backward and i in backward)) \
                     and may_overlap(args[j], a):
                 overlapping.add(ptr)
         sharing.append(i)

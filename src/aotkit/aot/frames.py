@@ -14,7 +14,7 @@ from types import FrameType
 
 import torch
 
-_AOTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+AOTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # A context manager's exit (torch.random.fork_rng restoring the state) runs in contextlib: the
 # user's line is the ``with`` statement's.
@@ -33,13 +33,13 @@ def current_user_line() -> str:
     """The user's line being traced now: the innermost one below aotkit's outermost frame (frames
     above it are the caller's call of the compiled function)."""
     frames = traceback.extract_stack()
-    ours = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
+    ours = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(AOTKIT_DIR)]
     where = _describe_frames(frames[ours[0]:] if ours else frames)
     return where if where != _UNKNOWN else _graph_line(traceback.walk_stack(sys._getframe()))
 
 
 def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
-    frames = [f for f in frames if not os.path.abspath(f.filename).startswith(_AOTKIT_DIR)]
+    frames = [f for f in frames if not os.path.abspath(f.filename).startswith(AOTKIT_DIR)]
     user = [f for f in frames if not os.path.abspath(f.filename).startswith(TORCH_DIR)
             and os.path.abspath(f.filename) != _CONTEXTLIB]
     # The data dependence may sit in a library check (torch.nn.functional): show that line too.

@@ -46,6 +46,9 @@ class CompiledGraphs:
     written_by_backward: tuple[int, ...] = ()
     # The inputs those are (positions in the call).
     inputs_written_by_backward: tuple[int, ...] = ()
+    # The inputs the backward reads (saved): where one shares memory with an input the
+    # backward writes, both are traced on one base (Note [Overlapping mutated inputs]).
+    inputs_read_by_backward: tuple[int, ...] = ()
     differentiable: list[bool] = field(default_factory=list)
     # Per forward output: its tangent's memory format (Note [Tangents in the outputs' memory
     # format]).
@@ -418,7 +421,8 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
     if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args,
-                                                              graphs.inputs_written_by_backward)):
+                                                              graphs.inputs_written_by_backward,
+                                                              graphs.inputs_read_by_backward)):
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
-from aotkit.aot.frames import user_frame
+from aotkit.aot.frames import AOTKIT_DIR, user_frame
 from aotkit.compat import data_dependent_errors, is_nested_compile_refusal
 from aotkit.errors import TraceError, UnsupportedError
 
@@ -69,7 +69,8 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> Bas
             "operators on the size instead (// and % for divmod), int(size) or bool(...), "
             "which fix that value, or torch.compile(fn, backend='aotkit'), whose Dynamo "
             "handles such code.")
-    if isinstance(exc, TypeError) and "but got FunctionalTensor" in str(exc):
+    if isinstance(exc, TypeError) and symbolic and "but got FunctionalTensor" in str(exc) \
+            and _raised_in_torch(exc):  # not the user's own TypeError
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: a tensor is passed where Python ints are "
             "expected (a size read from a tensor's element, as pack_padded_sequence's RNN "
@@ -85,8 +86,10 @@ _SYMBOLIC_REFUSED = re.compile(r"'Sym(Int|Float|Bool)'|\bnot Sym(Int|Float|Bool)
 
 
 def _raised_in_torch(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised inside PyTorch's own code (its shape functions), not the user's."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    """Whether ``exc`` was raised inside PyTorch's own code (its shape functions), not the user's
+    (aotkit's frames, its dispatch modes', are passed over)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(AOTKIT_DIR)]
     return bool(frames) and f"{os.sep}torch{os.sep}" in frames[-1].filename
 
 

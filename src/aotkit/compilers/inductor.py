@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 
+from aotkit import counters
 from aotkit.compilers.basic import closed_over_tensors, copy_graph_module
 from aotkit.errors import ArgumentError, CompilerError
 
@@ -120,6 +121,33 @@ class Inductor:
         return compile_graph(gm, example_inputs, self.kind or graph_kind(gm))
 
 
+# Note [Inductor's graph cache and symbolic sizes]
+# Inductor keeps compiled graphs on disk (its FX graph cache) with the shape guards they hold,
+# written in terms of the ShapeEnv's sources, which for aotkit's graphs of a Dynamo frame are
+# Dynamo's inputs (``L['x']``): looking a cached backward up in a later process (or after
+# torch._dynamo.reset()) failed with a KeyError naming that input, since the lookup binds only
+# the graph's own symbolic inputs. Graphs with symbolic sizes are therefore compiled with that
+# cache off (a "fallback" decision, once per process); static graphs use it.
+def _fx_graph_cache_for(example_inputs: Sequence[Any]) -> Any:
+    import contextlib
+
+    from torch._inductor import config as inductor_config
+
+    symbolic = any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+        isinstance(n, torch.SymInt) for n in (*x.shape, *x.stride()))) for x in example_inputs)
+    if not symbolic or not inductor_config.fx_graph_cache:
+        return contextlib.nullcontext()
+    if not counters.counters["fallback"].get(_NO_GRAPH_CACHE):
+        counters.record("fallback", _NO_GRAPH_CACHE, (
+            "graphs with symbolic sizes are compiled with Inductor's FX graph cache off: "
+            "its cached guards name Dynamo's inputs, which its lookup cannot bind (Note "
+            "[Inductor's graph cache and symbolic sizes]); static graphs use the cache"))
+    return inductor_config.patch(fx_graph_cache=False)
+
+
+_NO_GRAPH_CACHE = "inductor (symbolic sizes)"
+
+
 def graph_kind(gm: fx.GraphModule) -> Kind:
     """Guess which kind of aotkit graph ``gm`` is: ``tangents_*`` inputs make a backward; aotkit
     records a partition report (``gm.meta["partition"]``) on every forward it partitions."""
@@ -142,15 +170,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     _keep_output_strides(gm)
     static = _static_input_idxs(gm, kind)
     first_lifted = len(example_inputs)
-    compiled = compile_fx_inner(
-        gm,
-        [*example_inputs, *(fake for fake, _ in lifted)],
-        static_input_idxs=sorted({*static, *range(first_lifted, first_lifted + len(lifted))}),
-        cudagraphs=BoxedBool(False),
-        is_backward=kind == "backward",
-        is_inference=kind == "inference",
-        graph_id=next(_graph_ids),
-    )
+    with _fx_graph_cache_for(example_inputs):
+        compiled = compile_fx_inner(
+            gm,
+            [*example_inputs, *(fake for fake, _ in lifted)],
+            static_input_idxs=sorted({*static, *range(first_lifted, first_lifted + len(lifted))}),
+            cudagraphs=BoxedBool(False),
+            is_backward=kind == "backward",
+            is_inference=kind == "inference",
+            graph_id=next(_graph_ids),
+        )
     tensors = [tensor for _, tensor in lifted]
     copies: list[int] | None = None  # the outputs to copy, once a call has shown them
     signed = _signed_inputs(gm, example_inputs)
