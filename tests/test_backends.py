@@ -823,3 +823,33 @@ def test_aotkit_inductor_dynamic_graphs_compile_again_after_a_reset() -> None:
             torch.testing.assert_close(got, conv.weight.grad)
         torch._dynamo.reset()
     assert aotkit.explain().of_kind("fallback")[0].what == "inductor (symbolic sizes)"
+
+
+def test_a_compiled_training_step_does_not_hand_aotkit_frames_to_dynamo() -> None:
+    """Note [aotkit's code is not user code to Dynamo]: under aotkit_inductor the lazy backward
+    compile ran inside loss.backward() with Dynamo's frame callback on, and Dynamo tried to
+    compile ~1400 frames of aotkit and Inductor (backend='aotkit': 54) where PyTorch's inductor
+    tries 13."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    def frames(backend: str) -> int:
+        torch._dynamo.reset()
+        dynamo_counters.clear()
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        compiled = torch.compile(step, backend=backend)
+        for _ in range(3):
+            compiled(torch.randn(5, 4))
+        return dynamo_counters["frames"]["total"]
+
+    pytorch = frames("inductor")
+    for backend in ("aotkit", "aotkit_inductor"):
+        assert frames(backend) <= pytorch + 10, backend

@@ -24,6 +24,7 @@ from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.aot.untraceable import SavedAfterWrite
+from aotkit.compat import dynamo_frames_off
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -165,7 +166,10 @@ class CompiledGraphs:
             assert self.backward_under is not None
             gm = self.backward_under(autocast)
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        compiled = compile_boxed(self.bw_compiler, gm, inputs, "backward")
+        # backward() may run under Dynamo's frame callback (a compiled training step's
+        # loss.backward()): the compiler's own frames are not user code to compile.
+        with dynamo_frames_off():
+            compiled = compile_boxed(self.bw_compiler, gm, inputs, "backward")
         counters.bump("aot", "bw_compiles")
         log.debug("compiled backward of %s", self.name)
         return compiled

@@ -20,7 +20,7 @@ from aotkit.aot.frames import region
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import config_changes
 from aotkit.aot.trace import COMPILE_LOCK
-from aotkit.compat import FakeTensor, FakeTensorMode, dynamo_fallback_errors
+from aotkit.compat import FakeTensor, FakeTensorMode, dynamo_fallback_errors, hide_from_dynamo
 from aotkit.errors import AotkitError, ArgumentError, RecompileLimitError
 from aotkit.partition.default import default_partition
 
@@ -53,6 +53,7 @@ def aot_module_simplified(
     """
     from torch._guards import detect_fake_mode
 
+    hide_from_dynamo()  # Note [aotkit's code is not user code to Dynamo]: whatever compiler runs
     state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
     names = [n for n, _ in state]
     tensors = [t for _, t in state]
