@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.bases import OverlapLayout, may_overlap
-from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.boxing import Compiler, compile_boxed, refused_call
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
@@ -137,21 +137,14 @@ class AotOptions:
 def _check_compiler_signature(role: str, compiler: Callable[..., Any]) -> None:
     """A compiler is called as ``compiler(gm, example_inputs)``; one that cannot be (a factory
     of compilers, ``lambda gm: gm``) would fail at the first call with a bare TypeError."""
-    try:
-        signature = inspect.signature(compiler)
-    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
-        return
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        name = getattr(compiler, "__name__", type(compiler).__name__)
+    refused = refused_call(compiler, 2)
+    if refused is not None:
         raise ArgumentError(
-            f"{role} {name!r} cannot be called as compiler(gm, example_inputs): its signature is "
-            f"{name}{signature}.\nFix: pass a function of the graph module and "
-            "its example inputs returning a callable (aotkit.compilers.nop); a factory of "
-            "compilers is called first (draw_graph_compile('graph')), and "
-            "memory_efficient_fusion wraps a function or module instead of compiling graphs."
-        ) from None
+            f"{role} {refused.partition('(')[0]!r} cannot be called as compiler(gm, "
+            f"example_inputs): its signature is {refused}.\nFix: pass a function of the graph "
+            "module and its example inputs returning a callable (aotkit.compilers.nop); a "
+            "factory of compilers is called first (draw_graph_compile('graph')), and "
+            "memory_efficient_fusion wraps a function or module instead of compiling graphs.")
 
 
 def _check_decompositions(table: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,20 @@ from aotkit.errors import AotkitError, ArgumentError, CompilerError
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
+
+def refused_call(fn: Callable[..., Any], num_args: int) -> str | None:
+    """``fn``'s name and signature where it cannot be called with ``num_args`` positional
+    arguments (a compiler of the wrong kind), else None (also where it has no signature)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
+        return None
+    try:
+        signature.bind(*[None] * num_args)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        return f"{name}{signature}"
+    return None
 
 def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
     """Wrap ``f(*args)`` as ``g(args)``, the boxed convention.

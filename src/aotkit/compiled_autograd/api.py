@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from aotkit import compat, counters
+from aotkit.aot.boxing import refused_call
 from aotkit.compiled_autograd import capture, runtime, session
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import ArgumentError, UnsupportedError
@@ -107,20 +107,13 @@ def _check_arguments(compiler_fn: Any, dynamic: Any) -> None:
             f"compiled_autograd.enable() takes a compiler function, got {compiler_fn!r}.\nFix: "
             "pass aotkit.compiled_autograd.nop, lambda gm: gm, or "
             "lambda gm: torch.compile(gm, backend=...).")
-    try:
-        signature = inspect.signature(compiler_fn)
-    except (TypeError, ValueError):  # no signature to read: the first backward will tell
-        return
-    try:
-        signature.bind(None)
-    except TypeError:
-        name = getattr(compiler_fn, "__name__", type(compiler_fn).__name__)
+    refused = refused_call(compiler_fn, 1)
+    if refused is not None:
         raise ArgumentError(
-            f"compiled_autograd.enable() calls its compiler as compiler(gm), but {name!r} takes "
-            f"{name}{signature}.\nFix: pass aotkit.compiled_autograd.nop (aotkit.compilers.nop "
-            "is AOT autograd's compiler, called as compiler(gm, example_inputs)), or wrap it: "
-            "lambda gm: ..."
-        ) from None
+            f"compiled_autograd.enable() calls its compiler as compiler(gm), but "
+            f"{refused.partition('(')[0]!r} takes {refused}.\nFix: pass "
+            "aotkit.compiled_autograd.nop (aotkit.compilers.nop is AOT autograd's compiler, "
+            "called as compiler(gm, example_inputs)), or wrap it: lambda gm: ...")
 
 
 # Note [Compiler cleared inside enable()]
