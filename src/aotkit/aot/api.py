@@ -23,6 +23,7 @@ from aotkit.aot.boxing import Compiler, compile_boxed, refused_call
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
+from aotkit.aot.saved import saved_for_backward
 from aotkit.aot.signature import (
     AutocastState,
     ShapeGuard,
@@ -66,7 +67,6 @@ from aotkit.errors import (
     UnsupportedError,
 )
 from aotkit.partition.default import default_partition
-from aotkit.partition.graph import view_root
 from aotkit.partition.min_cut import has_checkpointed_regions
 from aotkit.partition.report import PartitionReport, report
 
@@ -327,7 +327,6 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     _mark_static_inputs(fw_gm, options.num_params_buffers)
     fw = compile_boxed(options.fw_compiler, fw_gm, _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
-    num_saved, written = _saved_tensors(fw_gm, meta.num_fw_outputs)
 
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
         """See Note [Autocast around backward]. Runs inside backward(): the forward part is
@@ -354,11 +353,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
         num_inputs=len(args), training=True, bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
-        num_saved_tensors=num_saved, written_by_backward=written,
-        inputs_written_by_backward=tuple(
-            i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")[:len(args)])
-            if n.meta.get("written_by_backward", False)),
-        inputs_read_by_backward=_inputs_saved(fw_gm, meta.num_fw_outputs),
+        saved=saved_for_backward(fw_gm, meta.num_fw_outputs),
         differentiable=meta.fw_output_differentiable(),
         tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
                          for o in fw_out_fakes],
@@ -413,24 +408,6 @@ def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: 
     if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
         pin_factory_dtypes(gm)
     return gm
-
-
-def _saved_tensors(fw_gm: fx.GraphModule, num_fw_outputs: int) -> tuple[int, tuple[int, ...]]:
-    """How many tensors the forward saves (after its outputs, before the SymInts), and which of
-    them are inputs the backward writes (Note [Inputs the backward writes])."""
-    saved = list(fw_gm.graph.output_node().args[0])[num_fw_outputs:]
-    values = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in saved]
-    tensors = [n for n, v in zip(saved, values, strict=True) if isinstance(v, torch.Tensor)]
-    return len(tensors), tuple(k for k, n in enumerate(tensors)
-                               if n.meta.get("written_by_backward", False))
-
-
-def _inputs_saved(fw_gm: fx.GraphModule, num_fw_outputs: int) -> tuple[int, ...]:
-    """The inputs the forward saves for the backward, whole or as views."""
-    position = {p: i for i, p in enumerate(fw_gm.graph.find_nodes(op="placeholder"))}
-    saved = list(fw_gm.graph.output_node().args[0])[num_fw_outputs:]
-    return tuple(sorted({position[root] for n in saved if isinstance(n, fx.Node)
-                         and (root := view_root(n)) in position}))
 
 
 # Note [Saved tensors the forward changes]

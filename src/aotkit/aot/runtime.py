@@ -19,6 +19,7 @@ from aotkit import counters
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
 from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
@@ -42,14 +43,8 @@ class CompiledGraphs:
     training: bool = False
     bw_gm: fx.GraphModule | None = None
     bw_compiler: Compiler | None = None
-    num_saved_tensors: int = 0
-    # Saved inputs the backward writes, kept by reference (Note [Inputs the backward writes]).
-    written_by_backward: tuple[int, ...] = ()
-    # The inputs those are (positions in the call).
-    inputs_written_by_backward: tuple[int, ...] = ()
-    # The inputs the backward reads (saved): where one shares memory with an input the
-    # backward writes, both are traced on one base (Note [Overlapping mutated inputs]).
-    inputs_read_by_backward: tuple[int, ...] = ()
+    # The tensors the forward saves, and the inputs among them the backward writes or reads.
+    saved: Saved = NOTHING_SAVED
     differentiable: list[bool] = field(default_factory=list)
     # Per forward output: its tangent's memory format (Note [Tangents in the outputs' memory
     # format]).
@@ -88,7 +83,7 @@ class CompiledGraphs:
         graph_outputs = self.meta.graph_user_outputs()
         self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
         # Also mutations the graph keeps as copy_ (keep_inference_input_mutations).
-        self.mutates_inputs = bool(self.meta.mutated_inputs or self.inputs_written_by_backward)
+        self.mutates_inputs = bool(self.meta.mutated_inputs or self.saved.inputs_written)
         self.mutated_in_graph = [i for i in self.meta.mutated_inputs
                                  if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
@@ -191,13 +186,13 @@ class CompiledFunction(torch.autograd.Function):
     def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
         outs = graphs.run_forward(list(args))
         n = graphs.num_fw_outputs
-        saved = outs[n : n + graphs.num_saved_tensors]
-        if graphs.written_by_backward:  # Note [Inputs the backward writes]
-            ctx.written = [(k, saved[k]) for k in graphs.written_by_backward]
-            saved = [t for k, t in enumerate(saved) if k not in graphs.written_by_backward]
+        saved = outs[n : n + graphs.saved.tensors]
+        if graphs.saved.written:  # Note [Inputs the backward writes]
+            ctx.written = [(k, saved[k]) for k in graphs.saved.written]
+            saved = [t for k, t in enumerate(saved) if k not in graphs.saved.written]
         if graphs.returned_mutations:
             saved = _unshare_with_mutated_inputs(saved, args, graphs.returned_mutations)
-        ctx.saved_syms = outs[n + graphs.num_saved_tensors :]
+        ctx.saved_syms = outs[n + graphs.saved.tensors :]
         anchor = torch.empty(0)
         _save(ctx, saved, anchor)
         ctx.graphs = graphs
@@ -425,8 +420,8 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
     if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args,
-                                                              graphs.inputs_written_by_backward,
-                                                              graphs.inputs_read_by_backward)):
+                                                              graphs.saved.inputs_written,
+                                                              graphs.saved.inputs_read)):
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():
