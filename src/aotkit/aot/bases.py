@@ -17,11 +17,12 @@ from aotkit.errors import UnsupportedError
 
 # Note [Overlapping mutated inputs]
 # ``f(x[:3], x[1:])`` where f writes to its first argument: in eager the second argument sees the
-# write, since they share memory. (Or its backward writes it: Note [Inputs the backward writes];
-# with ``f(s, s)`` one of the two writes was lost.) A graph traced for two separate inputs reads the old value and
-# writes back each input on its own, so such a call cannot run the entry traced for it. The
-# runtime notices the overlap at the call (the entry mutates inputs, so it checks their memory
-# anyway) and runs an entry traced for its layout instead, a "recompile" decision saying why:
+# write, since they share memory (so does a backward's read after a write its backward makes,
+# Note [Inputs the backward writes]; with ``f(s, s)`` one of two writes was lost). A graph
+# traced for two separate inputs reads the old value and writes back each input on its own, so
+# such a call cannot run the entry traced for it. The runtime notices the overlap at the call
+# (the entry mutates inputs, so it checks their memory anyway) and runs an entry traced for its
+# layout instead, a "recompile" decision saying why:
 # - every tensor input in a storage where a mutated input overlaps another becomes a view of one
 #   base input, the storage's first ``hi`` elements as a contiguous 1-D tensor (``hi``: the end
 #   of the last of them), rebuilt inside with ``as_strided``; functionalization then sees one
