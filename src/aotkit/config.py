@@ -273,6 +273,9 @@ class patch(contextlib.ContextDecorator):  # a class so that one patch can be en
             self._active.append((threading.get_ident(), replaced))
 
     def __exit__(self, *exc: Any) -> None:
+        if not self._active:
+            raise ConfigError("aotkit.config.patch exited more times than it was entered.\n"
+                              "Fix: use it as `with aotkit.config.patch(...):` or a decorator.")
         with _PATCH_LOCK:
             # This thread's latest entry; the latest of all where it entered in another thread.
             thread = threading.get_ident()

@@ -103,6 +103,8 @@ def test_a_patch_ended_in_another_thread_restores_the_value():
     ender.start()
     ender.join()
     assert config.recompile_limit == before
+    with pytest.raises(ConfigError, match="exited more times than it was entered"):
+        patch.__exit__(None, None, None)
 
 
 def test_a_bad_variable_is_reported_again_after_a_patch_of_its_option():
