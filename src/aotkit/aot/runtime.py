@@ -557,6 +557,7 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
     meta = graphs.meta
     new_values = dict(zip(graphs.returned_mutations, fw_outs, strict=False))
     _refuse_views_of_restrided_inputs(graphs, args, new_values)
+    _refuse_growth_beyond_memory(graphs, args, new_values)
     for i, new in new_values.items():
         apply_mutation(args[i], new, meta.inputs[i])
     start = len(graphs.returned_mutations)
@@ -628,19 +629,11 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
             inp.set_(new)
         return
     if info.mutates_metadata:
-        if _same_storage(inp, new):
-            size, stride, offset = new.size(), new.stride(), new.storage_offset()
-        elif info.layout_after is not None:  # Note [Layout after t_()]
-            size, stride, shift = info.layout_after
-            offset = inp.storage_offset() + shift
-        else:
-            size, stride, offset = new.size(), new.stride(), inp.storage_offset()
         # Like eager's x.t_() on a non-leaf: later grads to x must arrive in the new shape. (A
         # leaf that requires grad can only have been changed under no_grad, or eager raises.)
         tracked = info.requires_grad and not inp.is_leaf and torch.is_grad_enabled()
-        _refuse_growth_beyond_memory(inp, size, stride, offset)
         with contextlib.nullcontext() if tracked else torch.no_grad():
-            inp.as_strided_(size, stride, offset)
+            inp.as_strided_(*_layout_after(inp, new, info))
     if info.mutates_data:
         if inp.shape != new.shape:
             _resize_as_eager(inp, new)
@@ -651,22 +644,39 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
                 inp.copy_(new)
 
 
-def _refuse_growth_beyond_memory(inp: torch.Tensor, size: Sequence[int],
-                                 stride: Sequence[int], offset: int) -> None:
+def _layout_after(inp: torch.Tensor, new: torch.Tensor,
+                  info: InputInfo) -> tuple[Sequence[int], Sequence[int], int]:
+    """Size, strides and storage offset of an input whose shape the function changed."""
+    if _same_storage(inp, new):
+        return new.size(), new.stride(), new.storage_offset()
+    if info.layout_after is not None:  # Note [Layout after t_()]
+        size, stride, shift = info.layout_after
+        return size, stride, inp.storage_offset() + shift
+    return new.size(), new.stride(), inp.storage_offset()
+
+
+def _refuse_growth_beyond_memory(graphs: CompiledGraphs, args: Sequence[Any],
+                                 new_values: Mapping[int, Any]) -> None:
     """An entry traced for an ``out=`` argument with room for its new size (a view into a larger
     tensor) may be called with one of just its old size, whose memory the layout would pass:
-    refused as the trace refuses it (as_strided_ failed with a bare RuntimeError)."""
-    if any(n == 0 for n in size):
-        return
-    needed = (offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1) \
-        * inp.element_size()
-    if needed > inp.untyped_storage().nbytes():
-        raise UnsupportedError(
-            f"the compiled function resizes an input of shape {tuple(inp.shape)} in place to "
-            f"{tuple(size)} (an out= argument, resize_ or as_strided_), beyond its memory; "
-            "the graph was traced for a call whose tensor had room, and aotkit cannot give the "
-            "caller's tensor new memory.\nFix: pass a tensor of the result's size, or build a new "
-            "tensor inside and return it.")
+    refused as the trace refuses it, before any input is written (as_strided_ failed with a
+    bare RuntimeError, after the writes before it)."""
+    for i, new in new_values.items():
+        info = graphs.meta.inputs[i]
+        if not info.mutates_metadata or info.swaps_storage:
+            continue
+        size, stride, offset = _layout_after(args[i], new, info)
+        if any(n == 0 for n in size):
+            continue
+        needed = (offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1) \
+            * args[i].element_size()
+        if needed > args[i].untyped_storage().nbytes():
+            raise UnsupportedError(
+                f"{graphs.name} resizes input {i} of shape {tuple(args[i].shape)} in place to "
+                f"{tuple(size)} (an out= argument, resize_ or as_strided_), beyond its memory; "
+                "the graph was traced for a call whose tensor had room, and aotkit cannot give "
+                "the caller's tensor new memory. Nothing was written.\nFix: pass a tensor of "
+                "the result's size, or build a new tensor inside and return it.")
 
 
 def _resize_as_eager(inp: torch.Tensor, new: torch.Tensor) -> None:
