@@ -522,10 +522,14 @@ def _fits(inner: torch.Tensor, arg: torch.Tensor) -> bool:
 
 def _extent(t: torch.Tensor) -> Any:
     """The bytes of storage ``t`` reaches, from its start."""
-    if t.numel() == 0:
+    return extent(t.shape, t.stride(), t.storage_offset(), t.element_size())
+
+
+def extent(size: Sequence[Any], stride: Sequence[Any], offset: Any, element_size: int) -> Any:
+    """The bytes of storage a tensor of this layout reaches, from the storage's start."""
+    if any(n == 0 for n in size):
         return 0
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
+    return (offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1) * element_size
 
 
 _DATA_SETTER = torch.Tensor.data.__set__  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import counters
-from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo
+from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
@@ -666,11 +666,7 @@ def _refuse_growth_beyond_memory(graphs: CompiledGraphs, args: Sequence[Any],
         if not info.mutates_metadata or info.swaps_storage:
             continue
         size, stride, offset = _layout_after(args[i], new, info)
-        if any(n == 0 for n in size):
-            continue
-        needed = (offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1) \
-            * args[i].element_size()
-        if needed > args[i].untyped_storage().nbytes():
+        if extent(size, stride, offset, args[i].element_size()) > args[i].untyped_storage().nbytes():
             raise UnsupportedError(
                 f"{graphs.name} resizes input {i} of shape {tuple(args[i].shape)} in place to "
                 f"{tuple(size)} (an out= argument, resize_ or as_strided_), beyond its memory; "

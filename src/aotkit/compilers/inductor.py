@@ -8,6 +8,7 @@ autograd and partitioner again. See Note [Inductor on partitioned graphs].
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -129,8 +130,6 @@ class Inductor:
 # the graph's own symbolic inputs. Graphs with symbolic sizes are therefore compiled with that
 # cache off (a "fallback" decision, once per process); static graphs use it.
 def _fx_graph_cache_for(example_inputs: Sequence[Any]) -> Any:
-    import contextlib
-
     from torch._inductor import config as inductor_config
 
     symbolic = any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
