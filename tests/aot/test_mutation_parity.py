@@ -360,6 +360,32 @@ def test_resize_shrinking_an_input_matches_eager():
     assert result.aot_args[0][0].shape == (2,)
 
 
+@pytest.mark.parametrize("make", [lambda: torch.arange(6.)[::2], lambda: torch.arange(6.).view(2, 3).t()],
+                         ids=["stepped", "transposed"])
+@pytest.mark.parametrize("size", [lambda x: x.shape, lambda x: list(x.shape)], ids=["Size", "list"])
+def test_resize_to_the_same_size_changes_nothing(make, size):
+    # Note [resize_ to the same size]: elements and strides stay, in the input and in a value
+    def fn(x):
+        x.resize_(size(x))
+        y = (x * 1).t()
+        return x.cumsum(0), y.resize_(*y.shape).cumsum(0)
+
+    expected_x, x = make(), make()
+    expected = fn(expected_x)
+    actual = aotkit.aot_function(fn, compilers.nop)(x)
+    torch.testing.assert_close(actual, expected)
+    assert (x.stride(), x.storage_offset()) == (expected_x.stride(), expected_x.storage_offset())
+    torch.testing.assert_close(x, expected_x)
+
+
+def test_resize_with_a_memory_format_is_refused():
+    def fn(x):
+        x.resize_(1, 2, 2, 1, memory_format=torch.channels_last)
+        return x * 2
+
+    _assert_refused(fn, (torch.arange(4.).view(1, 2, 2, 1),), "memory_format")
+
+
 def test_resize_of_an_intermediate_matches_eager():
     def fn(x):
         y = x.new_empty(0)

@@ -1358,7 +1358,7 @@ def test_dropout_matches_eager_for_a_seed():
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_dropout_of_a_non_contiguous_tensor_matches_eager(grad):
-    """A transposed input (an attention output) gets eager's mask: see _EagerDropout."""
+    """A transposed input (an attention output) gets eager's mask: see aotkit.aot.ops.EagerOps."""
     def fn(x):
         return F.dropout(x, 0.1, training=True) + torch.dropout(x * 2, 0.3, True)
 

@@ -178,6 +178,23 @@ def test_dropout_gradients_equal_eager(partition: str) -> None:
     assert random == []
 
 
+@pytest.mark.parametrize("name", ["default_partition", "min_cut_rematerialization_partition"])
+def test_pytorchs_partitioners_split_where_the_trace_did(name: str) -> None:
+    # Note [Partitioners from PyTorch]: PyTorch's default_partition reads node tags.
+    import torch._functorch.partitioners as torch_partitioners
+
+    PARTITIONERS["torch"] = getattr(torch_partitioners, name)
+    try:
+        x, w = torch.randn(16, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+        captured = run_both(lambda x, w: F.dropout((x @ w).sin(), 0.5).exp(), x, w,
+                            partition="torch", seed=3)
+    finally:
+        del PARTITIONERS["torch"]
+    fw, bw = captured.graphs[0]
+    assert "aten.mm.default" in targets(fw)
+    assert targets(bw).count("aten.mm.default") == 2  # the two gradients, no recomputed x @ w
+
+
 def test_min_cut_never_recomputes_expensive_ops() -> None:
     x = torch.randn(2, 3, 16, 16, requires_grad=True)
     conv = nn.Conv2d(3, 4, 3).requires_grad_(False)  # closed over: a constant, no grad

@@ -424,7 +424,8 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.resize_ or func is torch.Tensor.resize_as_:
-            self._check_resize(args[0], _requested_size(func, args, kwargs))
+            size = _requested_size(func, args, kwargs)
+            self._check_resize(args[0], size, kwargs.get("memory_format"))
         elif func == _DATA_SETTER and any(args[0] is a for a in self.f_args):
             raise UnsupportedError(
                 f"x.data = ... on input {self._input_of(args[0])} of the compiled function (at "
@@ -482,12 +483,20 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
     def _input_of(self, t: torch.Tensor) -> int | None:
         return self.storages.get(StorageWeakRef(t.untyped_storage()))
 
-    def _check_resize(self, t: torch.Tensor, size: Sequence[Any]) -> None:
+    def _check_resize(self, t: torch.Tensor, size: Sequence[Any],
+                      memory_format: torch.memory_format | None) -> None:
         if any(isinstance(s, torch.SymInt) for s in (*t.shape, *size)):
             raise UnsupportedError(
                 f"resize_ cannot be traced with dynamic shapes (at {current_user_line()}).\nFix: compile "
                 "with dynamic=False, resize the tensor outside the compiled function, or make a "
                 "new tensor of the size you need (torch.empty, torch.cat) instead."
+            )
+        if memory_format not in (None, torch.contiguous_format):
+            raise UnsupportedError(
+                f"resize_(..., memory_format={memory_format}) (at {current_user_line()}) lays the "
+                "tensor's memory out anew, which the trace records as a contiguous tensor.\nFix: "
+                "resize outside the compiled function, or resize without memory_format and "
+                "return .contiguous(memory_format=...) of the result."
             )
         index = self._input_of(t)
         needed = (torch.Size(size).numel() + t.storage_offset()) * t.element_size()

@@ -107,10 +107,10 @@ def check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device:
             pass
 
 
-class EagerDropout(torch.overrides.TorchFunctionMode):
-    """Training-mode dropout traced to give eager's values and gradients.
+class EagerOps(torch.overrides.TorchFunctionMode):
+    """Ops traced to give eager's values: dropout, and resize_ (Note [resize_ to the same size]).
 
-    ``aten.native_dropout`` draws the same random numbers as eager's dropout, on a mask laid out
+    Training-mode dropout: ``aten.native_dropout`` draws the same random numbers as eager's dropout, on a mask laid out
     like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would
     draw them with a functional ``bernoulli`` laid out contiguously: for a non-contiguous input
     (a transposed attention output) they would land on other elements than in eager. Eager's
@@ -132,11 +132,29 @@ class EagerDropout(torch.overrides.TorchFunctionMode):
                 and torch._C._dispatch_tls_is_dispatch_key_included(
                     torch._C.DispatchKey.PythonDispatcher):
             return _rnn_by_layer(func, args)
+        elif func is torch.Tensor.resize_ and not kwargs and _same_size(args):
+            return args[0]
         return func(*args, **kwargs)
 
 
+def _same_size(args: Sequence[Any]) -> bool:
+    sizes = args[1:]
+    if len(sizes) == 1 and not isinstance(sizes[0], (int, torch.SymInt)):
+        sizes = tuple(sizes[0])
+    return tuple(args[0].shape) == tuple(sizes)
+
+
+# Note [resize_ to the same size]
+# Eager's resize_ to the tensor's own size changes nothing, strides included: a transposed or
+# stepped tensor stays as it is. Functionalization records it as a resize, after which the
+# value is contiguous: the function went on computing with the elements read in storage order
+# (``x.t().resize_(3, 2).sum(0)`` summed the wrong elements) and the caller's tensor was given
+# contiguous strides (PyTorch's aot_function too). The call is dropped before it is traced. A
+# resize to another size gives contiguous strides in eager as well, which the trace gets right.
+
+
 def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """See :class:`EagerDropout`."""
+    """See :class:`EagerOps`."""
     out, mask = torch.ops.aten.native_dropout.default(x, p, True)
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
         return x * mask.to(x.dtype).div(1 - p)

@@ -30,7 +30,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
-    EagerDropout,
+    EagerOps,
     check_out_dtype,
     in_eager_indices,
     in_eager_layout,
@@ -231,7 +231,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         # Anomaly mode's NaN check reads each backward result's values: meaningless on fake
         # tensors, and a data-dependent branch to the trace. The engine still checks the
         # compiled backward's results when it runs.
-        with mode, dispatcher, onednn, EagerDropout(), compiled_autograd_off(), \
+        with mode, dispatcher, onednn, EagerOps(), compiled_autograd_off(), \
                 _saved_tensor_hooks_deferred(), torch.autograd.set_detect_anomaly(False), guard:
             yield guard.generators
         if guard.seeds is not None and guard.seeds.reseeded():
@@ -579,6 +579,7 @@ def trace_joint(
     for node in in_backward:  # Note [Effects of the backward]
         node.meta["in_backward"] = True
     _split_token_chains(gm)
+    _tag_sides(gm, len(primals))
     _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
@@ -586,6 +587,24 @@ def trace_joint(
     for i in written_inputs:  # Note [Inputs the backward writes]
         placeholders[i].meta["written_by_backward"] = True
     return gm
+
+
+def _tag_sides(gm: fx.GraphModule, num_primals: int) -> None:
+    """Tag each node with the side it was traced on (Note [Partitioners from PyTorch])."""
+    tangents = set(gm.graph.find_nodes(op="placeholder")[num_primals:])
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            backward = node in tangents or node.meta.get("in_backward", False)
+            node.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+
+
+# Note [Partitioners from PyTorch]
+# ``partition_fn`` takes any partitioner with our signature, PyTorch's own included, and code
+# moving from functorch passes ``torch._functorch.partitioners.default_partition``. That one
+# finds the forward by a tag on each node (``partitioner_tag``), not by data flow: untagged, it
+# took the primals alone as the forward, and the backward ran the whole forward again, dropout
+# drawing a new mask (silently wrong gradients). The joint graph carries PyTorch's tags, taken
+# from the side each node was traced on; aotkit's partitioners read ``in_backward`` instead.
 
 
 # Note [Inputs the backward writes]
