@@ -568,6 +568,11 @@ _OVERLAPPING_WRITES = {  # (function, its argument, whether eager refuses it too
         lambda x: (x.expand(3).index_put_((torch.tensor([0]),), torch.tensor(2.0)), x * 1)[1],
         torch.zeros, False),
     "add_ on an expanded input": (lambda x: x.add_(1) * 2, lambda _: _expanded(), True),
+    "add_ on a sliding window": (lambda x: x.add_(1) * 2, lambda _: torch.zeros(6).unfold(0, 3, 1),
+                                 False),
+    "index_put_ on an as_strided window": (
+        lambda x: x.index_put_((torch.tensor([0]),), torch.tensor(2.0)) * 1,
+        lambda _: torch.zeros(6).as_strided((3, 3), (1, 1)), False),
 }
 
 
@@ -582,8 +587,35 @@ def test_writes_to_overlapping_memory_are_refused(case):
             fn(make_arg(1))
     else:
         fn(make_arg(1))
-    with pytest.raises(UnsupportedError, match=r"share memory \(an expand\(\)ed view\)(.|\n)*Fix: clone\(\)"):
+    with pytest.raises(UnsupportedError, match=r"share memory \(an expand\(\)ed view, or a sliding "
+                       r"window such as unfold\(\)\)(.|\n)*Fix: clone\(\)"):
         aotkit.aot_function(fn, compilers.nop)(make_arg(1))
+
+
+_WINDOW_PARTS = {"row": lambda x: x[0].fill_(5), "column": lambda x: x[:, 1].mul_(2)}
+
+
+@pytest.mark.parametrize("write", _WINDOW_PARTS.values(), ids=_WINDOW_PARTS.keys())
+def test_writes_to_a_part_of_an_input_sliding_window_match_eager(write):
+    def fn(x):
+        write(x)
+        return x * 1
+
+    expected_base, base = torch.arange(6.0), torch.arange(6.0)
+    expected = fn(expected_base.unfold(0, 3, 1))
+    torch.testing.assert_close(aotkit.aot_function(fn, compilers.nop)(base.unfold(0, 3, 1)), expected)
+    torch.testing.assert_close(base, expected_base)
+
+
+@pytest.mark.parametrize("write", _WINDOW_PARTS.values(), ids=_WINDOW_PARTS.keys())
+def test_writes_to_a_part_of_a_sliding_window_made_inside_are_refused(write):
+    def fn(base):
+        write(base.unfold(0, 3, 1))
+        return base * 1
+
+    fn(torch.arange(6.0))
+    with pytest.raises(UnsupportedError, match=r"sliding window(.|\n)*Fix: clone\(\)"):
+        aotkit.aot_function(fn, compilers.nop)(torch.arange(6.0))
 
 
 def test_writes_to_expanded_tensors_without_overlap_match_eager():

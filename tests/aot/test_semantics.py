@@ -344,6 +344,40 @@ def test_output_computed_from_a_leaf_made_inside_is_refused():
         aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True))
 
 
+_LEAVES_IN_SHARED_MEMORY = {  # leaves made inside that share memory with an input or a value
+    "detach of the input": lambda x: x.detach().requires_grad_(),
+    "view of the detached input": lambda x: x.detach()[1:].requires_grad_(),
+    "detach of a view of the input": lambda x: x.view(-1).detach().requires_grad_(),
+    "view of a detached value": lambda x: (x * 2).detach()[1:].requires_grad_(),
+}
+
+
+@pytest.mark.parametrize("make", _LEAVES_IN_SHARED_MEMORY.values(), ids=_LEAVES_IN_SHARED_MEMORY.keys())
+def test_leaves_sharing_memory_come_back_as_leaves(make):
+    # Note [Leaves made inside]: eager's backward fills .grad of such a leaf too
+    compiled = aotkit.aot_function(lambda x: make(x), compilers.nop)
+    grads = []
+    for f in (make, compiled):
+        x = rand(3, grad=True)
+        leaf = f(x)
+        assert leaf.is_leaf and leaf.requires_grad
+        (leaf * 3).sum().backward()
+        shared = leaf.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        grads.append((leaf.grad, x.grad, leaf._is_view(), shared))
+    assert grads[1][2:] == grads[0][2:]
+    torch.testing.assert_close(grads[1][:2], grads[0][:2])
+
+
+@pytest.mark.parametrize("make", _LEAVES_IN_SHARED_MEMORY.values(), ids=_LEAVES_IN_SHARED_MEMORY.keys())
+def test_output_computed_from_a_leaf_sharing_memory_is_refused(make):
+    def fn(x, w):
+        leaf = make(x)
+        return (leaf * w).sum(), leaf  # eager: the loss's backward fills leaf.grad
+
+    with pytest.raises(UnsupportedError, match="computes another output from it"):
+        aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True), rand(1, grad=True))
+
+
 def test_tensor_requiring_grad_made_inside_an_inference_call_is_unsupported():
     def make_leaf(x):
         return x * torch.ones(3, requires_grad=True)

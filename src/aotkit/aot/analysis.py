@@ -112,9 +112,19 @@ class OutputInfo:
     replay_only: bool = False
 
     @property
+    def made_leaf(self) -> bool:
+        """A leaf made inside the function, maybe sharing memory with an input or another
+        output (``x.detach().requires_grad_()``); Note [Leaves made inside]."""
+        return self.is_tensor and self.requires_grad and not self.linked \
+            and not self.no_grad_view and self.alias in _MAY_BE_MADE_LEAVES
+
+    @property
     def fresh_leaf(self) -> bool:
-        """A leaf made inside the function (Note [Leaves made inside])."""
-        return self.alias is Alias.NONE and self.is_tensor and self.requires_grad and not self.linked
+        """A leaf made inside the function in memory of its own."""
+        return self.made_leaf and self.alias is Alias.NONE
+
+
+_MAY_BE_MADE_LEAVES = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
 
 
 @dataclass
@@ -641,7 +651,7 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # computed from it (``feat.sin()``), eager's backward through that output fills the leaf's
 # ``.grad`` too, which the graph cannot do (the leaf is no graph input): refused.
 def _check_leaves_made_inside(infos: list[OutputInfo], f_outs: list[Any]) -> None:
-    leaves = {id(f_outs[k]): k for k, o in enumerate(infos) if o.fresh_leaf}
+    leaves = {id(f_outs[k]): k for k, o in enumerate(infos) if o.made_leaf}
     if not leaves:
         return
     seen: set[Any] = set()
@@ -715,7 +725,9 @@ def _view_of_output_info(out: torch.Tensor, f_outs: list[Any], bases: list[torch
 
 def _view_info(alias: Alias, base: int, out: torch.Tensor, base_value: torch.Tensor) -> OutputInfo:
     linked = out.grad_fn is not None
-    no_grad_view = out.requires_grad and not linked and out._is_view()
+    # not ``x.detach()[0].requires_grad_()``, a leaf viewing a base that requires no grad
+    no_grad_view = out.requires_grad and not linked and out._is_view() \
+        and out._base is not None and out._base.requires_grad
     is_conj, is_neg = _view_bits(out, base_value)
     return OutputInfo(alias, base, out.requires_grad, static_view=_static_view(out, base_value),
                       linked=linked, no_grad_view=no_grad_view,

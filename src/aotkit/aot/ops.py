@@ -26,14 +26,34 @@ from aotkit.errors import UnsupportedError
 # location"), but not for fill_, zero_, index_put_ or masked_fill_. Functionalization turns any
 # such write into a new value for the view and regenerates the base from it by summing over the
 # expanded dimension: `x.expand(3).fill_(1)` leaves x == 3, where eager leaves 1. Both PyTorch's
-# aot_function and ours gave that silently; now every write to a self-overlapping tensor is
-# refused while tracing, with the fix eager's own warning suggests.
-def overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether several elements of ``t`` share memory: the case eager's overlap check detects."""
+# aot_function and ours gave that silently. A sliding window (``unfold``, ``as_strided`` with
+# strides smaller than the rows they step over) is the same without a zero stride: eager writes
+# it element by element, later elements landing on earlier ones, and never checks it; the
+# graph's new value, copied back, left other values in the shared memory. Every write to a
+# self-overlapping tensor is refused while tracing, with the fix eager's own warning suggests.
+def is_expanded(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a dimension of stride 0 and size > 1 (an ``expand()``)."""
     return any(
         isinstance(stride, int) and stride == 0 and size > 1
         for size, stride in zip(t.shape, t.stride(), strict=True)
     ) and t.numel() > 0
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether several elements of ``t`` may share memory. With concrete sizes, dimensions in
+    order of stride must each step past everything the smaller ones reach; a layout that
+    interleaves without overlap (rare) counts as overlapping. Symbolic: expanded only."""
+    if is_expanded(t):
+        return True
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1)
+    if t.numel() == 0 or not all(isinstance(v, int) for dim in dims for v in dim):
+        return False
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def written_by(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -285,7 +305,7 @@ def _relaid(t: Any, gaps: bool) -> bool:
     """A strided tensor whose elements do not overlap (a nested tensor has no strides to lay
     out; an expanded one would be copied whole), without gaps unless ``gaps``."""
     return isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided \
-        and not overlaps_itself(t) and (gaps or is_non_overlapping_and_dense_or_false(t))
+        and not is_expanded(t) and (gaps or is_non_overlapping_and_dense_or_false(t))
 
 
 def _laid_out(t: Any, layout: torch.memory_format, rank: int, gaps: bool) -> Any:

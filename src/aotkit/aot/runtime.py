@@ -711,7 +711,8 @@ def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, na
             view = _as_view(source, out, info, name)
         return view.view_as(view)
     if info.linked or not base.requires_grad:
-        return _as_view(source, out, info, name)
+        view = _as_view(source, out, info, name)
+        return view.requires_grad_() if info.made_leaf else view  # ``x.detach()[0].requires_grad_()``
     if info.no_grad_view:  # eager: requires_grad, no grad_fn, still a view of base
         with torch.no_grad():
             return _as_view(source, out, info, name)

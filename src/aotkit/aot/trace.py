@@ -389,9 +389,10 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 raise UnsupportedError(
                     f"{self.what} writes in place ({func}) to a tensor of shape "
                     f"{tuple(t.shape)} and stride {tuple(t.stride())} whose elements share "
-                    "memory (an expand()ed view). Eager PyTorch refuses most such writes, and "
-                    "aotkit's functional graph cannot reproduce the others (fill_, zero_, "
-                    "index_put_), so it refuses them all.\n"
+                    "memory (an expand()ed view, or a sliding window such as unfold()). Eager "
+                    "writes such memory element by element, later writes landing on earlier "
+                    "ones (it refuses most writes to an expanded view); aotkit's functional "
+                    "graph cannot reproduce that, so it refuses them all.\n"
                     f"  at {current_user_line()}\n"
                     "Fix: clone() the tensor before writing to it in place."
                 )

@@ -162,6 +162,14 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "torch.compile(fn, backend=\"aotkit\")."
         )
     failed = getattr(exc, "_aotkit_failed", None)
+    if "encountered a tensor being mutated that has internal overlap" in str(exc):
+        where = failed[1] if failed is not None else user_frame(exc)
+        return UnsupportedError(
+            f"{what} writes in place to part of a tensor whose elements share memory (a "
+            "sliding window such as unfold() or as_strided() made inside the function); "
+            "functionalization, which aotkit traces with, cannot rebuild such a tensor from "
+            f"the written part.\n  at {where}\nFix: clone() the window before writing to it, "
+            "or write to the tensor it was made from.")
     if failed is not None and "unresolved conjugated tensors" in str(exc):
         return _read_after_conj_write(what, failed[1], exc)
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
