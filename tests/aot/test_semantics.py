@@ -3,6 +3,7 @@ the same outputs, aliasing, input mutations and gradients (see eager_check.check
 
 from __future__ import annotations
 
+import array
 import contextlib
 import copy
 import functools
@@ -11,6 +12,7 @@ import re
 import textwrap
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -2961,6 +2963,41 @@ def test_objects_keeping_state_outside_their_dict_are_keyed_by_identity():
         for arg in args:
             torch.testing.assert_close(compiled(x, arg), fn(x, arg))
         assert compiled.num_entries == len(args)
+
+
+def _set_first(a, value):
+    a[0] = value
+
+
+_VALUES_CHANGED_IN_PLACE = {  # (make, use, change in place): Note [Values compared by contents]
+    "numpy array": (lambda: np.array([2.0]), lambda x, a: x * float(a[0]), _set_first),
+    "numpy 0-d array": (lambda: np.array(2.0), lambda x, a: x * float(a),
+                        lambda a, v: a.fill(v)),
+    "set": (lambda: {1.0, 2.0}, lambda x, s: x * len(s), lambda s, v: s.add(v)),
+    "bytearray": (lambda: bytearray(b"\x02"), lambda x, b: x * b[0], lambda b, v: _set_first(b, int(v))),
+    "array.array": (lambda: array.array("f", [2.0]), lambda x, a: x * a[0], _set_first),
+}
+
+
+@pytest.mark.parametrize("case", _VALUES_CHANGED_IN_PLACE.values(), ids=_VALUES_CHANGED_IN_PLACE.keys())
+def test_a_value_changed_in_place_between_calls_traces_again(case):
+    make, use, change = case
+    compiled, value, x = aotkit.aot_function(use, compilers.nop), make(), torch.ones(2)
+    torch.testing.assert_close(compiled(x, value), use(x, value))
+    change(value, 5.0)
+    torch.testing.assert_close(compiled(x, value), use(x, value))
+    assert compiled.num_entries == 2
+    [recompile] = aotkit.explain().of_kind("recompile")
+    assert recompile.why.startswith("args[1] changed: ")
+
+
+@pytest.mark.parametrize("make", [lambda: slice(1, None), lambda: torch.finfo(torch.float16),
+                                  lambda: np.array([1.0, 2.0])], ids=["slice", "finfo", "numpy"])
+def test_equal_values_made_anew_at_every_call_share_an_entry(make):
+    compiled = aotkit.aot_function(lambda x, v: x * 2, compilers.nop)  # v is part of the key
+    for _ in range(aotkit.config.recompile_limit + 2):
+        compiled(torch.ones(3), make())
+    assert compiled.num_entries == 1
 
 
 def test_set_to_a_fresh_tensor_then_a_write_runs_like_eager():

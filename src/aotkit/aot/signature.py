@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import enum
 import numbers
 import os
@@ -49,6 +50,8 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         )
     if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
         return (type(leaf), repr(leaf))
+    if (contents := _contents_key(leaf)) is not None:
+        return contents
     if _by_identity(leaf) or not _hashable(leaf):
         return _object_key(leaf, 0, [_BUDGET]) if _plain_object(leaf) else _Identity(leaf)
     return (type(leaf), leaf)
@@ -161,7 +164,40 @@ def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
                                     _attribute_key(v, depth + 1, budget)) for k, v in items))
     if _plain_object(value):
         return _object_key(value, depth, budget)
-    return _Identity(value)
+    return _contents_key(value) or _Identity(value)
+
+
+# Note [Values compared by contents]
+# A slice, set, bytearray, array.array, NumPy array or torch.finfo / iinfo argument is a value
+# the trace reads (``float(a)``, ``len(s)``, ``x[s]``) into constants of the graph, but none
+# hashes by its value. Keyed by identity, one changed in place (``a[...] = 5.0``) reused a graph
+# holding the old value, silently, and an equal one made anew at every call (``f(x,
+# slice(0, 3))``) traced again each time until the recompile limit. They are keyed by their
+# contents instead, up to _ITEMS elements; a bigger one, like a data batch passed to
+# ``torch.from_numpy`` (whose tensor shares the array's memory, so in-place changes show),
+# stays keyed by identity.
+class _Contents(tuple):  # type: ignore[type-arg]
+    """``(type, description, *contents)``: see Note [Values compared by contents]."""
+
+
+def _contents_key(value: Any) -> _Contents | None:
+    kind = type(value)
+    if kind is slice:
+        parts = (value.start, value.stop, value.step)
+        return _Contents((kind, repr(value), tuple(_attribute_key(p, _DEPTH, [1]) for p in parts)))
+    if kind is set and len(value) <= _ITEMS:
+        return _Contents((kind, f"set of {len(value)} item(s)", frozenset(value)))
+    if kind is bytearray and len(value) <= _ITEMS:
+        return _Contents((kind, f"bytearray {bytes(value)!r}", bytes(value)))
+    if kind is array.array and len(value) <= _ITEMS:
+        return _Contents((kind, repr(value), value.typecode, value.tobytes()))
+    if kind in (torch.finfo, torch.iinfo):
+        return _Contents((kind, f"{kind.__name__}({value.dtype})", str(value.dtype)))
+    if kind.__module__ == "numpy" and kind.__name__ == "ndarray" and value.size <= _ITEMS \
+            and not value.dtype.hasobject:
+        return _Contents((kind, f"numpy array {value.tolist()} ({value.dtype})", value.dtype.str,
+                          value.shape, value.tobytes()))
+    return None
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
@@ -431,6 +467,8 @@ def _show(x: Any) -> str:
         return repr(x)
     if isinstance(x, _Object):
         return f"a {x[0].__name__} object"
+    if isinstance(x, _Contents):
+        return x[1]
     if isinstance(x, torch.Size):
         return str(tuple(x))
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], type):
