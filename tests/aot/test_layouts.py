@@ -54,6 +54,8 @@ _OPS: dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], Callable[..., tor
     "logaddexp_channels_last": (_CHANNELS_LAST, lambda x: torch.logaddexp(x, _other(x))),
     "normal_channels_last": (_CHANNELS_LAST, lambda x: torch.normal(x, _other(x))),
     "rrelu_eval_transposed": (_TRANSPOSED, lambda x: F.rrelu(x, training=False)),
+    "logit_transposed": (_TRANSPOSED, lambda x: torch.logit(x, eps=1e-6)),
+    "glu_channels_last": (_CHANNELS_LAST, lambda x: F.glu(x, 1)),
     # Inputs with gaps: the fake kernels keep their stride order, the real ones do not.
     "batch_norm_with_gaps": (_TRANSPOSED, lambda x: F.batch_norm(x[:, :, ::2], None, None,
                                                                  training=True)),

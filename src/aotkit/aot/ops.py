@@ -348,7 +348,8 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.softplus_backward.default, _aten.binary_cross_entropy_backward.default,
         _aten.rrelu_with_noise.default, _aten.roll.default, _aten.reflection_pad3d.default,
         _aten.replication_pad3d.default, _aten.reflection_pad3d_backward.default,
-        _aten.replication_pad3d_backward.default], None),
+        _aten.replication_pad3d_backward.default, _aten.logit_backward.default,
+        _aten.glu_backward.default], None),
     # torch < 2.13: the pads' own fake kernels return channels_last inputs' results contiguous.
     **(dict.fromkeys([_aten.reflection_pad2d.default, _aten.replication_pad2d.default], None)
        if compat.TORCH_VERSION < (2, 13) else {}),
