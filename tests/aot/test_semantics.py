@@ -2408,7 +2408,38 @@ def _switch_default_dtype(x, w):
     return y, torch.ones(2)
 
 
-@pytest.mark.parametrize("fn", [_switch_grad_off, _switch_autocast_on, _switch_default_dtype])
+def _switch_modes_outside_the_signature(x, w):
+    torch.set_autocast_dtype("cpu", torch.float16)  # while autocast is off
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.mkldnn.enabled = False
+    return (x @ w,)
+
+
+def _global_state():
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.get_float32_matmul_precision(), torch.backends.mkldnn.enabled)
+
+
+@contextlib.contextmanager
+def _state_put_back():
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.mkldnn.enabled = True
+
+
+@pytest.mark.parametrize("fn", [_switch_grad_off, _switch_autocast_on, _switch_default_dtype,
+                                _switch_modes_outside_the_signature])
 def test_state_the_function_leaves_switched_matches_eager(fn):
     """Each tracing pass leaked the switch into the next (the graph traced bfloat16 or no-grad
     ops before the switch) and the compiled call left the state as it found it."""
@@ -2417,16 +2448,21 @@ def test_state_the_function_leaves_switched_matches_eager(fn):
         results = []
         for run in (fn, compiled):
             x, w = torch.randn(2, 3), torch.randn(3, 2, requires_grad=True)
-            try:
+            with _state_put_back():
                 outs = run(x, w)
-                after = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
-                         torch.get_default_dtype())
-            finally:
-                torch.set_grad_enabled(True)
-                torch.set_autocast_enabled("cpu", False)
-                torch.set_default_dtype(torch.float32)
+                after = _global_state()
             results.append(([(o.dtype, o.requires_grad) for o in outs], after))
         assert results[1] == results[0]
+
+
+def test_only_what_the_function_switched_is_switched_after_a_call():
+    compiled = aotkit.aot_function(_switch_grad_off, compilers.nop)
+    for precision in ("highest", "high"):
+        with _state_put_back():
+            torch.set_float32_matmul_precision(precision)  # the caller's, between calls
+            compiled(torch.randn(2, 3), torch.randn(3, 2, requires_grad=True))
+            assert (torch.is_grad_enabled(), torch.get_float32_matmul_precision()) == (
+                False, precision)
 
 
 def test_reseeding_inside_is_refused():

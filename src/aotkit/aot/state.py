@@ -8,50 +8,82 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
-from aotkit.aot.signature import AUTOCAST_DEVICES, AutocastState, autocast_state
+from aotkit.aot.signature import AUTOCAST_DEVICES
 from aotkit.errors import UnsupportedError
 
 
 # Note [Global state the function leaves changed]
-# A function may switch grad mode, autocast or the default dtype and not switch it back
-# (``torch.set_grad_enabled(False)`` at its end; Dynamo's graphs of such code call
+# A function may switch grad mode, autocast, the default dtype or another mode of GlobalState
+# and not switch it back (``torch.set_grad_enabled(False)`` at its end; Dynamo's graphs call
 # ``_set_grad_enabled``). Eager leaves the state switched; traced, the switch happened once per
 # tracing pass, and it leaked into the next pass, which then traced other dtypes or grad modes.
 # So every call of the function while tracing starts in the caller's state and puts it back
-# afterwards; the state the first call left is recorded, and the runtime switches to it after
-# each call, as eager's call leaves it (the state before is part of the signature, so it is the
-# traced one). Reseeding the global generator (``torch.manual_seed`` inside) cannot be replayed
-# that way: the graph draws its random numbers at run time from the caller's generator state,
-# so it is refused (ReseedWatch, set up by aotkit.aot.trace.tracing). A graph from Dynamo is not
+# afterwards; what the first call switched is recorded, and the runtime switches it after each
+# call, as eager's call leaves it, and nothing else (a mode outside the signature, such as
+# matmul precision, may differ at the next call). Reseeding the global generator
+# (``torch.manual_seed`` inside) cannot be replayed that way: the graph draws its random
+# numbers at run time from the caller's generator state, so it is refused (ReseedWatch, set up by aotkit.aot.trace.tracing). A graph from Dynamo is not
 # refused: Dynamo decides what runs where (it gives ``torch.seed()`` a graph of its own), as
 # with PyTorch's own AOT autograd.
 @dataclass(frozen=True)
 class GlobalState:
-    """Grad mode, autocast and the default dtype. See Note [Global state the function leaves
-    changed]."""
+    """The global modes a function may switch and leave switched: grad mode, autocast (on or
+    off, and its dtype, per device), the default dtype, deterministic algorithms, the mkldnn and
+    cudnn switches and float32 matmul precision. See Note [Global state the function leaves
+    changed]. A field that is None is left as it is by :meth:`restore`."""
 
-    grad: bool
-    autocast: AutocastState
-    default_dtype: torch.dtype
+    grad: bool | None
+    autocast: tuple[tuple[bool, torch.dtype] | None, ...] | None
+    default_dtype: torch.dtype | None
+    deterministic: tuple[bool, bool] | None
+    backends: tuple[bool, bool] | None
+    matmul_precision: str | None
 
     @staticmethod
     def now() -> GlobalState:
-        return GlobalState(torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype())
+        return GlobalState(
+            torch.is_grad_enabled(),
+            tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                  for d in AUTOCAST_DEVICES),
+            torch.get_default_dtype(),
+            (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled()),
+            (torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled),
+            torch.get_float32_matmul_precision())
+
+    def changes_from(self, before: GlobalState) -> GlobalState:
+        """Only the fields that differ from ``before``: what a call switched."""
+        changed = GlobalState(*(None if new == old else new for new, old in zip(
+            astuple(self), astuple(before), strict=True)))
+        if changed.autocast is None or before.autocast is None:
+            return changed
+        autocast = tuple(None if new == old else new  # per device
+                         for new, old in zip(changed.autocast, before.autocast, strict=True))
+        return replace(changed, autocast=autocast)
 
     def restore(self) -> None:
-        torch._C._set_grad_enabled(self.grad)
-        for device, dtype in zip(AUTOCAST_DEVICES, self.autocast, strict=True):
-            torch.set_autocast_enabled(device, bool(dtype))
-            if dtype:
-                torch.set_autocast_dtype(device, dtype)
-        torch.set_default_dtype(self.default_dtype)
+        if self.grad is not None:
+            torch._C._set_grad_enabled(self.grad)
+        for device, mode in zip(AUTOCAST_DEVICES, self.autocast or (), strict=False):
+            if mode is not None:
+                torch.set_autocast_enabled(device, mode[0])
+                torch.set_autocast_dtype(device, mode[1])
+        if self.default_dtype is not None:
+            torch.set_default_dtype(self.default_dtype)
+        if self.deterministic is not None:
+            torch.use_deterministic_algorithms(self.deterministic[0],
+                                               warn_only=self.deterministic[1])
+        if self.backends is not None:
+            torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled = self.backends
+        if self.matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.matmul_precision)
 
 
 def default_rng_state() -> bytes:
@@ -194,6 +226,6 @@ class StateWatch:
             if after != before:
                 before.restore()
         if self.calls == 0 and after != before:
-            self.after = after
+            self.after = after.changes_from(before)
         self.calls += 1
         return out
