@@ -73,6 +73,21 @@ def tensor_layout_check(tensors: list[torch.Tensor]) -> Any:
                         dynamic_dims_strides=[list(t.stride()) for t in tensors])
 
 
+# Note [Fake modes forget the real tensors]
+# A fake mode remembers each real tensor it faked in a weak-keyed table, and a tensor with a
+# weak reference cannot be swapped: after aot_module's first call, ``m.double()`` of a module
+# with tensor-subclass parameters (which PyTorch converts by ``torch.utils.swap_tensors``), or
+# any conversion under ``torch.__future__.set_swap_module_params_on_conversion(True)``, failed
+# with "Couldn't swap Linear.weight" (PyTorch's aot_module too). Compiled entries keep their
+# mode (through their graphs' fake values), so once a trace is done the mode forgets the real
+# tensors; nothing fakes them with that mode again.
+def forget_real_tensors(mode: Any) -> None:
+    """Drop ``mode``'s weak references to the real tensors it faked."""
+    describer = mode.fake_tensor_converter.meta_converter.describer
+    describer.lookup_tensor.clear()
+    describer.lookup_storage.clear()
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """Exceptions fake-tensor tracing raises when Python control flow reads tensor data."""
     from torch._subclasses.fake_tensor import (

@@ -1072,3 +1072,38 @@ def test_a_copy_of_the_wrapper_of_a_parametrized_module_is_a_wrapper() -> None:
     assert type(copied).__name__ == "AotModule"
     x = torch.randn(2, 3)
     torch.testing.assert_close(copied(x), lin(x))
+
+
+@pytest.mark.parametrize("convert", ["double", "load_state_dict"])
+def test_parameters_can_be_swapped_after_a_call(convert: str) -> None:
+    # Note [Fake modes forget the real tensors]: the trace's fake mode kept weak references
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Linear(4, 4, bias=False)
+        m.weight = nn.Parameter(TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
+        return m
+
+    x = torch.randn(2, 4)
+    eager, model = make(), make()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    compiled(x).sum().backward()
+    new_weight = {"weight": TwoTensor(torch.ones(4, 4), torch.ones(4, 4))}
+    with _swapping_on_conversion():  # as PyTorch converts subclass parameters anyway
+        for m in (eager, model):
+            if convert == "double":
+                m.double()
+            else:
+                m.load_state_dict(new_weight)
+    dtype = torch.float64 if convert == "double" else torch.float32
+    torch.testing.assert_close(compiled(x.to(dtype)), eager(x.to(dtype)))
+
+
+class _swapping_on_conversion:
+    def __enter__(self) -> None:
+        self.was = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.__future__.set_swap_module_params_on_conversion(self.was)

@@ -54,6 +54,7 @@ from aotkit.aot.trace import (
 from aotkit.compat import (
     FakeTensorMode,
     dynamo_frames_off,
+    forget_real_tensors,
     hide_from_dynamo_if_loaded,
     keep_stack_traces_of,
 )
@@ -280,6 +281,8 @@ def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], o
             "static sizes although the function was compiled with dynamic=True (Note "
             "[Overlapping mutated inputs]): pass separate tensors (.clone() one of them)."
         ) from exc
+    finally:
+        forget_real_tensors(mode)
     return graphs, returned
 
 
@@ -726,6 +729,8 @@ class AotFunction:
         except BaseException:
             put_back_containers(held)
             raise
+        finally:
+            forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]
         if stored := put_back_containers(held):
             raise _stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
                                  "store it at each call, so it was put back as it was (Note "
