@@ -45,9 +45,10 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     interleaves without overlap (rare) counts as overlapping. Symbolic: expanded only."""
     if is_expanded(t):
         return True
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1)
-    if t.numel() == 0 or not all(isinstance(v, int) for dim in dims for v in dim):
+    dims = [(st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)]
+    if not all(type(v) is int for dim in dims for v in dim) or t.numel() == 0:
         return False
+    dims = sorted(dim for dim in dims if dim[1] != 1)
     reach = 0
     for stride, size in dims:
         if stride <= reach:
