@@ -1107,3 +1107,27 @@ class _swapping_on_conversion:
 
     def __exit__(self, *exc: object) -> None:
         torch.__future__.set_swap_module_params_on_conversion(self.was)
+
+
+def test_a_tensor_attribute_set_to_require_grad_after_a_call_gets_gradients() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = torch.full((4,), 2.0)  # a plain tensor attribute: a graph constant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    model = copy.deepcopy(eager)
+    compiled = aotkit.aot_module(model, compilers.nop)
+    x = torch.randn(3, 4)
+    compiled(x)
+    for m in (eager, model):
+        m.scale.requires_grad_(True)  # it learns from now on
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    torch.testing.assert_close(model.scale.grad, eager.scale.grad)
+    torch.testing.assert_close(model.lin.weight.grad, eager.lin.weight.grad)

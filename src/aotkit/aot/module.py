@@ -237,13 +237,14 @@ class AotModule(nn.Module):
         self._guarded[id(module)] = (*self._guarded.get(id(module), ()), attribute)
 
     def _read_replaced(self, compiled: _Compiled) -> bool:
-        """Plain tensor attributes replaced since the last call (``model.scale = ...``), which
-        the graph holds as constants, are read as inputs from now on (Note [Module state as
-        graph inputs]); whether there were any."""
+        """Plain tensor attributes replaced since the last call (``model.scale = ...``), or set
+        to require grad, which the graph holds as constants, are read as inputs from now on
+        (Note [Module state as graph inputs]); whether there were any."""
         constants = compiled.layout.constants
         replaced = []
         for name, (d, key, value) in constants.items():
-            if d.get(key, _MISSING) is value:  # else a tensor, None, a number, or deleted
+            # else a tensor, None, a number, or deleted; or one whose gradient is wanted now
+            if d.get(key, _MISSING) is value and not value.requires_grad:
                 continue
             module = self.orig_module.get_submodule(name.rpartition(".")[0])
             self._attributes[id(module)] = (*self._attributes.get(id(module), ()), key)
