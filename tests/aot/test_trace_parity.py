@@ -495,3 +495,12 @@ def test_backward_under_autocast_of_a_data_dependent_graph_matches_eager():
         out.backward()
         expected.backward()
     torch.testing.assert_close(x.grad, x_eager.grad)
+
+
+@pytest.mark.parametrize("make", [lambda x: torch.zeros(3, device="cpu:0") + x,
+                                  lambda x: x.to("cpu:0") * 2 + x,
+                                  lambda x: torch.ones(3, device=torch.device("cpu", 0)) * x],
+                         ids=["factory", "to", "device object"])
+def test_a_cpu_device_with_an_index_is_cpu_as_in_eager(make):
+    # Note [CPU device indices]
+    check_against_eager(make, torch.randn(3, requires_grad=True))

@@ -384,6 +384,20 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
                  for i, a in enumerate(args))
 
 
+# Note [CPU device indices]
+# Eager gives every CPU tensor the device ``cpu``, without an index, whatever a factory or
+# ``.to()`` was asked for (``torch.zeros(3, device="cpu:0")``); fake tensors keep ``cpu:0``,
+# and the next op mixing it with a ``cpu`` tensor failed to trace ("Unhandled
+# FakeTensor Device Propagation ... cpu:0 and cpu!", PyTorch's aot_function too). The tracing
+# guard hands such ops the device as eager's kernels make it.
+def in_eager_devices(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a CPU ``device`` index dropped (Note [CPU device indices])."""
+    device = kwargs.get("device")
+    if isinstance(device, torch.device) and device.type == "cpu" and device.index is not None:
+        return {**kwargs, "device": torch.device("cpu")}
+    return kwargs
+
+
 # Note [Byte masks as indices]
 # Eager takes a uint8 index tensor as a bool mask (deprecated, with a warning) and refuses an
 # int8 one; the fake kernel of ``aten.index.Tensor`` does the opposite: it refuses uint8 and

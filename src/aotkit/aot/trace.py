@@ -32,6 +32,7 @@ from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
     EagerOps,
     check_out_dtype,
+    in_eager_devices,
     in_eager_indices,
     in_eager_layout,
     may_not_cast_in_place,
@@ -347,6 +348,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
         args = in_eager_indices(func, args)
+        kwargs = in_eager_devices(kwargs)
         out = self._run(func, args, kwargs)
         for t in _tensors(out):
             if isinstance(t, FunctionalTensor):
