@@ -1984,6 +1984,15 @@ def test_recompile_reasons_name_where_the_argument_structure_changed():
     assert reasons[-1] == "args[1] changed: a tensor (float32, shape (3,)) -> int 3"
 
 
+def test_recompile_reasons_name_dtypes_and_memory_formats():
+    f = aotkit.aot_function(lambda x, d, m: x.to(d).contiguous(memory_format=m), compilers.nop)
+    f(rand(1, 2, 2, 2), torch.float32, torch.contiguous_format)
+    f(rand(1, 2, 2, 2), torch.float64, torch.channels_last)
+    [reason] = [d.why for d in counters.explain().of_kind("recompile")]
+    assert reason == ("args[1] changed: torch.float32 -> torch.float64; "
+                      "args[2] changed: torch.contiguous_format -> torch.channels_last")
+
+
 def test_a_failed_shape_guard_shows_the_sizes_it_reads_only():
     """The reason listed every argument's shape (all parameters of a model under aot_module)."""
     f = aotkit.aot_function(lambda x, w: x @ w, compilers.nop, dynamic=True)

@@ -341,6 +341,8 @@ def _leaf_change(name: str, a: Any, b: Any) -> str:
             return (f"{name} is another torch.Generator object (a graph draws from the generator "
                     "it was traced with; pass the same one at every call, reseeding it outside "
                     "with g.manual_seed(...))")
+        if type(b.value) in _PLAIN:  # a dtype or memory format: one object per value
+            return f"{name} changed: {a.value} -> {b.value}"
         return f"{name} is another {type(b.value).__name__} object"
     if not (isinstance(a, tuple) and isinstance(b, tuple)):
         return f"{name} changed: {_show(a)} -> {_show(b)}"
