@@ -356,3 +356,10 @@ def test_torch_ops_used_as_saved_tensor_hooks_are_refused_wrapped_or_not():
 
     with pytest.raises(UnsupportedError, match="saved-tensor hooks of its own"):
         aotkit.aot_function(fn, compilers.nop)(rand(3, grad=True), rand(3, grad=True))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_strided_nested_tensor_argument_is_refused_naming_jagged():
+    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    with pytest.raises(UnsupportedError, match=r"layout=torch.strided(.|\n)*Fix: .*layout=torch.jagged"):
+        aotkit.aot_function(lambda n: n * 2, aotkit.compilers.nop)(nt)

@@ -29,6 +29,11 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
             sub = layout_of(leaf)
             return (sub.key, *(leaf_key(p, dynamic) for p in parts(leaf, sub)))
         layout = leaf.layout
+        if leaf.is_nested:  # not a subclass: torch.strided's nested tensors have no sizes
+            raise UnsupportedError(
+                "aotkit cannot trace nested tensors with layout=torch.strided (they have no "
+                "sizes or strides to fake).\nFix: make it with torch.nested.nested_tensor(..., "
+                "layout=torch.jagged), which aotkit traces.")
         if layout is not torch.strided:
             raise UnsupportedError(
                 f"aotkit cannot trace tensors with layout {layout} (sparse or mkldnn inputs).\n"
