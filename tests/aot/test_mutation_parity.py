@@ -395,6 +395,18 @@ def test_resize_of_an_intermediate_matches_eager():
     check_against_eager(fn, rand(3, grad=True))
 
 
+def test_a_view_of_an_intermediate_grown_in_place_is_refused_naming_the_view():
+    def fn(x):
+        y = x.clone()
+        y.resize_(8)  # eager runs it; functionalization on fake tensors cannot view y after
+        return y[:4] * 2
+
+    fn(torch.arange(4.0))
+    with pytest.raises(UnsupportedError, match=r"takes a view \(aten.slice.Tensor\) of a tensor it "
+                       r"grew in place(.|\n)*Fix: make a tensor of the final size"):
+        aotkit.aot_function(fn, compilers.nop)(torch.arange(4.0))
+
+
 _OUT_BUFFERS = {  # out= arguments eager resizes to the result's size (3,), within their memory
     "other shape": lambda: torch.empty(1, 3),
     "prefix of a larger storage": lambda: torch.empty(6)[:2],

@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aotkit import config, counters
+from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
@@ -922,9 +922,9 @@ def _refuse_traced_constants(gm: fx.GraphModule) -> None:
             raise UnsupportedError(
                 f"{what} computes a tensor of shape {tuple(value.shape)} that the trace lost "
                 f"track of (read by {readers}): the graph would return its trace-time value on "
-                "every call. This torch's fake tensors run some ops (such as sparse "
-                "conversions on torch < 2.13) outside the trace.\nFix: move that computation "
-                "out of the compiled function, or use torch >= 2.13."
+                "every call. Some code runs outside the trace (torch.func.linearize; sparse "
+                "conversions on torch < 2.13).\nFix: move that computation out of the compiled "
+                f"function{', or use torch >= 2.13' if compat.TORCH_VERSION < (2, 13) else ''}."
             )
 
 

@@ -120,6 +120,14 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
             "or compile the whole function with torch.compile(backend=\"aotkit\")."
         )
+    failed = getattr(exc, "_aotkit_failed", None)
+    if "to a storage on different device" in str(exc) and failed is not None \
+            and "set_" not in str(failed[0]):  # a view of a tensor whose fake storage grew
+        return UnsupportedError(
+            f"{what} takes a view ({failed[0]}) of a tensor it grew in place before (resize_, "
+            "or an out= argument), which functionalization on fake tensors, which aotkit "
+            f"traces with, cannot follow.\n  at {failed[1]}\nFix: make a tensor of the final "
+            "size instead (torch.empty(...), torch.cat([y, y.new_empty(n)])).")
     if "to a storage on different device" in str(exc):  # x.set_(storage, ...) of a fake x
         return UnsupportedError(
             f"{what} calls x.set_(storage, ...), which cannot be traced: tracing runs on fake "
@@ -161,7 +169,6 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "Fix: set requires_grad before calling (or use x.detach() inside), or use "
             "torch.compile(fn, backend=\"aotkit\")."
         )
-    failed = getattr(exc, "_aotkit_failed", None)
     if "encountered a tensor being mutated that has internal overlap" in str(exc):
         where = failed[1] if failed is not None else user_frame(exc)
         return UnsupportedError(
