@@ -86,6 +86,28 @@ def test_saved_graphs_reload_and_compute_what_the_in_memory_graphs_compute(tmp_p
             assert (s is None and e is None) or torch.equal(s, e)
 
 
+def test_graphs_with_higher_order_ops_save_their_branches(tmp_path: Path) -> None:
+    scale = torch.full((4,), 3.0)  # a constant read inside a branch
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda a: (a * scale).sin(), lambda a: a.cos(), (x,))
+
+    dumper = graph_dumper_aot("cond", tmp_path, dump_example_input=True)
+    compiled = dumper(fn)
+    for sign in (1, -1):  # both branches
+        x = (torch.randn(4).abs() * sign).requires_grad_()
+        expected_x = x.detach().clone().requires_grad_()
+        out, expected = compiled(x), fn(expected_x)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(x.grad, expected_x.grad)
+    for folder in dumper.saved:  # one entry: each graph reloads and runs as saved
+        inputs = get_inputs(folder)
+        assert "class FxModule_true_graph_" in (folder / "module.py").read_text()
+        assert all(isinstance(t, torch.Tensor) for t in load_graph(folder)(*inputs))
+
+
 def recorder_inputs(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
 

@@ -263,27 +263,57 @@ def _imports(globals_: Mapping[str, Any]) -> list[str]:
 
 
 def _source(gm: fx.GraphModule) -> str:
-    graph = copy.deepcopy(gm.graph)
-    graph.set_codegen(fx.graph.CodeGen())  # flat inputs, as the compiled graph is called
-    code = graph.python_code(root_module="self")
+    classes: list[str] = []
+    imports: dict[str, None] = {}
+    _class_source(gm, "FxModule", classes, imports)
     return "\n".join([
         "# An FX graph saved by aotkit; load it with aotkit.compilers.dump.load_graph(folder).",
-        *_imports(code.globals), "", "",
-        "class FxModule(torch.nn.Module):",
-        textwrap.indent(code.src.strip(), "    "), "",
+        *imports, "", "", *classes,
     ])
 
 
-def _constants(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    constants = {}
+def _class_source(gm: fx.GraphModule, name: str, classes: list[str],
+                  imports: dict[str, None]) -> None:
+    """``gm`` as class ``name``, after the classes of its subgraphs (the branches of a
+    higher-order op such as torch.cond), which its ``__init__`` makes."""
+    graph = copy.deepcopy(gm.graph)
+    graph.set_codegen(fx.graph.CodeGen())  # flat inputs, as the compiled graph is called
+    code = graph.python_code(root_module="self")
+    imports.update(dict.fromkeys(_imports(code.globals)))
+    made = []
+    for attr, sub in _attributes(gm, fx.GraphModule).items():
+        _class_source(sub, f"{name}_{attr}", classes, imports)
+        made.append(f"self.{attr} = {name}_{attr}()")
+    init = ["def __init__(self):", "    super().__init__()", *(f"    {m}" for m in made), "", ""]
+    body = "\n".join(init if made else []) + code.src.strip()
+    classes.append(f"class {name}(torch.nn.Module):\n{textwrap.indent(body, '    ')}\n\n")
+
+
+def _attributes(gm: fx.GraphModule, kind: type) -> dict[str, Any]:
+    """The graph's attributes (``get_attr`` targets) of ``kind``; any other than a tensor or a
+    subgraph is refused."""
+    found = {}
     for node in gm.graph.find_nodes(op="get_attr"):
         value = gm
         for part in str(node.target).split("."):
             value = getattr(value, part)
-        if not isinstance(value, torch.Tensor):
-            raise UnsupportedError(f"cannot save the graph's attribute {node.target!r}, a "
-                                   f"{type(value).__name__}: only tensor attributes are saved.")
-        constants[str(node.target)] = value
+        if isinstance(value, fx.GraphModule) and "." in str(node.target):
+            value = None  # a subgraph is made by its owner's __init__, under its own name
+        if not isinstance(value, (torch.Tensor, fx.GraphModule)):
+            raise UnsupportedError(
+                f"cannot save the graph's attribute {node.target!r}, a {type(value).__name__}: "
+                "only tensors and subgraphs of higher-order ops are saved.\nFix: save the "
+                "ATen graphs AOT tracing makes (aot_function, aot_module_simplified).")
+        if isinstance(value, kind):
+            found[str(node.target)] = value
+    return found
+
+
+def _constants(gm: fx.GraphModule, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The graph's tensor attributes, its subgraphs' too, by their dotted names."""
+    constants = {prefix + k: v for k, v in _attributes(gm, torch.Tensor).items()}
+    for attr, sub in _attributes(gm, fx.GraphModule).items():
+        constants.update(_constants(sub, f"{prefix}{attr}."))
     return constants
 
 
