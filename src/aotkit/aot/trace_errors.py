@@ -240,8 +240,9 @@ def data_dependent(what: str, exc: BaseException, static: bool = False) -> Trace
         )
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
         return TraceError(
-            f"{what} could not be traced: {exc.func} returns a tensor whose size depends on "
-            f"tensor data{', which a trace with static sizes cannot hold' if static else ''}."
+            f"{what} could not be traced: {exc.func} returns a tensor whose size, or a "
+            "number whose value, depends on tensor data"
+            f"{', which a trace with static sizes cannot hold' if static else ''}."
             f"\n  at {user_frame(exc)}\n"
             f"Fix: move the op out of the compiled function{dynamic}, or use "
             "torch.compile(fn, backend=\"aotkit\"), which runs it eagerly between graphs."

@@ -171,10 +171,12 @@ def _script(gm: fx.GraphModule, what: str, remove_mutation: bool) -> torch.jit.S
             torch._C._jit_pass_remove_mutation(scripted.graph)
         return torch.jit.freeze(scripted.eval(), preserved_attrs=tensors)
     except Exception as exc:
+        simple = "ts_compile (which prepares symbolic sizes, device keywords and mixed " \
+            "outputs for TorchScript), " if what == "simple_ts_compile" else ""
         raise CompilerError(
             f"{what}: TorchScript could not compile the graph: {type(exc).__name__}: "
-            f"{str(exc).strip()}\nFix: use aotkit.compilers.inductor (TorchScript is deprecated "
-            "and misses newer ops and symbolic shapes), or aotkit.compilers.nop."
+            f"{str(exc).strip()}\nFix: use {simple}aotkit.compilers.inductor (TorchScript is "
+            "deprecated and misses newer ops), or aotkit.compilers.nop."
         ) from exc
 
 

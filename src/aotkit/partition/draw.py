@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +101,8 @@ def _write_dot_instead(dot: Any, path: Path) -> DrawnGraph:
     why = (f"Graphviz's `dot` program is not on PATH, so {path.name} could not be rendered; "
            f"wrote the DOT source to {dot_path} instead. To get images, install Graphviz "
            "(apt-get install graphviz, brew install graphviz or conda install graphviz) or "
-           f"render the file elsewhere: dot -T{path.suffix.lstrip('.').lower()} {dot_path} "
-           f"-o {path}")
+           f"render the file elsewhere: dot -T{path.suffix.lstrip('.').lower()} "
+           f"{shlex.quote(str(dot_path))} -o {shlex.quote(str(path))}")
     global _told_no_dot
     # A warning once per process; each later file is logged at INFO (and, through
     # draw_graph_compile, still a decision of its own).
