@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import current_user_line
+from aotkit.aot.ops import requested_size
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.subclass import is_subclass
 from aotkit.aot.untraceable import (
@@ -434,7 +435,7 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.resize_ or func is torch.Tensor.resize_as_:
-            size = _requested_size(func, args, kwargs)
+            size = requested_size(func, args, kwargs)
             self._check_resize(args[0], size, kwargs.get("memory_format"))
         elif func == _DATA_SETTER and any(args[0] is a for a in self.f_args):
             raise UnsupportedError(
@@ -568,16 +569,6 @@ _AS_STRIDED_FIX = ("Fix: take the as_strided view before writing the input, pass
 # strides pick other elements: a silent wrong result (PyTorch 2.13's aot_function gives it).
 # So as_strided on an input after a write is refused unless the written value is laid out as
 # the input is and the view stays within it; before any write the value is the input itself.
-
-
-def _requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> Sequence[Any]:
-    if func is torch.Tensor.resize_as_:
-        other = args[1] if len(args) > 1 else kwargs["the_template"]
-        return tuple(other.shape)
-    sizes = args[1:] or (kwargs.get("size", ()),)
-    if len(sizes) == 1 and not isinstance(sizes[0], (int, torch.SymInt)):
-        return tuple(sizes[0])
-    return tuple(sizes)
 
 
 def _storage_change_error(what: str, where: str) -> UnsupportedError:

@@ -131,8 +131,8 @@ def check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device:
 class EagerOps(torch.overrides.TorchFunctionMode):
     """Ops traced to give eager's values: dropout, and resize_ (Note [resize_ to the same size]).
 
-    Training-mode dropout: ``aten.native_dropout`` draws the same random numbers as eager's dropout, on a mask laid out
-    like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would
+    Training-mode dropout: ``aten.native_dropout`` draws the same random numbers as eager's
+    dropout, on a mask laid out like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would
     draw them with a functional ``bernoulli`` laid out contiguously: for a non-contiguous input
     (a transposed attention output) they would land on other elements than in eager. Eager's
     CPU dropout multiplies the input by a noise tensor of the input's dtype (``1 / (1 - p)``
@@ -153,16 +153,21 @@ class EagerOps(torch.overrides.TorchFunctionMode):
                 and torch._C._dispatch_tls_is_dispatch_key_included(
                     torch._C.DispatchKey.PythonDispatcher):
             return _rnn_by_layer(func, args)
-        elif func is torch.Tensor.resize_ and not kwargs and _same_size(args):
+        elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
+                and tuple(args[0].shape) == requested_size(func, args, kwargs):
             return args[0]
         return func(*args, **kwargs)
 
 
-def _same_size(args: Sequence[Any]) -> bool:
-    sizes = args[1:]
+def requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The size ``resize_`` or ``resize_as_`` is called with."""
+    if func is torch.Tensor.resize_as_:
+        other = args[1] if len(args) > 1 else kwargs["the_template"]
+        return tuple(other.shape)
+    sizes = args[1:] or (kwargs.get("size", ()),)
     if len(sizes) == 1 and not isinstance(sizes[0], (int, torch.SymInt)):
-        sizes = tuple(sizes[0])
-    return tuple(args[0].shape) == tuple(sizes)
+        return tuple(sizes[0])
+    return tuple(sizes)
 
 
 # Note [resize_ to the same size]
