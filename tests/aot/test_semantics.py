@@ -3045,6 +3045,19 @@ def test_equal_values_made_anew_at_every_call_share_an_entry(make):
     assert compiled.num_entries == 1
 
 
+def test_set_without_a_source_gives_the_input_new_memory_as_in_eager():
+    # Note [set_ without a source]
+    results = []
+    for run in (lambda f: f, lambda f: aotkit.aot_function(f, compilers.nop)):
+        base = torch.arange(6.0)
+        x = base[:]
+        out = run(lambda t: (t.set_(), t * 2)[1])(x)
+        results.append((x.shape, x.untyped_storage().nbytes(), out.shape))
+        x.resize_(6).fill_(-1)  # new memory: base keeps its values
+        torch.testing.assert_close(base, torch.arange(6.0))
+    assert results[1] == results[0]
+
+
 def test_set_to_a_fresh_tensor_then_a_write_runs_like_eager():
     def swap(x, y):
         x.set_(y.clone())
