@@ -2421,7 +2421,6 @@ def _switch_modes_outside_the_signature(x, w):
     torch.set_autocast_dtype("cpu", torch.float16)  # while autocast is off
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_float32_matmul_precision("medium")
-    torch.backends.mkldnn.enabled = False
     return (x @ w,)
 
 
@@ -2430,7 +2429,7 @@ def _global_state():
             torch.get_autocast_dtype("cpu"), torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.get_float32_matmul_precision(), torch.backends.mkldnn.enabled)
+            torch.get_float32_matmul_precision())
 
 
 @contextlib.contextmanager
@@ -2444,7 +2443,6 @@ def _state_put_back():
         torch.set_default_dtype(torch.float32)
         torch.use_deterministic_algorithms(False)
         torch.set_float32_matmul_precision("highest")
-        torch.backends.mkldnn.enabled = True
 
 
 @pytest.mark.parametrize("fn", [_switch_grad_off, _switch_autocast_on, _switch_default_dtype,
@@ -3037,7 +3035,7 @@ def test_a_value_changed_in_place_between_calls_traces_again(case):
 
 
 @pytest.mark.parametrize("make", [lambda: slice(1, None), lambda: torch.finfo(torch.float16),
-                                  lambda: np.array([1.0, 2.0])], ids=["slice", "finfo", "numpy"])
+                                  lambda: {1, 2}], ids=["slice", "finfo", "set"])
 def test_equal_values_made_anew_at_every_call_share_an_entry(make):
     compiled = aotkit.aot_function(lambda x, v: x * 2, compilers.nop)  # v is part of the key
     for _ in range(aotkit.config.recompile_limit + 2):
@@ -3056,6 +3054,26 @@ def test_set_without_a_source_gives_the_input_new_memory_as_in_eager():
         x.resize_(6).fill_(-1)  # new memory: base keeps its values
         torch.testing.assert_close(base, torch.arange(6.0))
     assert results[1] == results[0]
+
+
+def test_equal_sets_of_other_types_trace_apart():
+    # Note [Values compared by contents]: {1} == {1.0} == {True}, and {0.0} == {-0.0}
+    scale = aotkit.aot_function(lambda x, s: x * next(iter(s)), compilers.nop)
+    divide = aotkit.aot_function(lambda x, s: x / next(iter(s)), compilers.nop)
+    for s in ({1}, {1.0}, {True}):
+        assert scale(torch.arange(3), s).dtype == (torch.arange(3) * next(iter(s))).dtype
+    for s in ({0.0}, {-0.0}):
+        torch.testing.assert_close(divide(torch.ones(2), s), torch.ones(2) / next(iter(s)))
+
+
+def test_an_equal_numpy_array_does_not_reuse_a_graph_sharing_another_arrays_memory():
+    add = aotkit.aot_function(lambda x, a: x + torch.from_numpy(a), compilers.nop)
+    a = np.ones(3, dtype=np.float32)
+    b = a.copy()
+    add(torch.zeros(3), a)  # the graph holds a tensor sharing a's memory
+    a[:] = 5
+    torch.testing.assert_close(add(torch.zeros(3), b), torch.ones(3))
+    torch.testing.assert_close(add(torch.zeros(3), a), torch.full((3,), 5.0))
 
 
 def test_set_to_a_fresh_tensor_then_a_write_runs_like_eager():

@@ -57,6 +57,26 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
+# Note [Writes through unfold windows]
+# Functionalization puts a write through ``y.unfold(dim, size, step)`` back into y with
+# ``unfold_backward``, a gradient's formula, which writes zeros wherever no window reaches:
+# ``y.unfold(0, 2, 2).mul_(10)`` of a y of 5 elements zeroed y[4], and steps longer than the
+# windows zeroed every gap, where eager leaves those elements as they were (PyTorch's
+# aot_function too). A write through a view made by unfold is refused unless the view is the
+# unfold of its base itself and its windows tile that dimension exactly.
+def unfold_leaves_gaps(t: torch.Tensor) -> bool:
+    """Whether a write to ``t``, a functional tensor, goes through unfold windows that may not
+    cover their base (Note [Writes through unfold windows])."""
+    metas = torch._C._functionalization.get_view_meta_sequence(t.elem)
+    if not any(type(m).__name__ == "unfold_ViewMeta" for m in metas):
+        return False
+    if len(metas) != 1 or t._base is None:
+        return True
+    dim, size, step = metas[0].as_tuple()[-3:]
+    length = t._base.shape[dim]
+    return not isinstance(length, int) or step != size or length % size != 0
+
+
 def written_by(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
     """The tensors ``func`` writes to, from its schema (``Tensor(a!)``)."""
     written = []
@@ -154,6 +174,7 @@ class EagerOps(torch.overrides.TorchFunctionMode):
                     torch._C.DispatchKey.PythonDispatcher):
             return _rnn_by_layer(func, args)
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
+                and not args[0].requires_grad \
                 and tuple(args[0].shape) == requested_size(func, args, kwargs):
             return args[0]
         return func(*args, **kwargs)
@@ -165,7 +186,7 @@ def requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, .
         other = args[1] if len(args) > 1 else kwargs["the_template"]
         return tuple(other.shape)
     sizes = args[1:] or (kwargs.get("size", ()),)
-    if len(sizes) == 1 and not isinstance(sizes[0], (int, torch.SymInt)):
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):  # torch.Size is a tuple
         return tuple(sizes[0])
     return tuple(sizes)
 

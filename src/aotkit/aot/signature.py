@@ -176,11 +176,14 @@ def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
 # A slice, set, bytearray, array.array, NumPy array or torch.finfo / iinfo argument is a value
 # the trace reads (``float(a)``, ``len(s)``, ``x[s]``) into constants of the graph, but none
 # hashes by its value. Keyed by identity, one changed in place (``a[...] = 5.0``) reused a graph
-# holding the old value, silently, and an equal one made anew at every call (``f(x,
-# slice(0, 3))``) traced again each time until the recompile limit. They are keyed by their
-# contents instead, up to _ITEMS elements; a bigger one, like a data batch passed to
-# ``torch.from_numpy`` (whose tensor shares the array's memory, so in-place changes show),
-# stays keyed by identity.
+# holding the old value, silently, and an equal slice made anew at every call (``f(x,
+# slice(0, 3))``) traced again each time until the recompile limit. So they are keyed by their
+# contents, up to _ITEMS elements, a set's items as other arguments are (``{1}``, ``{1.0}`` and
+# ``{True}`` are equal sets that trace other dtypes). A buffer (bytearray, array.array, NumPy
+# array) is keyed by identity too: the graph may hold a tensor sharing its memory
+# (``torch.from_numpy(a)``), which an equal array made anew does not share. A bigger buffer,
+# such as a data batch read through ``torch.from_numpy``, is keyed by identity alone: in-place
+# changes then show through the memory the graph shares, as in eager.
 class _Contents(tuple):  # type: ignore[type-arg]
     """``(type, description, *contents)``: see Note [Values compared by contents]."""
 
@@ -191,18 +194,23 @@ def _contents_key(value: Any) -> _Contents | None:
         parts = (value.start, value.stop, value.step)
         return _Contents((kind, repr(value), tuple(_attribute_key(p, _DEPTH, [1]) for p in parts)))
     if kind is set and len(value) <= _ITEMS:
-        return _Contents((kind, f"set of {len(value)} item(s)", frozenset(value)))
-    if kind is bytearray and len(value) <= _ITEMS:
-        return _Contents((kind, f"bytearray {bytes(value)!r}", bytes(value)))
-    if kind is array.array and len(value) <= _ITEMS:
-        return _Contents((kind, repr(value), value.typecode, value.tobytes()))
+        items = frozenset(_attribute_key(v, 1, [_ITEMS]) for v in value)
+        return _Contents((kind, _short(repr(value)), items))
     if kind in (torch.finfo, torch.iinfo):
         return _Contents((kind, f"{kind.__name__}({value.dtype})", str(value.dtype)))
+    if kind is bytearray and len(value) <= _ITEMS:
+        return _Contents((kind, _short(repr(value)), _Identity(value), bytes(value)))
+    if kind is array.array and len(value) <= _ITEMS:
+        return _Contents((kind, _short(repr(value)), _Identity(value), value.tobytes()))
     if kind.__module__ == "numpy" and kind.__name__ == "ndarray" and value.size <= _ITEMS \
             and not value.dtype.hasobject:
-        return _Contents((kind, f"numpy array {value.tolist()} ({value.dtype})", value.dtype.str,
-                          value.shape, value.tobytes()))
+        return _Contents((kind, _short(f"numpy array {value.tolist()} ({value.dtype})"),
+                          _Identity(value), value.dtype.str, value.shape, value.tobytes()))
     return None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
@@ -349,6 +357,8 @@ def _leaf_change(name: str, a: Any, b: Any) -> str:
         if type(b.value) in _PLAIN:  # a dtype or memory format: one object per value
             return f"{name} changed: {a.value} -> {b.value}"
         return f"{name} is another {type(b.value).__name__} object"
+    if isinstance(a, _Contents) and isinstance(b, _Contents) and a[:2] == b[:2]:
+        return f"{name} is another {a[0].__name__} object (equal, but it may share its memory)"
     if not (isinstance(a, tuple) and isinstance(b, tuple)):
         return f"{name} changed: {_show(a)} -> {_show(b)}"
     if _is_subclass_key(a) and _is_subclass_key(b) and a[0] == b[0]:

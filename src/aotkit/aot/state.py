@@ -223,8 +223,8 @@ class StateWatch:
             out = self.flat_fn(*args)
         finally:
             after = GlobalState.now()
-            if after != before:
-                before.restore()
+            if after != before:  # only what changed: a mode may refuse to be set at all
+                before.changes_from(after).restore()  # (mkldnn's under PyTorch's tests)
         if self.calls == 0 and after != before:
             self.after = after.changes_from(before)
         self.calls += 1

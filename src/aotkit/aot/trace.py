@@ -37,6 +37,7 @@ from aotkit.aot.ops import (
     in_eager_layout,
     may_not_cast_in_place,
     overlaps_itself,
+    unfold_leaves_gaps,
     writes_out_argument,
     written_by,
 )
@@ -389,6 +390,16 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
+            if isinstance(t, FunctionalTensor) and unfold_leaves_gaps(t):
+                raise UnsupportedError(
+                    f"{self.what} writes in place ({func}) through windows of unfold() that "
+                    "leave elements of the unfolded tensor uncovered (a step longer than the "
+                    "windows, a last window short of the end) or that view further: the "
+                    "functional graph puts such writes back with zeros in every element no "
+                    "window reaches.\n"
+                    f"  at {current_user_line()}\n"
+                    "Fix: clone() the windows before writing to them, or write to the "
+                    "unfolded tensor itself (through indexing or as_strided).")
             if torch.Tag.inplace_view not in func.tags and overlaps_itself(t):
                 raise UnsupportedError(
                     f"{self.what} writes in place ({func}) to a tensor of shape "

@@ -240,8 +240,8 @@ def data_dependent(what: str, exc: BaseException, static: bool = False) -> Trace
         )
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
         return TraceError(
-            f"{what} could not be traced: {exc.func} returns a tensor whose size, or a "
-            "number whose value, depends on tensor data"
+            f"{what} could not be traced: {exc.func} returns {_data_dependent_result(exc.func)} "
+            "depends on tensor data"
             f"{', which a trace with static sizes cannot hold' if static else ''}."
             f"\n  at {user_frame(exc)}\n"
             f"Fix: move the op out of the compiled function{dynamic}, or use "
@@ -265,6 +265,13 @@ def data_dependent(what: str, exc: BaseException, static: bool = False) -> Trace
         "data-dependent part out of the compiled function; torch.compile splits the graph "
         "there for you."
     )
+
+
+def _data_dependent_result(op: Any) -> str:
+    returns = getattr(getattr(op, "_schema", None), "returns", ())
+    if returns and not any("Tensor" in str(r.type) for r in returns):
+        return "a number whose value"
+    return "a tensor whose size"
 
 
 def first_line(exc: BaseException) -> str:
