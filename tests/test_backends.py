@@ -601,6 +601,34 @@ def test_values_read_from_data_with_capture_scalar_outputs(backend: str) -> None
             torch.testing.assert_close(a.grad, b.grad)
 
 
+_RELAID_WITH_UNBACKED_SIZES = {  # ops whose inputs aotkit lays out as their real kernels read
+    "hardtanh": lambda x: torch.nn.functional.hardtanh(x.t()),
+    "pow of a scalar": lambda x: 2 ** x.t(),
+    "mse_loss": lambda x: torch.nn.functional.mse_loss(x.t(), 0 * x.t()),
+    "layer_norm": lambda x: torch.nn.functional.layer_norm(x.t(), (x.shape[0],)),
+    "masked rows": lambda x: torch.nn.functional.hardtanh(x[x[:, 1] > 0].t()),
+}
+
+
+@pytest.mark.parametrize("fn", _RELAID_WITH_UNBACKED_SIZES.values(), ids=_RELAID_WITH_UNBACKED_SIZES)
+def test_layouts_of_tensors_with_unbacked_sizes_are_not_guarded_on(
+        fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Laying a transposed input out asked ``size > 1`` of an unbacked size: a guard on data."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    x = torch.randn(6, 4)
+    x[0, 1] = 1.0  # at least one masked row
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    mark_unbacked(a, 0)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out = torch.compile(fn, backend="aotkit", fullgraph=True)(a)
+    expected = fn(b)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("capture", [True, False])
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
 def test_a_factory_sized_by_an_input_item(backend: str, capture: bool) -> None:

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false, suggest_memory_format
+from torch._prims_common import (
+    is_contiguous_for_memory_format_or_false,
+    is_non_overlapping_and_dense_or_false,
+    suggest_memory_format,
+)
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,11 +37,12 @@ from aotkit.errors import UnsupportedError
 # graph's new value, copied back, left other values in the shared memory. Every write to a
 # self-overlapping tensor is refused while tracing, with the fix eager's own warning suggests.
 def is_expanded(t: torch.Tensor) -> bool:
-    """Whether ``t`` has a dimension of stride 0 and size > 1 (an ``expand()``)."""
+    """Whether ``t`` has a dimension of stride 0 and size > 1 (an ``expand()``); with a size
+    that cannot be told (unbacked), whether it may have."""
     return any(
-        isinstance(stride, int) and stride == 0 and size > 1
+        isinstance(stride, int) and stride == 0 and guard_or_true(size > 1)
         for size, stride in zip(t.shape, t.stride(), strict=True)
-    ) and t.numel() > 0
+    ) and guard_or_true(t.numel() > 0)
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
@@ -339,7 +345,9 @@ def _laid_out(t: Any, layout: torch.memory_format, rank: int, gaps: bool) -> Any
     if not _relaid(t, gaps):
         return t
     layout = layout if t.dim() == rank else torch.contiguous_format
-    return t if t.is_contiguous(memory_format=layout) else t.contiguous(memory_format=layout)
+    if is_contiguous_for_memory_format_or_false(t, memory_format=layout):
+        return t
+    return t.contiguous(memory_format=layout)
 
 
 _aten = torch.ops.aten
