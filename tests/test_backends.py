@@ -881,3 +881,36 @@ def test_a_compiled_training_step_does_not_hand_aotkit_frames_to_dynamo() -> Non
     pytorch = frames("inductor")
     for backend in ("aotkit", "aotkit_inductor"):
         assert frames(backend) <= pytorch + 10, backend
+
+
+def test_a_failed_trace_leaves_eager_working() -> None:
+    """Note [Dispatch keys after a failure]: a trace failing inside inference_mode left the
+    fake modes' dispatch keys on, and every later eager op hit an INTERNAL ASSERT."""
+    code = (
+        "import torch, aotkit\n"
+        "def g(x):\n"
+        "    y = x.sin()\n"
+        "    with torch.inference_mode():\n"
+        "        q = y.detach() + 1\n"
+        "    return y * 2, q\n"
+        "try:\n"
+        "    torch.compile(g, backend='aotkit')(torch.randn(4, requires_grad=True))\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__)\n"
+        "print((torch.ones(2) + 1).tolist())\n"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["BackendCompilerFailed", "[2.0,", "2.0]"]
+
+
+def test_a_value_dynamo_captured_from_data_names_the_option() -> None:
+    def fn(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x.add(x * 2, alpha=s.item())  # an op wanting a Python number
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(
+            Exception, match=r"captured from tensor data(.|\n)*capture_scalar_outputs"
+            r"(.|\n)*Fix: turn that option off"):
+        torch.compile(fn, backend="aotkit")(torch.randn(6, requires_grad=True), torch.tensor(0.3))

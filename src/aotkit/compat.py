@@ -88,6 +88,28 @@ def forget_real_tensors(mode: Any) -> None:
     describer.lookup_storage.clear()
 
 
+# Note [Dispatch keys after a failure]
+# A trace that fails inside ``torch.inference_mode()`` (Dynamo's graph enters it as a call;
+# "Cannot set version_counter for inference tensor") leaves the guard object of that
+# inference mode in a frame of the traceback; when it is freed, later, it restores the
+# thread's dispatch settings it saw on entry, with the Python keys the fake and functional
+# modes turned on, and every later eager op in the process hit an INTERNAL ASSERT (PyTorch's
+# aot_eager too). A failing trace frees its frames' locals first, then puts the keys back as
+# it found them.
+_PYTHON_KEYS = (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot,
+                torch._C.DispatchKey.PythonDispatcher)
+
+
+def python_dispatch_keys() -> tuple[bool, ...]:
+    """Whether each of the Python dispatch keys is included in this thread's dispatch."""
+    return tuple(torch._C._dispatch_tls_is_dispatch_key_included(k) for k in _PYTHON_KEYS)
+
+
+def set_python_dispatch_keys(included: tuple[bool, ...]) -> None:
+    for key, on in zip(_PYTHON_KEYS, included, strict=True):
+        torch._C._dispatch_tls_set_dispatch_key_included(key, on)
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """Exceptions fake-tensor tracing raises when Python control flow reads tensor data."""
     from torch._subclasses.fake_tensor import (

@@ -13,6 +13,7 @@ import functools
 import itertools
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -217,6 +218,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     ``reseeds``: reseeding the default generator is the caller's business (Dynamo's graphs),
     not refused (Note [Global state the function leaves changed])."""
     _quiet_fake_failures()
+    dispatch_keys = compat.python_dispatch_keys()  # before enable_python_dispatcher() sets one
     python = fallback == "python_dispatcher" or _symbolic(mode)
     dispatcher = enable_python_dispatcher() if python else contextlib.nullcontext()
     onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
@@ -239,7 +241,10 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)
     except Exception as exc:
-        error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode))
+        traceback.clear_frames(exc.__traceback__)  # Note [Dispatch keys after a failure]
+        compat.set_python_dispatch_keys(dispatch_keys)
+        error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode),
+                             from_dynamo=reseeds)
         if error is exc:
             raise
         raise error from exc

@@ -19,11 +19,12 @@ _TRACED_TENSORS = ("'FunctionalTensor' object has no attribute",
                    "'FakeTensor' object has no attribute")
 
 
-def traced_error(what: str, exc: Exception, static: bool, symbolic: bool) -> BaseException:
+def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
+                 from_dynamo: bool = False) -> BaseException:
     """The error ``exc``, raised while tracing ``what``, becomes; ``static``: a trace without
-    a ShapeEnv, ``symbolic``: one with symbolic sizes."""
+    a ShapeEnv, ``symbolic``: one with symbolic sizes, ``from_dynamo``: a graph from Dynamo."""
     if isinstance(exc, data_dependent_errors()):
-        return data_dependent(what, exc, static=static)
+        return data_dependent(what, exc, static=static, from_dynamo=from_dynamo)
     if isinstance(exc, AttributeError) and str(exc).startswith(_TRACED_TENSORS):
         return UnsupportedError(
             f"{what} reads a Python attribute of a tensor argument ({exc}, at "
@@ -224,9 +225,11 @@ def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
     )
 
 
-def data_dependent(what: str, exc: BaseException, static: bool = False) -> TraceError:
+def data_dependent(what: str, exc: BaseException, static: bool = False,
+                   from_dynamo: bool = False) -> TraceError:
     """``static``: aot_function's trace without a ShapeEnv, which is told that dynamic=True
-    traces data-dependent sizes and values (Note [Data-dependent sizes])."""
+    traces data-dependent sizes and values (Note [Data-dependent sizes]). ``from_dynamo``: a
+    graph Dynamo made, whose values from data it captured as symbols."""
     frames = traceback.extract_tb(exc.__traceback__)
     dynamic = ", pass dynamic=True, which traces its size as a symbol" if static else ""
     if any(f.filename.endswith(os.path.join("_higher_order_ops", "while_loop.py")) for f in frames):
@@ -257,6 +260,16 @@ def data_dependent(what: str, exc: BaseException, static: bool = False) -> Trace
             "as a symbol with dynamic=True; or move the read out of the compiled function "
             "(torch.compile splits the graph there for you)."
         )
+    if from_dynamo:
+        return TraceError(
+            f"{what} could not be traced: an op needs as a Python value a size or number "
+            "Dynamo captured from tensor data as a symbol (torch._dynamo.config."
+            "capture_scalar_outputs or capture_dynamic_output_shape_ops, or mark_unbacked) "
+            f"({type(exc).__name__}: {first_line(exc)}).\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: turn that option off, so that Dynamo splits the graph where the value is "
+            "read, or move the read out of the compiled function (PyTorch's aot_eager fails "
+            "the same way).")
     return TraceError(
         f"{what} could not be traced: Python control flow or a Python value depends on "
         f"tensor data ({type(exc).__name__}: {first_line(exc)}).\n"
