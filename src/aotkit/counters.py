@@ -39,6 +39,7 @@ KINDS: dict[str, str] = {
     "fallback": "something ran otherwise than asked (eagerly, or as DOT instead of an image)",
     "graph_break": "Dynamo split its graph where aotkit could not trace",
     "specialize": "a value compiled as a constant, so each new value compiles anew",
+    "identity_key": "part of an object argument keyed by identity: in-place changes unseen",
     "partition": "what a partitioner saved for backward and what it recomputes",
     "inline": "a nested compile region traced inline",
     "hook": "module hooks traced with the forward and backward",

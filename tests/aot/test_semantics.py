@@ -3008,6 +3008,42 @@ def test_objects_keeping_state_outside_their_dict_are_keyed_by_identity():
         assert compiled.num_entries == len(args)
 
 
+def test_a_learning_rate_deep_in_an_object_argument_is_keyed_and_named():
+    class Trainer:
+        def __init__(self, p):
+            self.opt = torch.optim.SGD([p], lr=0.1)  # lr at args[2].opt.param_groups[0]['lr']
+
+    def update(p, g, trainer):
+        with torch.no_grad():
+            p.add_(g, alpha=-trainer.opt.param_groups[0]["lr"])
+
+    results = []
+    for fn in (update, aotkit.aot_function(update, compilers.nop)):
+        p, trainer = torch.ones(1), Trainer(torch.nn.Parameter(torch.ones(1)))
+        for _ in range(3):
+            fn(p, torch.ones(1), trainer)
+            trainer.opt.param_groups[0]["lr"] *= 2  # a scheduler's step
+        results.append(p.item())
+    assert results[1] == pytest.approx(results[0])
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reasons[0] == "args[2].opt.param_groups[0]['lr'] changed: float 0.1 -> float 0.2"
+
+
+def test_parts_of_an_object_argument_keyed_by_identity_are_named():
+    class Holder:
+        lrs = None
+
+    def update(p, h):
+        return p * h.lrs[0]
+
+    h = Holder()
+    h.lrs = [0.1] * 100  # more items than a key holds
+    aotkit.aot_function(update, compilers.nop)(torch.ones(1), h)
+    [decision] = aotkit.explain().of_kind("identity_key")
+    assert decision.why.startswith("args[1].lrs keyed by identity")
+    assert "Fix: pass such a value as an argument" in decision.why
+
+
 def _set_first(a, value):
     a[0] = value
 

@@ -30,6 +30,7 @@ from aotkit.aot.signature import (
     autocast_state,
     describe_change,
     differences,
+    identity_keyed_parts,
     leaf_names,
     signature,
 )
@@ -707,6 +708,7 @@ class AotFunction:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = self._leaf_names(args, kwargs)
+        _record_identity_keys(leaves, names, self.name)
         _refuse_tensor_sets(leaves, names, self.name)
         _refuse_torch_function_overrides(leaves, names, self.name)
         tensors = [leaves[i] for i in positions]
@@ -818,6 +820,21 @@ def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> Unsupported
         "a jagged tensor's graph, every raggedness with the same batch, total, shortest and "
         "longest length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
     )
+
+
+def _record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:
+    """An ``identity_key`` decision for object arguments whose key stops short of some of
+    their values (Note [Objects as arguments])."""
+    cut = [part for leaf, leaf_name in zip(leaves, names, strict=True)
+           for part in identity_keyed_parts(leaf, leaf_name)]
+    if cut:
+        more = f" and {len(cut) - 3} more" if len(cut) > 3 else ""
+        counters.record(
+            "identity_key", name,
+            f"{', '.join(cut[:3])}{more} keyed by identity (past the levels, items or values "
+            "an argument's key holds): a value changed in place there is not seen, and the "
+            "graph keeps the one it traced. Fix: pass such a value as an argument of its own "
+            "(a float, or a tensor if it changes at every call).", logger=log)
 
 
 def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:

@@ -58,7 +58,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     if (contents := _contents_key(leaf)) is not None:
         return contents
     if _by_identity(leaf) or not _hashable(leaf):
-        return _object_key(leaf, 0, [_BUDGET]) if _plain_object(leaf) else _Identity(leaf)
+        return _object_key(leaf, 0, _Walk()) if _plain_object(leaf) else _Identity(leaf)
     return (type(leaf), leaf)
 
 
@@ -77,7 +77,10 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # values of an argument and modules (Note [What a trace reads besides its inputs]) are keyed by
 # identity alone. Every attribute counts, read by the function or not: one changed at
 # every call (a step counter) is a recompile each time, until the recompile limit names it.
-_DEPTH = 3
+# Five levels reach a scheduler's ``trainer.opt.param_groups[0]["lr"]`` (at three, the lr was
+# keyed by its dict's identity and a changed lr silently kept the traced one); what the limits
+# leave keyed by identity is named once per trace in an ``identity_key`` decision.
+_DEPTH = 5
 _ITEMS = 64
 _BUDGET = 256
 _OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -139,17 +142,34 @@ class _Identity:
         return f"a {type(self.value).__name__} object"
 
 
-def _object_key(obj: Any, depth: int, budget: list[int]) -> _Object | _Identity:
+class _Walk:
+    """How many more values an argument's key may hold, and, when ``cut`` is a list, the
+    paths below which it holds identities for lack of depth, size or values left."""
+
+    __slots__ = ("cut", "left")
+
+    def __init__(self, cut: list[str] | None = None) -> None:
+        self.left = _BUDGET
+        self.cut = cut
+
+    def cut_at(self, path: str | None, value: Any) -> _Identity:
+        if self.cut is not None and path is not None:
+            self.cut.append(path)
+        return _Identity(value)
+
+
+def _object_key(obj: Any, depth: int, walk: _Walk, path: str | None = None) -> _Object | _Identity:
     attributes = vars(obj)
-    if len(attributes) > budget[0]:
-        return _Identity(obj)
+    if len(attributes) > walk.left:
+        return walk.cut_at(path, obj)
     return _Object((type(obj), len(attributes), tuple(
-        (name, _attribute_key(value, depth + 1, budget)) for name, value in attributes.items())))
+        (name, _attribute_key(value, depth + 1, walk, path and f"{path}.{name}"))
+        for name, value in attributes.items())))
 
 
-def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
-    """See Note [Objects as arguments]. ``budget``: how many more values may be keyed."""
-    budget[0] -= 1
+def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None) -> Any:
+    """See Note [Objects as arguments]. ``path`` names ``value`` when ``walk`` collects cuts."""
+    walk.left -= 1
     kind = type(value)
     if kind in _PLAIN:
         return (kind, value)
@@ -161,15 +181,29 @@ def _attribute_key(value: Any, depth: int, budget: list[int]) -> Any:
         return (kind, value)
     if isinstance(value, numbers.Number):  # numpy scalars
         return (kind, repr(value))
-    if depth >= _DEPTH or budget[0] < 0:
-        return _Identity(value)
-    if isinstance(value, (list, tuple, dict)) and len(value) <= _ITEMS:
+    container = isinstance(value, (list, tuple, dict))
+    if depth >= _DEPTH or walk.left < 0:
+        return walk.cut_at(path, value) if container or _plain_object(value) else _Identity(value)
+    if container and len(value) <= _ITEMS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        return (type(value), tuple((_attribute_key(k, depth + 1, budget),
-                                    _attribute_key(v, depth + 1, budget)) for k, v in items))
+        return (type(value), tuple((_attribute_key(k, depth + 1, walk),
+                                    _attribute_key(v, depth + 1, walk, path and f"{path}[{k!r}]"))
+                                   for k, v in items))
+    if container:
+        return walk.cut_at(path, value)
     if _plain_object(value):
-        return _object_key(value, depth, budget)
+        return _object_key(value, depth, walk, path)
     return _contents_key(value) or _Identity(value)
+
+
+def identity_keyed_parts(leaf: Any, name: str) -> list[str]:
+    """The parts of an object argument its key holds by identity for lack of depth, size or
+    values left (Note [Objects as arguments]): changed in place, they are not seen."""
+    if not _plain_object(leaf) or not (_by_identity(leaf) or not _hashable(leaf)):
+        return []
+    walk = _Walk(cut=[])
+    _object_key(leaf, 0, walk, name)
+    return walk.cut
 
 
 # Note [Values compared by contents]
@@ -192,9 +226,9 @@ def _contents_key(value: Any) -> _Contents | None:
     kind = type(value)
     if kind is slice:
         parts = (value.start, value.stop, value.step)
-        return _Contents((kind, repr(value), tuple(_attribute_key(p, _DEPTH, [1]) for p in parts)))
+        return _Contents((kind, repr(value), tuple(_attribute_key(p, _DEPTH, _Walk()) for p in parts)))
     if kind is set and len(value) <= _ITEMS:
-        items = frozenset(_attribute_key(v, 1, [_ITEMS]) for v in value)
+        items = frozenset(_attribute_key(v, 1, _Walk()) for v in value)
         return _Contents((kind, _short(repr(value)), items))
     if kind in (torch.finfo, torch.iinfo):
         return _Contents((kind, f"{kind.__name__}({value.dtype})", str(value.dtype)))
@@ -393,12 +427,39 @@ def _attribute_changes(name: str, a: _Object, b: _Object) -> list[str]:
             continue
         if isinstance(x, _Object) and isinstance(y, _Object) and x[:2] == y[:2]:
             found += _attribute_changes(f"{name}.{attribute}", x, y)
+        elif _same_container(x, y) and (items := _item_changes(f"{name}.{attribute}", x, y)):
+            found += items
         elif isinstance(x, _Identity) and isinstance(y, _Identity):
             found.append(f"attribute {attribute} of {name} is another "
                          f"{type(y.value).__name__} object")
         else:
             found.append(f"attribute {attribute} of {name} changed: {_show(x)} -> {_show(y)}")
     return found or [f"an attribute of {name} changed"]
+
+
+def _same_container(x: Any, y: Any) -> bool:
+    """Keys of a list, tuple or dict of as many items: ``(type, ((key, value), ...))``."""
+    return type(x) is tuple and type(y) is tuple and len(x) == len(y) == 2 \
+        and x[0] is y[0] and x[0] in (list, tuple, dict) and len(x[1]) == len(y[1])
+
+
+def _item_changes(path: str, x: Any, y: Any) -> list[str]:
+    """e.g. ``args[2].opt.param_groups[0]['lr'] changed: float 0.1 -> float 0.2``; nothing
+    where the items' keys differ."""
+    found = []
+    for (k, v), (k2, v2) in zip(x[1], y[1], strict=True):
+        where = f"{path}[{_show(k).split(' ', 1)[-1]}]"
+        if k != k2:
+            return []
+        if v == v2:
+            continue
+        if isinstance(v, _Object) and isinstance(v2, _Object) and v[:2] == v2[:2]:
+            found += _attribute_changes(where, v, v2)
+        elif _same_container(v, v2) and (items := _item_changes(where, v, v2)):
+            found += items
+        else:
+            found.append(f"{where} changed: {_show(v)} -> {_show(v2)}")
+    return found
 
 
 def _field_name(field: str, value: Any) -> str:
