@@ -174,9 +174,9 @@ def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
                         "with its value as a constant, so each new value compiles anew (the "
                         "recompile decisions name it: `self.p == 0.1`). Fix: if it does not "
                         "change, leave it (one compile); else pass it as a 0-d tensor where the "
-                        "op takes one, and for an optimizer whose lr or betas a scheduler "
-                        "changes (SGD's alpha=lr, OneCycleLR's momentum as Adam's betas[0]), "
-                        "give the optimizer tensors: lr=torch.tensor(0.01), "
-                        "betas=(torch.tensor(0.9), torch.tensor(0.999)).")
+                        "op takes one, and for an optimizer whose lr a scheduler changes "
+                        "(SGD's alpha=lr), give the optimizer a tensor: lr=torch.tensor(0.01). "
+                        "OneCycleLR and CyclicLR write Adam's betas[0] (the momentum) as a new "
+                        "float at every step, tensors or not: pass cycle_momentum=False.")
         raise
     gm.recompile()
