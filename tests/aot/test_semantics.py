@@ -3079,39 +3079,6 @@ def test_equal_values_made_anew_at_every_call_share_an_entry(make):
     assert compiled.num_entries == 1
 
 
-def test_set_without_a_source_gives_the_input_new_memory_as_in_eager():
-    # Note [set_ without a source]
-    results = []
-    for run in (lambda f: f, lambda f: aotkit.aot_function(f, compilers.nop)):
-        base = torch.arange(6.0)
-        x = base[:]
-        out = run(lambda t: (t.set_(), t * 2)[1])(x)
-        results.append((x.shape, x.untyped_storage().nbytes(), out.shape))
-        x.resize_(6).fill_(-1)  # new memory: base keeps its values
-        torch.testing.assert_close(base, torch.arange(6.0))
-    assert results[1] == results[0]
-
-
-def test_equal_sets_of_other_types_trace_apart():
-    # Note [Values compared by contents]: {1} == {1.0} == {True}, and {0.0} == {-0.0}
-    scale = aotkit.aot_function(lambda x, s: x * next(iter(s)), compilers.nop)
-    divide = aotkit.aot_function(lambda x, s: x / next(iter(s)), compilers.nop)
-    for s in ({1}, {1.0}, {True}):
-        assert scale(torch.arange(3), s).dtype == (torch.arange(3) * next(iter(s))).dtype
-    for s in ({0.0}, {-0.0}):
-        torch.testing.assert_close(divide(torch.ones(2), s), torch.ones(2) / next(iter(s)))
-
-
-def test_an_equal_numpy_array_does_not_reuse_a_graph_sharing_another_arrays_memory():
-    add = aotkit.aot_function(lambda x, a: x + torch.from_numpy(a), compilers.nop)
-    a = np.ones(3, dtype=np.float32)
-    b = a.copy()
-    add(torch.zeros(3), a)  # the graph holds a tensor sharing a's memory
-    a[:] = 5
-    torch.testing.assert_close(add(torch.zeros(3), b), torch.ones(3))
-    torch.testing.assert_close(add(torch.zeros(3), a), torch.full((3,), 5.0))
-
-
 def test_set_to_a_fresh_tensor_then_a_write_runs_like_eager():
     def swap(x, y):
         x.set_(y.clone())

@@ -349,8 +349,6 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 f"  at {current_user_line()}\n"
                 "Fix: use torch.no_grad() inside the compiled function, enter inference_mode "
                 "around the call instead, or use torch.compile(fn, backend='aotkit').")
-        if func is torch.ops.aten.set_.default:  # Note [set_ without a source]
-            func, args = torch.ops.aten.set_.source_Tensor, (args[0], args[0].new_empty((0,)))
         self._check_writes(func, args, kwargs)
         self._check_generators(func, args, kwargs)
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
@@ -919,11 +917,6 @@ def tangent_format(out: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-# Note [set_ without a source]
-# ``x.set_()`` gives x new, empty memory in eager; functionalization took it for a change of
-# shape to (0,), so the caller's tensor kept sharing its old memory (a later ``x.resize_(6)``
-# wrote into another tensor's values). The tracing guard hands it on as ``x.set_(empty)``,
-# a storage change, which the runtime applies to the caller's tensor as eager does.
 def _refuse_traced_constants(gm: fx.GraphModule) -> None:
     """A graph constant holding a fake or functional tensor is a value the trace lost track of
     (an op that ran outside it, as sparse conversions do under torch 2.11's fake tensors): the
