@@ -619,6 +619,46 @@ def test_writes_to_a_part_of_an_input_sliding_window_match_eager(write):
     torch.testing.assert_close(base, expected_base)
 
 
+_TILING_WRITES = {  # windows that tile their dimension: written through as in eager
+    "windows": lambda x: x[:4].unfold(0, 2, 2).mul_(10),
+    "a window": lambda x: x[:4].unfold(0, 2, 2)[1].add_(1),
+    "a column": lambda x: x[:4].unfold(0, 2, 2)[:, 0].mul_(10),
+    "reshaped": lambda x: x[:4].unfold(0, 2, 2).reshape(-1).add_(1),
+    "two unfolds": lambda x: x[:4].view(2, 2).unfold(1, 2, 2).unfold(0, 2, 2).mul_(10),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("write", _TILING_WRITES.values(), ids=_TILING_WRITES.keys())
+def test_writes_through_unfold_windows_that_tile_match_eager(write, dynamic):
+    def fn(x):
+        write(x)
+        return x * 1
+
+    check_against_eager(fn, torch.arange(5.0), aot_kwargs={"dynamic": dynamic})
+
+
+_GAPPY_WRITES = {  # Note [Writes through unfold windows]: unfold_backward zeroed the gaps
+    "short last window": lambda y: y.unfold(0, 2, 2).mul_(10),
+    "long step": lambda y: y.unfold(0, 2, 3).mul_(10),
+    "a window": lambda y: y.unfold(0, 2, 2)[1].mul_(10),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("write", _GAPPY_WRITES.values(), ids=_GAPPY_WRITES.keys())
+def test_writes_through_unfold_windows_with_gaps_are_refused(write, dynamic):
+    def fn(x):
+        y = x.clone()
+        write(y)
+        return y
+
+    fn(torch.arange(5.0))
+    with pytest.raises(UnsupportedError, match=r"windows of unfold\(\) that leave elements(.|\n)*"
+                       r"Fix: clone\(\) the windows"):
+        aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(torch.arange(5.0))
+
+
 @pytest.mark.parametrize("write", _WINDOW_PARTS.values(), ids=_WINDOW_PARTS.keys())
 def test_writes_to_a_part_of_a_sliding_window_made_inside_are_refused(write):
     def fn(base):

@@ -68,19 +68,24 @@ def overlaps_itself(t: torch.Tensor) -> bool:
 # ``unfold_backward``, a gradient's formula, which writes zeros wherever no window reaches:
 # ``y.unfold(0, 2, 2).mul_(10)`` of a y of 5 elements zeroed y[4], and steps longer than the
 # windows zeroed every gap, where eager leaves those elements as they were (PyTorch's
-# aot_function too). A write through a view made by unfold is refused unless the view is the
-# unfold of its base itself and its windows tile that dimension exactly.
-def unfold_leaves_gaps(t: torch.Tensor) -> bool:
-    """Whether a write to ``t``, a functional tensor, goes through unfold windows that may not
-    cover their base (Note [Writes through unfold windows])."""
-    metas = torch._C._functionalization.get_view_meta_sequence(t.elem)
-    if not any(type(m).__name__ == "unfold_ViewMeta" for m in metas):
-        return False
-    if len(metas) != 1 or t._base is None:
-        return True
-    dim, size, step = metas[0].as_tuple()[-3:]
-    length = t._base.shape[dim]
-    return not isinstance(length, int) or step != size or length % size != 0
+# aot_function too). The tracing guard notes each unfold whose windows leave elements
+# uncovered (a step longer than the windows, or a last window short of the end; with symbolic
+# sizes a guard, or, unbacked, taken as uncovered) and refuses a write through a view made by
+# one of them. Windows that tile their dimension are written through as in eager.
+def unfold_gaps(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """``(dim, size, step)`` of an ``aten.unfold`` call whose windows leave elements of their
+    dimension uncovered, else None (Note [Writes through unfold windows])."""
+    t, dim, size, step = args[:4]
+    return (dim, size, step) if guard_or_true(step > size) or guard_or_true(
+        (t.shape[dim] - size) % step != 0) else None
+
+
+def through_unfold_gaps(t: torch.Tensor, gappy: set[tuple[Any, ...]]) -> bool:
+    """Whether ``t``, a functional tensor, is a view made through one of the ``gappy`` unfolds
+    (Note [Writes through unfold windows])."""
+    return bool(gappy) and any(
+        type(m).__name__ == "unfold_ViewMeta" and tuple(m.as_tuple()[-3:]) in gappy
+        for m in torch._C._functionalization.get_view_meta_sequence(t.elem))
 
 
 def written_by(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:

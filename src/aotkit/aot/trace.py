@@ -38,7 +38,8 @@ from aotkit.aot.ops import (
     in_eager_layout,
     may_not_cast_in_place,
     overlaps_itself,
-    unfold_leaves_gaps,
+    through_unfold_gaps,
+    unfold_gaps,
     writes_out_argument,
     written_by,
 )
@@ -337,6 +338,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.seeds: ReseedWatch | None = None  # None: reseeding is not refused
         self.refuse_inference_mode = False  # set by tracing()
         self.wrote = False  # whether an op wrote a tensor in place yet
+        self.gappy_unfolds: set[tuple[Any, ...]] = set()  # Note [Writes through unfold windows]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -362,6 +364,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self._check_grad_reads(func, args, kwargs, out)
         if func.is_view:
             self._track_views(args, kwargs, out)
+            if func is torch.ops.aten.unfold.default and (gaps := unfold_gaps(args)):
+                self.gappy_unfolds.add(gaps)
         return out
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
@@ -393,13 +397,12 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
-            if isinstance(t, FunctionalTensor) and unfold_leaves_gaps(t):
+            if isinstance(t, FunctionalTensor) and through_unfold_gaps(t, self.gappy_unfolds):
                 raise UnsupportedError(
                     f"{self.what} writes in place ({func}) through windows of unfold() that "
                     "leave elements of the unfolded tensor uncovered (a step longer than the "
-                    "windows, a last window short of the end) or that view further: the "
-                    "functional graph puts such writes back with zeros in every element no "
-                    "window reaches.\n"
+                    "windows, a last window short of the end): the functional graph puts such "
+                    "writes back with zeros in every element no window reaches.\n"
                     f"  at {current_user_line()}\n"
                     "Fix: clone() the windows before writing to them, or write to the "
                     "unfolded tensor itself (through indexing or as_strided).")
