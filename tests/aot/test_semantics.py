@@ -3044,6 +3044,27 @@ def test_parts_of_an_object_argument_keyed_by_identity_are_named():
     assert "Fix: pass such a value as an argument" in decision.why
 
 
+def test_a_recompile_reason_names_a_list_that_grew_deep_in_an_argument():
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(lr=0.1, log=SimpleNamespace(metrics={"loss": []}))
+    f = aotkit.aot_function(lambda x, t: x * t.lr, compilers.nop)
+    f(torch.ones(2), trainer)
+    trainer.log.metrics["loss"].append(1.0)
+    f(torch.ones(2), trainer)
+    [reason] = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reason == ("args[1].log.metrics['loss'] changed: a list of 0 item(s) -> "
+                      "a list of 1 item(s)")
+
+
+def test_a_parameter_list_past_the_key_limits_is_not_named():
+    from types import SimpleNamespace
+
+    holder = SimpleNamespace(params=[torch.zeros(1) for _ in range(100)], scale=2.0)
+    aotkit.aot_function(lambda x, h: x * h.scale, compilers.nop)(torch.ones(2), holder)
+    assert aotkit.explain().of_kind("identity_key") == []
+
+
 def _set_first(a, value):
     a[0] = value
 

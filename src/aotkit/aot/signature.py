@@ -82,7 +82,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # leave keyed by identity is named once per trace in an ``identity_key`` decision.
 _DEPTH = 5
 _ITEMS = 64
-_BUDGET = 256
+_BUDGET = 1024
 _OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.ModuleType, torch.nn.Module, torch.Generator)
 _PLAIN = frozenset({bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
@@ -153,9 +153,21 @@ class _Walk:
         self.cut = cut
 
     def cut_at(self, path: str | None, value: Any) -> _Identity:
-        if self.cut is not None and path is not None:
+        if self.cut is not None and path is not None and not _all_tensors(value):
             self.cut.append(path)
         return _Identity(value)
+
+
+def _all_tensors(value: Any) -> bool:
+    """A list or dict of tensors only (a parameter list), whose tensors a key holds by
+    identity anyway: not worth naming when cut."""
+    items = value.values() if isinstance(value, dict) else value
+    return isinstance(value, (list, tuple, dict)) and bool(items) and all(
+        isinstance(v, torch.Tensor) for v in items)
+
+
+def _item_text(key: Any) -> str:
+    return repr(key) if type(key) in (str, int, float, bool) else f"<{type(key).__name__}>"
 
 
 def _object_key(obj: Any, depth: int, walk: _Walk, path: str | None = None) -> _Object | _Identity:
@@ -187,7 +199,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
     if container and len(value) <= _ITEMS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         return (type(value), tuple((_attribute_key(k, depth + 1, walk),
-                                    _attribute_key(v, depth + 1, walk, path and f"{path}[{k!r}]"))
+                                    _attribute_key(v, depth + 1, walk,
+                                                   path and f"{path}[{_item_text(k)}]"))
                                    for k, v in items))
     if container:
         return walk.cut_at(path, value)
@@ -392,7 +405,9 @@ def _leaf_change(name: str, a: Any, b: Any) -> str:
             return f"{name} changed: {a.value} -> {b.value}"
         return f"{name} is another {type(b.value).__name__} object"
     if isinstance(a, _Contents) and isinstance(b, _Contents) and a[:2] == b[:2]:
-        return f"{name} is another {a[0].__name__} object (equal, but it may share its memory)"
+        return (f"{name} is another {a[0].__name__} object, with equal contents (a buffer is "
+                "keyed by identity too: the graph may hold a tensor sharing its memory; pass "
+                "torch.as_tensor(...) of it for one entry whatever the object)")
     if not (isinstance(a, tuple) and isinstance(b, tuple)):
         return f"{name} changed: {_show(a)} -> {_show(b)}"
     if _is_subclass_key(a) and _is_subclass_key(b) and a[0] == b[0]:
@@ -547,6 +562,8 @@ def _show(x: Any) -> str:
         return f"a {x[0].__name__} object"
     if isinstance(x, _Contents):
         return x[1]
+    if isinstance(x, tuple) and len(x) == 2 and x[0] in (list, tuple, dict):
+        return f"a {x[0].__name__} of {len(x[1])} item(s)"
     if isinstance(x, torch.Size):
         return str(tuple(x))
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], type):

@@ -242,10 +242,10 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)
     except Exception as exc:
+        error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode),
+                             from_dynamo=reseeds)  # reads the frames' locals: before clearing
         traceback.clear_frames(exc.__traceback__)  # Note [Dispatch keys after a failure]
         compat.set_python_dispatch_keys(dispatch_keys)
-        error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode),
-                             from_dynamo=reseeds)
         if error is exc:
             raise
         raise error from exc

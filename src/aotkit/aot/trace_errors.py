@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -260,7 +261,7 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "as a symbol with dynamic=True; or move the read out of the compiled function "
             "(torch.compile splits the graph there for you)."
         )
-    if from_dynamo:
+    if from_dynamo and _captures_data():
         return TraceError(
             f"{what} could not be traced: an op needs as a Python value a size or number "
             "Dynamo captured from tensor data as a symbol (torch._dynamo.config."
@@ -275,9 +276,16 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
         f"tensor data ({type(exc).__name__}: {first_line(exc)}).\n"
         f"  at {user_frame(exc)}\n"
         "Fix: express the branch with tensor ops (torch.where, torch.cond) or move the "
-        "data-dependent part out of the compiled function; torch.compile splits the graph "
-        "there for you."
+        "data-dependent part out of the compiled function"
+        f"{'' if from_dynamo else '; torch.compile splits the graph there for you'}."
     )
+
+
+def _captures_data() -> bool:
+    """Whether Dynamo is set to capture values read from data as symbols."""
+    dynamo = sys.modules.get("torch._dynamo.config")
+    return dynamo is not None and bool(
+        dynamo.capture_scalar_outputs or dynamo.capture_dynamic_output_shape_ops)
 
 
 def _data_dependent_result(op: Any) -> str:
