@@ -617,6 +617,7 @@ class AotFunction:
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
+        self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
         self._config_parts = options.config_parts
         # Inputs traced with static sizes under dynamic=True (Note [Static parameters]).
         self.static_sizes = frozenset(range(options.num_params_buffers) if static_sizes is None
@@ -708,7 +709,8 @@ class AotFunction:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = self._leaf_names(args, kwargs)
-        _record_identity_keys(leaves, names, self.name)
+        self._told_identity_keys = _record_identity_keys(leaves, names, self.name,
+                                                         self._told_identity_keys)
         _refuse_tensor_sets(leaves, names, self.name)
         _refuse_torch_function_overrides(leaves, names, self.name)
         tensors = [leaves[i] for i in positions]
@@ -822,11 +824,12 @@ def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> Unsupported
     )
 
 
-def _record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:
+def _record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str,
+                          told: frozenset[str]) -> frozenset[str]:
     """An ``identity_key`` decision for object arguments whose key stops short of some of
-    their values (Note [Objects as arguments])."""
+    their values (Note [Objects as arguments]), but those ``told`` already; all told now."""
     cut = [part for leaf, leaf_name in zip(leaves, names, strict=True)
-           for part in identity_keyed_parts(leaf, leaf_name)]
+           for part in identity_keyed_parts(leaf, leaf_name) if part not in told]
     if cut:
         more = f" and {len(cut) - 3} more" if len(cut) > 3 else ""
         counters.record(
@@ -835,6 +838,7 @@ def _record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str
             "an argument's key holds): a value changed in place there is not seen, and the "
             "graph keeps the one it traced. Fix: pass such a value as an argument of its own "
             "(a float, or a tensor if it changes at every call).", logger=log)
+    return told.union(cut)
 
 
 def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:

@@ -68,24 +68,35 @@ def overlaps_itself(t: torch.Tensor) -> bool:
 # ``unfold_backward``, a gradient's formula, which writes zeros wherever no window reaches:
 # ``y.unfold(0, 2, 2).mul_(10)`` of a y of 5 elements zeroed y[4], and steps longer than the
 # windows zeroed every gap, where eager leaves those elements as they were (PyTorch's
-# aot_function too). The tracing guard notes each unfold whose windows leave elements
-# uncovered (a step longer than the windows, or a last window short of the end; with symbolic
-# sizes a guard, or, unbacked, taken as uncovered) and refuses a write through a view made by
-# one of them. Windows that tile their dimension are written through as in eager.
-def unfold_gaps(args: Sequence[Any]) -> tuple[Any, ...] | None:
-    """``(dim, size, step)`` of an ``aten.unfold`` call whose windows leave elements of their
-    dimension uncovered, else None (Note [Writes through unfold windows])."""
+# aot_function too). The tracing guard notes the length each unfold splits, and a write
+# through a view made by an unfold of the same (dim, size, step) is refused if the windows
+# leave elements of that length uncovered (a step longer than the windows, or a last window
+# short of the end). Decided at the write, so an unfold only read adds no guard on symbolic
+# lengths; with unbacked ones the windows are taken to leave gaps. Windows that tile their
+# dimension are written through as in eager. Ops inside a higher-order op's body (a branch of
+# torch.cond) are not seen by the guard, so such a write there is not refused.
+UnfoldLengths = dict[tuple[Any, ...], list[Any]]
+
+
+def note_unfold(args: Sequence[Any], lengths: UnfoldLengths) -> None:
+    """Note the length an ``aten.unfold`` call splits (Note [Writes through unfold windows])."""
     t, dim, size, step = args[:4]
-    return (dim, size, step) if guard_or_true(step > size) or guard_or_true(
-        (t.shape[dim] - size) % step != 0) else None
+    lengths.setdefault((dim, size, step), []).append(t.shape[dim] if t.dim() else 1)
 
 
-def through_unfold_gaps(t: torch.Tensor, gappy: set[tuple[Any, ...]]) -> bool:
-    """Whether ``t``, a functional tensor, is a view made through one of the ``gappy`` unfolds
-    (Note [Writes through unfold windows])."""
-    return bool(gappy) and any(
-        type(m).__name__ == "unfold_ViewMeta" and tuple(m.as_tuple()[-3:]) in gappy
-        for m in torch._C._functionalization.get_view_meta_sequence(t.elem))
+def through_unfold_gaps(t: torch.Tensor, lengths: UnfoldLengths) -> bool:
+    """Whether ``t``, a functional tensor, is a view made by an unfold whose windows may leave
+    elements uncovered (Note [Writes through unfold windows])."""
+    if not lengths:
+        return False
+    for meta in torch._C._functionalization.get_view_meta_sequence(t.elem):
+        if type(meta).__name__ != "unfold_ViewMeta":
+            continue
+        _, size, step = key = tuple(meta.as_tuple()[-3:])
+        if any(guard_or_true(step > size) or guard_or_true((n - size) % step != 0)
+               for n in lengths.get(key, ())):
+            return True
+    return False
 
 
 def written_by(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:

@@ -79,10 +79,13 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # every call (a step counter) is a recompile each time, until the recompile limit names it.
 # Five levels reach a scheduler's ``trainer.opt.param_groups[0]["lr"]`` (at three, the lr was
 # keyed by its dict's identity and a changed lr silently kept the traced one); what the limits
-# leave keyed by identity is named once per trace in an ``identity_key`` decision.
+# leave keyed by identity is named in an ``identity_key`` decision (once per function and
+# part). A dict keyed by tensors (an optimizer's per-parameter ``state``) is keyed by identity
+# without being walked: its values are tensors a trace reads by identity anyway, and walking
+# them spent the 256 values before the optimizer's ``param_groups`` came.
 _DEPTH = 5
 _ITEMS = 64
-_BUDGET = 1024
+_BUDGET = 256
 _OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.ModuleType, torch.nn.Module, torch.Generator)
 _PLAIN = frozenset({bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
@@ -153,17 +156,9 @@ class _Walk:
         self.cut = cut
 
     def cut_at(self, path: str | None, value: Any) -> _Identity:
-        if self.cut is not None and path is not None and not _all_tensors(value):
+        if self.cut is not None and path is not None:
             self.cut.append(path)
         return _Identity(value)
-
-
-def _all_tensors(value: Any) -> bool:
-    """A list or dict of tensors only (a parameter list), whose tensors a key holds by
-    identity anyway: not worth naming when cut."""
-    items = value.values() if isinstance(value, dict) else value
-    return isinstance(value, (list, tuple, dict)) and bool(items) and all(
-        isinstance(v, torch.Tensor) for v in items)
 
 
 def _item_text(key: Any) -> str:
@@ -194,6 +189,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
     if isinstance(value, numbers.Number):  # numpy scalars
         return (kind, repr(value))
     container = isinstance(value, (list, tuple, dict))
+    if container and _keyed_by_tensors(value):  # an optimizer's state: per-tensor, not keyed
+        return _Identity(value)
     if depth >= _DEPTH or walk.left < 0:
         return walk.cut_at(path, value) if container or _plain_object(value) else _Identity(value)
     if container and len(value) <= _ITEMS:
@@ -207,6 +204,13 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
     if _plain_object(value):
         return _object_key(value, depth, walk, path)
     return _contents_key(value) or _Identity(value)
+
+
+def _keyed_by_tensors(value: Any) -> bool:
+    """A dict keyed by tensors (an optimizer's ``state``, per parameter): walking it would
+    spend a key's values on tensors held by identity anyway, before the values that change
+    (the optimizer's ``param_groups``, after it)."""
+    return isinstance(value, dict) and bool(value) and isinstance(next(iter(value)), torch.Tensor)
 
 
 def identity_keyed_parts(leaf: Any, name: str) -> list[str]:
@@ -562,7 +566,10 @@ def _show(x: Any) -> str:
         return f"a {x[0].__name__} object"
     if isinstance(x, _Contents):
         return x[1]
-    if isinstance(x, tuple) and len(x) == 2 and x[0] in (list, tuple, dict):
+    if isinstance(x, tuple) and len(x) == 2 and x[0] is dict:
+        keys = [_show(k).split(" ", 1)[-1] for k, _ in x[1][:8]]
+        return f"a dict with keys [{', '.join(keys)}{', ...' if len(x[1]) > 8 else ''}]"
+    if isinstance(x, tuple) and len(x) == 2 and x[0] in (list, tuple):
         return f"a {x[0].__name__} of {len(x[1])} item(s)"
     if isinstance(x, torch.Size):
         return str(tuple(x))

@@ -32,14 +32,15 @@ from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
     EagerOps,
+    UnfoldLengths,
     check_out_dtype,
     in_eager_devices,
     in_eager_indices,
     in_eager_layout,
     may_not_cast_in_place,
+    note_unfold,
     overlaps_itself,
     through_unfold_gaps,
-    unfold_gaps,
     writes_out_argument,
     written_by,
 )
@@ -244,7 +245,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     except Exception as exc:
         error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode),
                              from_dynamo=reseeds)  # reads the frames' locals: before clearing
-        traceback.clear_frames(exc.__traceback__)  # Note [Dispatch keys after a failure]
+        if reseeds:  # a Dynamo graph's frames: Note [Dispatch keys after a failure]
+            traceback.clear_frames(exc.__traceback__)
         compat.set_python_dispatch_keys(dispatch_keys)
         if error is exc:
             raise
@@ -338,7 +340,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.seeds: ReseedWatch | None = None  # None: reseeding is not refused
         self.refuse_inference_mode = False  # set by tracing()
         self.wrote = False  # whether an op wrote a tensor in place yet
-        self.gappy_unfolds: set[tuple[Any, ...]] = set()  # Note [Writes through unfold windows]
+        self.unfold_lengths: UnfoldLengths = {}  # Note [Writes through unfold windows]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -364,8 +366,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self._check_grad_reads(func, args, kwargs, out)
         if func.is_view:
             self._track_views(args, kwargs, out)
-            if func is torch.ops.aten.unfold.default and (gaps := unfold_gaps(args)):
-                self.gappy_unfolds.add(gaps)
+            if func is torch.ops.aten.unfold.default:
+                note_unfold(args, self.unfold_lengths)
         return out
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
@@ -397,7 +399,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
-            if isinstance(t, FunctionalTensor) and through_unfold_gaps(t, self.gappy_unfolds):
+            if isinstance(t, FunctionalTensor) and through_unfold_gaps(t, self.unfold_lengths):
                 raise UnsupportedError(
                     f"{self.what} writes in place ({func}) through windows of unfold() that "
                     "leave elements of the unfolded tensor uncovered (a step longer than the "
