@@ -219,6 +219,8 @@ def test_uninitialized_lazy_module_is_refused():
 def test_aot_module_wants_a_module():
     with pytest.raises(ArgumentError, match="aot_function"):
         aotkit.aot_module(lambda x: x, compilers.nop)
+    with pytest.raises(ArgumentError, match=r"TorchScript module(.|\n)*Fix: pass the eager"):
+        aotkit.aot_module(torch.jit.script(nn.Linear(2, 2)), compilers.nop)
 
 
 def test_tensor_attributes_set_in_forward_are_set_after_each_call():

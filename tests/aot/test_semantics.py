@@ -2166,6 +2166,8 @@ def test_a_decomposition_table_keyed_by_packets_is_refused():
         aotkit.aot_function(torch.sin, compilers.nop, decompositions={aten.gelu: torch.sin})
     with pytest.raises(ArgumentError, match="must be a mapping"):
         aotkit.aot_function(torch.sin, compilers.nop, decompositions=[aten.gelu.default])
+    with pytest.raises(ArgumentError, match=r"not functions: \['aten.sin.default: int'\]"):
+        aotkit.aot_function(torch.sin, compilers.nop, decompositions={aten.sin.default: 3})
     from aotkit.compilers import inductor  # overloads and higher-order ops: accepted
 
     aotkit.aot_function(torch.sin, compilers.nop, decompositions=inductor.decompositions)
@@ -2199,6 +2201,13 @@ def test_num_params_buffers_reaches_the_compilers():
     for bad in (-1, 1.5, "1", True):
         with pytest.raises(ArgumentError, match="num_params_buffers must be a non-negative int"):
             aotkit.aot_function(lambda w, x: x @ w, recording, num_params_buffers=bad)
+    # they count leading tensors: a leading number, or more inputs than there are, is refused
+    scaled = aotkit.aot_function(lambda n, w, x: w * x * n, recording, num_params_buffers=1)
+    with pytest.raises(ArgumentError, match=r"num_params_buffers=1, but its first 1 .*\['int'\]"):
+        scaled(3, torch.ones(4), torch.ones(4))
+    product = aotkit.aot_function(lambda w, x: w * x, recording, num_params_buffers=3)
+    with pytest.raises(ArgumentError, match=r"num_params_buffers=3, but its first 3"):
+        product(torch.ones(4), torch.ones(4))
 
 
 @pytest.mark.parametrize("flag", ["dynamic", "keep_inference_input_mutations"])
@@ -3166,3 +3175,26 @@ def test_a_view_eager_refuses_raises_a_runtime_error_as_in_eager():
         x.view(-1)
     with pytest.raises(aotkit.errors.TraceError, match=r"aten.view.default failed while tracing"):
         aotkit.aot_function(lambda t: t.view(-1), compilers.nop)(x)
+
+
+def _sine(x):
+    return x.sin()
+
+
+def test_a_called_compiled_function_pickles_and_compiles_anew():
+    import pickle
+
+    compiled = aotkit.aot_function(_sine, compilers.nop)
+    compiled(torch.ones(2))  # its entries hold compiled graphs, which do not pickle
+    loaded = pickle.loads(pickle.dumps(compiled))
+    assert loaded.num_entries == 0
+    torch.testing.assert_close(loaded(torch.ones(2)), torch.ones(2).sin())
+    assert copy.deepcopy(compiled).num_entries == 0
+
+
+@pytest.mark.parametrize("mod, args", [(lambda x: x, [torch.ones(2)]),
+                                       (nn.Linear(2, 2), torch.ones(3, 2))],
+                         ids=["a function", "a tensor for the list"])
+def test_aot_module_simplified_checks_its_arguments(mod, args):
+    with pytest.raises(ArgumentError, match=r"takes an nn.Module(.|\n)*Fix: pass \[x\]"):
+        aotkit.aot_module_simplified(mod, args, compilers.nop)

@@ -335,6 +335,11 @@ def test_make_boxed_compiler_of_a_compiler_returning_none_is_named() -> None:
         f(torch.randn(3, requires_grad=True))
 
 
+def test_make_boxed_compiler_of_a_one_argument_function_is_refused() -> None:
+    with pytest.raises(aotkit.errors.ArgumentError, match=r"its signature is <lambda>\(gm\)"):
+        aotkit.make_boxed_compiler(lambda gm: gm)
+
+
 def test_not_callable_compilers_and_functions_are_argument_errors() -> None:
     with pytest.raises(aotkit.errors.ArgumentError, match="fw_compiler must be callable"):
         aotkit.aot_function(_scaled_sine, None)  # type: ignore[arg-type]

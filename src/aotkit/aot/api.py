@@ -168,6 +168,12 @@ def _check_decompositions(table: Any) -> None:
             "overload (aten.gelu.default), or build the table with "
             "torch._decomp.get_decompositions([...]), which expands packets."
         )
+    not_callable = [f"{k}: {type(v).__name__}" for k, v in table.items() if not callable(v)]
+    if not_callable:
+        raise ArgumentError(
+            f"decompositions maps ops to values that are not functions: {not_callable[:3]}."
+            "\nFix: map each op overload to a function taking the op's arguments and returning "
+            "its result.")
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
@@ -690,8 +696,12 @@ class AotFunction:
     def __deepcopy__(self, memo: dict[int, Any]) -> AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
         hold compiler state that cannot be copied)."""
-        return AotFunction(self.fn, self.options, self.name, self._leaf_names, self._checked,
-                           self._own_modules)
+        return AotFunction(*self.__reduce__()[1])
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its function and options, compiled anew after loading."""
+        return AotFunction, (self.fn, self.options, self.name, self._leaf_names, self._checked,
+                             self._own_modules)
 
     # Note [Static parameters]
     # Under dynamic=True the leading num_params_buffers inputs (aot_module's parameters and
@@ -712,6 +722,7 @@ class AotFunction:
         self._told_identity_keys = _record_identity_keys(leaves, names, self.name,
                                                          self._told_identity_keys)
         _refuse_tensor_sets(leaves, names, self.name)
+        _check_params_buffers(self.options.num_params_buffers, leaves, self.name)
         _refuse_torch_function_overrides(leaves, names, self.name)
         tensors = [leaves[i] for i in positions]
         subclasses = any(map(is_subclass, tensors))
@@ -822,6 +833,18 @@ def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> Unsupported
         "a jagged tensor's graph, every raggedness with the same batch, total, shortest and "
         "longest length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
     )
+
+
+def _check_params_buffers(n: int, leaves: Sequence[Any], name: str) -> None:
+    """``num_params_buffers`` counts leading inputs that must be tensors: compilers are told
+    the first ``n`` graph inputs are parameters and buffers, and they keep static sizes."""
+    if n and (n > len(leaves) or not all(isinstance(t, torch.Tensor) for t in leaves[:n])):
+        found = [type(x).__name__ for x in leaves[:n]]
+        raise ArgumentError(
+            f"{name} was created with num_params_buffers={n}, but its first {n} flattened "
+            f"argument(s) are {found}, not {n} tensors: compilers would take other inputs "
+            "for parameters.\nFix: pass the parameters and buffers first, or set "
+            "num_params_buffers to how many of them lead the arguments.")
 
 
 def _record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str,
@@ -985,8 +1008,9 @@ def aot_function(
     Each new input signature (pytree structure, dtype, shape, stride, device, requires_grad,
     grad mode) is traced and compiled once; ``dynamic=True`` traces sizes symbolically so one
     entry serves every size that passes its shape guards. Non-tensor arguments are constants.
-    ``num_params_buffers`` says how many leading tensor inputs are parameters and buffers; the
-    forward and inference graphs carry it as ``gm.meta["num_params_buffers"]`` for compilers.
+    ``num_params_buffers`` says how many leading (flattened) arguments are parameters and
+    buffers, tensors all (an ``ArgumentError`` otherwise); the forward and inference graphs
+    carry it as ``gm.meta["num_params_buffers"]`` for compilers.
 
     Example::
 

@@ -116,6 +116,11 @@ def make_boxed_compiler(compiler: Compiler) -> Compiler:
     """
     _require_callable("make_boxed_compiler", compiler,
                       "a compiler, compiler(gm, example_inputs) -> callable")
+    if (refused := refused_call(compiler, 2)) is not None:
+        raise ArgumentError(
+            f"make_boxed_compiler wraps a compiler called as compiler(gm, example_inputs), "
+            f"but its signature is {refused}.\nFix: wrap a function of the graph module and "
+            "its example inputs returning a callable (lambda gm, inputs: gm.forward).")
 
     def boxed_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         compiled = compiler(gm, example_inputs)

@@ -775,6 +775,11 @@ def aot_module(
     if not isinstance(mod, nn.Module):
         raise ArgumentError(f"aot_module compiles an nn.Module, got {type(mod).__name__}.\n"
                             "Fix: use aotkit.aot_function for plain functions.")
+    if isinstance(mod, torch.jit.ScriptModule):
+        raise ArgumentError(
+            f"aot_module cannot compile a TorchScript module ({type(mod).__name__}): its "
+            "forward is TorchScript code, which aotkit does not trace.\nFix: pass the eager "
+            "nn.Module it was scripted from.")
     if isinstance(mod, nn.parallel.DistributedDataParallel):
         raise ArgumentError(
             "aot_module cannot compile DistributedDataParallel: its forward prepares the "

@@ -54,6 +54,11 @@ def aot_module_simplified(
     from torch._guards import detect_fake_mode
 
     hide_from_dynamo()  # Note [aotkit's code is not user code to Dynamo]: whatever compiler runs
+    if not isinstance(mod, nn.Module) or not isinstance(args, (list, tuple)):
+        raise ArgumentError(
+            "aot_module_simplified(mod, args, ...) takes an nn.Module (or GraphModule) and the "
+            f"list of its example inputs, got {type(mod).__name__} and {type(args).__name__}."
+            "\nFix: pass [x] for one input; use aotkit.aot_function for plain functions.")
     state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
     names = [n for n, _ in state]
     tensors = [t for _, t in state]
