@@ -246,7 +246,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode),
                              from_dynamo=reseeds)  # reads the frames' locals: before clearing
         if reseeds:  # a Dynamo graph's frames: Note [Dispatch keys after a failure]
-            traceback.clear_frames(exc.__traceback__)
+            _clear_frames(exc)
         compat.set_python_dispatch_keys(dispatch_keys)
         if error is exc:
             raise
@@ -257,6 +257,16 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
             guard.seeds.end()
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(node_meta)
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Free the locals of the frames ``exc`` and the exceptions it was raised from or during
+    passed through (Note [Dispatch keys after a failure])."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def tracing_active() -> bool:
