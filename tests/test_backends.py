@@ -157,6 +157,15 @@ def test_backend_is_registered_with_dynamo() -> None:
     assert torch._dynamo.lookup_backend("aotkit") is aotkit_nop
 
 
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run in a fresh interpreter; it must succeed."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def test_entry_point_works_without_importing_aotkit() -> None:
     code = (
         "import sys, torch\n"
@@ -164,10 +173,7 @@ def test_entry_point_works_without_importing_aotkit() -> None:
         "print(f(torch.ones(2)))\n"
         "print('aotkit' in sys.modules)\n"
     )
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_python(code)
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "tensor([2., 2.])"
     assert lines[1] == "True"  # loaded through the entry point, not by the command
@@ -899,11 +905,7 @@ def test_a_failed_trace_leaves_eager_working() -> None:
         "    print(type(e).__name__)\n"
         "print((torch.ones(2) + 1).tolist())\n"
     )
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["BackendCompilerFailed", "[2.0,", "2.0]"]
+    assert _run_python(code).stdout.split() == ["BackendCompilerFailed", "[2.0,", "2.0]"]
 
 
 def test_a_value_dynamo_captured_from_data_names_the_option() -> None:

@@ -18,8 +18,16 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
+from aotkit.aot.arguments import (
+    check_compiler_signature,
+    check_decompositions,
+    check_params_buffers,
+    record_identity_keys,
+    refuse_tensor_sets,
+    refuse_torch_function_overrides,
+)
 from aotkit.aot.bases import OverlapLayout, may_overlap
-from aotkit.aot.boxing import Compiler, compile_boxed, refused_call
+from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
@@ -30,13 +38,12 @@ from aotkit.aot.signature import (
     autocast_state,
     describe_change,
     differences,
-    identity_keyed_parts,
     leaf_names,
     signature,
 )
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
 from aotkit.aot.state import StateWatch
-from aotkit.aot.subclass import Boundary, is_subclass, overrides_torch_function
+from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.trace import (
     COMPILE_LOCK,
     Fallback,
@@ -116,8 +123,8 @@ class AotOptions:
                     "aotkit.min_cut_rematerialization_partition (partition_fn)."
                 )
             if role != "partition_fn" and value is not None:
-                _check_compiler_signature(role, value)
-        _check_decompositions(self.decompositions)
+                check_compiler_signature(role, value)
+        check_decompositions(self.decompositions)
         for flag in ("dynamic", "keep_inference_input_mutations"):
             value = getattr(self, flag)
             if not isinstance(value, bool):  # "False" would read as on
@@ -134,46 +141,6 @@ class AotOptions:
                 f"num_params_buffers must be a non-negative int, got {type(n).__name__} {n!r}.\n"
                 "Fix: pass how many leading arguments are parameters and buffers (0 if none)."
             )
-
-
-def _check_compiler_signature(role: str, compiler: Callable[..., Any]) -> None:
-    """A compiler is called as ``compiler(gm, example_inputs)``; one that cannot be (a factory
-    of compilers, ``lambda gm: gm``) would fail at the first call with a bare TypeError."""
-    refused = refused_call(compiler, 2)
-    if refused is not None:
-        raise ArgumentError(
-            f"{role} {refused.partition('(')[0]!r} cannot be called as compiler(gm, "
-            f"example_inputs): its signature is {refused}.\nFix: pass a function of the graph "
-            "module and its example inputs returning a callable (aotkit.compilers.nop); a "
-            "factory of compilers is called first (draw_graph_compile('graph')), and "
-            "memory_efficient_fusion wraps a function or module instead of compiling graphs.")
-
-
-def _check_decompositions(table: Any) -> None:
-    """A decomposition table maps op overloads (``aten.gelu.default``) to functions; a packet
-    key (``aten.gelu``) would never match a traced op and be ignored without a word."""
-    if table is None:
-        return
-    if not isinstance(table, Mapping):
-        raise ArgumentError(
-            f"decompositions must be a mapping from op overloads to functions, got "
-            f"{type(table).__name__}.\nFix: pass a dict such as "
-            "torch._decomp.get_decompositions([torch.ops.aten.gelu])."
-        )
-    bad = [k for k in table if not isinstance(k, torch._ops.OperatorBase)]
-    if bad:
-        raise ArgumentError(
-            f"decompositions has keys that are not op overloads: {bad[:3]}; traced ops are "
-            "overloads (aten.gelu.default), so these would never apply.\nFix: key each "
-            "overload (aten.gelu.default), or build the table with "
-            "torch._decomp.get_decompositions([...]), which expands packets."
-        )
-    not_callable = [f"{k}: {type(v).__name__}" for k, v in table.items() if not callable(v)]
-    if not_callable:
-        raise ArgumentError(
-            f"decompositions maps ops to values that are not functions: {not_callable[:3]}."
-            "\nFix: map each op overload to a function taking the op's arguments and returning "
-            "its result.")
 
 
 def compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, name: str,
@@ -719,11 +686,11 @@ class AotFunction:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = self._leaf_names(args, kwargs)
-        self._told_identity_keys = _record_identity_keys(leaves, names, self.name,
+        self._told_identity_keys = record_identity_keys(leaves, names, self.name,
                                                          self._told_identity_keys)
-        _refuse_tensor_sets(leaves, names, self.name)
-        _check_params_buffers(self.options.num_params_buffers, leaves, self.name)
-        _refuse_torch_function_overrides(leaves, names, self.name)
+        refuse_tensor_sets(leaves, names, self.name)
+        check_params_buffers(self.options.num_params_buffers, leaves, self.name)
+        refuse_torch_function_overrides(leaves, names, self.name)
         tensors = [leaves[i] for i in positions]
         subclasses = any(map(is_subclass, tensors))
         if subclasses and self.options.dynamic:
@@ -835,35 +802,6 @@ def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> Unsupported
     )
 
 
-def _check_params_buffers(n: int, leaves: Sequence[Any], name: str) -> None:
-    """``num_params_buffers`` counts leading inputs that must be tensors: compilers are told
-    the first ``n`` graph inputs are parameters and buffers, and they keep static sizes."""
-    if n and (n > len(leaves) or not all(isinstance(t, torch.Tensor) for t in leaves[:n])):
-        found = [type(x).__name__ for x in leaves[:n]]
-        raise ArgumentError(
-            f"{name} was created with num_params_buffers={n}, but its first {n} flattened "
-            f"argument(s) are {found}, not {n} tensors: compilers would take other inputs "
-            "for parameters.\nFix: pass the parameters and buffers first, or set "
-            "num_params_buffers to how many of them lead the arguments.")
-
-
-def _record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str,
-                          told: frozenset[str]) -> frozenset[str]:
-    """An ``identity_key`` decision for object arguments whose key stops short of some of
-    their values (Note [Objects as arguments]), but those ``told`` already; all told now."""
-    cut = [part for leaf, leaf_name in zip(leaves, names, strict=True)
-           for part in identity_keyed_parts(leaf, leaf_name) if part not in told]
-    if cut:
-        more = f" and {len(cut) - 3} more" if len(cut) > 3 else ""
-        counters.record(
-            "identity_key", name,
-            f"{', '.join(cut[:3])}{more} keyed by identity (past the levels, items or values "
-            "an argument's key holds): a value changed in place there is not seen, and the "
-            "graph keeps the one it traced. Fix: pass such a value as an argument of its own "
-            "(a float, or a tensor if it changes at every call).", logger=log)
-    return told.union(cut)
-
-
 def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     """The fake mode of a trace; ``symbols``: a ShapeEnv even with static sizes (a jagged
     tensor's ragged size is a symbol)."""
@@ -944,30 +882,6 @@ def _stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
 # Dynamo traces the override into its graph, so Dynamo's graphs run with subclass
 # __torch_function__ off (Dynamo gives outputs their subclass itself). Subclasses made of plain
 # tensors (Note [Tensor subclasses]) and nn.Parameter / nn.Buffer are traced as before.
-def _refuse_torch_function_overrides(leaves: Sequence[Any], names: Sequence[str],
-                                     name: str) -> None:
-    for leaf, where in zip(leaves, names, strict=False):
-        if isinstance(leaf, torch.Tensor) and overrides_torch_function(leaf):
-            raise UnsupportedError(
-                f"{name} was passed a tensor of subclass {type(leaf).__qualname__} as {where}, "
-                "which has its own __torch_function__, and a trace on fake tensors does not run "
-                "it: "
-                "the graph would compute without it.\nFix: use torch.compile(fn, "
-                "backend='aotkit'), whose Dynamo traces __torch_function__, or pass a plain "
-                "tensor (x.as_subclass(torch.Tensor)).")
-
-
-def _refuse_tensor_sets(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:
-    """A set is not a pytree container: tensors in it would be read as constants."""
-    for leaf, where in zip(leaves, names, strict=False):
-        if isinstance(leaf, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in leaf):
-            raise ArgumentError(
-                f"{name} was passed a {type(leaf).__name__} of tensors as {where}; sets have no "
-                "order, so aotkit cannot flatten them into graph inputs.\nFix: pass a list or "
-                "tuple of the tensors."
-            )
-
-
 def check_outputs(out: Any, flat: list[Any], name: str) -> None:
     """Raise OutputTypeError naming the first output that is not a tensor or simple value."""
     if all(isinstance(x, _OUTPUT_LEAVES) for x in flat):

@@ -1,0 +1,112 @@
+"""Checks of what the AOT entry points are given: compilers, decomposition tables, the
+parameter count, and arguments a trace cannot take; keys that stop short of an argument's
+values are recorded as ``identity_key`` decisions."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from aotkit import counters
+from aotkit.aot.boxing import refused_call
+from aotkit.aot.signature import identity_keyed_parts
+from aotkit.aot.subclass import overrides_torch_function
+from aotkit.errors import ArgumentError, UnsupportedError
+
+log = logging.getLogger("aotkit.aot")
+
+
+def check_compiler_signature(role: str, compiler: Callable[..., Any]) -> None:
+    """A compiler is called as ``compiler(gm, example_inputs)``; one that cannot be (a factory
+    of compilers, ``lambda gm: gm``) would fail at the first call with a bare TypeError."""
+    refused = refused_call(compiler, 2)
+    if refused is not None:
+        raise ArgumentError(
+            f"{role} {refused.partition('(')[0]!r} cannot be called as compiler(gm, "
+            f"example_inputs): its signature is {refused}.\nFix: pass a function of the graph "
+            "module and its example inputs returning a callable (aotkit.compilers.nop); a "
+            "factory of compilers is called first (draw_graph_compile('graph')), and "
+            "memory_efficient_fusion wraps a function or module instead of compiling graphs.")
+
+
+def check_decompositions(table: Any) -> None:
+    """A decomposition table maps op overloads (``aten.gelu.default``) to functions; a packet
+    key (``aten.gelu``) would never match a traced op and be ignored without a word."""
+    if table is None:
+        return
+    if not isinstance(table, Mapping):
+        raise ArgumentError(
+            f"decompositions must be a mapping from op overloads to functions, got "
+            f"{type(table).__name__}.\nFix: pass a dict such as "
+            "torch._decomp.get_decompositions([torch.ops.aten.gelu])."
+        )
+    bad = [k for k in table if not isinstance(k, torch._ops.OperatorBase)]
+    if bad:
+        raise ArgumentError(
+            f"decompositions has keys that are not op overloads: {bad[:3]}; traced ops are "
+            "overloads (aten.gelu.default), so these would never apply.\nFix: key each "
+            "overload (aten.gelu.default), or build the table with "
+            "torch._decomp.get_decompositions([...]), which expands packets."
+        )
+    not_callable = [f"{k}: {type(v).__name__}" for k, v in table.items() if not callable(v)]
+    if not_callable:
+        raise ArgumentError(
+            f"decompositions maps ops to values that are not functions: {not_callable[:3]}."
+            "\nFix: map each op overload to a function taking the op's arguments and returning "
+            "its result.")
+
+
+def check_params_buffers(n: int, leaves: Sequence[Any], name: str) -> None:
+    """``num_params_buffers`` counts leading inputs that must be tensors: compilers are told
+    the first ``n`` graph inputs are parameters and buffers, and they keep static sizes."""
+    if n and (n > len(leaves) or not all(isinstance(t, torch.Tensor) for t in leaves[:n])):
+        found = [type(x).__name__ for x in leaves[:n]]
+        raise ArgumentError(
+            f"{name} was created with num_params_buffers={n}, but its first {n} flattened "
+            f"argument(s) are {found}, not {n} tensors: compilers would take other inputs "
+            "for parameters.\nFix: pass the parameters and buffers first, or set "
+            "num_params_buffers to how many of them lead the arguments.")
+
+
+def record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str,
+                          told: frozenset[str]) -> frozenset[str]:
+    """An ``identity_key`` decision for object arguments whose key stops short of some of
+    their values (Note [Objects as arguments]), but those ``told`` already; all told now."""
+    cut = [part for leaf, leaf_name in zip(leaves, names, strict=True)
+           for part in identity_keyed_parts(leaf, leaf_name) if part not in told]
+    if cut:
+        more = f" and {len(cut) - 3} more" if len(cut) > 3 else ""
+        counters.record(
+            "identity_key", name,
+            f"{', '.join(cut[:3])}{more} keyed by identity (past the levels, items or values "
+            "an argument's key holds): a value changed in place there is not seen, and the "
+            "graph keeps the one it traced. Fix: pass such a value as an argument of its own "
+            "(a float, or a tensor if it changes at every call).", logger=log)
+    return told.union(cut)
+
+
+def refuse_torch_function_overrides(leaves: Sequence[Any], names: Sequence[str],
+                                     name: str) -> None:
+    for leaf, where in zip(leaves, names, strict=False):
+        if isinstance(leaf, torch.Tensor) and overrides_torch_function(leaf):
+            raise UnsupportedError(
+                f"{name} was passed a tensor of subclass {type(leaf).__qualname__} as {where}, "
+                "which has its own __torch_function__, and a trace on fake tensors does not run "
+                "it: "
+                "the graph would compute without it.\nFix: use torch.compile(fn, "
+                "backend='aotkit'), whose Dynamo traces __torch_function__, or pass a plain "
+                "tensor (x.as_subclass(torch.Tensor)).")
+
+
+def refuse_tensor_sets(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:
+    """A set is not a pytree container: tensors in it would be read as constants."""
+    for leaf, where in zip(leaves, names, strict=False):
+        if isinstance(leaf, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in leaf):
+            raise ArgumentError(
+                f"{name} was passed a {type(leaf).__name__} of tensors as {where}; sets have no "
+                "order, so aotkit cannot flatten them into graph inputs.\nFix: pass a list or "
+                "tuple of the tensors."
+            )
