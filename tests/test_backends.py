@@ -916,3 +916,20 @@ def test_a_value_dynamo_captured_from_data_names_the_option() -> None:
             Exception, match=r"captured from tensor data(.|\n)*capture_scalar_outputs"
             r"(.|\n)*Fix: turn that option off"):
         torch.compile(fn, backend="aotkit")(torch.randn(6, requires_grad=True), torch.tensor(0.3))
+
+
+def test_a_failed_trace_leaves_the_callers_exception_alone() -> None:
+    """Note [Dispatch keys after a failure]: freeing the failed trace's frames went on into
+    the exception the caller was handling when it called, and cleared its locals."""
+
+    def inner() -> None:
+        secret = 1  # noqa: F841 - read through the traceback
+        raise ValueError
+
+    compiled = torch.compile(lambda y: y.unfold(0, 2, 3).mul_(10), backend="aotkit")
+    try:
+        inner()
+    except ValueError as handled:
+        with pytest.raises(Exception, match="windows of unfold"):
+            compiled(torch.arange(5.0))
+        assert handled.__traceback__.tb_next.tb_frame.f_locals == {"secret": 1}

@@ -3066,24 +3066,40 @@ def test_a_recompile_reason_names_a_list_that_grew_deep_in_an_argument():
                       "a list of 1 item(s)")
 
 
-def test_an_lr_behind_two_optimizers_states_is_keyed():
-    """An optimizer's per-parameter state is not walked: it used up a key's values before the
-    second optimizer's param_groups, whose lr a scheduler changed unseen."""
+def test_an_lr_beside_an_optimizers_state_is_keyed():
+    """An optimizer's per-parameter state is walked after its param_groups: walked first, it
+    used up a key's values, and a scheduler's change of lr was not seen."""
     from types import SimpleNamespace
 
-    def optimizer():
-        params = [torch.nn.Parameter(torch.randn(2)) for _ in range(64)]
-        opt = torch.optim.Adam(params, lr=0.1, amsgrad=True)
-        for p in params:
-            p.grad = torch.ones(2)
-        opt.step()
-        return opt
-
-    trainer = SimpleNamespace(opt_g=optimizer(), opt_d=optimizer())
-    scale = aotkit.aot_function(lambda x, t: x * t.opt_d.param_groups[0]["lr"], compilers.nop)
+    params = [torch.nn.Parameter(torch.randn(2)) for _ in range(64)]
+    opt = torch.optim.Adam(params, lr=0.1, amsgrad=True)
+    for p in params:
+        p.grad = torch.ones(2)
+    opt.step()
+    trainer = SimpleNamespace(opt=opt)
+    scale = aotkit.aot_function(lambda x, t: x * t.opt.param_groups[0]["lr"], compilers.nop)
     scale(torch.ones(1), trainer)
-    trainer.opt_d.param_groups[0]["lr"] = 0.05
+    opt.param_groups[0]["lr"] = 0.05
     torch.testing.assert_close(scale(torch.ones(1), trainer), torch.full((1,), 0.05))
+    # what the key's values did not reach is named
+    [decision] = aotkit.explain().of_kind("identity_key")
+    assert decision.why.startswith("args[1].opt.state[<Parameter>]")
+
+
+def test_values_in_a_tensor_keyed_dict_of_an_argument_are_keyed():
+    class Optimizer:  # per-parameter state, as torch.optim keeps it
+        pass
+
+    p, x = torch.zeros(2), torch.ones(2)
+    opt = Optimizer()
+    opt.state = {p: {"step": 0, "buf": torch.ones(2)}}
+    f = aotkit.aot_function(lambda o, x: x * o.state[p]["buf"] * (o.state[p]["step"] + 1),
+                            compilers.nop)
+    torch.testing.assert_close(f(opt, x), torch.ones(2))
+    opt.state[p]["step"] = 1
+    torch.testing.assert_close(f(opt, x), torch.full((2,), 2.0))
+    opt.state[p]["buf"] = torch.full((2,), 5.0)
+    torch.testing.assert_close(f(opt, x), torch.full((2,), 10.0))
 
 
 def _set_first(a, value):

@@ -3,6 +3,7 @@ does, and debug_nop catches a node whose real layout differs from its traced one
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -338,6 +339,17 @@ def test_make_boxed_compiler_of_a_compiler_returning_none_is_named() -> None:
 def test_make_boxed_compiler_of_a_one_argument_function_is_refused() -> None:
     with pytest.raises(aotkit.errors.ArgumentError, match=r"its signature is <lambda>\(gm\)"):
         aotkit.make_boxed_compiler(lambda gm: gm)
+
+    def configured(gm: fx.GraphModule, inputs: Any, option: str) -> Any:
+        return gm.forward
+
+    @functools.wraps(configured)  # its own signature counts, not the wrapped one's
+    def wrapper(gm: fx.GraphModule, inputs: Any) -> Any:
+        return configured(gm, inputs, "x")
+
+    f = aotkit.aot_function(_scaled_sine, aotkit.make_boxed_compiler(wrapper))
+    x = torch.randn(3)
+    torch.testing.assert_close(f(x), _scaled_sine(x))
 
 
 def test_not_callable_compilers_and_functions_are_argument_errors() -> None:

@@ -19,7 +19,7 @@ def refused_call(fn: Callable[..., Any], num_args: int) -> str | None:
     """``fn``'s name and signature where it cannot be called with ``num_args`` positional
     arguments (a compiler of the wrong kind), else None (also where it has no signature)."""
     try:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn, follow_wrapped=False)  # a wrapper's own, not its target's
     except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
         return None
     try:

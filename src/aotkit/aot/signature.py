@@ -80,9 +80,9 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # Five levels reach a scheduler's ``trainer.opt.param_groups[0]["lr"]`` (at three, the lr was
 # keyed by its dict's identity and a changed lr silently kept the traced one); what the limits
 # leave keyed by identity is named in an ``identity_key`` decision (once per function and
-# part). A dict keyed by tensors (an optimizer's per-parameter ``state``) is keyed by identity
-# without being walked: its values are tensors a trace reads by identity anyway, and walking
-# them spent the 256 values before the optimizer's ``param_groups`` came.
+# part). A dict keyed by tensors (an optimizer's per-parameter ``state``) is walked after the
+# object's other attributes: walked first, it spent the 256 values before the optimizer's
+# ``param_groups`` came, and a changed lr was not seen.
 _DEPTH = 5
 _ITEMS = 64
 _BUDGET = 256
@@ -169,9 +169,11 @@ def _object_key(obj: Any, depth: int, walk: _Walk, path: str | None = None) -> _
     attributes = vars(obj)
     if len(attributes) > walk.left:
         return walk.cut_at(path, obj)
+    # Per-tensor state last (an optimizer's ``state`` before its ``param_groups``).
+    ordered = sorted(attributes.items(), key=lambda item: _keyed_by_tensors(item[1]))
     return _Object((type(obj), len(attributes), tuple(
         (name, _attribute_key(value, depth + 1, walk, path and f"{path}.{name}"))
-        for name, value in attributes.items())))
+        for name, value in ordered)))
 
 
 def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None) -> Any:
@@ -189,8 +191,6 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
     if isinstance(value, numbers.Number):  # numpy scalars
         return (kind, repr(value))
     container = isinstance(value, (list, tuple, dict))
-    if container and _keyed_by_tensors(value):  # an optimizer's state: per-tensor, not keyed
-        return _Identity(value)
     if depth >= _DEPTH or walk.left < 0:
         return walk.cut_at(path, value) if container or _plain_object(value) else _Identity(value)
     if container and len(value) <= _ITEMS:
@@ -207,9 +207,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
 
 
 def _keyed_by_tensors(value: Any) -> bool:
-    """A dict keyed by tensors (an optimizer's ``state``, per parameter): walking it would
-    spend a key's values on tensors held by identity anyway, before the values that change
-    (the optimizer's ``param_groups``, after it)."""
+    """A dict keyed by tensors (an optimizer's ``state``, per parameter): walked after an
+    object's other attributes, so that it does not spend a key's values before them."""
     return isinstance(value, dict) and bool(value) and isinstance(next(iter(value)), torch.Tensor)
 
 

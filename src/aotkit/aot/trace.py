@@ -12,6 +12,7 @@ import contextvars
 import functools
 import itertools
 import logging
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -221,6 +222,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
     not refused (Note [Global state the function leaves changed])."""
     _quiet_fake_failures()
     dispatch_keys = compat.python_dispatch_keys()  # before enable_python_dispatcher() sets one
+    handled = sys.exc_info()[1]  # the caller's exception, if the call is made while handling one
     python = fallback == "python_dispatcher" or _symbolic(mode)
     dispatcher = enable_python_dispatcher() if python else contextlib.nullcontext()
     onednn = onednn_off() if fallback == "onednn_off" else contextlib.nullcontext()
@@ -246,7 +248,7 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         error = traced_error(what, exc, static=mode.shape_env is None, symbolic=_symbolic(mode),
                              from_dynamo=reseeds)  # reads the frames' locals: before clearing
         if reseeds:  # a Dynamo graph's frames: Note [Dispatch keys after a failure]
-            _clear_frames(exc)
+            _clear_frames(exc, handled)
         compat.set_python_dispatch_keys(dispatch_keys)
         if error is exc:
             raise
@@ -259,11 +261,12 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         fx_traceback.current_meta.update(node_meta)
 
 
-def _clear_frames(exc: BaseException) -> None:
+def _clear_frames(exc: BaseException, handled: BaseException | None) -> None:
     """Free the locals of the frames ``exc`` and the exceptions it was raised from or during
-    passed through (Note [Dispatch keys after a failure])."""
+    passed through, up to ``handled``, the caller's own (Note [Dispatch keys after a
+    failure])."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and exc is not handled and id(exc) not in seen:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
