@@ -57,6 +57,22 @@ def assert_write_through(out: torch.Tensor, x: torch.Tensor) -> None:
     assert (x != before).any(), "writing into the output did not change the input"
 
 
+class AccumulateInBackward(torch.autograd.Function):
+    """Doubles ``x``; its backward adds the gradient's sum into ``stats``, which it saved (a
+    running statistic the backward writes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(stats)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (stats,) = ctx.saved_tensors
+        stats.add_(grad.sum())
+        return grad * 2, None
+
+
 def storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.aot.eager_check import check_against_eager, rand
+from tests.aot.eager_check import AccumulateInBackward, check_against_eager, rand
 
 import aotkit
 from aotkit import compilers
@@ -242,20 +242,8 @@ def test_an_input_the_backward_writes_beside_one_it_overlaps_that_requires_grad(
     """Only inputs the backward writes overlapping each other need one base: this one, beside a
     view of a leaf requiring grad with no common base, was refused."""
 
-    class Accumulate(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, stats):
-            ctx.save_for_backward(stats)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            (stats,) = ctx.saved_tensors
-            stats.add_(grad.sum())
-            return grad * 2, None
-
     def fn(x, stats):
-        return Accumulate.apply(x, stats).sin()
+        return AccumulateInBackward.apply(x, stats).sin()
 
     results = []
     for f in (fn, aotkit.aot_function(fn, compilers.nop)):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from eager_check import (
+    AccumulateInBackward,
     RecordingCompiler,
     assert_write_through,
     check_against_eager,
@@ -896,19 +897,7 @@ def test_an_input_the_backward_writes_is_released_with_the_saved_tensors() -> No
     """Kept on ctx by reference, it outlived backward() while the caller kept the loss."""
     import weakref
 
-    class Save(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, stats):
-            ctx.save_for_backward(stats)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            (stats,) = ctx.saved_tensors
-            stats.add_(grad.sum())
-            return grad * 2, None
-
-    f = aotkit.aot_function(lambda x, s: Save.apply(x, s), compilers.nop)
+    f = aotkit.aot_function(lambda x, s: AccumulateInBackward.apply(x, s), compilers.nop)
     x, base = torch.ones(3, requires_grad=True), torch.zeros(1000, 1000)
     loss = f(x, base[0]).sum()
     loss.backward()
