@@ -2342,6 +2342,34 @@ def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
     assert "CPU autocast changed: torch.bfloat16 -> torch.float16" in str(aotkit.explain())
 
 
+def test_compilers_run_outside_the_callers_autocast():
+    """A compiler that runs the graph while compiling (Inductor propagates fake tensors through
+    it) sees the traced dtypes: the caller's autocast is not applied on top of the casts the
+    graph already holds. See Note [Compiling outside autocast]."""
+    seen: dict[str, tuple[list[torch.dtype], list[torch.dtype]]] = {}
+
+    def running_compiler(name):
+        def compile_(gm, example_inputs):
+            traced = [n.meta["val"].dtype for n in gm.graph.output_node().args[0] if n]
+            seen[name] = (traced, [o.dtype for o in gm(*example_inputs) if o is not None])
+            return gm
+        return compile_
+
+    def f(x, w):
+        with torch.autocast("cpu", enabled=False):
+            full = x @ w
+        return full @ w, full
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    g = aotkit.aot_function(f, running_compiler("forward"), running_compiler("backward"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, full = g(x, w)
+        (out.float().sum() + full.sum()).backward()
+    assert (out.dtype, full.dtype) == (torch.bfloat16, torch.float32)
+    for name, (traced, ran) in seen.items():
+        assert ran == traced, name
+    assert torch.float32 in seen["forward"][0] and torch.float32 in seen["backward"][0]
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compiled_function_does_not_keep_the_first_calls_tensors(dynamic):
     import gc

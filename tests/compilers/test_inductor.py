@@ -199,6 +199,41 @@ def test_saved_activations_keep_traced_strides_under_layout_optimization() -> No
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
 
 
+class _AttentionWithDropout(torch.nn.Module):
+    """scaled_dot_product_attention's CPU math path computes in float32 under bfloat16 autocast
+    and casts back: the graph holds float32 matmuls autocast would cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.out(attn.transpose(1, 2).reshape(2, 8, 16))
+
+
+def test_first_call_under_autocast_compiles_the_traced_dtypes() -> None:
+    """The first call compiles under the caller's autocast; Inductor must see the graph's own
+    casts only (it planned bfloat16 buffers as float32 and failed with "mat1 and mat2 must have
+    the same dtype"). See Note [Compiling outside autocast]."""
+    torch.manual_seed(0)
+    model, reference = _AttentionWithDropout(), _AttentionWithDropout()
+    reference.load_state_dict(model.state_dict())
+    compiled = aotkit_inductor(model)
+    x, outs = torch.randn(2, 8, 16), []
+    with inductor_config.patch(fallback_random=True):  # eager's dropout numbers
+        for m in (compiled, reference):
+            torch.manual_seed(1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(m(x))
+            outs[-1].float().pow(2).sum().backward()
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
+
+
 def test_graph_without_inductor_decompositions_is_refused() -> None:
     f = aotkit.aot_function(lambda x: torch.nn.functional.gelu(x), inductor)
     with pytest.raises(CompilerError, match=r"(?s)aten.gelu.default.*decompositions=inductor"):

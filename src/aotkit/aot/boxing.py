@@ -155,7 +155,8 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
     (Note [Checking what compiled graphs return])."""
     name = getattr(compiler, "__name__", type(compiler).__name__)
     try:
-        compiled = compiler(gm, list(example_inputs))
+        with torch._C._DisableAutocast():  # Note [Compiling outside autocast]
+            compiled = compiler(gm, list(example_inputs))
     except AotkitError:
         raise  # the compiler's own error already says what to fix
     except OSError as exc:  # a dumping compiler's folder (debug_dir, graph_dumper_aot)
@@ -181,6 +182,15 @@ def compile_boxed(compiler: Compiler, gm: fx.GraphModule, example_inputs: Sequen
                if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)]
     return _checked(make_boxed_func(compiled), len(outputs), tensors, name, what)
 
+
+# Note [Compiling outside autocast]
+# A graph traced under torch.autocast holds autocast's casts as ops of its own, and runs with
+# autocast off (the runtime's _DisableAutocast). A first call, or a first backward, under
+# autocast compiles the graph inside that region, and a compiler that runs the graph's ops
+# while it compiles (Inductor propagates fake tensors through it) had them cast a second time:
+# a float32 bmm that the traced graph keeps in float32 came out bfloat16 in Inductor's plan, its
+# buffers got the wrong dtypes, and the generated code failed ("mat1 and mat2 must have the
+# same dtype"). Compilers therefore run with autocast off too.
 
 # Note [Checking what compiled graphs return]
 # The runtime slices a compiled graph's result by position (user outputs, saved tensors, saved
