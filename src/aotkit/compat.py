@@ -14,15 +14,21 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
+# What fake tensors raise for tensors on two devices: a RuntimeError subclass from 2.13 on.
+FakeTensorDeviceMismatchError: type[RuntimeError] = getattr(
+    fake_tensor, "FakeTensorDeviceMismatchError", RuntimeError)
+
 __all__ = [
     "TORCH_VERSION",
     "FakeTensor",
+    "FakeTensorDeviceMismatchError",
     "FakeTensorMode",
     "FunctionalTensor",
     "FunctionalTensorMode",

@@ -335,6 +335,34 @@ def test_leaves_made_inside_come_back_as_leaves(grad):
         torch.testing.assert_close(results[1], results[0])
 
 
+_PARAMETERS_MADE_INSIDE = {
+    "fresh": lambda x: (nn.Parameter(x.detach() * 2), x * 3),
+    "without grad": lambda x: (nn.Parameter(x * 2, requires_grad=False), x * 3),
+    "of the input": lambda x: (nn.Parameter(x), x * 3),
+}
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("make", _PARAMETERS_MADE_INSIDE.values(), ids=_PARAMETERS_MADE_INSIDE.keys())
+def test_parameters_made_inside_come_back_as_parameters(make, grad):
+    """Eager returns an nn.Parameter, which a module registers when assigned; it came back a
+    plain tensor. Note [Leaves made inside]."""
+    compiled = aotkit.aot_function(make, compilers.nop)
+    results = []
+    for f in (make, compiled):
+        torch.manual_seed(0)
+        x = rand(3, grad=True)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            param, _ = f(x)
+        holder = nn.Module()
+        holder.p = param
+        assert list(holder.parameters()) == [param]
+        shared = param.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        results.append((param.detach().clone(), param.requires_grad, param.is_leaf, shared))
+    assert results[1][1:] == results[0][1:]
+    torch.testing.assert_close(results[1][0], results[0][0])
+
+
 def test_output_computed_from_a_leaf_made_inside_is_refused():
     """Eager's backward through ``feat.sin()`` fills the returned leaf's .grad: the graph
     cannot, so this is refused rather than losing that gradient."""
@@ -1578,6 +1606,41 @@ def test_an_op_failing_on_fake_tensors_is_one_trace_error_without_a_logged_trace
             pytest.raises(TraceError, match=r"aten\.mm\.default failed while tracing"):
         f(rand(2, 4, grad=True), rand(3, 3))
     assert not [r for r in caplog.records if "failed while attempting" in r.getMessage()]
+
+
+def test_an_op_rejecting_a_meta_and_a_cpu_tensor_on_fakes_is_a_trace_error_naming_the_line():
+    """Eager's mm takes a meta and a CPU tensor; fake tensors refuse the pair with an error of
+    their own, which came through raw."""
+    f = aotkit.aot_function(lambda x, w: x @ w, compilers.nop)
+    with pytest.raises(TraceError, match=r"aten\.mm\.default failed while tracing(.|\n)*"
+                                         r"meta and cpu(.|\n)*lambda x, w: x @ w"):
+        f(torch.empty(2, 3, device="meta"), rand(3, 4))
+
+
+@pytest.mark.parametrize("fn", [lambda a, x: torch.igamma(a, x),
+                                lambda a, x: torch.special.zeta(a + 1, x)], ids=["igamma", "zeta"])
+def test_an_op_without_a_derivative_for_an_input_requiring_grad_names_the_fix(fn):
+    """Eager raises only when a backward reaches the missing derivative; the joint trace needs
+    it at the call. A raw NotImplementedError came through."""
+    a, x = rand(3, grad=True) + 1, rand(3) + 1
+    with pytest.raises(UnsupportedError, match=r"no derivative for an input requiring grad "
+                                               r"(.|\n)*Fix: pass that input detached"):
+        aotkit.aot_function(fn, compilers.nop)(a, x)
+    compiled, detached = aotkit.aot_function(fn, compilers.nop), a.detach()
+    torch.testing.assert_close(compiled(detached, x), fn(detached, x), equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_closed_over_csr_matrix_is_refused_naming_the_coo_layout():
+    """Fake tensors cannot run mm on a compressed sparse layout; the generic advice about
+    shape-only kernels did not apply. A COO matrix works."""
+    dense = torch.eye(4) * 2
+    csr, coo = dense.to_sparse_csr(), dense.to_sparse()
+    x = rand(4, 3)
+    with pytest.raises(UnsupportedError, match=r"compressed layout(.|\n)*at .*lambda x: csr @ x"
+                                               r"(.|\n)*Fix: .*to_sparse_coo"):
+        aotkit.aot_function(lambda x: csr @ x, compilers.nop)(x)
+    torch.testing.assert_close(aotkit.aot_function(lambda x: coo @ x, compilers.nop)(x), dense @ x)
 
 
 def test_numpy_inside_is_a_trace_error_naming_the_line():

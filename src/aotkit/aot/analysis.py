@@ -111,6 +111,8 @@ class OutputInfo:
     is_view: bool = True
     # Placed by replaying its view ops on its input (Note [Views of inputs with gaps]).
     replay_only: bool = False
+    # Made by nn.Parameter(...) inside: eager returns a Parameter (Note [Leaves made inside]).
+    is_param: bool = False
 
     @property
     def made_leaf(self) -> bool:
@@ -630,6 +632,8 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     _check_leaves_made_inside(infos, f_outs)
+    infos = [dataclasses.replace(info, is_param=True) if isinstance(out, torch.nn.Parameter)
+             else info for info, out in zip(infos, f_outs, strict=True)]
     return infos, bases
 
 
@@ -640,7 +644,9 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # output back as a fresh leaf of its own (a non-differentiable graph output, detached and set to
 # require grad), the gradient the caller reads landing in its ``.grad``. If another output is
 # computed from it (``feat.sin()``), eager's backward through that output fills the leaf's
-# ``.grad`` too, which the graph cannot do (the leaf is no graph input): refused.
+# ``.grad`` too, which the graph cannot do (the leaf is no graph input): refused. A leaf made
+# by ``nn.Parameter(...)`` comes back as a Parameter, as eager's does (assigned to a module,
+# it registers as one).
 def _check_leaves_made_inside(infos: list[OutputInfo], f_outs: list[Any]) -> None:
     leaves = {id(f_outs[k]): k for k, o in enumerate(infos) if o.made_leaf}
     if not leaves:

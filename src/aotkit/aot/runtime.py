@@ -88,7 +88,8 @@ class CompiledGraphs:
                                  if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
-            o.alias is Alias.NONE and not o.fresh_leaf for o in self.meta.outputs
+            o.alias is Alias.NONE and not o.fresh_leaf and not o.is_param
+            for o in self.meta.outputs
         ) and len(graph_outputs) == self.num_fw_outputs
         # See Note [Replaying views]: only graphs returning views need view functions recorded.
         self.returns_views = any(o.alias in _VIEW_ALIASES for o in self.meta.outputs)
@@ -586,6 +587,8 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
             results.append(regenerate_view(view, out, info, graphs.name))
         else:
             results.append(regenerate_view(_ViewSource(bases[info.base]), out, info, graphs.name))
+        if info.is_param:
+            results[-1] = torch.nn.Parameter(results[-1], requires_grad=results[-1].requires_grad)
     return results
 
 

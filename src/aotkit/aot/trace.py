@@ -53,6 +53,7 @@ from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.aot.trace_errors import first_line, op_failed, traced_error
 from aotkit.compat import (
     FakeTensor,
+    FakeTensorDeviceMismatchError,
     FakeTensorMode,
     FunctionalTensor,
     FunctionalTensorMode,
@@ -523,7 +524,9 @@ class _OutsideTensorGuard(TorchDispatchMode):
         except RuntimeError as exc:
             generator = any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs)))
             if not (self.dynamic and generator and "concrete" in str(exc)):
-                if type(exc) is RuntimeError:  # a kernel's own check: see trace_errors._runtime_error
+                # a kernel's own check, or fake tensors' stricter one of devices (eager's mm
+                # takes a meta and a CPU tensor): see trace_errors._runtime_error
+                if type(exc) in (RuntimeError, FakeTensorDeviceMismatchError):
                     exc._aotkit_failed = (func, current_user_line())  # type: ignore[attr-defined]
                 raise
             raise UnsupportedError(

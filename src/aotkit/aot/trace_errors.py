@@ -96,6 +96,8 @@ def _raised_in_torch(exc: BaseException) -> bool:
 
 
 def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
+    if _NO_DERIVATIVE.search(str(exc)):
+        return _no_derivative(what, exc)
     if "no rule registered for HOP" in str(exc) and "FunctionalTensor" in str(exc):
         return UnsupportedError(  # PyTorch's aot_function raises the same
             f"{what} calls a higher-order op (torch.cond, torch.while_loop) that autograd "
@@ -111,9 +113,25 @@ def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
         "generator (seeded with torch.manual_seed), or use torch >= 2.13.")
 
 
+# "the derivative for 'igamma: input' is not implemented." (a formula's missing part);
+# "derivative for aten::_scaled_mm is not implemented" (an op without a formula)
+_NO_DERIVATIVE = re.compile(r"derivative for \S.* is not implemented")
+
+
+def _no_derivative(what: str, exc: Exception) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what} calls an op that has no derivative for an input requiring grad "
+        f"({first_line(exc)}). aotkit traces the backward of the whole function when it is "
+        "called, so it needs every derivative there; eager raises only if a backward reaches "
+        "the op.\nFix: pass that input detached (x.detach()) or compute the op under "
+        "torch.no_grad() where its gradient is not needed.")
+
+
 def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
     """The error a RuntimeError raised while tracing becomes: one that says what to change where
     we know the cause, else ``exc`` itself."""
+    if _NO_DERIVATIVE.search(str(exc)):
+        return _no_derivative(what, exc)
     if is_nested_compile_refusal(exc):
         return UnsupportedError(
             f"{what} calls a function or module compiled with torch.compile; aotkit cannot "
@@ -179,6 +197,14 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "functionalization, which aotkit traces with, cannot rebuild such a tensor from "
             f"the written part.\n  at {where}\nFix: clone() the window before writing to it, "
             "or write to the tensor it was made from.")
+    if failed is not None and re.search(r"Sparse (CSR|CSC|BSR|BSC|Compressed).* do not have strides",
+                                        str(exc)):
+        return UnsupportedError(
+            f"{what} calls {failed[0]} on a sparse tensor of a compressed layout (CSR, CSC, "
+            "BSR, BSC); fake tensors, which aotkit traces with, cannot "
+            f"run that op on such a layout ({first_line(exc)}).\n  at {failed[1]}\nFix: keep "
+            "the matrix in COO layout (A.to_sparse_coo()), or use torch.compile(fn, "
+            "backend='aotkit').")
     if failed is not None and "unresolved conjugated tensors" in str(exc):
         return _read_after_conj_write(what, failed[1], exc)
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
