@@ -137,8 +137,25 @@ def ddp_over_aot_module(rank: int) -> dict[str, Any]:
     return train(model, loss_backward, rank, 64)
 
 
+def fsdp2_over_aot_module(rank: int) -> dict[str, Any]:
+    """FSDP2 shards the compiled layers (its hooks run around their calls); aot_module over a
+    sharded model is refused, naming this."""
+    try:
+        aotkit.aot_module(fsdp2(8), aotkit.compilers.nop)
+    except aotkit.errors.ArgumentError as exc:
+        assert "fully_shard(aot_module(layer" in str(exc)
+    else:
+        raise AssertionError("aot_module over an FSDP2 model was not refused")
+    torch.manual_seed(0)
+    model = Net(64)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = fully_shard(aotkit.aot_module(layer, aotkit.compilers.nop), mesh=mesh)
+    return train(fully_shard(model, mesh=mesh), loss_backward, rank, 64)
+
+
 SCENARIOS = [ddp_compile, ddp_compiled_autograd, ddp_compile_and_compiled_autograd,
-             fsdp2_compiled_autograd, ddp_over_aot_module]
+             fsdp2_compiled_autograd, ddp_over_aot_module, fsdp2_over_aot_module]
 
 
 def main(rank: int, world: int, store_file: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import aotkit
 from aotkit.counters import counters
@@ -432,22 +433,34 @@ def _dropped(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.dropout(x, 0.5) * 3
 
 
-def test_nested_compile_region_with_dropout_called_twice_matches_eager() -> None:
-    """Note [Nested compile regions are inlined]: the backward reuses each call's mask (it drew
-    fresh masks when the region's backward subgraph recomputed it)."""
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return _dropped(x) + _dropped(x) * 2
+def _regions_side_by_side(x: torch.Tensor) -> torch.Tensor:
+    return _dropped(x) + _dropped(x) * 2
 
+
+def _regions_in_a_checkpoint(x: torch.Tensor) -> torch.Tensor:
+    # Dynamo inlines a single call there, but leaves two as invoke_subgraph in the body
+    return checkpoint(lambda t: _dropped(_dropped(t)), x, use_reentrant=False)
+
+
+def _regions_in_two_checkpoints(x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(_dropped, checkpoint(_dropped, x, use_reentrant=False), use_reentrant=False)
+
+
+@pytest.mark.parametrize("f", [_regions_side_by_side, _regions_in_a_checkpoint,
+                               _regions_in_two_checkpoints])
+def test_nested_compile_region_with_dropout_called_twice_matches_eager(f) -> None:
+    """Note [Nested compile regions are inlined]: the backward reuses each call's mask (it drew
+    fresh masks when the region's backward subgraph recomputed it), also inside the body of
+    another higher-order op; the random stream after backward is eager's."""
     results = []
     for run in (f, torch.compile(f, backend="aotkit")):
         x = torch.ones(16, requires_grad=True)
         torch.manual_seed(0)
         out = run(x)
         out.sum().backward()
-        results.append((out, x.grad))
+        results.append((out, x.grad, torch.rand(2)))
     torch.testing.assert_close(results[1], results[0])
-    [decision] = aotkit.explain().of_kind("inline")
-    assert "nested_compile_region is traced inline" in decision.why
+    assert "nested_compile_region is traced inline" in aotkit.explain().of_kind("inline")[0].why
 
 
 def _compiled_train_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -39,7 +39,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("scenario", ["ddp_compile", "ddp_compiled_autograd",
                                       "ddp_compile_and_compiled_autograd",
-                                      "fsdp2_compiled_autograd", "ddp_over_aot_module"])
+                                      "fsdp2_compiled_autograd", "ddp_over_aot_module",
+                                      "fsdp2_over_aot_module"])
 def test_gradients_match_eager_ddp_on_every_rank(results: list[dict[str, Any]],
                                                  scenario: str) -> None:
     per_rank = [r[scenario] for r in results]

@@ -1912,6 +1912,47 @@ def test_compiled_function_called_inside_another_is_traced_into_it(inner_compile
     check_against_eager(outer, rand(2, 3, grad=True), compiler=compilers.nop)
 
 
+class _CallsCompiled(nn.Module):
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+@pytest.mark.parametrize("inner_compiled_first", [False, True])
+@pytest.mark.parametrize("tracer", ["make_fx", "make_fx symbolic", "torch.export",
+                                    "symbolic_trace"])
+def test_compiled_code_called_inside_other_traces_is_traced_into_them(tracer,
+                                                                      inner_compiled_first):
+    """Note [Calls inside other traces]: the outer graph holds the original's ops only; tracing
+    our own graphs there failed (export, symbolic sizes, FX proxies) or left their ops in it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inner_fn = aotkit.aot_function(lambda x: x.sin() * 2, compilers.nop)
+    linear = nn.Linear(3, 3)
+    inner_module = aotkit.aot_module(copy.deepcopy(linear), compilers.nop)
+    x = rand(2, 3)
+    if inner_compiled_first:
+        inner_fn(x), inner_module(x)
+    pairs = [(inner_fn, lambda x: x.sin() * 2 + 1), (inner_module, linear)]
+    if tracer == "make_fx symbolic":  # make_fx's fake mode refuses a module's real parameters
+        pairs = pairs[:1]
+    for inner, eager in pairs:
+        outer = _CallsCompiled(inner)
+        if tracer == "torch.export":
+            gm = torch.export.export(outer, (x,)).module()
+        elif tracer == "symbolic_trace":
+            gm = torch.fx.symbolic_trace(outer)
+        else:
+            gm = make_fx(outer, tracing_mode="symbolic" if "symbolic" in tracer else "real")(x)
+        ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert not any("empty" in op or "_tensor_constant" in op for op in ops), ops
+        want = eager(x) + (0 if inner is inner_fn else 1)
+        torch.testing.assert_close(gm(x), want)
+
+
 def test_torch_compiled_function_called_inside_is_refused_before_dynamo_compiles_it():
     """Dynamo will not run under a trace, and inlining the function would change what
     torch.compiler.is_compiling() tells it (eager runs the compiled branch): refused, without

@@ -56,6 +56,7 @@ from aotkit.aot.trace import (
     trace_inference,
     trace_joint,
     trace_with_fallback,
+    traced_from_outside,
     tracing,
     tracing_active,
 )
@@ -599,7 +600,7 @@ class AotFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise _under_transform(self.name)
-        if tracing_active():  # inside another aotkit trace: become part of its graph
+        if tracing_active():  # Note [Calls inside other traces]
             return self.fn(*args, **kwargs)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
@@ -608,6 +609,8 @@ class AotFunction:
         key = signature(structure, leaves, self.options.dynamic, self._config_parts,
                         self.static_sizes)
         found = self._find(key, leaves)
+        if found is None and traced_from_outside(leaves):
+            return self.fn(*args, **kwargs)
         if found is None:
             with COMPILE_LOCK:  # another thread may have compiled it meanwhile
                 found = self._find(key, leaves) or self._compile(args, kwargs, key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -786,6 +787,21 @@ def aot_module(
             "gradient reducer in Python at every call, which a compiled graph runs only while "
             "tracing.\nFix: wrap the compiled module instead, DistributedDataParallel("
             "aot_module(model, ...)), or use torch.compile(ddp_model, backend='aotkit').")
+    if _sharded(mod):
+        raise ArgumentError(
+            "aot_module cannot compile a module sharded by FSDP (fully_shard or "
+            "FullyShardedDataParallel): its hooks gather and free parameters in Python around "
+            "every forward, which a compiled graph would run only while tracing.\nFix: compile "
+            "before sharding, fully_shard(aot_module(layer, ...)) for each layer, then "
+            "fully_shard(model).")
     options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, 0,
                          keep_inference_input_mutations, inference_compiler, dynamic)
     return AotModule(mod, options)
+
+
+def _sharded(mod: nn.Module) -> bool:
+    """Is ``mod`` or a module in it sharded by FSDP? (Only when FSDP was imported.)"""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(getattr(fsdp, k) for k in ("FSDPModule", "FullyShardedDataParallel")
+                  if hasattr(fsdp, k))
+    return bool(kinds) and any(isinstance(m, kinds) for m in mod.modules())

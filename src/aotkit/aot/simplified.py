@@ -4,6 +4,7 @@ and ShapeEnv."""
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -164,7 +165,7 @@ def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") 
     from torch.fx import traceback as fx_traceback
 
     with fx_traceback.preserve_node_meta():
-        return _Inlining(mod, name).run(*args)
+        return fx.Interpreter(_inline_regions(mod, name)).run(*args)
 
 
 # Note [Nested compile regions are inlined]
@@ -172,23 +173,61 @@ def _run_keeping_node_meta(mod: nn.Module, args: Sequence[Any], name: str = "") 
 # op. Traced as that op, its backward is a second subgraph that recomputes the whole region
 # from its inputs: PyTorch's AOT autograd partitions each such pair again afterwards, and
 # without that pass a dropout inside drew a fresh mask in the backward (wrong gradients). aotkit
-# traces the region's body inline instead, so its ops reach the partitioner like any others
-# (random ops run once); the region is then compiled with each graph that calls it, not once.
-class _Inlining(fx.Interpreter):
-    def __init__(self, mod: fx.GraphModule, name: str) -> None:
-        super().__init__(mod)
-        self.name = name
+# puts the region's body in place of each call instead, so its ops reach the partitioner like
+# any others (random ops run once); the region is then compiled with each graph that calls it,
+# not once. Calls inside the bodies of other higher-order ops (a region called twice inside a
+# torch.utils.checkpoint, a torch.cond branch) are replaced too: Dynamo leaves those as
+# invoke_subgraph, which the body's own trace would run as that op.
+def _inline_regions(gm: fx.GraphModule, name: str) -> fx.GraphModule:
+    """``gm`` with every nested compile region call, in it and in the graphs of its
+    higher-order ops, replaced by the region's body; ``gm`` itself when it calls none."""
+    bodies = {attr: _inline_regions(sub, name) for attr, sub in gm.named_children()
+              if isinstance(sub, fx.GraphModule)}
+    regions = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    if not regions and all(body is getattr(gm, attr) for attr, body in bodies.items()):
+        return gm
+    graph, attrs = fx.Graph(), {}
+    env: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.higher_order.invoke_subgraph:
+            body, identifier, *operands = node.args
+            _record_inlined(name, identifier)
+            env[node] = _copy_body(graph, attrs, bodies[body.target], [env[o] for o in operands])
+        elif node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]  # one output of an inlined region
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+            if node.op == "get_attr":
+                attrs[node.target] = bodies.get(node.target) or operator.attrgetter(node.target)(gm)
+    inlined = fx.GraphModule(attrs, graph)
+    inlined.meta.update(gm.meta)
+    return inlined
 
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is not torch.ops.higher_order.invoke_subgraph:
-            return super().call_function(target, args, kwargs)
-        subgraph, identifier, *operands = args
-        if self.name and not counters.counters["inline"].get(f"{self.name}: {identifier}"):
-            counters.record("inline", f"{self.name}: {identifier}", (
-                "a torch.compiler.nested_compile_region is traced inline (Note [Nested compile "
-                "regions are inlined]): compiled as part of this graph, once per graph that "
-                "calls it"), logger=log)
-        return _Inlining(subgraph, self.name).run(*operands)
+
+def _copy_body(graph: fx.Graph, attrs: dict[str, Any], body: fx.GraphModule,
+               operands: list[Any]) -> tuple[Any, ...]:
+    """Copy ``body``'s nodes into ``graph`` reading ``operands``; returns its outputs."""
+    env: dict[fx.Node, Any] = dict(zip(body.graph.find_nodes(op="placeholder"), operands,
+                                       strict=True))
+    for node in body.graph.nodes:
+        if node.op == "output":
+            return tuple(fx.node.map_arg(node.args[0], env.__getitem__))
+        if node.op == "get_attr":  # under a name of its own in the caller's graph
+            fresh = f"{node.target.replace('.', '_')}_{len(attrs)}"
+            attrs[fresh] = operator.attrgetter(node.target)(body)
+            env[node] = graph.get_attr(fresh)
+            env[node].meta.update(node.meta)
+        elif node.op != "placeholder":
+            env[node] = graph.node_copy(node, env.__getitem__)
+    raise AssertionError("a graph without an output node")
+
+
+def _record_inlined(name: str, identifier: Any) -> None:
+    if name and not counters.counters["inline"].get(f"{name}: {identifier}"):
+        counters.record("inline", f"{name}: {identifier}", (
+            "a torch.compiler.nested_compile_region is traced inline (Note [Nested compile "
+            "regions are inlined]): compiled as part of this graph, once per graph that "
+            "calls it"), logger=log)
 
 
 def _to_fakes(mode: FakeTensorMode, xs: list[Any]) -> list[Any]:

@@ -274,9 +274,26 @@ def _clear_frames(exc: BaseException, handled: BaseException | None) -> None:
 
 
 def tracing_active() -> bool:
-    """Whether an aotkit trace is running (a compiled function called inside another's trace
-    is traced as part of it: its own graphs would see the outer trace's tensors)."""
-    return _GUARD.get() is not None
+    """Whether a trace is running, aotkit's or another's (make_fx, torch.export): a compiled
+    function called inside is traced as part of it, since its own graphs would see the outer
+    trace's tensors (Note [Calls inside other traces])."""
+    return _GUARD.get() is not None or torch._C._get_dispatch_mode(_PROXY) is not None
+
+
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
+# Note [Calls inside other traces]
+# A compiled function called while something traces it (torch.export, make_fx, an aotkit trace
+# of a caller, torch.fx.symbolic_trace, or on fake tensors of a mode the caller entered) runs its
+# original code: the outer trace records those ops as it would without aotkit. Tracing our own
+# graphs there failed (a raw "Unable to cast NotImplemented to Tensor" under torch.export, an
+# unhashable SymInt under symbolic make_fx, "returned a Proxy" under symbolic_trace), or left
+# our trace's own ops in the outer graph. Proxy modes are checked at every call (one C call);
+# proxies and fake tensors as arguments, which no entry holds, when no entry fits.
+def traced_from_outside(leaves: Sequence[Any]) -> bool:
+    """Whether ``leaves`` are values of someone else's trace (Note [Calls inside other traces])."""
+    return any(isinstance(x, (fx.Proxy, FakeTensor, FunctionalTensor)) for x in leaves)
 
 
 def refuse_kept_outputs(outputs: Sequence[Any]) -> None:
