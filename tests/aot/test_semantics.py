@@ -1721,6 +1721,11 @@ def test_a_shape_function_dividing_by_an_empty_tensors_size_is_a_trace_error():
     f = aotkit.aot_function(F.mse_loss, compilers.nop)
     with pytest.raises(TraceError, match=r"division by zero(.|\n)*empty tensor(.|\n)*Fix: skip"):
         f(torch.randn(0, 3, requires_grad=True), torch.randn(0, 3))
+    # batch norm in training over one sample per channel (an exported module's aten.batch_norm)
+    g = aotkit.aot_function(lambda x, *stats: torch.ops.aten.batch_norm.default(
+        x, *stats, True, 0.1, 1e-5, False), compilers.nop)
+    with pytest.raises(TraceError, match=r"one value per channel(.|\n)*batches of one sample"):
+        g(torch.randn(1, 3), torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3))
 
 
 def test_python_code_refusing_a_symbolic_size_is_a_trace_error_naming_the_line():

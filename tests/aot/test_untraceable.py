@@ -6,7 +6,9 @@ the function wrote them (Note [Inputs saved after a write])."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -363,3 +365,69 @@ def test_a_strided_nested_tensor_argument_is_refused_naming_jagged():
     nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
     with pytest.raises(UnsupportedError, match=r"layout=torch.strided(.|\n)*Fix: .*layout=torch.jagged"):
         aotkit.aot_function(lambda n: n * 2, aotkit.compilers.nop)(nt)
+
+
+def _combine_saving_its_carry(carry, x):
+    h = carry * x + 1
+    return h, h.sin()  # sin's backward saves h, the new carry
+
+
+def _scan_saving_its_carry(init, xs):
+    from torch._higher_order_ops.scan import scan
+
+    return scan(_combine_saving_its_carry, init, xs)
+
+
+def _plain_contexts():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+_UNTRACEABLE_WITH_A_FIX = {  # what PyTorch's aot_function raises raw, and the fix we name
+    "scan returning a saved carry": (_scan_saving_its_carry, (3,), (5, 3), "h.clone"),
+    "checkpoint with plain contexts": (
+        lambda x: checkpoint(torch.sin, x, use_reentrant=False, context_fn=_plain_contexts),
+        (3,), None, "create_selective_checkpoint_contexts"),
+    "checkpoint with debug=True": (
+        lambda x: checkpoint(torch.sin, x, use_reentrant=False, debug=True), (3,), None,
+        "drop context_fn or debug"),
+    "checkpoint with its default use_reentrant": (
+        lambda x: checkpoint(torch.sin, x), (3,), None, "its default where use_reentrant is not"),
+    "a quantized tensor": (
+        lambda x: torch.quantize_per_channel(x, torch.ones(3), torch.zeros(3, dtype=torch.long),
+                                             0, torch.qint8).dequantize() * x,
+        (3, 4), None, "backend='aotkit'"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.utils.checkpoint")
+@pytest.mark.parametrize(("fn", "shape", "second", "fix"), _UNTRACEABLE_WITH_A_FIX.values(),
+                         ids=_UNTRACEABLE_WITH_A_FIX.keys())
+def test_untraceable_calls_name_their_fix(fn, shape, second, fix):
+    args = [rand(*shape, grad=True)] + ([rand(*second, grad=True)] if second else [])
+    with pytest.raises(UnsupportedError, match=re.escape(fix)) as refused:
+        aotkit.aot_function(fn, compilers.nop)(*args)
+    assert "\nFix: " in str(refused.value)
+
+
+def test_a_dynamically_quantized_layer_names_torch_compile():
+    model = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(8, 4)).eval(),
+                                                   {nn.Linear}, dtype=torch.qint8)
+    x = rand(3, 8)
+    with torch.no_grad(), pytest.raises(UnsupportedError, match=r"quantized kernels(.|\n)*"
+                                                                r"Fix: use torch.compile"):
+        aotkit.aot_module(model, compilers.nop)(x)
+    torch.testing.assert_close(torch.compile(model, backend="aotkit")(x), model(x))
+
+
+def test_cond_inside_a_checkpoint_under_torch_compile_names_aot_function():
+    def fn(x, w):
+        def body(t, w):
+            return torch.cond(t.sum() > 0, lambda t, w: t @ w, lambda t, w: (t - w).relu(), (t, w))
+        return checkpoint(body, x, w, use_reentrant=False)
+
+    x, w = rand(3, 3, grad=True), rand(3, 3, grad=True)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
+        torch.compile(fn, backend="aotkit")(x, w)
+    assert isinstance(failed.value.inner_exception, UnsupportedError)
+    assert "aotkit.aot_function" in str(failed.value.inner_exception)
+    check_against_eager(fn, x, w, compiler=compilers.nop)

@@ -10,7 +10,10 @@ import traceback
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import UnsupportedOperatorException
+from torch._subclasses.fake_tensor import (
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 
 from aotkit.aot.frames import AOTKIT_DIR, user_frame
 from aotkit.compat import data_dependent_errors, is_nested_compile_refusal
@@ -41,10 +44,26 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
         return UnsupportedError(
             f"{what} calls a higher-order op (such as torch.while_loop) that can only be traced "
             f"with symbolic shapes ({exc}).\nFix: pass dynamic=True.")
+    if _QUANTIZED.search(str(exc)) and isinstance(exc, (NotImplementedError,
+                                                         UnsupportedFakeTensorException)):
+        return UnsupportedError(
+            f"{what} runs quantized kernels (a dynamically quantized layer's packed weights, "
+            f"or quantized tensors: {first_line(exc)}), which fake tensors, which aotkit "
+            "traces with, cannot run.\nFix: use torch.compile(model, backend='aotkit'), which "
+            "runs those kernels as eager does, or keep the quantized part outside the compiled "
+            "function.")
     if isinstance(exc, NotImplementedError):
         return _not_implemented(what, exc)
     if isinstance(exc, UnsupportedOperatorException):
         return _no_fake_kernel(what, exc, symbolic)
+    if isinstance(exc, AssertionError) and "`context_fn` arg passed to `torch.utils.checkpoint`" \
+            in str(exc):
+        return UnsupportedError(
+            f"{what} calls torch.utils.checkpoint with a context_fn whose contexts are not "
+            "dispatch modes (debug=True makes such a context_fn): traced, PyTorch's checkpoint "
+            "takes only selective-checkpointing contexts.\nFix: drop context_fn or debug inside "
+            "the compiled function, or make the contexts with "
+            "torch.utils.checkpoint.create_selective_checkpoint_contexts.")
     if isinstance(exc, AssertionError):
         if "generator is not supported in refs" not in str(exc):
             return exc
@@ -59,10 +78,11 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
         where = user_frame(exc)
         return TraceError(
             f"{what}: {exc}, in the shape function of an op"
-            f"{'' if where == '<unknown location>' else ' traced at ' + where}: an op "
-            "on an empty tensor (no elements) whose shape function divides by its element count "
-            "(the backward of a mean-reduced loss); eager's kernel returns nan there.\nFix: "
-            "skip empty batches before calling the compiled function.")
+            f"{'' if where == '<unknown location>' else ' traced at ' + where}: an op whose "
+            "shape function divides by a count that is zero here (the backward of a mean over "
+            "an empty tensor; batch norm's unbiased variance, training on one value per "
+            "channel); eager's kernel returns nan there.\nFix: skip empty batches (for batch "
+            "norm in training, batches of one sample) before calling the compiled function.")
     if isinstance(exc, TypeError) and symbolic and _SYMBOLIC_REFUSED.search(str(exc)):
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes, and what is "
@@ -98,6 +118,13 @@ def _raised_in_torch(exc: BaseException) -> bool:
 def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
     if _NO_DERIVATIVE.search(str(exc)):
         return _no_derivative(what, exc)
+    if "no rule registered for HigherOrderOperator" in str(exc) \
+            and "_CachingTorchDispatchMode" in str(exc):  # PyTorch's aot_eager the same
+        return UnsupportedError(
+            f"{what} calls a higher-order op (torch.cond, map, scan) inside a "
+            "torch.utils.checkpoint region, which PyTorch's checkpoint cannot trace under "
+            "torch.compile.\nFix: call the op outside the checkpointed function, or compile "
+            "with aotkit.aot_function or aot_module, which trace the region as eager runs it.")
     if "no rule registered for HOP" in str(exc) and "FunctionalTensor" in str(exc):
         return UnsupportedError(  # PyTorch's aot_function raises the same
             f"{what} calls a higher-order op (torch.cond, torch.while_loop) that autograd "
@@ -112,6 +139,10 @@ def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
         f"make_fx cannot record a generator in a graph ({exc}).\nFix: draw from the default "
         "generator (seeded with torch.manual_seed), or use torch >= 2.13.")
 
+
+# "'__eq__' is not implemented for __torch__.torch.classes.quantized.LinearPackedParamsBase";
+# "quantized nyi in meta tensors"
+_QUANTIZED = re.compile(r"torch\.classes\.quantized\.|quantized nyi")
 
 # "the derivative for 'igamma: input' is not implemented." (a formula's missing part);
 # "derivative for aten::_scaled_mm is not implemented" (an op without a formula)
@@ -156,10 +187,18 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "do it outside the compiled function.")
     if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
         return UnsupportedError(
-            f"{what} uses torch.utils.checkpoint with use_reentrant=True, which cannot be "
-            "traced: aotkit takes the backward with torch.autograd.grad.\nFix: pass "
-            "use_reentrant=False (PyTorch's recommended setting)."
+            f"{what} uses torch.utils.checkpoint with use_reentrant=True (its default where "
+            "use_reentrant is not passed), which cannot be traced: aotkit takes the backward "
+            "with torch.autograd.grad.\nFix: pass use_reentrant=False (PyTorch's recommended "
+            "setting)."
         )
+    if "might be aliasing the input or the output" in str(exc):  # PyTorch's aot_eager the same
+        return UnsupportedError(
+            f"{what} calls a higher-order op whose body returns a tensor that is also one of "
+            f"its inputs or another of its outputs ({first_line(exc)}); PyTorch cannot "
+            "differentiate such a body. In a scan, that is often a new carry that an output's "
+            "backward saves too (h as the carry, h.sin() as the output).\nFix: return a copy "
+            "(h.clone() as the carry).")
     if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
         return data_dependent(what, exc)  # .tolist() of a fake tensor, 2-d or more
     if "on tensor with symbolic sizes/strides" in str(exc):
