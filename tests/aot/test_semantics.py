@@ -1689,6 +1689,13 @@ def test_data_dependent_control_flow_is_a_trace_error():
     assert "test_semantics.py" in message
 
 
+def test_a_data_dependent_branch_in_a_torch_ao_module_names_its_line():
+    """The innermost library line was nn.Module's call wrapper, not the observer's branch."""
+    with pytest.raises(TraceError, match=r"at .*fake_quantize\.py:\d+ in forward: if self\."
+                                         r"observer_enabled"):
+        aotkit.aot_module(torch.ao.quantization.FakeQuantize(), compilers.nop)(rand(4, 8))
+
+
 def test_an_output_whose_size_depends_on_data_is_named_as_such():
     """Not blamed on Python control flow: the op and the user's line are named."""
     f = aotkit.aot_function(lambda x: x[x > 0] * 2, compilers.nop)

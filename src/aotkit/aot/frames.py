@@ -19,6 +19,11 @@ TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # A context manager's exit (torch.random.fork_rng restoring the state) runs in contextlib: the
 # user's line is the ``with`` statement's.
 _CONTEXTLIB = os.path.abspath(contextlib.__file__)
+# Library code whose line is worth showing beside the user's (the check that read data): torch.nn,
+# torch.ao (quantization modules and observers) and torch.functional, but not nn.Module's call
+# wrapper, which every module call passes through.
+_LIBRARY = tuple(TORCH_DIR + p for p in ("nn" + os.sep, "ao" + os.sep, "functional.py"))
+_MODULE_CALL = TORCH_DIR + os.path.join("nn", "modules", "module.py")
 
 
 def user_frame(exc: BaseException) -> str:
@@ -43,8 +48,8 @@ def _describe_frames(frames: list[traceback.FrameSummary]) -> str:
     user = [f for f in frames if not os.path.abspath(f.filename).startswith(TORCH_DIR)
             and os.path.abspath(f.filename) != _CONTEXTLIB]
     # The data dependence may sit in a library check (torch.nn.functional): show that line too.
-    library = [f for f in frames if os.path.abspath(f.filename).startswith(
-        (TORCH_DIR + "nn" + os.sep, TORCH_DIR + "functional.py"))]
+    library = [f for f in frames if os.path.abspath(f.filename).startswith(_LIBRARY)
+               and os.path.abspath(f.filename) != _MODULE_CALL]
     shown = []
     if library and (not user or frames.index(library[-1]) > frames.index(user[-1])):
         shown.append(library[-1])
