@@ -414,7 +414,8 @@ _CHECKPOINT_HINT = (
     "inside the region: eager's non-reentrant checkpoint saves nothing there, so it skips this "
     "check, while aotkit traces the region as ordinary code, whose saved tensors are checked. "
     "Fix: inside the region, use out-of-place ops on values autograd saves, e.g. h = h.relu() "
-    "for h.relu_(). Outside the region, eager raises this error too.)")
+    "for h.relu_(); a tensor the region reads and the function changes in place after it: "
+    "change a copy. Outside the region, eager raises this error too.)")
 
 
 # Note [Grad mode turned on inside]
