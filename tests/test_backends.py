@@ -463,6 +463,28 @@ def test_nested_compile_region_with_dropout_called_twice_matches_eager(f) -> Non
     assert "nested_compile_region is traced inline" in aotkit.explain().of_kind("inline")[0].why
 
 
+@torch.compiler.nested_compile_region
+def _scaled_sine(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2
+
+
+class _RegionsInADict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": _scaled_sine(x), "b": _scaled_sine(x + 1)}
+
+
+def test_exported_module_calling_regions_keeps_its_guard_module_and_outputs() -> None:
+    """An exported module's graph calls a guard module and rebuilds a dict; the graph with its
+    regions inlined lost both."""
+    x = torch.randn(4, 3, requires_grad=True)
+    gm = torch.export.export(_RegionsInADict(), (x,), strict=True).module()
+    out = aotkit.aot_module_simplified(gm, [x], fw_compiler=aotkit.compilers.nop)(x)
+    want = gm(x)
+    assert isinstance(out, dict) and out.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(out[key], want[key])
+
+
 def _compiled_train_step(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = model(x).sum()

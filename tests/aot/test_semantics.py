@@ -339,28 +339,34 @@ _PARAMETERS_MADE_INSIDE = {
     "fresh": lambda x: (nn.Parameter(x.detach() * 2), x * 3),
     "without grad": lambda x: (nn.Parameter(x * 2, requires_grad=False), x * 3),
     "of the input": lambda x: (nn.Parameter(x), x * 3),
+    "returned twice": lambda x: (lambda p: (p, p))(nn.Parameter(x.detach() * 2)),
+    "buffer": lambda x: (nn.Buffer(x.detach() * 2), x * 3),
+    "buffer, not persistent": lambda x: (nn.Buffer(x * 2, persistent=False), x * 3),
 }
 
 
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("make", _PARAMETERS_MADE_INSIDE.values(), ids=_PARAMETERS_MADE_INSIDE.keys())
 def test_parameters_made_inside_come_back_as_parameters(make, grad):
-    """Eager returns an nn.Parameter, which a module registers when assigned; it came back a
-    plain tensor. Note [Leaves made inside]."""
+    """Eager returns an nn.Parameter (nn.Buffer), which a module registers when assigned; it
+    came back a plain tensor. Note [Leaves made inside]."""
     compiled = aotkit.aot_function(make, compilers.nop)
     results = []
     for f in (make, compiled):
         torch.manual_seed(0)
         x = rand(3, grad=True)
         with contextlib.nullcontext() if grad else torch.no_grad():
-            param, _ = f(x)
+            made, other = f(x)
         holder = nn.Module()
-        holder.p = param
-        assert list(holder.parameters()) == [param]
-        shared = param.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-        results.append((param.detach().clone(), param.requires_grad, param.is_leaf, shared))
-    assert results[1][1:] == results[0][1:]
-    torch.testing.assert_close(results[1][0], results[0][0])
+        holder.p = made
+        registered = ([n for n, _ in holder.named_parameters()], list(holder.state_dict()))
+        shared = made.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        if grad and made.requires_grad:
+            (made * other).sum().backward()
+        results.append((made.detach().clone(), made.grad, made.requires_grad, made.is_leaf,
+                        shared, registered, made is other))
+    assert results[1][2:] == results[0][2:]
+    torch.testing.assert_close(results[1][:2], results[0][:2])
 
 
 def test_output_computed_from_a_leaf_made_inside_is_refused():
@@ -1641,6 +1647,28 @@ def test_a_closed_over_csr_matrix_is_refused_naming_the_coo_layout():
                                                r"(.|\n)*Fix: .*to_sparse_coo"):
         aotkit.aot_function(lambda x: csr @ x, compilers.nop)(x)
     torch.testing.assert_close(aotkit.aot_function(lambda x: coo @ x, compilers.nop)(x), dense @ x)
+    made_inside = aotkit.aot_function(lambda a, x: a.to_sparse_csr() @ x, compilers.nop)
+    with pytest.raises(UnsupportedError, match=r"compressed layout(.|\n)*Fix: .*to_sparse_coo"):
+        made_inside(dense, rand(4, 3, grad=True))
+
+
+def _raises_its_own(error):
+    def fn(x):
+        raise error
+    return fn
+
+
+@pytest.mark.parametrize("error", [
+    NotImplementedError("derivative for mode 'reflect' is not implemented"),
+    RuntimeError("layer 3 might be aliasing the input or the output of layer 2"),
+    AssertionError("`context_fn` arg passed to `torch.utils.checkpoint` is odd"),
+    NotImplementedError("see torch.classes.quantized.Foo"),
+], ids=["derivative", "aliasing", "context_fn", "quantized"])
+def test_the_functions_own_errors_come_through_as_raised(error):
+    """The texts aotkit rewords are PyTorch's; the same words raised by the user's code are
+    the user's error, unchanged."""
+    with pytest.raises(type(error), match=re.escape(str(error))):
+        aotkit.aot_function(_raises_its_own(error), compilers.nop)(rand(2, grad=True))
 
 
 def test_numpy_inside_is_a_trace_error_naming_the_line():

@@ -111,8 +111,9 @@ class OutputInfo:
     is_view: bool = True
     # Placed by replaying its view ops on its input (Note [Views of inputs with gaps]).
     replay_only: bool = False
-    # Made by nn.Parameter(...) inside: eager returns a Parameter (Note [Leaves made inside]).
-    is_param: bool = False
+    # Made by nn.Parameter(...) or nn.Buffer(...) inside: "parameter", "buffer" or "buffer
+    # (not persistent)"; eager returns one (Note [Leaves made inside]).
+    made_as: str | None = None
 
     @property
     def made_leaf(self) -> bool:
@@ -632,9 +633,17 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     _check_leaves_made_inside(infos, f_outs)
-    infos = [dataclasses.replace(info, is_param=True) if isinstance(out, torch.nn.Parameter)
-             else info for info, out in zip(infos, f_outs, strict=True)]
+    infos = [dataclasses.replace(info, made_as=_made_as(out)) if _made_as(out) else info
+             for info, out in zip(infos, f_outs, strict=True)]
     return infos, bases
+
+
+def _made_as(out: Any) -> str | None:
+    if isinstance(out, torch.nn.Parameter):
+        return "parameter"
+    if isinstance(out, torch.nn.Buffer):
+        return "buffer" if getattr(out, "persistent", True) else "buffer (not persistent)"
+    return None
 
 
 # Note [Leaves made inside]
@@ -644,9 +653,10 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # output back as a fresh leaf of its own (a non-differentiable graph output, detached and set to
 # require grad), the gradient the caller reads landing in its ``.grad``. If another output is
 # computed from it (``feat.sin()``), eager's backward through that output fills the leaf's
-# ``.grad`` too, which the graph cannot do (the leaf is no graph input): refused. A leaf made
-# by ``nn.Parameter(...)`` comes back as a Parameter, as eager's does (assigned to a module,
-# it registers as one).
+# ``.grad`` too, which the graph cannot do (the leaf is no graph input): refused. A tensor made
+# by ``nn.Parameter(...)`` or ``nn.Buffer(...)`` comes back as one, as eager's does (assigned
+# to a module, it registers as one); a subclass of Parameter comes back as a Parameter (the
+# trace sees the class only through Parameter's isinstance flag).
 def _check_leaves_made_inside(infos: list[OutputInfo], f_outs: list[Any]) -> None:
     leaves = {id(f_outs[k]): k for k, o in enumerate(infos) if o.made_leaf}
     if not leaves:

@@ -542,6 +542,13 @@ def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
 
 
 def _under_transform(name: str) -> UnsupportedError:
+    if torch.compiler.is_compiling():  # Dynamo tracing the caller shows as a transform too
+        return UnsupportedError(
+            f"{name} was called while Dynamo traces its caller (torch.compile, or "
+            "torch.export with strict=True); Dynamo cannot trace aotkit's compiled functions. "
+            "torch.compile runs the call eagerly (a graph break); strict export fails.\nFix: "
+            "export with strict=False (the default), which traces the original function, or "
+            "call the original function in the code Dynamo traces.")
     return UnsupportedError(
         f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...); its graphs "
         "were traced for plain tensors and cannot see the transform's wrapped ones.\nFix: call "

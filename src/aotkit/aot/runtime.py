@@ -88,7 +88,7 @@ class CompiledGraphs:
                                  if i not in self.returned_mutations]
         # The common case: nothing to write back, every output is a fresh graph output.
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
-            o.alias is Alias.NONE and not o.fresh_leaf and not o.is_param
+            o.alias is Alias.NONE and not o.fresh_leaf and not o.made_as
             for o in self.meta.outputs
         ) and len(graph_outputs) == self.num_fw_outputs
         # See Note [Replaying views]: only graphs returning views need view functions recorded.
@@ -587,9 +587,16 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
             results.append(regenerate_view(view, out, info, graphs.name))
         else:
             results.append(regenerate_view(_ViewSource(bases[info.base]), out, info, graphs.name))
-        if info.is_param:
-            results[-1] = torch.nn.Parameter(results[-1], requires_grad=results[-1].requires_grad)
+        if info.made_as and not isinstance(results[-1], (torch.nn.Parameter, torch.nn.Buffer)):
+            results[-1] = _remade(results[-1], info.made_as)  # not one returned again
     return results
+
+
+def _remade(out: torch.Tensor, made_as: str) -> torch.Tensor:
+    """``out`` as the nn.Parameter or nn.Buffer the function made (Note [Leaves made inside])."""
+    if made_as == "parameter":
+        return torch.nn.Parameter(out, requires_grad=out.requires_grad)
+    return torch.nn.Buffer(out, persistent=made_as == "buffer")
 
 
 def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any],

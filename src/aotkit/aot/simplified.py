@@ -197,8 +197,9 @@ def _inline_regions(gm: fx.GraphModule, name: str) -> fx.GraphModule:
             env[node] = env[node.args[0]][node.args[1]]  # one output of an inlined region
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
-            if node.op == "get_attr":
+            if node.op in ("get_attr", "call_module"):
                 attrs[node.target] = bodies.get(node.target) or operator.attrgetter(node.target)(gm)
+    graph.set_codegen(gm.graph._codegen)  # an exported module's pytree inputs and outputs
     inlined = fx.GraphModule(attrs, graph)
     inlined.meta.update(gm.meta)
     return inlined

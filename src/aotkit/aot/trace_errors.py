@@ -45,7 +45,8 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             f"{what} calls a higher-order op (such as torch.while_loop) that can only be traced "
             f"with symbolic shapes ({exc}).\nFix: pass dynamic=True.")
     if _QUANTIZED.search(str(exc)) and isinstance(exc, (NotImplementedError,
-                                                         UnsupportedFakeTensorException)):
+                                                         UnsupportedFakeTensorException)) \
+            and _raised_in_torch(exc):
         return UnsupportedError(
             f"{what} runs quantized kernels (a dynamically quantized layer's packed weights, "
             f"or quantized tensors: {first_line(exc)}), which fake tensors, which aotkit "
@@ -56,8 +57,8 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
         return _not_implemented(what, exc)
     if isinstance(exc, UnsupportedOperatorException):
         return _no_fake_kernel(what, exc, symbolic)
-    if isinstance(exc, AssertionError) and "`context_fn` arg passed to `torch.utils.checkpoint`" \
-            in str(exc):
+    if isinstance(exc, AssertionError) and _raised_in_torch(exc) \
+            and "`context_fn` arg passed to `torch.utils.checkpoint`" in str(exc):
         return UnsupportedError(
             f"{what} calls torch.utils.checkpoint with a context_fn whose contexts are not "
             "dispatch modes (debug=True makes such a context_fn): traced, PyTorch's checkpoint "
@@ -116,15 +117,19 @@ def _raised_in_torch(exc: BaseException) -> bool:
 
 
 def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
+    if not _raised_in_torch(exc):  # the user's own
+        return exc
     if _NO_DERIVATIVE.search(str(exc)):
         return _no_derivative(what, exc)
     if "no rule registered for HigherOrderOperator" in str(exc) \
             and "_CachingTorchDispatchMode" in str(exc):  # PyTorch's aot_eager the same
         return UnsupportedError(
             f"{what} calls a higher-order op (torch.cond, map, scan) inside a "
-            "torch.utils.checkpoint region, which PyTorch's checkpoint cannot trace under "
-            "torch.compile.\nFix: call the op outside the checkpointed function, or compile "
-            "with aotkit.aot_function or aot_module, which trace the region as eager runs it.")
+            "torch.utils.checkpoint region run with selective-checkpointing contexts, which "
+            "do not support higher-order ops (torch.compile makes such contexts for every "
+            "region; create_selective_checkpoint_contexts makes them in eager too).\nFix: call "
+            "the op outside the checkpointed function; for a region without a context_fn of "
+            "your own, aotkit.aot_function and aot_module trace it as eager runs it.")
     if "no rule registered for HOP" in str(exc) and "FunctionalTensor" in str(exc):
         return UnsupportedError(  # PyTorch's aot_function raises the same
             f"{what} calls a higher-order op (torch.cond, torch.while_loop) that autograd "
@@ -161,7 +166,7 @@ def _no_derivative(what: str, exc: Exception) -> UnsupportedError:
 def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
     """The error a RuntimeError raised while tracing becomes: one that says what to change where
     we know the cause, else ``exc`` itself."""
-    if _NO_DERIVATIVE.search(str(exc)):
+    if _NO_DERIVATIVE.search(str(exc)) and _raised_in_torch(exc):
         return _no_derivative(what, exc)
     if is_nested_compile_refusal(exc):
         return UnsupportedError(
@@ -192,7 +197,7 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "with torch.autograd.grad.\nFix: pass use_reentrant=False (PyTorch's recommended "
             "setting)."
         )
-    if "might be aliasing the input or the output" in str(exc):  # PyTorch's aot_eager the same
+    if "might be aliasing the input or the output" in str(exc) and _raised_in_torch(exc):
         return UnsupportedError(
             f"{what} calls a higher-order op whose body returns a tensor that is also one of "
             f"its inputs or another of its outputs ({first_line(exc)}); PyTorch cannot "
@@ -238,17 +243,22 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "or write to the tensor it was made from.")
     if failed is not None and re.search(r"Sparse (CSR|CSC|BSR|BSC|Compressed).* do not have strides",
                                         str(exc)):
-        return UnsupportedError(
-            f"{what} calls {failed[0]} on a sparse tensor of a compressed layout (CSR, CSC, "
-            "BSR, BSC); fake tensors, which aotkit traces with, cannot "
-            f"run that op on such a layout ({first_line(exc)}).\n  at {failed[1]}\nFix: keep "
-            "the matrix in COO layout (A.to_sparse_coo()), or use torch.compile(fn, "
-            "backend='aotkit').")
+        return _compressed_layout(f"{what} calls {failed[0]} on", failed[1], exc)
+    if "layout_impl is only implemented for TensorImpl subclasses" in str(exc):  # made inside
+        return _compressed_layout(f"{what} uses", user_frame(exc), exc)
     if failed is not None and "unresolved conjugated tensors" in str(exc):
         return _read_after_conj_write(what, failed[1], exc)
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
         return op_failed(what, *failed, exc)
     return exc
+
+
+def _compressed_layout(what_does: str, where: str, exc: Exception) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what_does} a sparse tensor of a compressed layout (CSR, CSC, BSR, BSC), which the "
+        "fake and functional tensors aotkit traces with cannot compute with "
+        f"({first_line(exc)}).\n  at {where}\nFix: keep the matrix in COO layout "
+        "(A.to_sparse_coo(), x.to_sparse()), or use torch.compile(fn, backend='aotkit').")
 
 
 def _read_after_conj_write(what: str, line: str, exc: Exception) -> UnsupportedError:
