@@ -234,6 +234,25 @@ def test_first_call_under_autocast_compiles_the_traced_dtypes() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
 
 
+class _TwoSparseTables(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.users, self.items = (torch.nn.Embedding(10, 6, sparse=True) for _ in "ui")
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return (self.users(u) * self.items(i)).sum()
+
+
+def test_graphs_computing_sparse_tensors_are_refused() -> None:
+    """Inductor reused the memory a sparse gradient's values live in: the second table's
+    gradient came out wrong, silently. See Note [Sparse values and Inductor]."""
+    model = _TwoSparseTables()
+    u, i = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
+    loss = aotkit_inductor(model)(u, i)
+    with pytest.raises(CompilerError, match=r"sparse tensor(.|\n)*Fix: .*backend='aotkit'"):
+        loss.backward()
+
+
 def test_graph_without_inductor_decompositions_is_refused() -> None:
     f = aotkit.aot_function(lambda x: torch.nn.functional.gelu(x), inductor)
     with pytest.raises(CompilerError, match=r"(?s)aten.gelu.default.*decompositions=inductor"):

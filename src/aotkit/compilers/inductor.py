@@ -162,6 +162,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     from torch._inductor.utils import BoxedBool
 
     _refuse_undecomposed(gm)
+    _refuse_sparse(gm)
     storages = _output_storages(gm)  # before Inductor's passes change them
     gm = copy_graph_module(gm)
     lifted = _lift_closed_over_tensors(gm)
@@ -313,6 +314,25 @@ def _refuse_undecomposed(gm: fx.GraphModule) -> None:
             "aotkit.aot_function(fn, inductor, decompositions=inductor.decompositions), or use "
             'torch.compile(backend="aotkit_inductor").'
         )
+
+
+# Note [Sparse values and Inductor]
+# A sparse tensor's values may be another value's memory (a sparse Embedding's gradient keeps the
+# incoming gradient as its values). Inductor's buffer plan does not see that sharing and reused
+# the memory: under compiled autograd, the second table's .grad of a two-embedding product came
+# out wrong, silently (PyTorch's backend="inductor" too). Graphs holding sparse values are
+# refused; aotkit's own graphs only hold them where the compiled-autograd capture of a sparse
+# Embedding's backward does.
+def _refuse_sparse(gm: fx.GraphModule) -> None:
+    sparse = next((n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                   and n.meta["val"].layout is not torch.strided), None)
+    if sparse is not None:
+        raise CompilerError(
+            f"inductor: the graph computes a sparse tensor ({sparse.format_node()}), whose "
+            "memory Inductor's buffer reuse does not track: its values could be overwritten "
+            "(Note [Sparse values and Inductor]).\nFix: compile this graph with another "
+            "compiler (backend='aotkit', or lambda gm: gm for a compiled-autograd backward), "
+            "or use dense gradients (nn.Embedding(sparse=False)).")
 
 
 def _joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
