@@ -426,8 +426,15 @@ def test_cond_inside_a_checkpoint_under_torch_compile_names_aot_function():
         return checkpoint(body, x, w, use_reentrant=False)
 
     x, w = rand(3, 3, grad=True), rand(3, 3, grad=True)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
-        torch.compile(fn, backend="aotkit")(x, w)
-    assert isinstance(failed.value.inner_exception, UnsupportedError)
-    assert "aotkit.aot_function" in str(failed.value.inner_exception)
     check_against_eager(fn, x, w, compiler=compilers.nop)
+    try:  # torch 2.11's checkpoint traces it; 2.13's cannot
+        results = []
+        for run in (fn, torch.compile(fn, backend="aotkit")):
+            a, b = (t.detach().clone().requires_grad_() for t in (x, w))
+            out = run(a, b)
+            out.sum().backward()
+            results.append((out, a.grad, b.grad))
+        torch.testing.assert_close(results[1], results[0])
+    except torch._dynamo.exc.BackendCompilerFailed as failed:
+        assert isinstance(failed.inner_exception, UnsupportedError)
+        assert "aotkit.aot_function" in str(failed.inner_exception)
