@@ -257,6 +257,37 @@ def test_a_size_that_changes_the_structure_names_the_size_and_the_fix() -> None:
             torch.arange(5) >= 3))
 
 
+def test_a_compiler_failing_on_a_dynamic_replay_is_named_with_its_fix() -> None:
+    """A sparse weight tied to a dense one: the summed gradient's size is dynamic at the second
+    length, and Dynamo, tracing the captured graph again, fails on it. The message blamed a
+    formula's structure and named enable(dynamic=False), which covers one new length only."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 6, sparse=True)
+    proj = torch.nn.Linear(6, 10, bias=False)
+    proj.weight = emb.weight
+
+    def grad(n: int, compiler: Callable[[fx.GraphModule], Any] | None) -> torch.Tensor:
+        emb.weight.grad = None
+        with aotkit.compiled_autograd.enable(compiler) if compiler else nullcontext():
+            proj(torch.tanh(emb(torch.arange(n)))).square().sum().backward()
+        return emb.weight.grad.to_dense()
+
+    def dynamic(gm: fx.GraphModule) -> Any:
+        return torch.compile(gm, backend="aotkit")
+
+    expected = {n: grad(n, None) for n in (3, 2, 4)}
+    torch.testing.assert_close(grad(3, dynamic), expected[3])
+    try:  # torch 2.13's Dynamo fails on the sparse sum with a dynamic size
+        torch.testing.assert_close(grad(2, dynamic), expected[2])
+    except aotkit.errors.UnsupportedError as refused:
+        assert "compiler_fn's torch.compile raised it" in str(refused)
+        assert "dynamic=False), which compiles again for each new value" in str(refused)
+    aotkit.compiled_autograd.reset()
+    for n in (3, 2, 4):  # the fix it names
+        torch.testing.assert_close(
+            grad(n, lambda gm: torch.compile(gm, backend="aotkit", dynamic=False)), expected[n])
+
+
 def test_failed_captures_do_not_poison_the_engine_cache() -> None:
     """A capture that fails leaves the engine an entry without a graph; the same backward must
     fail the same way again (not with an engine assert), and work once it can."""

@@ -388,7 +388,17 @@ class CompiledBackward:
         ``dynamic=False``, from the second value of a size on), though a size can decide a
         formula's structure (``x.split(k)``'s chunk count); the replay then fails inside that
         formula. Say so, and how to avoid it in this block's mode."""
-        if session is not None and not session.dynamic:
+        why = ("The graph was captured, or compiled by compiler_fn, for a backward whose "
+               "formulas depend on that value (a split whose split size changed; a compiler "
+               "specializing an interpolation's output size), which PyTorch's engine does not "
+               "notice when sizes are dynamic.")
+        if type(exc).__module__.startswith("torch._dynamo"):  # compiler_fn's torch.compile
+            why = ("compiler_fn's torch.compile raised it: it compiles the graph again with "
+                   "dynamic sizes at this replay, and failed on it.")
+            fix = ("Fix: compile with static sizes inside compiler_fn, torch.compile(gm, ..., "
+                   "dynamic=False), which compiles again for each new value, or use a "
+                   "compiler that does not trace (lambda gm: gm).")
+        elif session is not None and not session.dynamic:
             fix = ("Under enable(dynamic=False) the engine captures again for the first new "
                    "value only, then treats the value as dynamic. Fix: run the backwards whose "
                    "value varies under aotkit.compiled_autograd.disable(), or call "
@@ -401,8 +411,5 @@ class CompiledBackward:
         return UnsupportedError(
             f"compiled autograd: {self.captured.__class__.__name__} failed on a replay with "
             f"values it was not captured for ({changed}): "
-            f"{type(exc).__name__}: {exc}\nThe graph was captured, or compiled by "
-            "compiler_fn, for a backward whose formulas depend on that value (a split whose "
-            "split size changed; a compiler specializing an interpolation's output size), "
-            f"which PyTorch's engine does not notice when sizes are dynamic. {fix}"
+            f"{type(exc).__name__}: {exc}\n{why} {fix}"
         )
