@@ -546,7 +546,8 @@ def _under_transform(name: str) -> UnsupportedError:
         return UnsupportedError(
             f"{name} was called while Dynamo traces its caller (torch.compile, or "
             "torch.export with strict=True); Dynamo cannot trace aotkit's compiled functions. "
-            "torch.compile runs the call eagerly (a graph break); strict export fails.\nFix: "
+            "torch.compile breaks its graph there and runs the call eagerly; with "
+            "fullgraph=True, and in strict export, it fails.\nFix: "
             "export with strict=False (the default), which traces the original function, or "
             "call the original function in the code Dynamo traces.")
     return UnsupportedError(

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from aotkit import counters
-from aotkit.compilers.basic import closed_over_tensors, copy_graph_module
+from aotkit.compilers.basic import closed_over_tensors, copy_graph_module, nop
 from aotkit.errors import ArgumentError, CompilerError
 
 Kind = Literal["forward", "backward", "inference"]
@@ -161,8 +161,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
+    sparse = _sparse_value(gm)
+    if sparse is not None:  # Note [Sparse values and Inductor]
+        counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})", (
+            f"the graph computes or reads a sparse tensor ({sparse}), whose memory "
+            "Inductor's buffer reuse does not track; it runs as traced (aotkit.compilers.nop) "
+            "instead"))
+        return nop(gm, example_inputs)
     _refuse_undecomposed(gm)
-    _refuse_sparse(gm)
     storages = _output_storages(gm)  # before Inductor's passes change them
     gm = copy_graph_module(gm)
     lifted = _lift_closed_over_tensors(gm)
@@ -319,20 +325,27 @@ def _refuse_undecomposed(gm: fx.GraphModule) -> None:
 # Note [Sparse values and Inductor]
 # A sparse tensor's values may be another value's memory (a sparse Embedding's gradient keeps the
 # incoming gradient as its values). Inductor's buffer plan does not see that sharing and reused
-# the memory: under compiled autograd, the second table's .grad of a two-embedding product came
-# out wrong, silently (PyTorch's backend="inductor" too). Graphs holding sparse values are
-# refused; aotkit's own graphs only hold them where the compiled-autograd capture of a sparse
-# Embedding's backward does.
-def _refuse_sparse(gm: fx.GraphModule) -> None:
-    sparse = next((n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
-                   and n.meta["val"].layout is not torch.strided), None)
-    if sparse is not None:
-        raise CompilerError(
-            f"inductor: the graph computes a sparse tensor ({sparse.format_node()}), whose "
-            "memory Inductor's buffer reuse does not track: its values could be overwritten "
-            "(Note [Sparse values and Inductor]).\nFix: compile this graph with another "
-            "compiler (backend='aotkit', or lambda gm: gm for a compiled-autograd backward), "
-            "or use dense gradients (nn.Embedding(sparse=False)).")
+# the memory: the second table's gradient of a two-embedding product came out wrong, silently
+# (so did PyTorch's compiled autograd with backend="inductor"), and a sparse constant failed
+# inside Inductor. A graph computing or reading sparse tensors runs as traced instead (a
+# "fallback" decision per graph); aotkit's graphs hold them where a sparse Embedding's backward
+# or a closed-over sparse matrix puts them.
+def _sparse_value(gm: fx.GraphModule) -> str | None:
+    """The first node computing or reading a sparse tensor, described; None if there is none."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+        if isinstance(value, torch.Tensor) and value.layout is not torch.strided:
+            return f"{node.name} = {node.target}, {value.layout}"
+    return None
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
