@@ -166,8 +166,9 @@ def _no_derivative(what: str, exc: Exception) -> UnsupportedError:
 def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
     """The error a RuntimeError raised while tracing becomes: one that says what to change where
     we know the cause, else ``exc`` itself."""
-    if _NO_DERIVATIVE.search(str(exc)) and _raised_in_torch(exc):
-        return _no_derivative(what, exc)
+    refused = _autograd_refusal(what, exc)
+    if refused is not None:
+        return refused
     if is_nested_compile_refusal(exc):
         return UnsupportedError(
             f"{what} calls a function or module compiled with torch.compile; aotkit cannot "
@@ -190,20 +191,6 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
             "tensors, which cannot take a real tensor's storage.\nFix: pass a tensor instead "
             "(x.set_(y), or x.set_(y.as_strided(size, stride, offset)) under torch.no_grad()), or "
             "do it outside the compiled function.")
-    if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
-        return UnsupportedError(
-            f"{what} uses torch.utils.checkpoint with use_reentrant=True (its default where "
-            "use_reentrant is not passed), which cannot be traced: aotkit takes the backward "
-            "with torch.autograd.grad.\nFix: pass use_reentrant=False (PyTorch's recommended "
-            "setting)."
-        )
-    if "might be aliasing the input or the output" in str(exc) and _raised_in_torch(exc):
-        return UnsupportedError(
-            f"{what} calls a higher-order op whose body returns a tensor that is also one of "
-            f"its inputs or another of its outputs ({first_line(exc)}); PyTorch cannot "
-            "differentiate such a body. In a scan, that is often a new carry that an output's "
-            "backward saves too (h as the carry, h.sin() as the output).\nFix: return a copy "
-            "(h.clone() as the carry).")
     if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
         return data_dependent(what, exc)  # .tolist() of a fake tensor, 2-d or more
     if "on tensor with symbolic sizes/strides" in str(exc):
@@ -251,6 +238,27 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
         return op_failed(what, *failed, exc)
     return exc
+
+
+def _autograd_refusal(what: str, exc: RuntimeError) -> UnsupportedError | None:
+    """PyTorch's autograd refusing what the joint trace differentiates, said with the fix."""
+    if _NO_DERIVATIVE.search(str(exc)) and _raised_in_torch(exc):
+        return _no_derivative(what, exc)
+    if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
+        return UnsupportedError(
+            f"{what} uses torch.utils.checkpoint with use_reentrant=True (its default where "
+            "use_reentrant is not passed), which cannot be traced: aotkit takes the backward "
+            "with torch.autograd.grad.\nFix: pass use_reentrant=False (PyTorch's recommended "
+            "setting)."
+        )
+    if "might be aliasing the input or the output" in str(exc) and _raised_in_torch(exc):
+        return UnsupportedError(
+            f"{what} calls a higher-order op whose body returns a tensor that is also one of "
+            f"its inputs or another of its outputs ({first_line(exc)}); PyTorch cannot "
+            "differentiate such a body. In a scan, that is often a new carry that an output's "
+            "backward saves too (h as the carry, h.sin() as the output).\nFix: return a copy "
+            "(h.clone() as the carry).")
+    return None
 
 
 def _compressed_layout(what_does: str, where: str, exc: Exception) -> UnsupportedError:
