@@ -184,7 +184,7 @@ class AotModule(nn.Module):
         return sum(c.fn.num_entries for c in self._compiled.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if tracing_active():  # inside another compiled module's trace: part of its graph
+        if tracing_active():  # Note [Calls inside other traces]: part of that graph
             return self.orig_module(*args, **kwargs)
         # A trace in another thread points its modules' slots (this module's too, where they
         # share submodules) at tracing values until it ends: read them under the lock the trace

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -335,17 +336,10 @@ def _sparse_value(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)
+            value = operator.attrgetter(node.target)(gm)
         if isinstance(value, torch.Tensor) and value.layout is not torch.strided:
             return f"{node.name} = {node.target}, {value.layout}"
     return None
-
-
-def _attribute(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def _joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
