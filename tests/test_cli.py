@@ -277,6 +277,16 @@ def test_graphs_without_graphviz_say_so_once(tmp_path: Path, monkeypatch: pytest
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["backward.dot", "forward.dot"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_report_that_cannot_be_written_is_one_line_without_a_traceback() -> None:
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "aotkit", "graphs", "--model", "mlp"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "could not write the report" in proc.stderr
+
+
 def test_a_reader_that_stops_early_gets_no_traceback() -> None:
     """``aotkit graphs --code | head -1`` ended in a BrokenPipeError traceback."""
     proc = subprocess.Popen([sys.executable, "-m", "aotkit", "graphs", "--model", "mlp", "--code"],

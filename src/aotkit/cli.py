@@ -180,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Python flushes stdout once more at exit, which would fail again: point it nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as exc:  # writing the report failed (a full disk behind ``> file``)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"aotkit {args.command}: error: could not write the report: {exc}",
+              file=sys.stderr)
+        return 1
 
 
 def _check(args: argparse.Namespace) -> None:

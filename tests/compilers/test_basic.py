@@ -395,3 +395,22 @@ def test_debug_nop_lets_batch_norms_known_dtype_difference_through_and_records_i
     if train:  # the backward's placeholders of the saved mean and inverse deviation
         assert any("(placeholder: output 1 of aten._native_batch_norm_legit" in d.why
                    for d in known)
+
+
+def test_compiler_factories_and_compilers_misused_are_argument_errors() -> None:
+    """draw_graph_compile(123) and debug_compile called as a wrapper raised Python's own
+    TypeError and AttributeError."""
+    with pytest.raises(aotkit.errors.ArgumentError, match="file name prefix, got int"):
+        draw_graph_compile(123)  # type: ignore[arg-type]
+    with pytest.raises(aotkit.errors.ArgumentError, match="takes an FX GraphModule, got function"):
+        aotkit.compilers.debug_compile(lambda x: x, [])  # type: ignore[arg-type]
+
+
+def test_the_recompile_limit_error_states_the_limit() -> None:
+    f = aotkit.aot_function(lambda x: x * 2, aotkit.compilers.nop)
+    with aotkit.config.patch(recompile_limit=2):
+        f(torch.ones(1)), f(torch.ones(2))
+        with pytest.raises(aotkit.errors.RecompileLimitError,
+                           match=r"compiled for 2 input signature\(s\), and aotkit.config."
+                                 r"recompile_limit is 2"):
+            f(torch.ones(3))

@@ -294,3 +294,7 @@ def test_an_unwritable_folder_is_named_with_a_fix(tmp_path: Path) -> None:
     with pytest.raises(aotkit.errors.CompilerError, match=r"could not write the (.|\n)*"
                                                           r"Fix: give it a folder you can write"):
         f(torch.randn(3))
+    # with grad its partitioner writes first: the failure blamed the partitioner's signature
+    with pytest.raises(aotkit.errors.CompilerError, match=r"could not write the joint graph"
+                                                          r"(.|\n)*Fix: give it a folder"):
+        f(torch.randn(3, requires_grad=True))

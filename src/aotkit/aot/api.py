@@ -442,6 +442,11 @@ def _partition(partition_fn: Partitioner, joint: fx.GraphModule, args: Sequence[
         graphs = partition_fn(joint, list(args), num_fwd_outputs=num_fw_outputs)
     except AotkitError:
         raise
+    except OSError as exc:  # graph_dumper_aot writes the joint graph from its partitioner
+        raise CompilerError(
+            f"partition_fn {who!r} could not write the joint graph of {name}: "
+            f"{type(exc).__name__}: {exc}\nFix: give it a folder you can write to "
+            "(graph_dumper_aot's folder_name).") from exc
     except Exception as exc:
         raise CompilerError(f"partition_fn {who!r} failed on the joint graph of {name}: "
                             f"{type(exc).__name__}: {exc}\n{fix}") from exc
@@ -778,8 +783,9 @@ class AotFunction:
             why = "new input signature"
         if self.num_entries >= config.recompile_limit:
             raise RecompileLimitError(
-                f"{self.name} has been compiled for {self.num_entries} input signature(s) "
-                f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
+                f"{self.name} has been compiled for {self.num_entries} input signature(s), "
+                f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
+                f"would compile another ({why}).\n"
                 f"Fix: {_varying_shapes_fix(self.options.dynamic)}; pass Python numbers that "
                 "change from call to call as tensors (torch.tensor(n)), since other arguments "
                 "are constants of the graph (the attributes of an object argument too: pass only "

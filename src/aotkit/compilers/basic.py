@@ -80,6 +80,10 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         ['sin_0', 'sin_1']
     """
     drawn = 0
+    if not isinstance(name, (str, os.PathLike)):
+        raise ArgumentError(f"draw_graph_compile takes a file name prefix, got "
+                            f"{type(name).__name__} {name!r}.\nFix: pass a str such as "
+                            "'graphs/model' (drawn to graphs/model_0.svg, ...).")
     stem, suffix = os.path.splitext(os.fspath(name))
     if suffix.lower() in _OTHER_FORMATS:  # not part of a name such as "resnet.layer1"
         raise ArgumentError(

@@ -638,6 +638,11 @@ def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         ...     f(torch.zeros(2))
         tensor([0., 0.])
     """
+    if not isinstance(gm, fx.GraphModule):
+        raise ArgumentError(
+            f"debug_compile is a compiler: it takes an FX GraphModule, got "
+            f"{type(gm).__name__}.\nFix: pass it as a compiler, "
+            "aotkit.aot_function(fn, aotkit.compilers.debug_compile).")
     target = _fresh_folder(Path(config.debug_dir if folder is None else folder))
     values = "graph.tensors, written when the graph first runs" if dump_example_input else (
         "not saved (debug_compile(..., dump_example_input=True) saves them)")
@@ -646,6 +651,6 @@ def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     custom_ops = _custom_ops(gm)
     (target / "repro.py").write_text(_REPRO.format(
         devices=devices, custom_ops=custom_ops, import_roots=_import_roots(custom_ops.values())))
-    log.info("debug_compile: wrote the graph and a repro to %s (run: python %s)",
-             target, target / "repro.py")
+    log.warning("debug_compile: wrote the graph and a repro to %s (run: python %s)",
+                target, target / "repro.py")
     return _run_saving_inputs(gm, target / "graph.tensors" if dump_example_input else None)
