@@ -60,6 +60,17 @@ def test_a_bad_environment_variable_is_a_usage_error_and_help_still_works() -> N
     assert "aotkit graphs: error: AOTKIT_LOG_GRAPHS='2' is not a boolean" in graphs.stderr
 
 
+def test_budget_on_the_command_line_replaces_a_bad_environment_variable() -> None:
+    """The environment was checked before --budget applied, as patch() replaces it in Python."""
+    env = {**os.environ, "AOTKIT_ACTIVATION_MEMORY_BUDGET": "nan", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "aotkit", "graphs", "--model", "mlp"]
+    budgeted = subprocess.run([*command, "--partition", "min_cut", "--budget", "0.5"],
+                              capture_output=True, text=True, env=env, timeout=300)
+    assert budgeted.returncode == 0, budgeted.stderr
+    plain = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode == 2 and "AOTKIT_ACTIVATION_MEMORY_BUDGET='nan'" in plain.stderr
+
+
 def _perturbed_compile(model: torch.nn.Module, **kwargs: object) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: model(x) * 1.001
 

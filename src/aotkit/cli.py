@@ -52,8 +52,7 @@ def _graphs(args: argparse.Namespace) -> int:
         graphs = capture_backward_graph(args.model)
         mode = "whole backward under aotkit.compiled_autograd"
     else:
-        budget = {} if args.budget is None else {"activation_memory_budget": args.budget}
-        with config.patch(**budget):
+        with config.patch(**_options_set(args)):
             graphs = capture_graphs(args.model, training=not args.inference,
                                     partition_fn=partition_fn)
         mode = "inference" if args.inference else "training"
@@ -99,6 +98,12 @@ def _version() -> str:
     except PackageNotFoundError:
         torch_version = "not installed"
     return f"aotkit {aotkit.__version__} (torch {torch_version})"
+
+
+def _options_set(args: argparse.Namespace) -> dict[str, Any]:
+    """The aotkit.config options the command line sets."""
+    budget = getattr(args, "budget", None)
+    return {} if budget is None else {"activation_memory_budget": budget}
 
 
 def budget(text: str) -> float:
@@ -166,8 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     _check(args)
-    try:
-        config.check_environment()
+    try:  # an option the command line sets replaces its environment variable, as patch() does
+        with config.patch(**_options_set(args)):
+            config.check_environment()
     except AotkitError as exc:
         print(f"aotkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
