@@ -633,7 +633,7 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     _check_leaves_made_inside(infos, f_outs)
-    infos = [dataclasses.replace(info, made_as=_made_as(out)) if _made_as(out) else info
+    infos = [dataclasses.replace(info, made_as=made) if (made := _made_as(out)) else info
              for info, out in zip(infos, f_outs, strict=True)]
     return infos, bases
 
