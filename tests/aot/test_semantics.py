@@ -1732,6 +1732,18 @@ def test_an_output_whose_size_depends_on_data_is_named_as_such():
         f(rand(4, grad=True))
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_data_dependent_op_in_the_backward_names_the_backward(dynamic):
+    """A sparse embedding's backward with padding_idx calls nonzero: the message blamed the
+    function's own code and suggested dynamic=True, which fails the same way."""
+    table = torch.nn.Embedding(10, 4, sparse=True, padding_idx=0)
+    with pytest.raises(TraceError, match=r"its backward, which the autograd engine runs(.|\n)*"
+                                         r"sparse=True and a padding_idx(.|\n)*Fix: keep that "
+                                         r"layer outside") as info:
+        aotkit.aot_module(table, compilers.nop, dynamic=dynamic)(torch.tensor([[0, 2], [3, 0]]))
+    assert "dynamic=True" not in str(info.value)
+
+
 def test_a_byte_mask_indexes_as_in_eager():
     """Note [Byte masks as indices]: eager takes a uint8 index as a bool mask; the fake kernel
     refused it."""

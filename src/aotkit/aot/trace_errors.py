@@ -325,6 +325,15 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "Fix: call it with inputs that do not require grad (or under torch.no_grad()), or "
             "compile with torch.compile(fn, backend=\"aotkit\"), which runs the loop eagerly."
         )
+    if _in_backward(frames):
+        return TraceError(
+            f"{what} could not be traced: its backward, which the autograd engine runs (no "
+            "line of the function), calls an op whose result's size or value depends on "
+            f"tensor data ({type(exc).__name__}: {first_line(exc)}); the backward of "
+            "nn.Embedding or F.embedding with sparse=True and a padding_idx is one.\n"
+            "Fix: keep that layer outside the compiled function, drop sparse=True (or "
+            "padding_idx) there, or use torch.compile(model, backend=\"aotkit\"), which runs "
+            "such a graph eagerly.")
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
         return TraceError(
             f"{what} could not be traced: {exc.func} returns {_data_dependent_result(exc.func)} "
@@ -362,6 +371,15 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
         "data-dependent part out of the compiled function"
         f"{'' if from_dynamo else '; torch.compile splits the graph there for you'}."
     )
+
+
+_TRACE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace.py")
+
+
+def _in_backward(frames: traceback.StackSummary) -> bool:
+    """Whether the joint trace was running the function's backward (``trace._grads``)."""
+    return any(f.name == "_grads" and os.path.abspath(f.filename) == _TRACE_FILE
+               for f in frames)
 
 
 def _captures_data() -> bool:
