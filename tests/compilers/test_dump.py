@@ -211,13 +211,34 @@ def test_debug_compile_writes_under_config_debug_dir_and_says_where(tmp_path: Pa
     assert str(tmp_path / "debug" / "graph_0" / "repro.py") in message
 
 
-def repro_main(folder: Path) -> Any:
-    """The repro's ``main``, run in this process (a subprocess per case would cost seconds)."""
+def repro_module(folder: Path) -> Any:
+    """The repro script as a module of this process (a subprocess per case would cost
+    seconds)."""
     spec = importlib.util.spec_from_file_location("repro", folder / "repro.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def repro_main(folder: Path) -> Any:
+    return repro_module(folder).main
+
+
+def test_debug_compile_repro_draws_the_first_calls_random_numbers(tmp_path: Path) -> None:
+    """With the first call's values saved, the repro also restores the generator's state then,
+    so a graph with dropout computes the same outputs (its random numbers were others)."""
+    compiled = aotkit.aot_function(
+        lambda x: torch.nn.functional.dropout(x, 0.5) * 3,
+        functools.partial(debug_compile, folder=tmp_path, dump_example_input=True))
+    expected = compiled(torch.ones(64))
+    repro = repro_module(tmp_path / "graph_0")
+    ran: list[Any] = []
+    repro.load_graph = lambda *a: (lambda *inputs: ran.append(load_graph(*a)(*inputs)) or ran[0])
+    torch.manual_seed(123)  # the repro seeds again; its draw must not depend on this
+    assert repro.main() == 0
+    [[out]] = ran
+    assert torch.equal(out, expected)
 
 
 def test_debug_compile_repro_of_a_cuda_graph_needs_cuda_or_says_so(

@@ -387,11 +387,56 @@ def _run_saving_inputs(gm: fx.GraphModule, values_path: Path | None) -> Callable
         nonlocal pending
         if pending and not any(isinstance(a, FakeTensor) for a in args):
             pending = False
-            write_tensors(values_path, {str(i): a for i, a in enumerate(args)
-                                        if isinstance(a, torch.Tensor)})
+            inputs = {str(i): a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+            write_tensors(values_path, {**inputs, **_rng_states(args)})
         return run_graph(*args)
 
     return make_boxed_func(run)
+
+
+_RNG_STATE = "rng_state."  # a .tensors entry: a generator's state, "rng_state.cpu"
+
+
+def _rng_states(args: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """The states of the generators a graph's random ops draw from as it runs with ``args``:
+    the CPU's and those of the CUDA devices ``args`` live on."""
+    states = {f"{_RNG_STATE}cpu": torch.get_rng_state()}
+    for device in sorted({str(a.device) for a in args
+                          if isinstance(a, torch.Tensor) and a.device.type == "cuda"}):
+        states[f"{_RNG_STATE}{device}"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def restore_rng_state(input_data_path: str | os.PathLike[str], *, device: str | None = None
+                      ) -> bool:
+    """Set the random generators to their states when the saved graph first ran, so that its
+    random ops (dropout) draw the same numbers again; False when the graph's values were not
+    saved (``dump_example_input=False``). With ``device`` given (the inputs moved elsewhere),
+    only the CPU's state is set.
+
+    Example::
+
+        >>> import tempfile, torch, aotkit
+        >>> from aotkit.compilers import get_inputs, graph_dumper_aot
+        >>> from aotkit.compilers.dump import load_graph, restore_rng_state
+        >>> dumper = graph_dumper_aot("drop", tempfile.mkdtemp(), dump_example_input=True)
+        >>> out = dumper(lambda x: torch.rand_like(x) + x)(torch.zeros(3))
+        >>> saved = dumper.saved[0] / "drop_inference_0.input"
+        >>> restore_rng_state(saved)
+        True
+        >>> torch.equal(load_graph(dumper.saved[0])(*get_inputs(saved))[0], out)
+        True
+    """
+    values_path = _input_file(Path(input_data_path)).with_suffix(".tensors")
+    if not values_path.exists():
+        return False
+    for name, state in read_tensors(values_path, "cpu").items():
+        where = name[len(_RNG_STATE):] if name.startswith(_RNG_STATE) else None
+        if where == "cpu":
+            torch.set_rng_state(state)
+        elif where is not None and device is None:
+            torch.cuda.set_rng_state(state, where)
+    return True
 
 
 # --- graph_dumper_aot ---------------------------------------------------------------------------
@@ -511,7 +556,7 @@ from pathlib import Path
 import torch
 
 from aotkit.compilers import get_inputs
-from aotkit.compilers.dump import load_graph
+from aotkit.compilers.dump import load_graph, restore_rng_state
 
 HERE = Path(__file__).resolve().parent
 DEVICES = {devices!r}  # where the traced inputs lived
@@ -553,6 +598,7 @@ def main() -> int:
     torch.manual_seed(0)
     graph = load_graph(HERE, device)
     inputs = get_inputs(HERE / "graph.input", device=device)
+    restore_rng_state(HERE / "graph.input", device=device)  # when the first call's were saved
     outputs = graph(*inputs)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     for i, out in enumerate(outputs):
