@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,6 +17,8 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from aotkit.locks import new_lock
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
@@ -181,7 +182,7 @@ def _engine() -> Any:
 # threads, the slot stays empty while any is open, and the compiler set meanwhile is
 # remembered and installed when the last one closes. (A backward of the enable() thread that
 # runs while another thread traces is therefore not captured: it runs eagerly.)
-_slot_lock = threading.Lock()
+_slot_lock = new_lock()
 _slot_off = 0  # off windows open, in all threads
 _slot_wanted: tuple[Any, bool] = (None, False)  # the compiler to hold once none is open
 
@@ -428,9 +429,40 @@ _MACHINERY = ("aotkit.aot", "aotkit.compilers", "aotkit.compiled_autograd", "aot
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+# Note [Importing Dynamo once]
+# Making a FakeTensorMode imports Dynamo (about a second, on first use), as does marking
+# aotkit's code for Dynamo to skip. PyTorch's modules import one another lazily, and two
+# threads importing parts of Dynamo at once (one thread's first aot_function call, another's
+# compiled_autograd.enable()) could see a partially initialized module ("cannot import name
+# 'skip_code' from partially initialized module 'torch._dynamo.eval_frame'"), after which
+# compiled autograd failed for the rest of the process. aotkit imports Dynamo in one place,
+# under a lock, before either.
+_dynamo_lock = new_lock()
+_dynamo_loaded = False
+
+
+def load_dynamo() -> None:
+    """Import Dynamo, once, in one thread at a time (Note [Importing Dynamo once])."""
+    global _dynamo_loaded
+    if _dynamo_loaded:
+        return
+    with _dynamo_lock:
+        import torch._dynamo  # noqa: F401  (its eval_frame, compiled_autograd and utils too)
+
+        _dynamo_loaded = True
+
+
+def new_fake_mode(**kwargs: Any) -> FakeTensorMode:
+    """``FakeTensorMode(**kwargs)``, made after Dynamo is imported (Note [Importing Dynamo
+    once])."""
+    load_dynamo()
+    return FakeTensorMode(**kwargs)
+
+
 def hide_from_dynamo(*extra: Any) -> None:
     """Mark aotkit's machinery (its modules imported so far, and ``extra`` callables) to be
     skipped by Dynamo's frame callback (Note [aotkit's code is not user code to Dynamo])."""
+    load_dynamo()
     from torch._dynamo.eval_frame import skip_code
 
     def skip(obj: Any, seen: set[int], anywhere: bool = False) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotkit.errors import ConfigError
+from aotkit.locks import new_lock
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,7 @@ class _Saved:
 
 #: Per option, what each active patch replaced, oldest first.
 _patched: dict[str, list[_Saved]] = {}
-_PATCH_LOCK = threading.Lock()
+_PATCH_LOCK = new_lock()
 
 
 def _end_patch(name: str, replaced: _Saved) -> None:

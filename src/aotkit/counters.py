@@ -179,12 +179,13 @@ def _dynamo_breaks() -> dict[str, int]:
 
 
 def _dynamo_totals() -> dict[str, int]:
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
+    # Another thread may be importing Dynamo: its module is there before its counters are.
+    dynamo_counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    if dynamo_counters is None:
         return {}
     found: dict[str, int] = {}
     for category in ("graph_break", "unimplemented"):
-        for reason, count in utils.counters.get(category, {}).items():
+        for reason, count in dynamo_counters.get(category, {}).items():
             found[reason] = found.get(reason, 0) + count
     return found
 

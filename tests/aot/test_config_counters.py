@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -522,3 +523,10 @@ def test_log_graphs_alone_shows_the_graphs():
     shown = after.stderr.split("---\n")[1]
     assert shown.count("shape of args[0] changed: (3,) -> (4,)") == 1, shown
     assert "(2,) -> (3,)" not in shown, shown
+
+
+def test_explain_while_another_thread_imports_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's utils module is in sys.modules before its counters exist: explain() raised
+    AttributeError from a monitoring thread while another thread's first compile imported it."""
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", types.ModuleType("torch._dynamo.utils"))
+    assert aotkit.explain().dynamo == {}

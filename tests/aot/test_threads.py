@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -187,3 +189,68 @@ def test_a_trace_in_another_thread_does_not_change_a_compiled_modules_layout():
         thread.join()
     assert not errors and model.num_entries == 1
     assert not aotkit.explain().of_kind("recompile")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_a_child_forked_while_another_thread_traces_calls_and_compiles() -> None:
+    """A fork copies the trace's locks held; the child's calls waited on them forever (a cached
+    aot_module call too). Note in aotkit.locks."""
+    model = aotkit.aot_module(nn.Linear(3, 3), aotkit.compilers.nop)
+    x = torch.randn(2, 3)
+    model(x)
+    inside, leave = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            leave.wait(30)  # the trace holds its locks meanwhile
+            return y.sin()
+
+    tracer = threading.Thread(target=lambda: aotkit.aot_module(Waits(), aotkit.compilers.nop)(x))
+    tracer.start()
+    try:
+        assert inside.wait(30)
+        child = multiprocessing.get_context("fork").Process(target=_calls_in_child,
+                                                            args=(model, x))
+        child.start()
+        child.join(60)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+    finally:
+        leave.set()
+        tracer.join()
+    assert not hung and child.exitcode == 0
+
+
+def _calls_in_child(model: nn.Module, x: torch.Tensor) -> None:
+    assert torch.equal(model(x), model.orig_module(x))  # a cached call
+    f = aotkit.aot_function(lambda a: a.cos(), aotkit.compilers.nop)  # a first compile
+    assert torch.equal(f(x), x.cos())
+
+
+def test_manual_seed_in_another_thread_during_a_trace_is_no_reseed_and_stays() -> None:
+    """The function was refused for the other thread's torch.manual_seed, and that thread's seed
+    was undone when the trace ended."""
+    started, seeded = threading.Event(), threading.Event()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        started.set()
+        seeded.wait(30)  # the other thread seeds while this trace runs
+        return x.sin()
+
+    def seeder() -> None:
+        started.wait(30)
+        torch.manual_seed(1234)
+        seeded.set()
+
+    thread = threading.Thread(target=seeder)
+    thread.start()
+    x = torch.randn(3, requires_grad=True)
+    out = aotkit.aot_function(f, aotkit.compilers.nop)(x)
+    thread.join()
+    assert torch.equal(out, x.sin())
+    assert torch.initial_seed() == 1234
+    drawn = torch.rand(2)
+    torch.manual_seed(1234)
+    assert torch.equal(drawn, torch.rand(2))

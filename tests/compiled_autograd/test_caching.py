@@ -144,6 +144,23 @@ def test_enable_in_a_second_thread_raises_and_its_backward_is_captured_exactly()
     assert "another thread" in aotkit.explain().of_kind("hook_order")[0].why
 
 
+def test_enable_left_open_by_an_ended_thread_says_so() -> None:
+    """The refusal named the dead thread as active and told the caller to serialize blocks."""
+    left_open = aotkit.compiled_autograd.enable(nop)
+    thread = threading.Thread(target=left_open.__enter__, name="opener")
+    thread.start()
+    thread.join()
+    try:
+        with pytest.raises(aotkit.errors.UnsupportedError,
+                           match=r"entered in thread opener, which ended without leaving it"), \
+                aotkit.compiled_autograd.enable(nop):
+            pass
+    finally:
+        left_open.__exit__(None, None, None)
+    with aotkit.compiled_autograd.enable(nop):  # the fix the message names ended it
+        pass
+
+
 def test_a_block_ending_while_another_thread_traces_leaves_no_compiler_behind() -> None:
     """Note [The engine's compiler slot]: the trace's off window used to put the ended block's
     compiler back, and every later backward replayed into a dead session."""

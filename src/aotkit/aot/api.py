@@ -66,6 +66,7 @@ from aotkit.compat import (
     forget_real_tensors,
     hide_from_dynamo_if_loaded,
     keep_stack_traces_of,
+    new_fake_mode,
 )
 from aotkit.errors import (
     AotkitError,
@@ -837,7 +838,7 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     # constant the entry would guard on.
     shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \
         if dynamic or symbols else None
-    return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    return new_fake_mode(shape_env=shape_env, allow_non_fake_inputs=True)
 
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import logging
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from aotkit.aot.reads import is_recording_hook
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
+from aotkit.locks import new_lock
 from aotkit.partition.default import default_partition
 
 log = logging.getLogger("aotkit.aot")
@@ -324,7 +324,7 @@ class AotModule(nn.Module):
 # Held while a tracing pass points modules' slots at tracing values, and while a call reads a
 # module's state: calls in other threads wait for aot_module's tracing passes (not for
 # compilers, nor for other traces).
-_SLOTS_LOCK = threading.RLock()
+_SLOTS_LOCK = new_lock(reentrant=True)
 
 
 def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], None]:

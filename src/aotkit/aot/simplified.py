@@ -21,7 +21,13 @@ from aotkit.aot.frames import region
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import config_changes
 from aotkit.aot.trace import COMPILE_LOCK
-from aotkit.compat import FakeTensor, FakeTensorMode, dynamo_fallback_errors, hide_from_dynamo
+from aotkit.compat import (
+    FakeTensor,
+    FakeTensorMode,
+    dynamo_fallback_errors,
+    hide_from_dynamo,
+    new_fake_mode,
+)
 from aotkit.errors import AotkitError, ArgumentError, RecompileLimitError
 from aotkit.partition.default import default_partition
 
@@ -63,7 +69,7 @@ def aot_module_simplified(
     state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
     names = [n for n, _ in state]
     tensors = [t for _, t in state]
-    mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
+    mode = detect_fake_mode(args) or new_fake_mode(allow_non_fake_inputs=True)
     fakes = _to_fakes(mode, [*tensors, *args])
     options = AotOptions(fw_compiler, bw_compiler, partition_fn, decompositions, len(names),
                          keep_inference_input_mutations, inference_compiler)

@@ -126,6 +126,8 @@ def _seeded_state(seed: int) -> bytes:
 #   before it changes nothing, and reading the state stays allowed (``torch.utils.checkpoint``
 #   reads it).
 # PyTorch's own calls (Dynamo tracing torch.cond's branches keeps the state) are not refused.
+# Another thread's manual_seed or set_rng_state, through the same patched functions, starts
+# the comparison afresh: the traced function did not reseed, and that thread's seed stays.
 class ReseedWatch:
     """Whether the default generator has been reseeded since this watch began. See Note
     [Catching a reseed]."""
@@ -133,10 +135,14 @@ class ReseedWatch:
     def __init__(self, what: str) -> None:
         self.what = what
         self.draws = 0  # draws from the default generator traced so far
+        self._begin_at_current_state()
+        self._unpatch = self._patch()
+
+    def _begin_at_current_state(self) -> None:
+        """Compare with the generator as it is now (also after another thread set it)."""
         self.seed = torch.initial_seed()
         self.state = default_rng_state()
         self.fresh = _seeded_state(self.seed)
-        self._unpatch = self._patch()
 
     def reseeded(self) -> bool:
         if torch.initial_seed() != self.seed:
@@ -162,15 +168,23 @@ class ReseedWatch:
             return (active[0] and threading.get_ident() == thread
                     and sys.exc_info()[1] is None and _called_by_user(caller))
 
+        def elsewhere() -> bool:
+            return active[0] and threading.get_ident() != thread
+
         def manual_seed(seed: int) -> Any:
             if refused(sys._getframe(1).f_code.co_filename):
                 raise reseeding_refused(f"{self.what} (at {current_user_line()})")
-            return originals[0](seed)
+            result = originals[0](seed)
+            if elsewhere():  # the traced function did not reseed: keep that thread's seed
+                self._begin_at_current_state()
+            return result
 
         def set_rng_state(new_state: torch.Tensor) -> None:
             if self.draws and refused(sys._getframe(1).f_code.co_filename):
                 raise _restore_refused(self.what)
-            return originals[1](new_state)
+            originals[1](new_state)
+            if elsewhere():
+                self._begin_at_current_state()
 
         torch.random.manual_seed = torch.manual_seed = manual_seed
         torch.random.set_rng_state = torch.set_rng_state = set_rng_state

@@ -13,7 +13,6 @@ import functools
 import itertools
 import logging
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
@@ -65,6 +64,7 @@ from aotkit.compat import (
     rename_unbacked_symbol,
 )
 from aotkit.errors import TraceError, UnsupportedError
+from aotkit.locks import new_lock
 from aotkit.partition.graph import is_impure
 
 log = logging.getLogger("aotkit.aot")
@@ -79,7 +79,7 @@ _T = TypeVar("_T")
 # None" and left the flag set for the rest of the process. Every aotkit trace, partition and
 # compile holds COMPILE_LOCK (re-entrant: a lazy backward compile may run inside another
 # compile's trace), as Dynamo serializes its own compiles; compiled graphs run without it.
-COMPILE_LOCK = threading.RLock()
+COMPILE_LOCK = new_lock(reentrant=True)
 
 
 def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,

@@ -16,12 +16,13 @@ from aotkit.aot.boxing import refused_call
 from aotkit.compiled_autograd import capture, runtime, session
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import ArgumentError, UnsupportedError
+from aotkit.locks import new_lock
 
 log = session.log
 # The engine logs why its cache missed to a Logger it is given; we keep those under ours.
 _engine_log = logging.getLogger("aotkit.compiled_autograd.engine")
 _last_session: session.Session | None = None
-_ENTER_LOCK = threading.Lock()
+_ENTER_LOCK = new_lock()
 
 
 def nop(gm: torch.fx.GraphModule) -> Callable[..., Any]:
@@ -157,6 +158,12 @@ def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
 # so other threads' graphs keep the capture's order (a "hook_order" decision). A second block in
 # another thread would swap the compiler under the first one's backwards: it is refused.
 def _overlapping(outer: session.Session) -> UnsupportedError:
+    if not outer.thread.is_alive():
+        return UnsupportedError(
+            f"aotkit.compiled_autograd.enable() was entered in thread {outer.thread.name}, which "
+            "ended without leaving it (its __enter__ without __exit__), so it is still active "
+            "and captures every backward.\nFix: enter enable() with a with-statement; to end "
+            "the one left open, call __exit__(None, None, None) on the object entered.")
     if outer.thread is not threading.current_thread():
         return UnsupportedError(
             f"aotkit.compiled_autograd.enable() is active in another thread ({outer.thread.name})"

@@ -45,7 +45,7 @@ class GraphBuilder:
     def __init__(self, static: bool = False) -> None:
         self.stack = contextlib.ExitStack()
         self.shape_env = None if static else ShapeEnv()
-        self.fake_mode = compat.FakeTensorMode(
+        self.fake_mode = compat.new_fake_mode(
             allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=self.shape_env
         )
         self.tracer = PythonKeyTracer()

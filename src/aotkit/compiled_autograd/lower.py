@@ -54,6 +54,7 @@ from torch import fx
 
 from aotkit import compat
 from aotkit.aot.ops import EagerLayouts
+from aotkit.aot.signature import AUTOCAST_DEVICES, AutocastState, autocast_state
 from aotkit.aot.simplify import drop_noop_views
 from aotkit.aot.trace import quiet_fake_failures
 from aotkit.compiled_autograd import passes, runtime
@@ -83,19 +84,22 @@ def changed_value(example: Example, before: Example, made: str = "lowered") -> s
 
 
 class SizeGuard:
-    """The inputs' sizes, strides, dtypes, devices, requires_grad and dispatch keys (autocast
-    included), and the ``sizes`` and ``scalars`` lists, a lowered graph was traced with; checked
-    on every replay by two list comparisons and one C++ check of the inputs (no sympy, ~3 us for
-    34 inputs)."""
+    """The inputs' sizes, strides, dtypes, devices, requires_grad and dispatch keys, the
+    ``sizes`` and ``scalars`` lists, and the dtype autocast casts to on each device (the
+    dispatch keys say only whether it is on), a lowered graph was traced with; checked on every
+    replay by three tuple or list comparisons and one C++ check of the inputs (no sympy, ~3 us
+    for 34 inputs)."""
 
     def __init__(self, example: Example) -> None:
         self.sizes, self.scalars = list(example.sizes), list(example.scalars)
         self.num_inputs = len(example.inputs)
         self.inputs = compat.tensor_layout_check(example.inputs)
+        self.autocast = autocast_state()
 
     def accepts(self, example: Example) -> bool:
         return (example.sizes == self.sizes and example.scalars == self.scalars
-                and len(example.inputs) == self.num_inputs and self.inputs.check(*example.inputs))
+                and len(example.inputs) == self.num_inputs and autocast_state() == self.autocast
+                and self.inputs.check(*example.inputs))
 
     def why_not(self, example: Example) -> str:
         """What differs from the values the graph was lowered for, e.g. ``sizes[0] is 24,
@@ -105,9 +109,19 @@ class SizeGuard:
             return why
         if len(example.inputs) != self.num_inputs:
             return f"inputs has {len(example.inputs)} values, lowered for {self.num_inputs}"
+        if (now := autocast_state()) != self.autocast:
+            return (f"autocast is {_autocast_text(now)}, lowered with autocast "
+                    f"{_autocast_text(self.autocast)}")
         names = [f"inputs[{k}]" for k in range(self.num_inputs)]
         verdict = self.inputs.check_verbose(*example.inputs, tensor_check_names=names)
         return "its values differ from those it was lowered for" if verdict is True else verdict
+
+
+def _autocast_text(state: AutocastState) -> str:
+    """``bfloat16 on cpu``, or ``off``."""
+    on = [f"{str(dtype).removeprefix('torch.')} on {device}"
+          for device, dtype in zip(AUTOCAST_DEVICES, state, strict=True) if dtype]
+    return ", ".join(on) or "off"
 
 
 @dataclass
