@@ -133,3 +133,27 @@ def test_compiled_generation_matches_eager(cache: str) -> None:
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     assert aotkit.counters.counters["aot"]["inference_compiles"] >= 1
+
+
+def test_a_cache_argument_is_keyed_by_its_contents_and_put_back_when_refused() -> None:
+    """transformers' cache layers derive from abc.ABC, whose empty __slots__ made them look
+    slotted: keyed by identity, a grown cache reused the stale graph, and a refused update left
+    the trace's tensors in the caller's cache."""
+    cache = transformers.DynamicCache()
+    cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 0)
+
+    def attend(q: torch.Tensor, cache: Any) -> torch.Tensor:
+        return (q @ cache.layers[0].keys.transpose(-1, -2)).softmax(-1)
+
+    compiled, q = aotkit.aot_function(attend, aotkit.compilers.nop), torch.ones(1, 1, 1, 4)
+    compiled(q, cache)
+    cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 0)  # a decode step
+    torch.testing.assert_close(compiled(q, cache), attend(q, cache), rtol=0, atol=0)
+
+    def update(x: torch.Tensor, cache: Any) -> torch.Tensor:
+        return cache.update(x, x, 0)[0].sum()
+
+    keys = cache.layers[0].keys
+    with pytest.raises(aotkit.errors.UnsupportedError):
+        aotkit.aot_function(update, aotkit.compilers.nop)(torch.ones(1, 1, 1, 4), cache)
+    assert cache.layers[0].keys is keys

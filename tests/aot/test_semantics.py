@@ -3227,6 +3227,54 @@ def test_parts_of_an_object_argument_keyed_by_identity_are_named():
     assert "Fix: pass such a value as an argument" in decision.why
 
 
+@pytest.mark.parametrize("base", ["abc.ABC", "typing.Generic", "collections.UserDict"])
+def test_an_object_whose_bases_declare_empty_slots_is_keyed_by_its_attributes(base):
+    """abc.ABC, typing.Generic and collections.abc bases declare empty __slots__: their
+    subclasses (transformers' cache layers, a tokenizer's BatchEncoding) were taken for
+    slotted, keyed by identity, and a changed attribute silently reused the stale graph."""
+    import abc
+    import collections
+    import typing
+
+    bases = {"abc.ABC": abc.ABC, "typing.Generic": typing.Generic[typing.TypeVar("T")],
+             "collections.UserDict": collections.UserDict}
+
+    class Hparams(bases[base]):
+        def __init__(self):
+            super().__init__()
+            self.scale = 2.0
+
+    def f(x, hp):
+        return x * hp.scale
+
+    compiled, hp, x = aotkit.aot_function(f, compilers.nop), Hparams(), torch.ones(2)
+    compiled(x, hp)
+    hp.scale = 3.0
+    assert torch.equal(compiled(x, hp), f(x, hp))
+    assert [d.why for d in aotkit.explain().of_kind("recompile")] == [
+        "attribute scale of args[1] changed: float 2.0 -> float 3.0"]
+
+
+def test_a_slotted_object_argument_is_named_as_keyed_by_identity():
+    """A @dataclass(slots=True)'s state is not in its __dict__: its key is its identity, which
+    was said nowhere (a changed field reuses the graph)."""
+    import dataclasses
+
+    @dataclasses.dataclass(slots=True)
+    class Hparams:
+        scale: float = 2.0
+
+    class Holder:
+        def __init__(self):
+            self.hp = Hparams()
+
+    aotkit.aot_function(lambda x, hp, h: x * hp.scale * h.hp.scale, compilers.nop)(
+        torch.ones(2), Hparams(), Holder())
+    [decision] = aotkit.explain().of_kind("identity_key")
+    assert decision.why.startswith("args[1], args[2].hp keyed by identity")
+    assert "slots" in decision.why
+
+
 def test_a_recompile_reason_names_a_list_that_grew_deep_in_an_argument():
     from types import SimpleNamespace
 

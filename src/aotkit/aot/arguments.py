@@ -82,7 +82,8 @@ def record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str,
         counters.record(
             "identity_key", name,
             f"{', '.join(cut[:3])}{more} keyed by identity (past the levels, items or values "
-            "an argument's key holds): a value changed in place there is not seen, and the "
+            "an argument's key holds, or an object keeping state in slots or a base written "
+            "in C): a value changed in place there is not seen, and the "
             "graph keeps the one it traced. Fix: pass such a value as an argument of its own "
             "(a float, or a tensor if it changes at every call).", logger=log)
     return told.union(cut)

@@ -115,11 +115,20 @@ def _hashable(value: Any) -> bool:
 def _plain_object(value: Any) -> bool:
     """An instance of Python classes that keep all its state in ``__dict__``: no slots, no
     base written in C but ``object`` (``functools.partial``, a ``list`` subclass and
-    ``random.Random`` keep theirs elsewhere)."""
+    ``random.Random`` keep theirs elsewhere). The empty ``__slots__`` of ``abc.ABC``,
+    ``typing.Generic`` and ``collections.abc`` bases hold nothing: their subclasses (a
+    transformers cache layer, a ``UserDict``) are plain."""
     if isinstance(value, _OPAQUE) or not hasattr(value, "__dict__"):
         return False
     cls = type(value)
-    return cls.__basicsize__ <= _PLAIN_SIZE and not any("__slots__" in vars(c) for c in cls.__mro__)
+    return cls.__basicsize__ <= _PLAIN_SIZE and not any(_has_slots(c) for c in cls.__mro__)
+
+
+def _has_slots(cls: type) -> bool:
+    """Whether ``cls`` declares slots holding values (not only ``__dict__`` or ``__weakref__``)."""
+    slots = vars(cls).get("__slots__", ())
+    names = (slots,) if isinstance(slots, str) else tuple(slots)
+    return any(n not in ("__dict__", "__weakref__") for n in names)
 
 
 # An instance no bigger than an ``object`` and its ``__dict__`` pointer keeps no state in C
@@ -203,7 +212,16 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
         return walk.cut_at(path, value)
     if _plain_object(value):
         return _object_key(value, depth, walk, path)
+    if _state_unseen(value):
+        return walk.cut_at(path, value)
     return _contents_key(value) or _Identity(value)
+
+
+def _state_unseen(value: Any) -> bool:
+    """An instance keeping state in slots (``@dataclass(slots=True)``), which its key does not
+    read: keyed by identity, an in-place change is not seen."""
+    return _by_identity(value) and not isinstance(value, _OPAQUE) \
+        and any(_has_slots(c) for c in type(value).__mro__)
 
 
 def _keyed_by_tensors(value: Any) -> bool:
@@ -215,6 +233,8 @@ def _keyed_by_tensors(value: Any) -> bool:
 def identity_keyed_parts(leaf: Any, name: str) -> list[str]:
     """The parts of an object argument its key holds by identity for lack of depth, size or
     values left (Note [Objects as arguments]): changed in place, they are not seen."""
+    if _state_unseen(leaf):
+        return [name]
     if not _plain_object(leaf) or not (_by_identity(leaf) or not _hashable(leaf)):
         return []
     walk = _Walk(cut=[])
