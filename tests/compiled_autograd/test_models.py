@@ -73,6 +73,26 @@ def test_backward_through_aot_function_graph() -> None:
     assert counts() == (2, 2)  # step 1, then accumulation into an existing .grad
 
 
+def test_an_aot_output_without_gradient_under_a_torch_compile_compiler() -> None:
+    """Logits and a loss from one compiled forward, only the loss backpropagated (every Hugging
+    Face model's output): with compiler_fn = torch.compile, Dynamo traced aotkit's backward
+    into a check it refused (InternalTorchDynamoError)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = lin(x)
+        return logits, logits.logsumexp(-1).mean()
+
+    want = torch.autograd.grad(f(x)[1], list(lin.parameters()))
+    _, loss = torch.compile(f, backend="aotkit")(x)
+    with aotkit.compiled_autograd.enable(functools.partial(torch.compile, backend="eager")):
+        loss.backward()
+    for w, p in zip(want, lin.parameters(), strict=True):
+        assert torch.equal(p.grad, w)
+
+
 def test_captured_graph_compiles_with_torch_compile_fullgraph() -> None:
     """Built-in formulas stay single graph nodes for Dynamo (allow_in_graph), so a compiler
     that is itself torch.compile sees one whole graph."""

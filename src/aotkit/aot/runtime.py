@@ -277,6 +277,12 @@ class CompiledFunction(torch.autograd.Function):
 # goes, as PyTorch's AOT autograd sends it. With no output reached and every input quiet,
 # nothing runs; otherwise the backward graph runs with zeros for the missing tangents. (An
 # eager graph freed by an earlier backward raises when visited: README, known gaps.)
+# The engine's node class of CompiledFunction; bound as a plain class, which Dynamo tracing a
+# compiled-autograd graph's call of the backward (compiler_fn = torch.compile) can compare
+# with, where it refused the Function's attribute.
+_COMPILED_NODE = CompiledFunction._backward_cls
+
+
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
     """Inputs whose missing gradient may be None: no edge, hook-free leaves and compiled
     calls' outputs (ctx.next_functions lists the tensor inputs)."""
@@ -284,7 +290,7 @@ def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
     quiet = set()
     for i, (node, slot) in zip(tensors, ctx.next_functions, strict=True):
         leaf = getattr(node, "variable", None)
-        if isinstance(node, CompiledFunction._backward_cls):
+        if isinstance(node, _COMPILED_NODE):
             ref = node.outputs[slot] if slot < len(node.outputs) else None
             leaf = ref() if ref is not None else None  # the upstream output, hooks and all
             hooked = leaf is not None and bool(leaf._backward_hooks)
