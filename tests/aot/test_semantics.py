@@ -1636,6 +1636,42 @@ def test_an_op_without_a_derivative_for_an_input_requiring_grad_names_the_fix(fn
     torch.testing.assert_close(compiled(detached, x), fn(detached, x), equal_nan=True)
 
 
+def test_a_custom_op_without_an_autograd_formula_names_register_autograd():
+    """PyTorch's raw RuntimeError came through (its aot_function's too); eager raises only if a
+    backward reaches the op."""
+
+    @torch.library.custom_op("aotkit_semantics::no_formula", mutates_args=())
+    def no_formula(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    no_formula.register_fake(torch.empty_like)
+    with pytest.raises(UnsupportedError, match=r"custom op that has no autograd formula(.|\n)*"
+                                               r"Fix: register the op's backward"):
+        aotkit.aot_function(lambda x: no_formula(x) + x, compilers.nop)(rand(3, grad=True))
+
+
+@pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")
+@pytest.mark.parametrize("dispatch_key", ["CPU", "CompositeExplicitAutograd"])
+def test_an_op_without_an_autograd_kernel_is_refused_where_its_gradient_would_drop(dispatch_key):
+    """Note [Ops without an autograd kernel]: eager differentiated the Python kernel's x * x;
+    the trace ran the fake kernel and the backward silently gave no gradient for it (as
+    PyTorch's aot_function does, with a warning)."""
+    lib = torch.library.Library(f"aotkit_no_autograd_{dispatch_key.lower()}", "DEF")
+    lib.define("square(Tensor x) -> Tensor")
+    lib.impl("square", lambda x: x * x, dispatch_key)
+    lib.impl("square", lambda x: torch.empty_like(x), "Meta")
+    op = getattr(torch.ops, lib.ns).square
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    (op(x) + x).sum().backward()
+    assert x.grad.tolist() == [3.0, 5.0, 7.0]  # eager: 2x + 1
+    with pytest.raises(UnsupportedError, match=rf"calls {lib.ns}::square, which has no autograd "
+                                               r"kernel(.|\n)*register_autograd"):
+        aotkit.aot_function(lambda x: op(x) + x, compilers.nop)(x)
+    detached = x.detach()  # the fix it names for inputs whose gradient is not needed
+    assert torch.equal(aotkit.aot_function(lambda x: op(x) + x, compilers.nop)(detached),
+                       op(detached) + detached)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_a_closed_over_csr_matrix_is_refused_naming_the_coo_layout():
     """Fake tensors cannot run mm on a compressed sparse layout; the generic advice about

@@ -14,6 +14,7 @@ import itertools
 import logging
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -876,7 +877,7 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
     if wrt and outs:
         # The engine would run CUDA nodes on its device thread, beside CPU nodes on this one:
         # two threads in one fake mode trip over its in-kernel flag. Trace on this thread.
-        with torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(False), _no_autograd_kernel_refused():
             found = torch.autograd.grad(
                 outs, [f_primals[i] for i in wrt], f_tangents, allow_unused=True
             )
@@ -885,6 +886,41 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
                 raise _subclass_gradient(g)
             grads[i] = g
     return grads
+
+
+# Note [Ops without an autograd kernel]
+# An op registered without an autograd kernel (torch.library.Library's lib.impl for CPU or
+# CompositeExplicitAutograd only) goes through autograd's fallback, which in eager runs the
+# kernel and lets autograd record whatever that kernel does (a Python kernel's x * x is
+# differentiated), and when nothing was recorded only warns ("an autograd kernel was not
+# registered ... This may lead to silently incorrect behavior") and gives no gradient. Traced,
+# the op runs its fake kernel, which records nothing: the backward always dropped its gradient,
+# with that warning only. The joint trace's backward turns the warning into a refusal.
+_NO_AUTOGRAD_KERNEL = "an autograd kernel was not registered to the Autograd key(s)"
+
+
+@contextlib.contextmanager
+def _no_autograd_kernel_refused() -> Iterator[None]:
+    """See Note [Ops without an autograd kernel]; other warnings are shown as they came."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    refused = [w for w in caught if _NO_AUTOGRAD_KERNEL in str(w.message)]
+    for w in caught:
+        if w not in refused:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if refused:
+        op = str(refused[0].message).split(": an autograd")[0]
+        guard = _GUARD.get()
+        raise UnsupportedError(
+            f"{guard.what if guard is not None else 'the function'} calls {op}, which has no "
+            "autograd kernel, with an input requiring grad: its fake "
+            "kernel, which aotkit traces, records no gradient, so the backward would drop it "
+            "(eager differentiates what a Python kernel computes, and warns \"may lead to "
+            "silently incorrect behavior\" otherwise).\nFix: register the op's backward "
+            "(torch.library.register_autograd), register its kernel as "
+            "CompositeImplicitAutograd so that it traces through, or pass that input "
+            "detached (x.detach()) where its gradient is not needed.")
 
 
 def _subclass_gradient(grad: torch.Tensor) -> UnsupportedError:

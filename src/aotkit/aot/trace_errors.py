@@ -244,6 +244,14 @@ def _autograd_refusal(what: str, exc: RuntimeError) -> UnsupportedError | None:
     """PyTorch's autograd refusing what the joint trace differentiates, said with the fix."""
     if _NO_DERIVATIVE.search(str(exc)) and _raised_in_torch(exc):
         return _no_derivative(what, exc)
+    if "but no autograd formula was registered" in str(exc) and _raised_in_torch(exc):
+        return UnsupportedError(  # a torch.library.custom_op without register_autograd
+            f"{what} calls a custom op that has no autograd formula with an input requiring "
+            f"grad ({first_line(exc)}). aotkit traces the backward of the whole function when "
+            "it is called, so it needs every formula there; eager raises only if a backward "
+            "reaches the op.\nFix: register the op's backward (op.register_autograd(backward, "
+            "setup_context=...)), or pass that input detached (x.detach()) where its gradient "
+            "is not needed.")
     if "use_reentrant=True" in str(exc):  # torch.utils.checkpoint refusing autograd.grad
         return UnsupportedError(
             f"{what} uses torch.utils.checkpoint with use_reentrant=True (its default where "
