@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from eager_check import check_against_eager
 
+import aotkit
+
 # (shape the flat leaf is viewed as, permutation giving the layout)
 _TRANSPOSED = ((3, 8, 5), (0, 2, 1))  # (3, 5, 8) with strides (40, 1, 5)
 _CHANNELS_LAST = ((2, 5, 6, 4), (0, 3, 1, 2))  # (2, 4, 5, 6), channels_last
@@ -124,3 +126,48 @@ def test_batch_norm_updates_running_statistics_with_gaps_in_place() -> None:
 
     check_against_eager(fn, torch.randn(3, 5, 4, requires_grad=True), torch.zeros(8),
                         torch.ones(8), prepare=prepare)
+
+
+_ONE_LAYOUT = {
+    "copysign": lambda a, b: torch.copysign(a, b),
+    "logaddexp": lambda a, b: torch.logaddexp(a, b),
+    "relu6": lambda a, b: F.relu6(a * b),
+    "hardswish": lambda a, b: F.hardswish(a * b),
+    "elu": lambda a, b: F.elu(a * b),
+}
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+@pytest.mark.parametrize("name", list(_ONE_LAYOUT))
+def test_ops_on_inputs_of_one_layout_keep_it_as_eager(name: str, layout: str) -> None:
+    """Note [Kernels whose fake strides differ]: these ops' fake kernels differ only for mixed
+    layouts, but inputs all channels_last (or transposed alike) were copied contiguous too: the
+    result and the inputs' gradients came back contiguous (two copies per activation of a
+    channels_last CNN), and a view eager allows on the result was refused."""
+    op = _ONE_LAYOUT[name]
+
+    def make() -> torch.Tensor:
+        x = torch.randn(2, 4, 5, 6)
+        x = x.to(memory_format=torch.channels_last) if layout == "channels_last" else x.transpose(2, 3)
+        return x.requires_grad_()
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = op(a, b)
+        flat = out.permute(0, 2, 3, 1) if layout == "channels_last" else out.transpose(2, 3)
+        return out, flat.view(-1)  # a view only eager's layout allows
+
+    torch.manual_seed(0)
+    a, b, grad = make(), make(), make().detach()  # a gradient laid out as the output
+    want = fn(a, b)
+    want_grads = torch.autograd.grad(want[0], (a, b), grad, allow_unused=True)
+    got = aotkit.aot_function(fn, aotkit.compilers.nop)(a, b)
+    got_grads = torch.autograd.grad(got[0], (a, b), grad, allow_unused=True)
+    assert got[0].stride() == want[0].stride() and torch.equal(got[1], want[1])
+    for g, w in zip(got_grads, want_grads, strict=True):
+        if w is not None:
+            # A transposed gradient is made contiguous on entry (a tangent keeps its output's
+            # memory format only: channels_last, or contiguous): strides (and the rounding of
+            # vectorized loops) are eager's for channels_last only.
+            exact = {"rtol": 0, "atol": 0} if layout == "channels_last" else {}
+            torch.testing.assert_close(g, w, **exact)
+            assert g.stride() == w.stride() or layout == "transposed"

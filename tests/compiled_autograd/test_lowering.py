@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.compiled_autograd.helpers import assert_same_grads, check_module, counts, grads
 from torch import fx, nn
 
@@ -408,3 +409,31 @@ def test_the_lowered_graph_is_logged_at_info_only_with_log_graphs(
     messages = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert any(m.startswith("captured backward graph") for m in messages)
     assert any(m.startswith("lowered ") for m in messages) == log_graphs
+
+
+@pytest.mark.parametrize("act", [F.relu6, F.elu, F.hardswish])
+def test_a_hook_on_a_channels_last_activation_gets_eagers_layout(act: Callable[..., Any]) -> None:
+    """The lowering copied the activation backward's inputs contiguous (Note [Kernels whose
+    fake strides differ] applies to mixed layouts only): a hook's NHWC view of the gradient
+    raised "view size is not compatible", where eager's runs."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+
+    def step(compiled: bool) -> tuple[tuple[int, ...], torch.Tensor]:
+        seen: dict[str, Any] = {}
+
+        def hook(grad: torch.Tensor) -> None:
+            seen["stride"], seen["nhwc"] = grad.stride(), grad.permute(0, 2, 3, 1).view(-1, 4)
+
+        h = conv(x)
+        h.register_hook(hook)
+        loss = act(h).pow(2).sum()
+        with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop) if compiled \
+                else contextlib.nullcontext():
+            loss.backward()
+        return seen["stride"], seen["nhwc"]
+
+    (want_stride, want), (got_stride, got) = step(False), step(True)
+    assert got_stride == want_stride
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -350,6 +350,10 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # most of these kernels make inside anyway. This happens in the tracing guard's dispatch
 # (aotkit.aot.trace), so the metadata pass, which runs no decompositions, sees the layouts the
 # graph will have, and in compiled autograd's lowering of backward formulas (``EagerLayouts``).
+# The elementwise ones among them (_ONE_LAYOUT_AGREES) differ only for inputs of mixed layouts:
+# inputs all in one dense layout (a channels_last CNN's activation backward) keep it, as in
+# eager; copied, they cost a channels_last network two copies per activation, its outputs and
+# gradients came back contiguous, and a view relying on eager's layout was refused.
 def _relaid(t: Any, gaps: bool) -> bool:
     """A strided tensor whose elements do not overlap (a nested tensor has no strides to lay
     out; an expanded one would be copied whole), without gaps unless ``gaps``."""
@@ -374,6 +378,14 @@ _DENSE_ONLY = frozenset([
     _aten.floor_divide.default, _aten.div.Tensor_mode, _aten.heaviside.default,
     _aten.ldexp.Tensor, _aten.logaddexp.default, _aten.logical_and.default,
     _aten.logical_or.default, _aten.logical_xor.default])
+#: Of the ops below, those whose fake and real kernels agree for inputs all of one dense layout
+#: (channels_last, transposed, reversed; checked against the real kernels for each).
+_ONE_LAYOUT_AGREES = _DENSE_ONLY | frozenset([
+    _aten.binary_cross_entropy.default, _aten.binary_cross_entropy_backward.default,
+    _aten.log_sigmoid_backward.default, _aten.elu_backward.default,
+    _aten.hardswish_backward.default, _aten.hardsigmoid_backward.default,
+    _aten.hardtanh_backward.default, _aten.softplus_backward.default,
+    _aten.logit_backward.default])
 #: Ops whose fake strides differ from the real kernel's, with the argument whose suggested
 #: memory format the real kernel returns (None: contiguous). See the Note above.
 _RELAID_OPS: dict[Any, int | None] = {
@@ -418,7 +430,7 @@ class EagerLayouts(TorchDispatchMode):
 def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``func``'s arguments, laid out so that its fake kernel gives the strides its real kernel
     gives (Note [Kernels whose fake strides differ])."""
-    if func not in _RELAID_OPS:
+    if func not in _RELAID_OPS or (func in _ONE_LAYOUT_AGREES and _one_dense_layout(args)):
         return args
     by, gaps = _RELAID_OPS[func], func not in _DENSE_ONLY
     first = args[by] if by is not None else None
@@ -432,6 +444,15 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     written = {id(t) for t in written_by(func, args, {})}
     return tuple(_laid_out(a, layout, rank, gaps) if i < read and id(a) not in written else a
                  for i, a in enumerate(args))
+
+
+def _one_dense_layout(args: tuple[Any, ...]) -> bool:
+    """Whether the tensor arguments of more than one dimension are all dense, of one shape and
+    laid out alike (scalars and 0-dim tensors aside)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    first = tensors[0] if tensors else None
+    return first is not None and _relaid(first, False) and all(
+        t.shape == first.shape and t.stride() == first.stride() for t in tensors[1:])
 
 
 # Note [CPU device indices]
