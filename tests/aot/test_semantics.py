@@ -1922,6 +1922,18 @@ def test_op_without_any_fake_kernel_names_register_fake():
         f(rand(3))
 
 
+def test_an_op_returning_an_annotated_alias_names_the_schema_fix():
+    """The generic advice (a fake kernel stricter than the real one) did not apply."""
+    lib = torch.library.Library("aotkit_alias_annotated", "DEF")
+    lib.define("flat(Tensor(a) x) -> Tensor(a)")
+    lib.impl("flat", lambda x: x.view(-1), "CompositeExplicitAutograd")
+    lib.impl("flat", lambda x: x.view(-1), "Meta")
+    f = aotkit.aot_function(lambda x: torch.ops.aotkit_alias_annotated.flat(x) * 2, compilers.nop)
+    with pytest.raises(TraceError, match=r"annotated as an alias of its input(.|\n)*Fix: return a "
+                                         r"new tensor from the op"):
+        f(torch.ones(2, 2))
+
+
 def test_wrong_number_of_arguments():
     def add(x, y):
         return x + y
@@ -2486,6 +2498,23 @@ def test_dropout_and_autocast_match_eager_bit_for_bit(dynamic, forward_autocast,
                 loss.backward()
         for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
             assert torch.equal(got.grad, want.grad), name
+
+
+def test_backward_under_autocast_refused_for_min_cut_names_both_ways_to_pick_a_partitioner():
+    """When min-cut would save other tensors than the forward did, the refusal named
+    aotkit.default_partition but not how to choose it under torch.compile."""
+    def h(x, w):
+        with torch.autocast("cpu", enabled=False):
+            z = x @ w
+        return (z @ w.t()).float()
+
+    f = aotkit.aot_function(h, compilers.nop,
+                            partition_fn=aotkit.partition.min_cut_rematerialization_partition)
+    loss = f(rand(8, 16, grad=True), rand(16, 4, grad=True)).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(UnsupportedError, match=r"saves other tensors in the forward(.|\n)*"
+                                                  r"options=\{'partition': 'default'\}"):
+        loss.backward()
 
 
 def test_backward_under_autocast_keeps_a_generator_made_outside_the_function():

@@ -322,8 +322,9 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                 f"{name}: backward() runs under torch.autocast, and with its backward traced "
                 f"under autocast the partitioner {who} saves other tensors in the forward, which "
                 "has already run.\nFix: call backward() outside torch.autocast (as PyTorch "
-                "recommends); aotkit.default_partition, which saves what the backward reads, "
-                "does not hit this."
+                "recommends), or partition with aotkit.default_partition, which saves what the "
+                "backward reads (partition_fn= for aot_function/aot_module; "
+                "options={'partition': 'default'} for torch.compile)."
             )
         _log_graphs(name, **{"backward (autocast)": new_bw_gm})
         return new_bw_gm

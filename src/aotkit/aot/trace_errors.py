@@ -292,6 +292,14 @@ def _read_after_conj_write(what: str, line: str, exc: Exception) -> UnsupportedE
 
 
 def op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
+    if "whose output has alias annotations" in str(exc):  # functionalization's own advice
+        return TraceError(
+            f"{what}: {op} returns a tensor annotated as an alias of its input (Tensor(a) or "
+            "Tensor(a!) in its schema), which functionalization, which aotkit traces with, "
+            "cannot follow for an operator outside ATen.\n"
+            f"  at {line}\nFix: return a new tensor from the op (x.clone() in its kernel) and "
+            "drop the annotation from its schema, or return nothing from an op that only "
+            "writes its input (Tensor(a!) x) -> ().")
     return TraceError(
         f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
         "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
