@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from tests.aot.eager_check import check_against_eager
 from tests.compilers.compiler_check import TRANSFORMER_CFG, check_model
 
@@ -152,6 +153,19 @@ def test_debug_nop_ignores_strides_of_size_one_dims() -> None:
     f = aotkit.aot_function(matmul_gelu, planting(other_unit_stride, torch.ops.aten.mm.default))
     x, w = torch.randn(1, 5), torch.randn(5, 6)
     torch.testing.assert_close(f(x, w), matmul_gelu(x, w))
+
+
+def test_debug_nop_allows_layouts_chosen_from_an_input_with_size_one_dims() -> None:
+    """Note [Strides that differ in dims of size 1]: the gradient of a one-channel output is
+    both contiguous and channels_last; pixel_unshuffle's backward laid its result out by the
+    real one's strides, and debug_nop blamed pixel_unshuffle's fake kernel."""
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    eager_x = x.detach().clone().requires_grad_()
+    out = aotkit.aot_function(lambda t: F.pixel_shuffle(t, 2), aotkit.compilers.debug_nop)(x)
+    out.backward(torch.ones_like(out))  # laid out as the output: channels_last strides
+    want = F.pixel_shuffle(eager_x, 2)
+    want.backward(torch.ones_like(want))
+    assert torch.equal(x.grad, eager_x.grad) and x.grad.stride() == eager_x.grad.stride()
 
 
 @torch.library.custom_op("aotkit_test::column_major_copy", mutates_args=())

@@ -134,6 +134,7 @@ class _CheckingInterpreter(fx.Interpreter):
         super().__init__(gm)
         self.bindings: dict[sympy.Symbol, int] = {}
         self.recorded = recorded
+        self.ambiguous: set[fx.Node] = set()  # Note [Strides that differ in dims of size 1]
 
     def run_node(self, n: fx.Node) -> Any:
         real = super().run_node(n)
@@ -145,8 +146,13 @@ class _CheckingInterpreter(fx.Interpreter):
         fakes, reals = pytree.tree_leaves(fake), pytree.tree_leaves(real)
         if len(fakes) != len(reals):
             self._fail(n, f"it returned {len(reals)} value(s), traced {len(fakes)}")
+        inherited = any(a in self.ambiguous for a in n.all_input_nodes)
         for i, (f, r) in enumerate(zip(fakes, reals, strict=True)):
             problem = _difference(f, r, self.bindings)
+            if (problem is None or problem.startswith("strides")) and (
+                    inherited or problem is None) and not _same_strides(f, r, self.bindings):
+                self.ambiguous.add(n)
+                problem = None
             if problem and _known_to_pytorch(n, i, f, r):
                 self._record_known(n, f"output {i}: {problem}")
             elif problem:
@@ -246,6 +252,21 @@ def _difference(fake: Any, real: Any, bindings: dict[sympy.Symbol, int]) -> str 
                 f"{differs} differ; dims of size <= 1 are not compared) for shape "
                 f"{tuple(real.shape)}")
     return None
+
+
+# Note [Strides that differ in dims of size 1]
+# A tensor with a dimension of size 1 is laid out alike by several stride tuples (a tensor of
+# one channel is both contiguous and channels_last), so a real input may carry other strides
+# than the traced one in that dimension only, which the check allows. Ops that choose their
+# output's layout from the input's strides (pixel_unshuffle, convolution) then lay it out
+# otherwise than traced, through no fault of their fake kernels: a node taking such a value
+# has its strides left unchecked, and passes the allowance on.
+def _same_strides(fake: Any, real: Any, bindings: dict[sympy.Symbol, int]) -> bool:
+    if not (isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor)) \
+            or fake.dim() != real.dim():
+        return True
+    return all(_resolve(f, bindings) in (None, r)
+               for f, r in zip(fake.stride(), real.stride(), strict=True))
 
 
 def _show(traced: Sequence[Any], resolved: Sequence[int | None]) -> str:
