@@ -1780,6 +1780,29 @@ def test_a_data_dependent_op_in_the_backward_names_the_backward(dynamic):
     assert "dynamic=True" not in str(info.value)
 
 
+def test_a_backward_op_failing_on_symbolic_sizes_names_the_backward_and_static_sizes():
+    """Antialiased bicubic interpolation's backward fails on symbolic sizes inside PyTorch
+    (its aot_function too): the message said "<unknown location>" and did not name
+    dynamic=False, which traces it."""
+    def f(t):
+        return F.interpolate(t, size=(4, 5), mode="bicubic", antialias=True, align_corners=False)
+
+    x = rand(2, 3, 7, 9, grad=True)
+    with pytest.raises(TraceError, match=r"at the backward of an op of the function(.|\n)*"
+                                         r"static sizes \(dynamic=False\)"):
+        aotkit.aot_function(f, compilers.nop, dynamic=True)(x)
+    torch.testing.assert_close(aotkit.aot_function(f, compilers.nop)(x), f(x))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_batch_norm_with_momentum_none_names_its_momentum(dynamic):
+    """The generic advice named dynamic=True, which fails the same way."""
+    norm = aotkit.aot_module(torch.nn.BatchNorm2d(3, momentum=None), compilers.nop,
+                             dynamic=dynamic)
+    with pytest.raises(TraceError, match=r"momentum=None(.|\n)*Fix: give the layer a momentum"):
+        norm(rand(2, 3, 4, 4))
+
+
 def test_a_byte_mask_indexes_as_in_eager():
     """Note [Byte masks as indices]: eager takes a uint8 index as a bool mask; the fake kernel
     refused it."""

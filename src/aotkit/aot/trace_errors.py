@@ -74,7 +74,7 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             "draw from the default generator (seeded with torch.manual_seed), or compile with "
             "torch.compile(fn, backend='aotkit'), which runs the op eagerly.")
     if isinstance(exc, RuntimeError):
-        return _runtime_error(what, exc)
+        return _runtime_error(what, exc, symbolic)
     if isinstance(exc, ZeroDivisionError) and _raised_in_torch(exc):  # aot_eager the same
         where = user_frame(exc)
         return TraceError(
@@ -163,7 +163,7 @@ def _no_derivative(what: str, exc: Exception) -> UnsupportedError:
         "torch.no_grad() where its gradient is not needed.")
 
 
-def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
+def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> BaseException:
     """The error a RuntimeError raised while tracing becomes: one that says what to change where
     we know the cause, else ``exc`` itself."""
     refused = _autograd_refusal(what, exc)
@@ -236,7 +236,7 @@ def _runtime_error(what: str, exc: RuntimeError) -> BaseException:
     if failed is not None and "unresolved conjugated tensors" in str(exc):
         return _read_after_conj_write(what, failed[1], exc)
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
-        return op_failed(what, *failed, exc)
+        return op_failed(what, *failed, exc, symbolic=symbolic)
     return exc
 
 
@@ -291,7 +291,7 @@ def _read_after_conj_write(what: str, line: str, exc: Exception) -> UnsupportedE
         "of x.conj().mul_(2)).")
 
 
-def op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
+def op_failed(what: str, op: Any, line: str, exc: Exception, symbolic: bool = False) -> TraceError:
     if "whose output has alias annotations" in str(exc):  # functionalization's own advice
         return TraceError(
             f"{what}: {op} returns a tensor annotated as an alias of its input (Tensor(a) or "
@@ -300,11 +300,16 @@ def op_failed(what: str, op: Any, line: str, exc: Exception) -> TraceError:
             f"  at {line}\nFix: return a new tensor from the op (x.clone() in its kernel) and "
             "drop the annotation from its schema, or return nothing from an op that only "
             "writes its input (Tensor(a!) x) -> ().")
+    if line == "<unknown location>" and _in_backward(traceback.extract_tb(exc.__traceback__)):
+        line = ("the backward of an op of the function (run by the autograd engine, so no line "
+                "of the function's own)")
+    static = ("; with dynamic=True, first try static sizes (dynamic=False), for which some "
+              "ops' shape functions are more complete" if symbolic else "")
     return TraceError(
         f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
         "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
         "the op's shape-only kernel is stricter than its real one (aten._grouped_mm's wants "
-        "bfloat16 on every device): run that op outside the compiled function.")
+        f"bfloat16 on every device): run that op outside the compiled function{static}.")
 
 
 def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
@@ -341,6 +346,13 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "Fix: call it with inputs that do not require grad (or under torch.no_grad()), or "
             "compile with torch.compile(fn, backend=\"aotkit\"), which runs the loop eagerly."
         )
+    if "float(self.num_batches_tracked)" in (where := user_frame(exc)):
+        return TraceError(
+            f"{what} could not be traced: a batch norm layer with momentum=None (a cumulative "
+            "average) computes its update factor from the value of its num_batches_tracked "
+            f"buffer, which a trace does not hold.\n  at {where}\nFix: give the layer a "
+            "momentum (0.1 is the default), or use torch.compile(model, backend=\"aotkit\"), "
+            "which reads that value between graphs.")
     if _in_backward(frames):
         return TraceError(
             f"{what} could not be traced: its backward, which the autograd engine runs (no "
