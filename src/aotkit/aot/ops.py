@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit import compat
 from aotkit.aot.frames import current_user_line
+from aotkit.aot.simplify import known_equal
 from aotkit.errors import UnsupportedError
 
 
@@ -451,8 +452,9 @@ def _one_dense_layout(args: tuple[Any, ...]) -> bool:
     laid out alike (scalars and 0-dim tensors aside)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
     first = tensors[0] if tensors else None
-    return first is not None and _relaid(first, False) and all(
-        t.shape == first.shape and t.stride() == first.stride() for t in tensors[1:])
+    return first is not None and _relaid(first, False) and all(  # no guard on symbolic sizes
+        known_equal(t.shape, first.shape) and known_equal(t.stride(), first.stride())
+        for t in tensors[1:])
 
 
 # Note [CPU device indices]
