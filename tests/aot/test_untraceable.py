@@ -150,21 +150,77 @@ def _sine(x, w):
     return (x * w).sin()
 
 
-def test_forward_mode_ad_through_a_function_requiring_grad_is_refused_naming_the_fix():
-    """The error named a custom Function's jvp the user never wrote (PyTorch's the same)."""
-    compiled = aotkit.aot_function(_sine, compilers.nop)
-    with fwAD.dual_level(), pytest.raises(UnsupportedError, match=r"forward-mode AD(.|\n)*Fix: "):
-        compiled(fwAD.make_dual(rand(4, grad=True), torch.ones(4)), rand(4, grad=True))
+class _RoundStraightThrough(torch.autograd.Function):
+    """Rounds; its own jvp and backward pass the tangent and gradient straight through."""
+
+    @staticmethod
+    def forward(x):
+        return x.round()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+    @staticmethod
+    def jvp(ctx, tangent):
+        return tangent
 
 
-def test_forward_mode_ad_under_no_grad_matches_eager():
-    compiled = aotkit.aot_function(_sine, compilers.nop)
+def _straight_through(x, w):
+    return _RoundStraightThrough.apply(x * 3.0) * w
+
+
+def _reads_its_tangent(x, w):
+    primal, tangent = fwAD.unpack_dual(x)
+    return primal * w + (tangent if tangent is not None else 0)
+
+
+@pytest.mark.parametrize("fn", [_sine, _straight_through, _reads_its_tangent],
+                         ids=["sine", "custom_jvp", "unpack_dual"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("compiler", ["nop", "inductor"])
+def test_forward_mode_ad_runs_eagerly_with_eagers_tangents(fn, grad, compiler):
+    """Note [Forward-mode AD runs eagerly]: Inductor's kernels dropped the tangents, a custom
+    Function's jvp was traced away (zeros) and unpack_dual inside saw none (PyTorch's
+    aot_function the same); with inputs requiring grad the call was refused."""
+    kwargs = ({"decompositions": compilers.inductor.decompositions}
+              if compiler == "inductor" else {})
+    compiled = aotkit.aot_function(fn, getattr(compilers, compiler), **kwargs)
+    x, w, tangent = rand(4, grad=grad), rand(4, grad=grad), rand(4)
+    with fwAD.dual_level():
+        expected = fwAD.unpack_dual(fn(fwAD.make_dual(x, tangent), w))
+        actual = fwAD.unpack_dual(compiled(fwAD.make_dual(x, tangent), w))
+    torch.testing.assert_close((actual.primal, actual.tangent),
+                               (expected.primal, expected.tangent))
+    [decision] = aotkit.explain().of_kind("fallback")
+    assert "forward-mode AD dual tensors: it runs eagerly" in decision.why
+    torch.testing.assert_close(compiled(x, w), fn(x, w))  # without duals: compiled
+
+
+def test_forward_mode_ad_under_torch_compile_gives_eagers_tangents():
+    """aotkit_inductor's kernels dropped the tangent (PyTorch's inductor backend does too)."""
+    compiled = torch.compile(_sine, backend="aotkit_inductor")
     x, w, tangent = rand(4), rand(4), rand(4)
-    with torch.no_grad(), fwAD.dual_level():
+    with fwAD.dual_level():
         expected = fwAD.unpack_dual(_sine(fwAD.make_dual(x, tangent), w))
         actual = fwAD.unpack_dual(compiled(fwAD.make_dual(x, tangent), w))
     torch.testing.assert_close((actual.primal, actual.tangent),
                                (expected.primal, expected.tangent))
+
+
+def test_a_closed_over_dual_tensor_is_refused():
+    """Its tangent was silently dropped when an input required grad (the compiled Function's
+    jvp runs only for dual arguments)."""
+    x = rand(3, grad=True)
+    with fwAD.dual_level():
+        w = fwAD.make_dual(rand(3), torch.ones(3))
+        with pytest.raises(UnsupportedError, match=r"forward-mode AD dual tensor(.|\n)*its "
+                                                   r"tangent would be lost(.|\n)*Fix: pass it"):
+            aotkit.aot_function(lambda x: x * w, compilers.nop)(x)
 
 
 def _write_and_save(x, w):

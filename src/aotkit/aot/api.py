@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -608,6 +609,7 @@ class AotFunction:
         self.name = name or f"aot_function({getattr(fn, '__qualname__', repr(fn))})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
         self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
+        self._told_forward_ad = False  # Note [Forward-mode AD runs eagerly]
         self._config_parts = options.config_parts
         # Inputs traced with static sizes under dynamic=True (Note [Static parameters]).
         self.static_sizes = frozenset(range(options.num_params_buffers) if static_sizes is None
@@ -622,6 +624,10 @@ class AotFunction:
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
+        if has_tangents(leaves):  # Note [Forward-mode AD runs eagerly]
+            note_forward_ad(self.name, first=not self._told_forward_ad)
+            self._told_forward_ad = True
+            return self.fn(*args, **kwargs)
         key = signature(structure, leaves, self.options.dynamic, self._config_parts,
                         self.static_sizes)
         found = self._find(key, leaves)
@@ -840,6 +846,32 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \
         if dynamic or symbols else None
     return new_fake_mode(shape_env=shape_env, allow_non_fake_inputs=True)
+
+
+# Note [Forward-mode AD runs eagerly]
+# Dual tensors (torch.autograd.forward_ad) carry their tangents through a graph only where
+# the graph runs ATen ops from Python (nop): Inductor's kernels dropped them (tangent None,
+# a zero Jacobian), a custom Function's jvp had been traced away (its forward's own
+# derivative instead), and fwAD.unpack_dual inside the function saw no tangent, as the
+# trace has none: each silently wrong, as in PyTorch's AOT autograd. A call with a dual
+# argument runs the function (Dynamo's graph, for torch.compile) eagerly, which is right in
+# every case, with a "fallback" decision the first time. A dual tensor the function reads
+# without taking it as an argument is refused (Note [Closed-over tensors]).
+def has_tangents(leaves: Sequence[Any]) -> bool:
+    """Whether a tensor among ``leaves`` is a dual tensor of the current forward-AD level."""
+    return fwAD._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in leaves)
+
+
+def note_forward_ad(name: str, first: bool) -> None:
+    counters.bump("aot", "forward_ad_eager_calls")
+    if first:
+        counters.record("fallback", name, (
+            "called with forward-mode AD dual tensors: it runs eagerly, as compiled graphs do "
+            "not carry tangents in general (Note [Forward-mode AD runs eagerly]). Fix: none "
+            "needed, the results are eager's; to compile the forward-mode work, open the dual "
+            "level inside the function (forward_ad.dual_level() or torch.func.jvp in it), whose "
+            "trace then computes the tangents."), logger=log)
 
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],

@@ -14,7 +14,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
-from aotkit.aot.api import AotOptions, Partitioner, compile_graphs
+from aotkit.aot.api import (
+    AotOptions,
+    Partitioner,
+    compile_graphs,
+    has_tangents,
+    note_forward_ad,
+)
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
 from aotkit.aot.frames import region
@@ -90,12 +96,17 @@ def aot_module_simplified(
     by_options = _ByOptions(graphs, name, options.config_parts, lambda: compile_graphs(
         flat_fn, fakes, options, name, mode, from_dynamo=True))
     expected = len(args)
+    told_forward_ad: list[bool] = []
 
     def forward(*runtime_args: Any) -> Any:
         if len(runtime_args) != expected:
             raise ArgumentError(f"{name} takes {expected} argument(s), as it was compiled for, "
                                 f"got {len(runtime_args)} (the module's parameters and buffers "
                                 "are passed for you).")
+        if has_tangents(runtime_args):  # Note [Forward-mode AD runs eagerly]
+            note_forward_ad(name, first=not told_forward_ad)
+            told_forward_ad.append(True)
+            return mod(*runtime_args)
         current = by_options.current()
         return current.meta.unflatten(run(current, [*tensors, *runtime_args]))
 

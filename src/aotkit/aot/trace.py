@@ -19,13 +19,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
@@ -468,6 +469,9 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if grad and t.requires_grad:
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
+            if fwAD._current_level >= 0 and _has_tangent(t):
+                raise self._refusal(t, f"is a forward-mode AD dual tensor ({func} reads it)",
+                                    "its tangent would be lost")
             note_constant(base, grad, self.wrote)
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
@@ -577,6 +581,20 @@ _GRADLESS_READS = frozenset({
     torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.new_full.default,
 })
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
+
+
+def _has_tangent(t: torch.Tensor) -> bool:
+    """Whether the real tensor ``t`` is a forward-mode AD dual tensor at the current level. Read
+    from a dispatch mode, which runs below autograd, where unpacking one fails: with the modes
+    off and autograd's keys back on."""
+    keys = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
+    with _disable_current_modes(), keys:
+        return fwAD.unpack_dual(t).tangent is not None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
