@@ -561,8 +561,8 @@ def _under_transform(name: str) -> UnsupportedError:
     return UnsupportedError(
         f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...); its graphs "
         "were traced for plain tensors and cannot see the transform's wrapped ones.\nFix: call "
-        "the original function inside the transform, or use torch.compile(fn, "
-        "backend='aotkit'), which traces through torch.func transforms."
+        "the original function inside the transform, or compile a function that applies the "
+        "transform itself (aot_function(lambda x: vmap(f)(x), ...)), whose trace holds it."
     )
 
 
@@ -616,10 +616,10 @@ class AotFunction:
                                       else static_sizes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if tracing_active():  # Note [Calls inside other traces] (a transform inside one too)
+            return self.fn(*args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise _under_transform(self.name)
-        if tracing_active():  # Note [Calls inside other traces]
-            return self.fn(*args, **kwargs)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
