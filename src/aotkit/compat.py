@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -21,6 +22,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from aotkit.locks import new_lock
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
+
+# What torch.utils.checkpoint raises to stop a recompute early (Note [Checkpoint's early stop]).
+StopRecomputation: type[Exception] = getattr(
+    torch.utils.checkpoint, "_StopRecomputationError", type("_NeverRaised", (Exception,), {}))
 
 # What fake tensors raise for tensors on two devices: a RuntimeError subclass from 2.13 on.
 FakeTensorDeviceMismatchError: type[RuntimeError] = getattr(
@@ -33,6 +38,7 @@ __all__ = [
     "FakeTensorMode",
     "FunctionalTensor",
     "FunctionalTensorMode",
+    "StopRecomputation",
     "StorageWeakRef",
     "data_dependent_errors",
     "effect_tokens",

@@ -494,3 +494,27 @@ def test_cond_inside_a_checkpoint_under_torch_compile_names_aot_function():
     except torch._dynamo.exc.BackendCompilerFailed as failed:
         assert isinstance(failed.inner_exception, UnsupportedError)
         assert "aotkit.aot_function" in str(failed.inner_exception)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
+def test_a_checkpoint_around_a_compiled_model_updates_its_statistics_as_eager(via, early_stop):
+    """Note [Checkpoint's early stop]: the recompute stopped at the compiled function's saves,
+    before its buffer writes, so batch norm's statistics were updated once where eager's
+    recompute updates them again."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    x = rand(8, 4, grad=True)
+    models = {}
+    for name in ("eager", via):
+        model = models[name] = copy.deepcopy(base)
+        run = model if name == "eager" else (
+            aotkit.aot_module(model, compilers.nop) if via == "aot_module"
+            else torch.compile(model, backend="aotkit"))
+        with set_checkpoint_early_stop(early_stop):
+            checkpoint(run, x, use_reentrant=False).sum().backward()
+    for (key, got), want in zip(models[via].state_dict().items(),
+                                models["eager"].state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.aot.untraceable import SavedAfterWrite
-from aotkit.compat import dynamo_frames_off
+from aotkit.compat import StopRecomputation, dynamo_frames_off
 from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -186,6 +187,8 @@ class CompiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
         outs = graphs.run_forward(list(args))
+        if graphs.returned_mutations:  # Note [Checkpoint's early stop]
+            _forward_values.mutations = outs[: len(graphs.returned_mutations)]
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.saved.tensors]
         if graphs.saved.written:  # Note [Inputs the backward writes]
@@ -430,11 +433,14 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
                                                               graphs.saved.inputs_written,
                                                               graphs.saved.inputs_read)):
         return _run_on_bases(graphs, layout, args)
-    if graphs.grad_inside:  # Note [Grad mode turned on inside]
-        with torch.enable_grad():
-            *fw_outs, anchor = CompiledFunction.apply(graphs, *args)
-    elif graphs.training:
-        *fw_outs, anchor = CompiledFunction.apply(graphs, *_cut_gradless(graphs.gradless, args))
+    if graphs.grad_inside or graphs.training:
+        try:
+            fw_outs, anchor = _apply(graphs, args)
+        except StopRecomputation:
+            _mutate_at_early_stop(graphs, args)
+            raise
+        finally:
+            _forward_values.mutations = None
     else:
         with torch.no_grad():
             fw_outs = graphs.run_forward(list(args))
@@ -447,6 +453,33 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         anchor.grad_fn.watched = [(w, weakref.ref(args[w.index]), args[w.index]._version)
                                   for w in graphs.watched]
     return outs
+
+
+def _apply(graphs: CompiledGraphs, args: list[Any]) -> tuple[list[Any], torch.Tensor]:
+    if graphs.grad_inside:  # Note [Grad mode turned on inside]
+        with torch.enable_grad():
+            *fw_outs, anchor = CompiledFunction.apply(graphs, *args)
+    else:
+        *fw_outs, anchor = CompiledFunction.apply(graphs, *_cut_gradless(graphs.gradless, args))
+    return fw_outs, anchor
+
+
+# Note [Checkpoint's early stop]
+# torch.utils.checkpoint (non-reentrant, early stop on: the default) recomputes a forward in
+# the backward only until the tensors it needs are saved, then stops by raising from the
+# saving of the last one, which for a compiled function is at the end of its
+# CompiledFunction.apply, before the caller's tensors were written. Eager's kernels write in
+# place before their results are saved (batch norm's running statistics): the recompute
+# updated them a second time in eager, once with aotkit, so statistics drifted from eager's.
+# The forward keeps the values of the inputs it writes, and the early stop applies them.
+_forward_values = threading.local()
+
+
+def _mutate_at_early_stop(graphs: CompiledGraphs, args: list[Any]) -> None:
+    values = getattr(_forward_values, "mutations", None)
+    if values is not None:
+        for i, new in zip(graphs.returned_mutations, values, strict=True):
+            apply_mutation(args[i], new, graphs.meta.inputs[i])
 
 
 @dataclass(frozen=True)
