@@ -373,8 +373,11 @@ class _DoubleBackwardGuard(torch.autograd.Function):
     def backward(ctx: Any, *unused: Any) -> Any:  # type: ignore[override]
         raise UnsupportedError(
             f"double backward through {ctx.name} is not supported: aotkit's compiled backward "
-            "is not itself differentiable.\nFix: compute higher-order gradients on the eager "
-            "function (or with torch.func), or run the first backward without create_graph=True."
+            "is not itself differentiable.\nFix: compile the function that takes the first "
+            "gradient too (aot_function(lambda x: penalty(torch.autograd.grad(f(x), x, "
+            "create_graph=True)), ...) traces both into one graph; under torch.compile, Dynamo "
+            "splits its graph at torch.autograd.grad), compute higher-order gradients on the "
+            "eager function, or run the first backward without create_graph=True."
         )
 
 
