@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -23,6 +22,8 @@ from aotkit.aot.arguments import (
     check_compiler_signature,
     check_decompositions,
     check_params_buffers,
+    has_tangents,
+    note_forward_ad,
     record_identity_keys,
     refuse_tensor_sets,
     refuse_torch_function_overrides,
@@ -846,32 +847,6 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \
         if dynamic or symbols else None
     return new_fake_mode(shape_env=shape_env, allow_non_fake_inputs=True)
-
-
-# Note [Forward-mode AD runs eagerly]
-# Dual tensors (torch.autograd.forward_ad) carry their tangents through a graph only where
-# the graph runs ATen ops from Python (nop): Inductor's kernels dropped them (tangent None,
-# a zero Jacobian), a custom Function's jvp had been traced away (its forward's own
-# derivative instead), and fwAD.unpack_dual inside the function saw no tangent, as the
-# trace has none: each silently wrong, as in PyTorch's AOT autograd. A call with a dual
-# argument runs the function (Dynamo's graph, for torch.compile) eagerly, which is right in
-# every case, with a "fallback" decision the first time. A dual tensor the function reads
-# without taking it as an argument is refused (Note [Closed-over tensors]).
-def has_tangents(leaves: Sequence[Any]) -> bool:
-    """Whether a tensor among ``leaves`` is a dual tensor of the current forward-AD level."""
-    return fwAD._current_level >= 0 and any(
-        isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in leaves)
-
-
-def note_forward_ad(name: str, first: bool) -> None:
-    counters.bump("aot", "forward_ad_eager_calls")
-    if first:
-        counters.record("fallback", name, (
-            "called with forward-mode AD dual tensors: it runs eagerly, as compiled graphs do "
-            "not carry tangents in general (Note [Forward-mode AD runs eagerly]). Fix: none "
-            "needed, the results are eager's; to compile the forward-mode work, open the dual "
-            "level inside the function (forward_ad.dual_level() or torch.func.jvp in it), whose "
-            "trace then computes the tangents."), logger=log)
 
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],

@@ -1,6 +1,7 @@
 """Checks of what the AOT entry points are given: compilers, decomposition tables, the
 parameter count, and arguments a trace cannot take; keys that stop short of an argument's
-values are recorded as ``identity_key`` decisions."""
+values are recorded as ``identity_key`` decisions; calls with forward-mode AD dual tensors,
+which run eagerly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from aotkit import counters
 from aotkit.aot.boxing import refused_call
@@ -111,3 +113,29 @@ def refuse_tensor_sets(leaves: Sequence[Any], names: Sequence[str], name: str) -
                 "order, so aotkit cannot flatten them into graph inputs.\nFix: pass a list or "
                 "tuple of the tensors."
             )
+
+
+# Note [Forward-mode AD runs eagerly]
+# Dual tensors (torch.autograd.forward_ad) carry their tangents through a graph only where
+# the graph runs ATen ops from Python (nop): Inductor's kernels dropped them (tangent None,
+# a zero Jacobian), a custom Function's jvp had been traced away (its forward's own
+# derivative instead), and fwAD.unpack_dual inside the function saw no tangent, as the
+# trace has none: each silently wrong, as in PyTorch's AOT autograd. A call with a dual
+# argument runs the function (Dynamo's graph, for torch.compile) eagerly, which is right in
+# every case, with a "fallback" decision the first time. A dual tensor the function reads
+# without taking it as an argument is refused (Note [Closed-over tensors]).
+def has_tangents(leaves: Sequence[Any]) -> bool:
+    """Whether a tensor among ``leaves`` is a dual tensor of the current forward-AD level."""
+    return fwAD._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in leaves)
+
+
+def note_forward_ad(name: str, first: bool) -> None:
+    counters.bump("aot", "forward_ad_eager_calls")
+    if first:
+        counters.record("fallback", name, (
+            "called with forward-mode AD dual tensors: it runs eagerly, as compiled graphs do "
+            "not carry tangents in general (Note [Forward-mode AD runs eagerly]). Fix: none "
+            "needed, the results are eager's; to compile the forward-mode work, open the dual "
+            "level inside the function (forward_ad.dual_level() or torch.func.jvp in it), whose "
+            "trace then computes the tangents."), logger=log)

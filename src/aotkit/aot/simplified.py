@@ -14,13 +14,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
-from aotkit.aot.api import (
-    AotOptions,
-    Partitioner,
-    compile_graphs,
-    has_tangents,
-    note_forward_ad,
-)
+from aotkit.aot.api import AotOptions, Partitioner, compile_graphs
+from aotkit.aot.arguments import has_tangents, note_forward_ad
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
 from aotkit.aot.frames import region
