@@ -171,3 +171,16 @@ def test_ops_on_inputs_of_one_layout_keep_it_as_eager(name: str, layout: str) ->
             exact = {"rtol": 0, "atol": 0} if layout == "channels_last" else {}
             torch.testing.assert_close(g, w, **exact)
             assert g.stride() == w.stride() or layout == "transposed"
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: torch.copysign(x, torch.tensor(-1.0)),
+    lambda x: torch.div(x, torch.tensor(2.0), rounding_mode="floor"),
+    lambda x: torch.logaddexp(torch.tensor(0.0), x),
+    lambda x: torch.ldexp(torch.tensor(2.0), x).permute(0, 2, 3, 1),
+], ids=["copysign", "div_floor", "logaddexp", "ldexp"])
+def test_a_zero_dim_operand_keeps_the_ops_relaid(op: Callable[..., torch.Tensor]) -> None:
+    """With a 0-dim tensor operand the fake and real kernels disagree again: skipping the
+    copy there made the graph's reshape a view that failed at run time."""
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    check_against_eager(lambda t: op(t).reshape(-1), x.requires_grad_())

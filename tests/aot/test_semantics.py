@@ -1803,6 +1803,24 @@ def test_batch_norm_with_momentum_none_names_its_momentum(dynamic):
         norm(rand(2, 3, 4, 4))
 
 
+def test_a_data_dependent_branch_in_a_custom_backward_names_its_line():
+    """The backward message (no line of the function) took over the user's own backward."""
+    class Branchy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * 2 if x.sum() > 0 else g * 3  # the line the error names
+
+    with pytest.raises(TraceError, match=r"the line the error names") as info:
+        aotkit.aot_function(lambda x: Branchy.apply(x).sum(), compilers.nop)(rand(3, grad=True))
+    assert "autograd engine runs" not in str(info.value)
+
+
 def test_a_byte_mask_indexes_as_in_eager():
     """Note [Byte masks as indices]: eager takes a uint8 index as a bool mask; the fake kernel
     refused it."""

@@ -254,3 +254,16 @@ def test_manual_seed_in_another_thread_during_a_trace_is_no_reseed_and_stays() -
     drawn = torch.rand(2)
     torch.manual_seed(1234)
     assert torch.equal(drawn, torch.rand(2))
+
+
+def test_a_reseed_on_a_thread_the_function_starts_is_still_refused() -> None:
+    """Only threads running before the trace are another's: the function's own helper thread
+    reseeding was taken for one, and its graphs drew other numbers than eager's."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        helper = threading.Thread(target=torch.manual_seed, args=(3,))
+        helper.start()
+        helper.join()
+        return torch.nn.functional.dropout(x, 0.5)
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match="reseeds the global random"):
+        aotkit.aot_function(fn, aotkit.compilers.nop)(torch.ones(16))

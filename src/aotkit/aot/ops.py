@@ -448,9 +448,9 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _one_dense_layout(args: tuple[Any, ...]) -> bool:
-    """Whether the tensor arguments of more than one dimension are all dense, of one shape and
-    laid out alike (scalars and 0-dim tensors aside)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    """Whether the tensor arguments are all dense, of one shape and laid out alike (a 0-dim
+    tensor among them broadcasts, where the kernels disagree again)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
     first = tensors[0] if tensors else None
     return first is not None and _relaid(first, False) and all(  # no guard on symbolic sizes
         known_equal(t.shape, first.shape) and known_equal(t.stride(), first.stride())

@@ -168,8 +168,11 @@ class ReseedWatch:
             return (active[0] and threading.get_ident() == thread
                     and sys.exc_info()[1] is None and _called_by_user(caller))
 
+        # Threads started during the trace may be the function's own: their reseed counts.
+        before = {t.ident for t in threading.enumerate()} - {thread}
+
         def elsewhere() -> bool:
-            return active[0] and threading.get_ident() != thread
+            return active[0] and threading.get_ident() in before
 
         def manual_seed(seed: int) -> Any:
             if refused(sys._getframe(1).f_code.co_filename):

@@ -12,6 +12,7 @@ import contextvars
 import functools
 import itertools
 import logging
+import re
 import sys
 import traceback
 import warnings
@@ -919,14 +920,15 @@ _NO_AUTOGRAD_KERNEL = "an autograd kernel was not registered to the Autograd key
 
 @contextlib.contextmanager
 def _no_autograd_kernel_refused() -> Iterator[None]:
-    """See Note [Ops without an autograd kernel]; other warnings are shown as they came."""
+    """See Note [Ops without an autograd kernel]; other warnings, which the caller's filters
+    let through, are shown as they came."""
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", message=f".*{re.escape(_NO_AUTOGRAD_KERNEL)}")
         yield
     refused = [w for w in caught if _NO_AUTOGRAD_KERNEL in str(w.message)]
     for w in caught:
         if w not in refused:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
     if refused:
         op = str(refused[0].message).split(": an autograd")[0]
         guard = _GUARD.get()

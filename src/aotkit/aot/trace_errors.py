@@ -353,7 +353,8 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             f"buffer, which a trace does not hold.\n  at {where}\nFix: give the layer a "
             "momentum (0.1 is the default), or use torch.compile(model, backend=\"aotkit\"), "
             "which reads that value between graphs.")
-    if _in_backward(frames) and not (from_dynamo and _captures_data()):
+    if _in_backward(frames) and where == "<unknown location>" \
+            and not (from_dynamo and _captures_data()):  # not the user's own backward code
         return TraceError(
             f"{what} could not be traced: its backward, which the autograd engine runs (no "
             "line of the function), calls an op whose result's size or value depends on "
