@@ -1672,6 +1672,28 @@ def test_an_op_without_an_autograd_kernel_is_refused_where_its_gradient_would_dr
                        op(detached) + detached)
 
 
+def test_a_warning_in_a_traced_backward_is_shown_once_per_location_as_in_eager():
+    """Catching the no-autograd-kernel warning with warnings.catch_warnings reset Python's
+    once-per-location record: a backward's warning came again at every trace."""
+    import warnings
+
+    class Warns(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            warnings.warn("a traced backward's warning", UserWarning, stacklevel=1)
+            return g * 2
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # once per location
+        for n in (2, 3, 4):  # three traces
+            aotkit.aot_function(lambda x: Warns.apply(x).sum(), compilers.nop)(rand(n, grad=True))
+    assert sum("a traced backward's warning" in str(w.message) for w in seen) == 1
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_a_closed_over_csr_matrix_is_refused_naming_the_coo_layout():
     """Fake tensors cannot run mm on a compressed sparse layout; the generic advice about

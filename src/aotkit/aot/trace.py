@@ -12,10 +12,8 @@ import contextvars
 import functools
 import itertools
 import logging
-import re
 import sys
 import traceback
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -896,7 +894,8 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
     if wrt and outs:
         # The engine would run CUDA nodes on its device thread, beside CPU nodes on this one:
         # two threads in one fake mode trip over its in-kernel flag. Trace on this thread.
-        with torch.autograd.set_multithreading_enabled(False), _no_autograd_kernel_refused():
+        _refuse_ops_without_autograd_kernel(outs)
+        with torch.autograd.set_multithreading_enabled(False):
             found = torch.autograd.grad(
                 outs, [f_primals[i] for i in wrt], f_tangents, allow_unused=True
             )
@@ -914,33 +913,42 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
 # differentiated), and when nothing was recorded only warns ("an autograd kernel was not
 # registered ... This may lead to silently incorrect behavior") and gives no gradient. Traced,
 # the op runs its fake kernel, which records nothing: the backward always dropped its gradient,
-# with that warning only. The joint trace's backward turns the warning into a refusal.
-_NO_AUTOGRAD_KERNEL = "an autograd kernel was not registered to the Autograd key(s)"
+# with that warning only. Such an op's output has the fallback's node as its grad_fn: the joint
+# trace refuses the function when its outputs' autograd graph reaches one. (Catching the
+# warning instead needed warnings.catch_warnings, which resets Python's once-per-location
+# record of every other warning.)
+_FALLBACK_NODE = "torch::autograd::WarnNotImplemented"
 
 
-@contextlib.contextmanager
-def _no_autograd_kernel_refused() -> Iterator[None]:
-    """See Note [Ops without an autograd kernel]; other warnings, which the caller's filters
-    let through, are shown as they came."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.filterwarnings("always", message=f".*{re.escape(_NO_AUTOGRAD_KERNEL)}")
-        yield
-    refused = [w for w in caught if _NO_AUTOGRAD_KERNEL in str(w.message)]
-    for w in caught:
-        if w not in refused:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
-    if refused:
-        op = str(refused[0].message).split(": an autograd")[0]
-        guard = _GUARD.get()
-        raise UnsupportedError(
-            f"{guard.what if guard is not None else 'the function'} calls {op}, which has no "
-            "autograd kernel, with an input requiring grad: its fake "
-            "kernel, which aotkit traces, records no gradient, so the backward would drop it "
-            "(eager differentiates what a Python kernel computes, and warns \"may lead to "
-            "silently incorrect behavior\" otherwise).\nFix: register the op's backward "
-            "(torch.library.register_autograd), register its kernel as "
-            "CompositeImplicitAutograd so that it traces through, or pass that input "
-            "detached (x.detach()) where its gradient is not needed.")
+def _refuse_ops_without_autograd_kernel(outs: Sequence[torch.Tensor]) -> None:
+    """See Note [Ops without an autograd kernel]."""
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == _FALLBACK_NODE:
+            break
+        stack.extend(n for n, _ in node.next_functions)
+    else:
+        return
+    ops = sorted({n.target.name() for n in _traced_nodes()
+                  if isinstance(n.target, torch._ops.OpOverload)
+                  and not torch._C._dispatch_has_kernel_for_dispatch_key(n.target.name(),
+                                                                         "Autograd")
+                  and n.target.namespace not in ("aten", "prims")})
+    guard = _GUARD.get()
+    raise UnsupportedError(
+        f"{guard.what if guard is not None else 'the function'} calls "
+        f"{', '.join(ops) or 'an op'}, which has no autograd kernel, with an input requiring "
+        "grad: its fake kernel, which aotkit traces, records no gradient, so the backward "
+        "would drop it (eager differentiates what a Python kernel computes, and warns \"may "
+        "lead to silently incorrect behavior\" otherwise).\nFix: register the op's backward "
+        "(torch.library.register_autograd), register its kernel as CompositeImplicitAutograd "
+        "so that it traces through, or pass that input detached (x.detach()) where its "
+        "gradient is not needed.")
 
 
 def _subclass_gradient(grad: torch.Tensor) -> UnsupportedError:
