@@ -1843,6 +1843,26 @@ def test_a_data_dependent_branch_in_a_custom_backward_names_its_line():
     assert "autograd engine runs" not in str(info.value)
 
 
+def test_a_refused_tensor_held_by_an_argument_object_is_named_where_it_is():
+    """A static KV cache's counter, mutated in place, was described as a closed-over variable,
+    a global or an attribute: it is inside an argument."""
+    class Layer:
+        def __init__(self):
+            self.length = torch.zeros((), dtype=torch.int64)
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Layer()]
+
+    def step(x, cache):
+        cache.layers[0].length.add_(1)
+        return x * 2
+
+    with pytest.raises(UnsupportedError, match=re.escape(
+            "reads from args[1].layers[0].length, inside an argument object")):
+        aotkit.aot_function(step, compilers.nop)(rand(3), Cache())
+
+
 def test_a_byte_mask_indexes_as_in_eager():
     """Note [Byte masks as indices]: eager takes a uint8 index as a bool mask; the fake kernel
     refused it."""

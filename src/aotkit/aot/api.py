@@ -23,6 +23,7 @@ from aotkit.aot.arguments import (
     check_decompositions,
     check_params_buffers,
     has_tangents,
+    name_held_tensor,
     note_forward_ad,
     record_identity_keys,
     refuse_tensor_sets,
@@ -730,12 +731,14 @@ class AotFunction:
         flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        held = argument_containers(zip(names, leaves, strict=True))
+        held_tensors: dict[int, str] = {}
+        held = argument_containers(zip(names, leaves, strict=True), held_tensors)
         try:
             with dynamo_frames_off(), recording(self._own_modules) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
-        except BaseException:
+        except BaseException as exc:
             put_back_containers(held)
+            name_held_tensor(exc, held_tensors)
             raise
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]

@@ -16,6 +16,7 @@ from aotkit import counters
 from aotkit.aot.boxing import refused_call
 from aotkit.aot.signature import identity_keyed_parts
 from aotkit.aot.subclass import overrides_torch_function
+from aotkit.aot.trace import NOT_AN_ARGUMENT
 from aotkit.errors import ArgumentError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -139,3 +140,15 @@ def note_forward_ad(name: str, first: bool) -> None:
             "needed, the results are eager's; to compile the forward-mode work, open the dual "
             "level inside the function (forward_ad.dual_level() or torch.func.jvp in it), whose "
             "trace then computes the tangents."), logger=log)
+
+
+def name_held_tensor(exc: BaseException, held: Mapping[int, str]) -> None:
+    """A refused tensor the function "does not take as an argument" that an argument object
+    holds (a transformers cache layer's attribute) is named where it is: arguments are
+    flattened only through lists, tuples, dicts and registered pytrees, and a tensor held
+    elsewhere is read as a constant. ``held``: where each such tensor is, by id."""
+    where = held.get(id(getattr(exc, "outside_tensor", None)))
+    if where is not None and isinstance(exc, UnsupportedError):
+        exc.args = (str(exc).replace(NOT_AN_ARGUMENT, (
+            f"that it reads from {where}, inside an argument object (only tensors in lists, "
+            "tuples, dicts and registered pytrees become graph inputs)"), 1),)

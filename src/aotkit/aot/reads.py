@@ -192,10 +192,12 @@ _MAX_HELD = 256
 _MAX_ITEMS = 1024
 
 
-def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, Any, Any]]:
+def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, str] | None = None
+                        ) -> list[tuple[str, Any, Any]]:
     """``(where, container, shallow copy)`` for the plain objects' ``__dict__``, lists and
     dicts reachable from the named ``values``, ``(where, list, length)`` for long lists (Note
-    [Tracing tensors left in argument objects])."""
+    [Tracing tensors left in argument objects]); ``tensors`` gets where each tensor held in
+    them is, by id."""
     from aotkit.aot.signature import _plain_object
 
     held: list[tuple[str, Any, Any]] = []
@@ -204,6 +206,10 @@ def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, An
     for _ in range(3):
         below: list[tuple[str, Any]] = []
         for where, v in level:
+            if isinstance(v, torch.Tensor):
+                if tensors is not None:
+                    tensors.setdefault(id(v), where)
+                continue
             if id(v) in seen or len(held) >= _MAX_HELD:
                 continue
             seen.add(id(v))
@@ -219,6 +225,9 @@ def argument_containers(values: Iterable[tuple[str, Any]]) -> list[tuple[str, An
             elif type(v) is tuple and len(v) <= _MAX_ITEMS:
                 below += [(f"{where}[{k}]", x) for k, x in enumerate(v)]
         level = below
+    for where, v in level:  # the tensors of the last level's containers
+        if tensors is not None and isinstance(v, torch.Tensor):
+            tensors.setdefault(id(v), where)
     return held
 
 

@@ -347,6 +347,10 @@ def _saved_tensor_hooks_deferred() -> Iterator[None]:
 # joint trace after the metadata pass, or the next signature's trace) it would become a graph
 # constant holding no data, and the outputs would be fake. The guard tags each functional
 # tensor an op makes with its pass and refuses one from another pass.
+NOT_AN_ARGUMENT = ("that it does not take as an argument (a closed-over variable, a global or "
+                   "an attribute)")
+
+
 class _OutsideTensorGuard(TorchDispatchMode):
     """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""
 
@@ -477,15 +481,17 @@ class _OutsideTensorGuard(TorchDispatchMode):
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
         # Tensor.__mul__, and Python would report an unsupported operand type instead.
         where = current_user_line()
-        return UnsupportedError(
-            f"{self.what} uses a tensor of shape {tuple(t.shape)} and dtype {t.dtype} that it "
-            "does not take as an argument (a closed-over variable, a global or an attribute) "
-            f"and that {what}; aotkit traces such tensors as graph constants, so {so}.\n"
+        error = UnsupportedError(
+            f"{self.what} uses a tensor of shape {tuple(t.shape)} and dtype {t.dtype} "
+            f"{NOT_AN_ARGUMENT} and that {what}; aotkit traces such tensors as graph "
+            f"constants, so {so}.\n"
             + (f"  at {where}\n" if where != "<unknown location>" else "")
             + "Fix: pass it as an argument; for the parameters of a module the function "
             "calls, make that module part of the compiled one (aot_module reads its own "
             "parameters and buffers at every call) or use torch.compile(..., backend='aotkit')."
         )
+        error.outside_tensor = t  # type: ignore[attr-defined]  # for name_held_tensor
+        return error
 
     def begin_graph_pass(self) -> None:
         """The metadata pass is over; the pass whose graph is kept starts."""
