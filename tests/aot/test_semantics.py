@@ -2858,6 +2858,22 @@ def test_reseeding_with_the_seed_in_use_is_refused(drawn_before, forked):
     assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is as it was
 
 
+def test_a_fork_rng_without_draws_before_dropout_runs_as_eager():
+    """Note [Catching a reseed] allows a restore with no draw before it; the metadata pass's
+    dropout counted as one, and the graph pass's restore was refused."""
+    def fn(x):
+        with torch.random.fork_rng():
+            y = x * 2
+        return F.dropout(y, 0.5)
+
+    compiled, x = aotkit.aot_function(fn, compilers.nop), torch.ones(16)
+    for _ in range(2):
+        torch.manual_seed(0)
+        want = fn(x)
+        torch.manual_seed(0)
+        assert torch.equal(compiled(x), want)
+
+
 def _forked(x):
     with torch.random.fork_rng():
         return x + torch.rand(3)

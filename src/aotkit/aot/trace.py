@@ -498,6 +498,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.first_pass_generators = list(self.generators)
         self.pass_id = next(_PASS_IDS)
         self.wrote = False
+        if self.seeds is not None:  # a restore refused only after this pass's own draws
+            self.seeds.draws = 0
 
     def check_kept(self, how: str, tensors: Iterable[Any]) -> None:
         """A functional tensor made by another tracing pass was kept by the function."""
