@@ -353,3 +353,21 @@ def test_real_and_imag_of_a_conjugate_input_match_eager() -> None:
 
     z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
     torch.testing.assert_close(aotkit.aot_function(parts, aotkit.compilers.inductor)(z), parts(z))
+
+
+def test_batched_gradients_through_an_inductor_backward_are_refused_naming_the_fix() -> None:
+    """is_grads_batched hands the backward legacy batched tensors, which Inductor's kernels
+    cannot read: PyTorch's raw "Cannot access data pointer" came through (its inductor backend
+    the same). The nop backward takes them."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * x.exp()
+
+    x = torch.randn(3, requires_grad=True)
+    want = torch.autograd.grad(f(x), x, torch.eye(3), is_grads_batched=True)[0]
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"batched gradients(.|\n)*Fix: pass "
+                                                             r"the gradients one at a time"):
+        torch.autograd.grad(torch.compile(f, backend="aotkit_inductor")(x), x, torch.eye(3),
+                            is_grads_batched=True)
+    got = torch.autograd.grad(aotkit.aot_function(f, aotkit.compilers.nop)(x), x, torch.eye(3),
+                              is_grads_batched=True)[0]
+    torch.testing.assert_close(got, want)

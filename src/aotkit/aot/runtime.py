@@ -250,13 +250,18 @@ class CompiledFunction(torch.autograd.Function):
                 del ctx.written
         args = [*ctx.saved_syms, *saved, *tangents]
         del saved
+        grad_mode = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+        try:
+            with grad_mode, torch._C._DisableAutocast(), graphs.no_overrides():
+                input_grads = backward(args)
+        except RuntimeError as exc:
+            if any(torch._C._functorch.is_legacy_batchedtensor(t)  # is_grads_batched
+                   or torch._C._functorch.is_batchedtensor(t)
+                   for t in tangents if isinstance(t, torch.Tensor)):
+                raise _batched_gradients(graphs.name) from exc
+            raise
         if torch.is_grad_enabled():  # create_graph=True: we cannot differentiate our backward
-            with torch.no_grad(), torch._C._DisableAutocast(), graphs.no_overrides():
-                input_grads = backward(args)
             input_grads = _refuse_double_backward(graphs.name, anchor, tangents, input_grads)
-        else:
-            with torch._C._DisableAutocast(), graphs.no_overrides():
-                input_grads = backward(args)
         if unreached:
             input_grads = [None if mask and not mask & ~unreached and i in quiet else g
                            for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(),
@@ -379,6 +384,18 @@ class _DoubleBackwardGuard(torch.autograd.Function):
             "splits its graph at torch.autograd.grad), compute higher-order gradients on the "
             "eager function, or run the first backward without create_graph=True."
         )
+
+
+def _batched_gradients(name: str) -> UnsupportedError:
+    """Batched gradients (vmap's BatchedTensors) reached a compiled backward that cannot take
+    them: kernels compiled for plain tensors (Inductor's)."""
+    return UnsupportedError(
+        f"the compiled backward of {name} was given batched gradients "
+        "(torch.autograd.grad(..., is_grads_batched=True), or a vectorized jacobian), which "
+        "its compiled kernels cannot take: they were compiled for plain tensors.\nFix: pass "
+        "the gradients one at a time (is_grads_batched=False, vectorize=False), or compile "
+        "with a compiler running ATen ops (backend='aotkit', aotkit.compilers.nop), whose "
+        "backward takes them.")
 
 
 def _refuse_double_backward(name: str, anchor: torch.Tensor, tangents: Sequence[torch.Tensor],
