@@ -157,3 +157,15 @@ def test_a_cache_argument_is_keyed_by_its_contents_and_put_back_when_refused() -
     with pytest.raises(aotkit.errors.UnsupportedError):
         aotkit.aot_function(update, aotkit.compilers.nop)(torch.ones(1, 1, 1, 4), cache)
     assert cache.layers[0].keys is keys
+
+
+def test_a_returned_kv_cache_names_use_cache_false() -> None:
+    """The refusal of a returned DynamicCache only suggested registering a pytree."""
+    gpt2 = tiny_model("gpt2").eval()  # no dropout: outputs comparable
+    gpt2.set_attn_implementation("eager")  # SDPA's mask check reads data: refused at the trace
+    model = aotkit.aot_module(gpt2, aotkit.compilers.nop)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(aotkit.errors.OutputTypeError, match=r"DynamicCache(.|\n)*use_cache=False"):
+        model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    out = model(ids, attention_mask=torch.ones_like(ids), use_cache=False)  # the fix it names
+    torch.testing.assert_close(out.logits, model.orig_module(ids, use_cache=False).logits)

@@ -927,12 +927,16 @@ def check_outputs(out: Any, flat: list[Any], name: str) -> None:
                     "the generator (or coroutine)."
                 )
             kind = type(leaf).__name__
+            cache = (" (a transformers model returns its KV cache with use_cache=True: pass "
+                     "use_cache=False where no cache is needed, as in training)"
+                     if type(leaf).__module__.startswith("transformers") and "Cache" in kind
+                     else "")
             raise OutputTypeError(
                 f"{name} returned {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at "
                 f"{where}; compiled functions may "
                 "return tensors, Python scalars, None, and lists/tuples/dicts of them.\nFix: "
                 "return tensors (or convert the value), or register the type with "
-                "torch.utils._pytree.register_pytree_node so it flattens to tensors."
+                f"torch.utils._pytree.register_pytree_node so it flattens to tensors{cache}."
             )
 
 
