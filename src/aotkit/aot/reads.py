@@ -203,14 +203,14 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
     held: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
     level = [(name, v) for name, v in values if not isinstance(v, torch.Tensor)]
-    for _ in range(3):
+    for depth in range(4):  # three levels of containers, and the tensors in the last
         below: list[tuple[str, Any]] = []
         for where, v in level:
             if isinstance(v, torch.Tensor):
                 if tensors is not None:
                     tensors.setdefault(id(v), where)
                 continue
-            if id(v) in seen or len(held) >= _MAX_HELD:
+            if depth == 3 or id(v) in seen or len(held) >= _MAX_HELD:
                 continue
             seen.add(id(v))
             if _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
@@ -225,9 +225,6 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
             elif type(v) is tuple and len(v) <= _MAX_ITEMS:
                 below += [(f"{where}[{k}]", x) for k, x in enumerate(v)]
         level = below
-    for where, v in level:  # the tensors of the last level's containers
-        if tensors is not None and isinstance(v, torch.Tensor):
-            tensors.setdefault(id(v), where)
     return held
 
 

@@ -460,7 +460,8 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
             _mutate_at_early_stop(graphs, args)
             raise
         finally:
-            _forward_values.mutations = None
+            if graphs.returned_mutations:  # the values it kept: not held past the call
+                _forward_values.mutations = None
     else:
         with torch.no_grad():
             fw_outs = graphs.run_forward(list(args))
