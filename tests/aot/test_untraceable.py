@@ -518,3 +518,66 @@ def test_a_checkpoint_around_a_compiled_model_updates_its_statistics_as_eager(vi
     for (key, got), want in zip(models[via].state_dict().items(),
                                 models["eager"].state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
+
+
+class _Bookkeeping(nn.Module):
+    """Writes a buffer before its last saved tensor (batch norm) and two after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.lin(x)).relu()  # relu saves its result: the last save
+        self.calls += 1
+        self.ema.mul_(0.5).add_(y.detach().mean(0))
+        return y
+
+
+@pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
+def test_checkpoints_early_stop_repeats_only_the_writes_before_the_last_save(via):
+    """Note [Checkpoint's early stop]: eager's recompute stops at its last save, so a step
+    counter or an EMA written after it is written once; batch norm's statistics, before it,
+    twice. Every write used to be repeated."""
+    torch.manual_seed(0)
+    base, x = _Bookkeeping(), rand(8, 4, grad=True)
+    models = {}
+    for name in ("eager", via):
+        model = models[name] = copy.deepcopy(base)
+        run = model if name == "eager" else (
+            aotkit.aot_module(model, compilers.nop) if via == "aot_module"
+            else torch.compile(model, backend="aotkit"))
+        checkpoint(run, x, use_reentrant=False).sum().backward()
+    assert models["eager"].calls.item() == 1
+    for (key, got), want in zip(models[via].state_dict().items(),
+                                models["eager"].state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
+
+
+def test_checkpoints_early_stop_inside_an_input_write_is_refused():
+    """A buffer written before and after the last save: eager's stop leaves it half written, a
+    value the graph does not have. Without the early stop it matches eager."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("buf", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.buf.add_(1)
+            y = x.sin()
+            self.buf.mul_(2)
+            return y
+
+    x = rand(3, grad=True)
+    with pytest.raises(UnsupportedError, match="set_checkpoint_early_stop"):
+        checkpoint(aotkit.aot_module(Twice(), compilers.nop), x, use_reentrant=False).sum().backward()
+    eager, model = Twice(), Twice()
+    with set_checkpoint_early_stop(False):
+        for run in (eager, aotkit.aot_module(model, compilers.nop)):
+            checkpoint(run, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)

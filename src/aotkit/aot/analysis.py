@@ -19,6 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
+from aotkit.aot.early_stop import NO_EARLY_STOP, EarlyStop, WriteOrder, early_stop
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import requested_size
 from aotkit.aot.simplify import known_equal
@@ -141,6 +142,7 @@ class AotMeta:
     intermediate_bases_requires_grad: list[bool] = field(default_factory=list)
     # Inputs autograd saved after the function wrote them (Note [Inputs saved after a write]).
     saved_after_write: dict[int, SavedAfterWrite] = field(default_factory=dict)
+    early_stop: EarlyStop = NO_EARLY_STOP  # Note [Checkpoint's early stop]
 
     def __post_init__(self) -> None:
         self._returns_sizes = _has_size(self.out_spec)
@@ -213,12 +215,15 @@ def from_fun(x: Any, eager_bits: bool = False) -> Any:
 
 
 def analyze(
-    flat_fn: Callable[..., tuple[list[Any], pytree.TreeSpec]], args: Sequence[Any]
+    flat_fn: Callable[..., tuple[list[Any], pytree.TreeSpec]], args: Sequence[Any],
+    write_order: WriteOrder | None = None,
 ) -> tuple[AotMeta, list[Any]]:
     """Run ``flat_fn`` on functional wrappers of the fake ``args`` and describe what it did.
 
     ``flat_fn`` returns ``(flat_outputs, out_spec)``. Must run under the fake mode of ``args``.
     Also returns fake values of the forward outputs, the templates for the joint's tangents.
+    ``write_order`` is what the trace's guard records of this pass's writes (Note [Checkpoint's
+    early stop]).
     """
     with FunctionalTensorMode(_allow_token_discovery=True), _discarding_unbacked_symbols(args):
         f_args = [to_fun(a) for a in args]
@@ -230,12 +235,13 @@ def analyze(
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]
+        stop = early_stop(write_order, f_args, f_outs, grad_fns)
         saved = inputs_saved_after_write(f_args, versions, f_outs, grad_fns)
         _refuse_swaps_into_mutated_memory(inputs, args, f_args)
         outputs, bases = _output_infos(f_args, f_outs)
         _refuse_views_of_swapped_inputs(inputs, outputs)
         outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
-        meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases], saved)
+        meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases], saved, stop)
         fw_outs = [
             *(f_args[i] for i in meta.mutated_inputs),
             *(f_outs[i] for i in meta.graph_user_outputs()),

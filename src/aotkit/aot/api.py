@@ -53,6 +53,7 @@ from aotkit.aot.trace import (
     FlatFn,
     autocast_as,
     make_fake,
+    metadata_write_order,
     refuse_kept_outputs,
     require_graph_backward,
     tangent_format,
@@ -279,7 +280,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     def trace(fallback: Fallback) -> tuple[AotMeta, list[Any], fx.GraphModule, list[Any]]:
         nonlocal training, grad_inside, backward_error
         with tracing(mode, name, fallback=fallback, reseeds=from_dynamo) as generators:
-            meta, fw_out_fakes = analyze(flat_fn, args)
+            meta, fw_out_fakes = analyze(flat_fn, args, metadata_write_order())
             grad_inside = not training and _turns_grad_on(meta, args)
             training = training or grad_inside
             if not training:
@@ -797,17 +798,22 @@ class AotFunction:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries} input signature(s), "
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
-                f"would compile another ({why}).\n"
-                f"Fix: {_varying_shapes_fix(self.options.dynamic)}; pass Python numbers that "
-                "change from call to call as tensors (torch.tensor(n)), since other arguments "
-                "are constants of the graph (the attributes of an object argument too: pass only "
-                "what the function reads, not an object holding a step counter), or, for "
-                "numbers used as sizes (x[:n]), use torch.compile(fn, backend='aotkit', "
-                "dynamic=True), which keeps them symbolic; keep dtypes/devices/requires_grad "
-                "stable; or raise the limit with aotkit.config.patch(recompile_limit=...). See "
-                "aotkit.explain() for the reasons."
-            )
+                f"would compile another ({why}).\nFix: {_recompile_fix(why, self.options.dynamic)}")
         counters.record("recompile", self.name, why, logger=log)
+
+
+def _recompile_fix(why: str, dynamic: bool) -> str:
+    if why.startswith("aotkit.config."):
+        return ("keep aotkit.config fixed while the function runs (each value of an option "
+                "compiles anew: compile one function per value instead), or raise the limit with "
+                "aotkit.config.patch(recompile_limit=...).")
+    return (f"{_varying_shapes_fix(dynamic)}; pass Python numbers that change from call to call "
+            "as tensors (torch.tensor(n)), since other arguments are constants of the graph (the "
+            "attributes of an object argument too: pass only what the function reads, not an "
+            "object holding a step counter), or, for numbers used as sizes (x[:n]), use "
+            "torch.compile(fn, backend='aotkit', dynamic=True), which keeps them symbolic; keep "
+            "dtypes/devices/requires_grad stable; or raise the limit with "
+            "aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the reasons.")
 
 
 def _varying_shapes_fix(dynamic: bool) -> str:

@@ -101,7 +101,10 @@ def through_unfold_gaps(t: torch.Tensor, lengths: UnfoldLengths) -> bool:
 
 
 def written_by(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors ``func`` writes to, from its schema (``Tensor(a!)``)."""
+    """The tensors ``func`` writes to, from its schema (``Tensor(a!)``); ``native_batch_norm``
+    in training writes its running statistics without saying so."""
+    if func is torch.ops.aten.native_batch_norm.default and args[5]:
+        return [t for t in args[3:5] if isinstance(t, torch.Tensor)]
     written = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:

@@ -485,21 +485,26 @@ def _apply(graphs: CompiledGraphs, args: list[Any]) -> tuple[list[Any], torch.Te
     return fw_outs, anchor
 
 
-# Note [Checkpoint's early stop]
-# torch.utils.checkpoint (non-reentrant, early stop on: the default) recomputes a forward in
-# the backward only until the tensors it needs are saved, then stops by raising from the
-# saving of the last one, which for a compiled function is at the end of its
-# CompiledFunction.apply, before the caller's tensors were written. Eager's kernels write in
-# place before their results are saved (batch norm's running statistics): the recompute
-# updated them a second time in eager, once with aotkit, so statistics drifted from eager's.
-# The forward keeps the values of the inputs it writes, and the early stop applies them.
+# The values of the inputs the forward writes, for Note [Checkpoint's early stop].
 _forward_values = threading.local()
 
 
 def _mutate_at_early_stop(graphs: CompiledGraphs, args: list[Any]) -> None:
+    """Make the writes eager's recompute makes before it stops (Note [Checkpoint's early stop])."""
     values = getattr(_forward_values, "mutations", None)
-    if values is not None:
-        for i, new in zip(graphs.returned_mutations, values, strict=True):
+    if values is None:
+        return
+    stop = graphs.meta.early_stop
+    if split := [i for i in graphs.returned_mutations if i in stop.split]:
+        raise UnsupportedError(
+            f"{graphs.name}, recomputed by torch.utils.checkpoint, writes input {split[0]} both "
+            "before and after the last tensor it saves for backward: eager's recompute stops "
+            "at that save, with the input written halfway, a value the compiled graph does not "
+            "have.\nFix: turn the early stop off around the backward "
+            "(torch.utils.checkpoint.set_checkpoint_early_stop(False)), or make the writes "
+            "together in the function.")
+    for i, new in zip(graphs.returned_mutations, values, strict=True):
+        if i in stop.repeated:
             apply_mutation(args[i], new, graphs.meta.inputs[i])
 
 

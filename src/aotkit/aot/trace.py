@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
+from aotkit.aot.early_stop import WriteOrder
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
@@ -274,6 +275,13 @@ def _clear_frames(exc: BaseException, handled: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
+def metadata_write_order() -> WriteOrder | None:
+    """What the current trace's metadata pass records of its writes (Note [Checkpoint's early
+    stop]); None outside a trace."""
+    guard = _GUARD.get()
+    return guard.write_order if guard is not None else None
+
+
 def tracing_active() -> bool:
     """Whether a trace is running, aotkit's or another's (make_fx, torch.export): a compiled
     function called inside is traced as part of it, since its own graphs would see the outer
@@ -377,6 +385,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.refuse_inference_mode = False  # set by tracing()
         self.wrote = False  # whether an op wrote a tensor in place yet
         self.unfold_lengths: UnfoldLengths = {}  # Note [Writes through unfold windows]
+        # Recorded in the metadata pass: Note [Checkpoint's early stop]
+        self.write_order: WriteOrder | None = WriteOrder()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -430,7 +440,10 @@ class _OutsideTensorGuard(TorchDispatchMode):
             check_out_dtype(func, args, kwargs, "meta")
         elif may_not_cast_in_place(func, args, kwargs):
             check_out_dtype(func, args, kwargs, "cpu")
-        for t in written_by(func, args, kwargs):
+        written = written_by(func, args, kwargs)
+        if self.write_order is not None:
+            self.write_order.note(written)
+        for t in written:
             self.wrote = True  # Note [Inputs sharing memory with constants]
             if (base := self._outside(t)) is not None:
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
@@ -497,6 +510,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         """The metadata pass is over; the pass whose graph is kept starts."""
         self.first_pass_generators = list(self.generators)
         self.pass_id = next(_PASS_IDS)
+        self.write_order = None
         self.wrote = False
         if self.seeds is not None:  # a restore refused only after this pass's own draws
             self.seeds.draws = 0

@@ -264,7 +264,7 @@ def inputs_saved_after_write(f_args: Sequence[Any], versions: Sequence[int | Non
     found = []  # (input, saved tensor, root kind, root index, saving node)
     for kind, k, t in [*(("out", k, t) for k, t in enumerate(f_outs)),
                        *(("arg", k, f_args[k]) for k in written.values())]:
-        for node in _nodes_below(getattr(t, "grad_fn", None), stop):
+        for node in nodes_below(getattr(t, "grad_fn", None), stop):
             found += [(i, saved, kind, k, node) for saved in _saved_tensors(node)
                       if (i := written.get(StorageWeakRef(saved.untyped_storage()))) is not None]
     shared = _sharing_versions(f_args, found)
@@ -292,7 +292,7 @@ def _sharing_versions(f_args: Sequence[Any], found: Sequence[tuple[Any, ...]]) -
     return shared
 
 
-def _nodes_below(node: Any, stop: Mapping[int, int]) -> Iterator[Any]:
+def nodes_below(node: Any, stop: Mapping[int, int]) -> Iterator[Any]:
     """Autograd nodes from ``node`` down, not past the inputs' own histories (``stop``)."""
     seen: dict[int, Any] = {}  # held: an id is unique only while its node lives
     todo = [node]
@@ -308,7 +308,7 @@ def _nodes_below(node: Any, stop: Mapping[int, int]) -> Iterator[Any]:
 def _inputs_below(node: Any, stop: Mapping[int, int], leaves: Mapping[int, int]) -> set[int]:
     """The inputs ``node``'s gradient flows to: their histories, or their AccumulateGrad."""
     found = set()
-    for below in _nodes_below(node, stop):
+    for below in nodes_below(node, stop):
         for next_node, _ in below.next_functions:
             variable = getattr(next_node, "variable", None)
             if id(next_node) in stop:
