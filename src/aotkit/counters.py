@@ -49,6 +49,7 @@ KINDS: dict[str, str] = {
     "thread": "compiled autograd captured a backward of another thread",
     "cache_clear": "compiled autograd's engine cache was cleared",
     "cuda_scalars": "compiled autograd moved CPU scalars to the GPU for CUDA graphs",
+    "reseed": "another thread reseeded the global generator during a trace (not the function)",
     "known_mismatch": "debug_nop let through a difference PyTorch's own kernels are known to have",
 }
 log = logging.getLogger("aotkit")

@@ -244,13 +244,16 @@ def test_manual_seed_in_another_thread_during_a_trace_is_no_reseed_and_stays() -
         torch.manual_seed(1234)
         seeded.set()
 
-    thread = threading.Thread(target=seeder)
+    thread = threading.Thread(target=seeder, name="seeder")
     thread.start()
     x = torch.randn(3, requires_grad=True)
+    counters.reset()
     out = aotkit.aot_function(f, aotkit.compilers.nop)(x)
     thread.join()
     assert torch.equal(out, x.sin())
     assert torch.initial_seed() == 1234
+    reseed, = aotkit.explain().of_kind("reseed")  # not silent: a pool thread may be the function's
+    assert "torch.manual_seed from thread seeder" in reseed.why
     drawn = torch.rand(2)
     torch.manual_seed(1234)
     assert torch.equal(drawn, torch.rand(2))

@@ -4,6 +4,7 @@ and the default generator. See Note [Global state the function leaves changed]."
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from aotkit import counters
 from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.aot.signature import AUTOCAST_DEVICES
 from aotkit.errors import UnsupportedError
@@ -128,6 +130,10 @@ def _seeded_state(seed: int) -> bytes:
 # PyTorch's own calls (Dynamo tracing torch.cond's branches keeps the state) are not refused.
 # Another thread's manual_seed or set_rng_state, through the same patched functions, starts
 # the comparison afresh: the traced function did not reseed, and that thread's seed stays.
+# Threads the trace started are the function's own; a thread that was alive before it (a pool
+# worker) cannot be told apart from an unrelated one, so its reseed is taken as not the
+# function's and recorded as a ``reseed`` decision (were it the function's, the graph would
+# draw without reseeding).
 class ReseedWatch:
     """Whether the default generator has been reseeded since this watch began. See Note
     [Catching a reseed]."""
@@ -171,14 +177,19 @@ class ReseedWatch:
         # Threads started during the trace may be the function's own: their reseed counts.
         before = {t.ident for t in threading.enumerate()} - {thread}
 
-        def elsewhere() -> bool:
-            return active[0] and threading.get_ident() in before
+        def elsewhere(call: str) -> bool:
+            if not (active[0] and threading.get_ident() in before):
+                return False
+            counters.record("reseed", self.what, f"{call} from thread "
+                            f"{threading.current_thread().name} during the trace, taken as not "
+                            "the function's", level=logging.WARNING)
+            return True
 
         def manual_seed(seed: int) -> Any:
             if refused(sys._getframe(1).f_code.co_filename):
                 raise reseeding_refused(f"{self.what} (at {current_user_line()})")
             result = originals[0](seed)
-            if elsewhere():  # the traced function did not reseed: keep that thread's seed
+            if elsewhere("torch.manual_seed"):  # not the function's: that thread's seed stays
                 self._begin_at_current_state()
             return result
 
@@ -186,7 +197,7 @@ class ReseedWatch:
             if self.draws and refused(sys._getframe(1).f_code.co_filename):
                 raise _restore_refused(self.what)
             originals[1](new_state)
-            if elsewhere():
+            if elsewhere("torch.set_rng_state"):
                 self._begin_at_current_state()
 
         torch.random.manual_seed = torch.manual_seed = manual_seed
