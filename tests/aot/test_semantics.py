@@ -94,6 +94,19 @@ def test_sparse_output_gets_a_sparse_grad_like_eager():
     torch.testing.assert_close(x.grad, torch.full((3, 4), 6.0) * x.detach() * 2)
 
 
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_a_closed_over_sparse_matrix_the_backward_needs_gives_eagers_grads(partition):
+    """Its constant node has no fake value: counted among the saved SymInts, it arrived in the
+    backward in another saved tensor's place (wrong gradients, or a raw _nnz error)."""
+    adjacency = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 2.0], [0.0, 3.0, 0.0]]).to_sparse()
+    partition_fn = {"default": aotkit.partition.default_partition,
+                    "min_cut": aotkit.partition.min_cut_rematerialization_partition}[partition]
+    for tail in (torch.exp, torch.relu):
+        fn = lambda x, tail=tail: tail(torch.sparse.mm(adjacency, x))  # noqa: E731
+        check_against_eager(fn, rand(3, 2, grad=True),
+                            aot_kwargs={"partition_fn": partition_fn})
+
+
 # --- requires_grad and dtypes ------------------------------------------------------------------
 
 

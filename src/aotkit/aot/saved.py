@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from aotkit.partition.graph import view_root
+from aotkit.partition.graph import is_sym, view_root
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,9 @@ def saved_for_backward(fw_gm: fx.GraphModule, num_fw_outputs: int) -> Saved:
     placeholders = fw_gm.graph.find_nodes(op="placeholder")
     position = {p: i for i, p in enumerate(placeholders)}
     saved = list(fw_gm.graph.output_node().args[0])[num_fw_outputs:]
-    tensors = [n for n in saved
-               if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    # As the partitioners split them: SymInts last, tensors before (a sparse constant's node
+    # has no "val"; counted among the SymInts, it shifted every saved tensor in the backward).
+    tensors = [n for n in saved if not is_sym(n)]
     return Saved(
         tensors=len(tensors),
         written=tuple(k for k, n in enumerate(tensors) if _written(n)),
