@@ -152,6 +152,19 @@ def test_recompile_limit_one_keeps_one_signature():
             f(torch.zeros(2))
 
 
+def test_recompile_limit_reached_by_a_changed_option_names_keeping_it_fixed():
+    """Its fix spoke of shapes and Python numbers only."""
+    f = aotkit.aot_function(lambda x: x.sin().sum(), compilers.nop,
+                            partition_fn=aotkit.min_cut_rematerialization_partition)
+    x = torch.randn(4, requires_grad=True)
+    with config.patch(recompile_limit=1):
+        f(x)
+        with config.patch(activation_memory_budget=0.5), pytest.raises(
+                aotkit.errors.RecompileLimitError,
+                match=r"activation_memory_budget changed(.|\n)*Fix: keep aotkit.config fixed"):
+            f(x)
+
+
 def test_bad_env_values_name_the_variable_and_a_fix():
     for variable, value, why in (("AOTKIT_RECOMPILE_LIMIT", "-2", "at least 1"),
                                  ("AOTKIT_MAX_DECISIONS", "-2", "at least 0"),

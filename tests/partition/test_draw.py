@@ -141,6 +141,14 @@ def test_dot_labels_escape_backslashes_and_quotes(tmp_path: Path, line: str, in_
     assert f'label="add\\nadd\\n{in_dot}"' in text
 
 
+def test_the_source_line_is_drawn_not_the_carets_under_it(tmp_path: Path) -> None:
+    gm = _graph_with_source_line("y = (x @ w).tanh()")
+    add = next(n for n in gm.graph.nodes if n.op == "call_function")
+    add.meta["stack_trace"] += "        ^^^^^^^^^^^^^^^^^^\n"  # as Python 3.11+ prints it
+    text = draw_graph(gm, tmp_path / "g.dot", clear_meta=False).path.read_text()
+    assert 'label="add\\nadd\\ny = (x @ w).tanh()"' in text
+
+
 @needs_graphviz
 @pytest.mark.parametrize("line", _AWKWARD_LINES)
 def test_source_lines_with_backslashes_render_as_written(tmp_path: Path, line: str) -> None:

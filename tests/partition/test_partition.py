@@ -603,16 +603,33 @@ def _three_plain_blocks(x: torch.Tensor, w: torch.Tensor, context_fn: Any) -> to
 def test_checkpointed_regions_are_recomputed_with_eager_values(partition: str) -> None:
     x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
     report = _checkpointed(_three_blocks, x, w, partition=partition).report
-    # Each block's first matmul and relu run again in the backward (the sin's gradient reads
-    # the relu), once per block; dropout (random) is saved, and so are the blocks' outputs
-    # (eager holds those; recomputing one would rerun the block before it).
+    # Each block's first matmul, relu and sin run again in the backward (the sin's gradient
+    # reads the relu; the dropout's output is recomputed from its mask and the sin), once per
+    # block; dropout's mask (random) is saved, and so are the blocks' outputs (eager holds
+    # those; recomputing one would rerun the block before it).
     recomputed = [op for op in report.recomputed if "mm" in op or "relu" in op or "sin" in op]
-    assert sorted(recomputed) == sorted(["aten.mm.default", "aten.relu.default"] * 3)
+    assert sorted(recomputed) == sorted(
+        ["aten.mm.default", "aten.relu.default", "aten.sin.default"] * 3)
     assert not any("dropout" in op for op in report.recomputed)
     assert report.partitioner.startswith(
         "default_partition (checkpointed" if partition == "default" else "min_cut")
     plain = _checkpointed(_three_plain_blocks, x, w, partition=partition)
     assert report.saved_bytes < plain.report.saved_bytes
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_a_checkpointed_dropout_saves_its_mask_not_its_output(partition: str) -> None:
+    """Note [Dropout in checkpointed regions]: the region's dropout output (float) was saved
+    beside its mask; now it is recomputed from the mask with eager's values."""
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    captured = _checkpointed(_three_blocks, x, w, partition=partition)
+    fw, _ = captured.graphs[-1]
+    saved = [n.meta["val"] for n in fw.graph.output_node().args[0][1:]]  # after the output
+    assert sum(v.dtype is torch.bool for v in saved) == 3  # the masks
+    # Two 8 x 32 float values (block outputs read outside their region) and the three bool
+    # masks; the three dropout outputs (8 x 32 floats) were saved too.
+    assert captured.report.saved_bytes == 2 * 8 * 32 * 4 + 3 * 8 * 32
+    assert "aten.mul.Tensor" in captured.report.recomputed
 
 
 def test_an_in_place_op_on_a_saved_value_in_a_region_names_the_checkpoint() -> None:

@@ -144,7 +144,9 @@ def _label(node: fx.Node, clear_meta: bool) -> str:
         lines.append(value)
     trace = node.meta.get("stack_trace")
     if not clear_meta and trace:
-        lines.append(trace.strip().splitlines()[-1].strip())
+        # The source line: Python 3.11+ tracebacks follow it with a line of carets.
+        source = [line.strip() for line in trace.splitlines() if line.strip(" ^~")]
+        lines.append(source[-1] if source else "")
     return "\n".join(lines)
 
 

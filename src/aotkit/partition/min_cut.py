@@ -127,8 +127,9 @@ def min_cut_rematerialization_partition(
             f"activation_memory_budget must be a number in [0, 1], got {budget!r}.\nFix: 1 keeps "
             "the default cut, 0 recomputes everything but random ops; values between trade the two."
         )
-    network = _Network(cse(joint_gm, keep=_handed_out(joint_gm, num_fwd_outputs)),
-                       num_fwd_outputs)
+    joint = cse(joint_gm, keep=_handed_out(joint_gm, num_fwd_outputs))
+    _dropout_outputs_from_masks(joint)
+    network = _Network(joint, num_fwd_outputs)
     saved = network.cut(network.expensive)
     if budget < 1.0:
         saved = _within_budget(network, budget, saved)
@@ -267,6 +268,31 @@ class _Network:
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+# Note [Dropout in checkpointed regions]
+# A random op is never recomputed, so a checkpointed region's native_dropout kept both its
+# results: the mask and the full-size output the next op reads (eager's recompute keeps neither:
+# it replays the generator). The output is the input times the mask times 1 / (1 - p), two
+# pointwise ops that give the kernel's values bit for bit; computed from the mask that way, it
+# is recomputed with its region and only the (bool) mask is saved.
+def _dropout_outputs_from_masks(joint: fx.GraphModule) -> None:
+    """See Note [Dropout in checkpointed regions]."""
+    for node in list(joint.graph.find_nodes(op="call_function",
+                                            target=torch.ops.aten.native_dropout.default)):
+        results = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if node.meta.get("recompute") not in _RECOMPUTE or 0 not in results or 1 not in results:
+            continue
+        (x, p, *_), out, mask = node.args, results[0], results[1]
+        with joint.graph.inserting_after(mask):
+            masked = joint.graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
+        with joint.graph.inserting_after(masked):
+            scaled = joint.graph.call_function(torch.ops.aten.mul.Tensor,
+                                               (masked, 0.0 if p == 1 else 1 / (1 - p)))
+        masked.meta, scaled.meta = dict(out.meta), dict(out.meta)
+        out.replace_all_uses_with(scaled)
+        joint.graph.erase_node(out)
+    joint.recompile()
 
 
 def has_checkpointed_regions(joint: fx.GraphModule) -> bool:
