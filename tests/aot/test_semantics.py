@@ -1685,6 +1685,41 @@ def test_an_op_without_an_autograd_kernel_is_refused_where_its_gradient_would_dr
                        op(detached) + detached)
 
 
+@pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")
+def test_an_in_place_op_without_an_autograd_kernel_is_refused_and_only_guilty_ops_named():
+    """Writing in place leaves no fallback node: the backward silently dropped the kernel's
+    x.mul_(3). A refusal named every such op traced, one given detached inputs too."""
+    lib = torch.library.Library("aotkit_no_autograd_inplace", "DEF")
+    lib.define("triple_(Tensor(a!) x) -> ()")
+
+    def triple_(x):
+        x.mul_(3)
+
+    lib.impl("triple_", triple_, "CompositeExplicitAutograd")
+    for name in ("square", "stat"):
+        lib.define(f"{name}(Tensor x) -> Tensor")
+        lib.impl(name, lambda x: x * x, "CompositeExplicitAutograd")
+    ops = torch.ops.aotkit_no_autograd_inplace
+
+    def triples(a):
+        y = a * 1.0
+        ops.triple_(y)
+        return y.sin()
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    triples(x).sum().backward()
+    torch.testing.assert_close(x.grad, 3 * torch.cos(3 * x.detach()))  # eager keeps the x3
+    with pytest.raises(UnsupportedError, match=r"triple_, which has no autograd kernel, and "
+                                               r"writes in place to a tensor requiring grad"):
+        aotkit.aot_function(triples, compilers.nop)(x)
+    with pytest.raises(UnsupportedError, match=r"calls aotkit_no_autograd_inplace::square, which "
+                                               r"has no"):  # not stat, given a detached tensor
+        aotkit.aot_function(lambda a: ops.square(a) + ops.stat(a.detach()), compilers.nop)(x)
+    with torch.no_grad():  # nothing to differentiate: runs
+        torch.testing.assert_close(aotkit.aot_function(triples, compilers.nop)(x),
+                                   triples(x))
+
+
 def test_a_warning_in_a_traced_backward_is_shown_once_per_location_as_in_eager():
     """Catching the no-autograd-kernel warning with warnings.catch_warnings reset Python's
     once-per-location record: a backward's warning came again at every trace."""

@@ -387,6 +387,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         self.unfold_lengths: UnfoldLengths = {}  # Note [Writes through unfold windows]
         # Recorded in the metadata pass: Note [Checkpoint's early stop]
         self.write_order: WriteOrder | None = WriteOrder()
+        self.without_autograd_kernel: set[str] = set()  # Note [Ops without an autograd kernel]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -400,6 +401,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 "Fix: use torch.no_grad() inside the compiled function, enter inference_mode "
                 "around the call instead, or use torch.compile(fn, backend='aotkit').")
         self._check_writes(func, args, kwargs)
+        if func.namespace not in ("aten", "prims", "prim"):  # PyTorch's own: never without
+            self._note_no_autograd_kernel(func, args, kwargs)
         self._check_generators(func, args, kwargs)
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
@@ -415,6 +418,19 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if func is torch.ops.aten.unfold.default:
                 note_unfold(args, self.unfold_lengths)
         return out
+
+    def _note_no_autograd_kernel(self, func: torch._ops.OpOverload, args: Any,
+                                 kwargs: Any) -> None:
+        """Note [Ops without an autograd kernel]: such an op given a tensor requiring grad is
+        named by a refusal; one writing to such a tensor in place is refused here (autograd's
+        fallback leaves no node for it)."""
+        if not torch.is_grad_enabled() or torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "Autograd"):
+            return
+        if any(t.requires_grad for t in _tensors((args, kwargs))):
+            self.without_autograd_kernel.add(func.name())
+            if any(t.requires_grad for t in written_by(func, args, kwargs)):
+                raise _no_autograd_kernel(self.what, [func.name()], "writes in place to a tensor")
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
         bases = [b for b in map(self._outside, _tensors((args, kwargs))) if b is not None]
@@ -936,9 +952,12 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
 # registered ... This may lead to silently incorrect behavior") and gives no gradient. Traced,
 # the op runs its fake kernel, which records nothing: the backward always dropped its gradient,
 # with that warning only. Such an op's output has the fallback's node as its grad_fn: the joint
-# trace refuses the function when its outputs' autograd graph reaches one. (Catching the
-# warning instead needed warnings.catch_warnings, which resets Python's once-per-location
-# record of every other warning.)
+# trace refuses the function when its outputs' autograd graph reaches one, naming the ops
+# without an autograd kernel that the dispatch guard saw given a tensor requiring grad.
+# (Catching the warning instead needed warnings.catch_warnings, which resets Python's
+# once-per-location record of every other warning.) An op writing in place to a tensor
+# requiring grad leaves no fallback node (eager records what its kernel's in-place ops do):
+# the guard refuses it when it is called.
 _FALLBACK_NODE = "torch::autograd::WarnNotImplemented"
 
 
@@ -956,18 +975,21 @@ def _refuse_ops_without_autograd_kernel(outs: Sequence[torch.Tensor]) -> None:
         stack.extend(n for n, _ in node.next_functions)
     else:
         return
-    ops = sorted({n.target.name() for n in _traced_nodes()
-                  if isinstance(n.target, torch._ops.OpOverload)
-                  and not torch._C._dispatch_has_kernel_for_dispatch_key(n.target.name(),
-                                                                         "Autograd")
-                  and n.target.namespace not in ("aten", "prims")})
     guard = _GUARD.get()
-    raise UnsupportedError(
-        f"{guard.what if guard is not None else 'the function'} calls "
-        f"{', '.join(ops) or 'an op'}, which has no autograd kernel, with an input requiring "
-        "grad: its fake kernel, which aotkit traces, records no gradient, so the backward "
-        "would drop it (eager differentiates what a Python kernel computes, and warns \"may "
-        "lead to silently incorrect behavior\" otherwise).\nFix: register the op's backward "
+    raise _no_autograd_kernel(guard.what if guard else "the function",
+                              sorted(guard.without_autograd_kernel) if guard else [],
+                              "gives it a tensor")
+
+
+def _no_autograd_kernel(what: str, ops: Sequence[str], how: str) -> UnsupportedError:
+    """The refusal of Note [Ops without an autograd kernel]."""
+    calls = (f"{', '.join(ops)}, which {'has' if len(ops) == 1 else 'have'}" if ops
+             else "an op that has")
+    return UnsupportedError(
+        f"{what} calls {calls} no autograd kernel, and {how} requiring grad: its fake kernel, "
+        "which aotkit traces, records no gradient, so the backward would drop it (eager "
+        "differentiates what a Python kernel computes, and warns \"may lead to silently "
+        "incorrect behavior\" otherwise).\nFix: register the op's backward "
         "(torch.library.register_autograd), register its kernel as CompositeImplicitAutograd "
         "so that it traces through, or pass that input detached (x.detach()) where its "
         "gradient is not needed.")
