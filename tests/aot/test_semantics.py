@@ -3498,6 +3498,20 @@ def test_a_slotted_object_argument_is_named_as_keyed_by_identity():
     assert "slots" in decision.why
 
 
+def test_a_frozen_slotted_object_holding_a_list_is_named_as_keyed_by_identity():
+    """Frozen, it has a hash of its values, which fails on the list: keyed by identity
+    without a decision."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Scales:
+        scales: list
+
+    aotkit.aot_function(lambda x, s: x * s.scales[0], compilers.nop)(torch.ones(2), Scales([2.0]))
+    [decision] = aotkit.explain().of_kind("identity_key")
+    assert decision.why.startswith("args[1] keyed by identity")
+
+
 def test_a_recompile_reason_names_a_list_that_grew_deep_in_an_argument():
     from types import SimpleNamespace
 

@@ -220,7 +220,7 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
 def _state_unseen(value: Any) -> bool:
     """An instance keeping state in slots (``@dataclass(slots=True)``), which its key does not
     read: keyed by identity, an in-place change is not seen."""
-    return _by_identity(value) and not isinstance(value, _OPAQUE) \
+    return (_by_identity(value) or not _hashable(value)) and not isinstance(value, _OPAQUE) \
         and any(_has_slots(c) for c in type(value).__mro__)
 
 
