@@ -3326,6 +3326,25 @@ def test_a_tensor_stored_in_an_argument_object_is_put_back_and_refused():
         aotkit.aot_function(store_only, compilers.nop)(torch.ones(1, 2), _KVCache())
 
 
+def test_an_optimizer_state_read_by_a_tensor_argument_is_put_back_and_refused():
+    """opt.state is a defaultdict: reading opt.state[p] inserted the tracing stand-in of p as
+    a key, left in the caller's optimizer (its state_dict() then raised KeyError)."""
+    def update(params, grads, opt):
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p.sub_(g * (2.0 if not opt.state[p] else 1.0))
+
+    params = [torch.ones(3, requires_grad=True)]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    with pytest.raises(aotkit.errors.UnsupportedError,
+                       match=r"args\[2\]\.state as a key(.|\n)*opt\.state\[p\]"):
+        aotkit.aot_function(update, compilers.nop)(params, [torch.ones(3)], opt)
+    assert list(opt.state) == []
+    params[0].grad = torch.ones(3)
+    opt.step()
+    assert list(opt.state_dict()["state"]) == [0]
+
+
 def test_a_long_list_in_an_argument_object_gets_its_appended_tracing_tensors_taken_off():
     class Holder:
         def __init__(self) -> None:

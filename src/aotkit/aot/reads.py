@@ -31,6 +31,7 @@ layout key holds them; Dynamo's graphs call no modules.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import threading
@@ -190,6 +191,9 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # taken off again; a bigger dict or object is not looked into.
 _MAX_HELD = 256
 _MAX_ITEMS = 1024
+# Copied with .copy(); a dict's keys are looked at too (reading ``opt.state[p]``, a defaultdict,
+# inserts the tracing stand-in of p as a key).
+_COPIED = (list, dict, collections.defaultdict, collections.OrderedDict)
 
 
 def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, str] | None = None
@@ -218,7 +222,7 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
             elif type(v) is list and len(v) > _MAX_ITEMS:
                 held.append((where, v, len(v)))
-            elif type(v) in (list, dict) and len(v) <= _MAX_ITEMS:
+            elif type(v) in _COPIED and len(v) <= _MAX_ITEMS:
                 held.append((where, v, v.copy()))
                 items = v.items() if isinstance(v, dict) else enumerate(v)
                 below += [(f"{where}[{k!r}]", x) for k, x in items]
@@ -238,14 +242,17 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
                 del container[before:]
                 left.append(where)
             continue
+        keys = isinstance(container, dict) and any(map(_tracing, container))
         now = container.values() if isinstance(container, dict) else container
-        if any(_tracing(x) for x in now):
+        if keys or any(_tracing(x) for x in now):
             if isinstance(container, dict):
                 container.clear()
                 container.update(before)
             else:
                 container[:] = before
-            left.append(where)
+            left.append(f"{where} as a key (a dict looked up by a tensor argument, such as "
+                        "opt.state[p], finds its tracing stand-in, never the caller's tensor)"
+                        if keys else where)
     return [w for w in left if not any(o.startswith((f"{w}.", f"{w}[")) for o in left)]
 
 
