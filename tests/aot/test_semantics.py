@@ -3345,6 +3345,25 @@ def test_an_optimizer_state_read_by_a_tensor_argument_is_put_back_and_refused():
     assert list(opt.state_dict()["state"]) == [0]
 
 
+def test_a_foreach_write_to_tensors_sharing_memory_is_refused():
+    """Note [Foreach writes to shared memory]: eager's _foreach_add_ applied both updates to a
+    tensor listed twice (or to overlapping views); the functional graph applied one."""
+    def update(params, grads):
+        torch._foreach_add_(params, grads, alpha=-0.1)
+
+    grads = [torch.ones(4), torch.full((4,), 2.0)]
+    w, flat = torch.ones(4), torch.ones(6)
+    for params in ([w, w], [flat[0:4], flat[2:6]]):
+        with pytest.raises(UnsupportedError, match=r"_foreach_add_(.|\n)*share memory(.|\n)*"
+                                                   r"Fix: list each tensor once"):
+            aotkit.aot_function(update, compilers.nop)(params, grads)
+    assert torch.equal(w, torch.ones(4)) and torch.equal(flat, torch.ones(6))  # untouched
+    apart, expected = torch.ones(8), torch.ones(8)  # views of one buffer that do not overlap
+    update([expected[0:4], expected[4:8]], grads)
+    aotkit.aot_function(update, compilers.nop)([apart[0:4], apart[4:8]], grads)
+    assert torch.equal(apart, expected)
+
+
 def test_a_long_list_in_an_argument_object_gets_its_appended_tracing_tensors_taken_off():
     class Holder:
         def __init__(self) -> None:

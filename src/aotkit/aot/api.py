@@ -29,9 +29,10 @@ from aotkit.aot.arguments import (
     refuse_tensor_sets,
     refuse_torch_function_overrides,
 )
-from aotkit.aot.bases import OverlapLayout, may_overlap
+from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
+from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.saved import saved_for_backward

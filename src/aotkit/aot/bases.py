@@ -12,6 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.analysis import AotMeta
+from aotkit.aot.ops import may_overlap
 from aotkit.aot.trace import FlatFn
 from aotkit.errors import UnsupportedError
 
@@ -167,40 +168,3 @@ def _end(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
 
 
-def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one storage share an element: first by the byte ranges they span,
-    then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
-    for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
-    spans = []
-    for t in (a, b):
-        if t.numel() == 0:
-            return False
-        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-        start = t.storage_offset() * t.element_size()
-        spans.append((start, start + extent * t.element_size()))
-    (a0, a1), (b0, b1) = spans
-    if not (a0 < b1 and b0 < a1):
-        return False
-    if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
-        return True
-    return _share_elements(_geometry(a), _geometry(b))
-
-
-_EXACT_LIMIT = 1 << 22
-
-
-def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(t.shape), t.stride(), t.storage_offset()
-
-
-@functools.lru_cache(maxsize=256)
-def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two strided layouts in one storage (same element size) address a common element;
-    computed once per pair of layouts."""
-    offsets = []
-    for size, stride, offset in (a, b):
-        index = torch.zeros((), dtype=torch.long)
-        for n, st in zip(size, stride, strict=True):
-            index = index.unsqueeze(-1) + torch.arange(n) * st
-        offsets.append(index.flatten() + offset)
-    return bool(torch.isin(offsets[0], offsets[1]).any())

@@ -4,6 +4,7 @@ ops FX cannot print. Used by :mod:`aotkit.aot.trace` while it traces."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -62,6 +63,71 @@ def overlaps_itself(t: torch.Tensor) -> bool:
             return True
         reach += stride * (size - 1)
     return False
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage share an element: first by the byte ranges they span,
+    then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
+    for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _bytes_spanned(a), _bytes_spanned(b)
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
+        return True
+    return _share_elements(_geometry(a), _geometry(b))
+
+
+_EXACT_LIMIT = 1 << 22
+
+
+def _bytes_spanned(t: torch.Tensor) -> tuple[Any, Any]:
+    """The storage bytes from ``t``'s first element to one past its last (not empty)."""
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    start = t.storage_offset() * t.element_size()
+    return start, start + extent * t.element_size()
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+@functools.lru_cache(maxsize=256)
+def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two strided layouts in one storage (same element size) address a common element;
+    computed once per pair of layouts."""
+    offsets = []
+    for size, stride, offset in (a, b):
+        index = torch.zeros((), dtype=torch.long)
+        for n, st in zip(size, stride, strict=True):
+            index = index.unsqueeze(-1) + torch.arange(n) * st
+        offsets.append(index.flatten() + offset)
+    return bool(torch.isin(offsets[0], offsets[1]).any())
+
+
+# Note [Foreach writes to shared memory]
+# An in-place foreach op (``torch._foreach_add_(params, grads)``, what optimizers' foreach
+# implementations call) updates its list's tensors one after another in eager, so a tensor
+# listed twice (a tied weight) or overlapping views get every update. Functionalized, each
+# result is computed from the old values and the last write wins: one update, silently
+# (PyTorch's AOT autograd too). The trace refuses such a call.
+def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """Two positions in ``written`` whose tensors share an element, if any."""
+    by_storage: dict[Any, list[tuple[Any, Any, int]]] = {}
+    for k, t in enumerate(written):
+        if t.numel() != 0:
+            by_storage.setdefault(compat.StorageWeakRef(t.untyped_storage()), []).append(
+                (*_bytes_spanned(t), k))
+    for members in by_storage.values():
+        members.sort(key=lambda m: m[:2])
+        for i, (_, end, k) in enumerate(members):
+            for start, _, j in members[i + 1:]:
+                if start >= end:
+                    break
+                if may_overlap(written[k], written[j]):
+                    return min(k, j), max(k, j)
+    return None
 
 
 # Note [Writes through unfold windows]

@@ -41,6 +41,7 @@ from aotkit.aot.ops import (
     in_eager_layout,
     may_not_cast_in_place,
     note_unfold,
+    overlapping_members,
     overlaps_itself,
     through_unfold_gaps,
     writes_out_argument,
@@ -459,6 +460,15 @@ class _OutsideTensorGuard(TorchDispatchMode):
         written = written_by(func, args, kwargs)
         if self.write_order is not None:
             self.write_order.note(written)
+        if len(written) > 1 and (pair := overlapping_members(written)) is not None:
+            raise UnsupportedError(  # Note [Foreach writes to shared memory]
+                f"{self.what} writes in place ({func}) to two tensors that share memory "
+                f"(numbers {pair[0]} and {pair[1]} of those it writes: one tensor "
+                "listed twice, a tied weight, or overlapping views): eager applies each update "
+                "in turn, the functional graph only the last.\n"
+                f"  at {current_user_line()}\n"
+                "Fix: list each tensor once (deduplicate an optimizer's parameters), or use "
+                "foreach=False.")
         for t in written:
             self.wrote = True  # Note [Inputs sharing memory with constants]
             if (base := self._outside(t)) is not None:
