@@ -110,6 +110,25 @@ def test_a_closed_over_sparse_matrix_the_backward_needs_gives_eagers_grads(parti
 # --- requires_grad and dtypes ------------------------------------------------------------------
 
 
+def test_a_leaf_accumulating_a_grad_of_another_dtype_compiles_as_eager():
+    """grad_dtype=None lets an fp32 weight hold a bf16 .grad; faking the weight copied .grad
+    and PyTorch refused it (a raw RuntimeError)."""
+    def fn(x, w):
+        return (x @ w).tanh().sum()
+
+    x = rand(3, 4)
+    grads = []
+    for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4))
+        w.grad_dtype = None
+        w.grad = torch.full((4, 4), 0.5, dtype=torch.bfloat16)
+        run(x, w).backward()
+        grads.append(w.grad)
+    assert grads[1].dtype is torch.bfloat16
+    assert torch.equal(grads[1], grads[0])
+
+
 def test_mixed_requires_grad_inputs():
     def fn(a, b, c):
         return (a * b + c).tanh(), (b * c).sum()

@@ -91,6 +91,15 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
     ``name``: the argument, for the error when fake tensors cannot copy it (quantized)."""
     from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
 
+    grad = t.grad if t.is_leaf else None
+    if grad is not None and grad.dtype != t.dtype:
+        # ``grad_dtype=None`` lets .grad differ (bf16 accumulation for an fp32 weight), which the
+        # fake copy's .grad refuses; tracing never reads .grad (aotkit refuses that).
+        t.grad = None
+        try:
+            return make_fake(mode, t, index, dynamic, name)
+        finally:
+            t.grad = grad
     try:
         if not dynamic:  # no symbols to name, and torch._dynamo.source would load all of Dynamo
             return mode.from_tensor(t, static_shapes=True)
