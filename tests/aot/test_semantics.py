@@ -1121,6 +1121,34 @@ def test_input_mutated_in_graph_bumps_its_version_like_eager():
         loss.backward()
 
 
+def _copying(gm, example_inputs):
+    """A compiler whose outputs are tensors of their own, as Inductor's are, but views of its
+    inputs (which Inductor returns as views too)."""
+    def run(*args):
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        return [o.clone() if isinstance(o, torch.Tensor)
+                and o.untyped_storage().data_ptr() not in inputs else o for o in gm(*args)]
+    return run
+
+
+def test_a_view_of_a_mutated_input_with_an_odd_size_one_stride_is_placed_under_dynamic():
+    """A size-1 dim's stride differing between the input and the graph's new value (a
+    transposed (n, 3, 1)) made the view's place unfindable with symbolic sizes: an error,
+    after the input had been written (tests/compilers/test_inductor.py: with Inductor)."""
+    def fn(x):
+        x.mul_(2)
+        return x[:, 0]
+
+    f = aotkit.aot_function(fn, _copying, dynamic=True, keep_inference_input_mutations=True)
+    for n in (3, 5):
+        x = torch.randn(n, 3, 1).transpose(1, 2)  # strides (3, 1, 1)
+        expected = fn(x.clone())
+        out = f(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(x, expected.unsqueeze(1), rtol=0, atol=0)
+        assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
 def test_without_keep_inference_input_mutations_graph_is_functional():
     inference = RecordingCompiler("inf")
     f = aotkit.aot_function(lambda x: x.add_(1).mul(2), compilers.nop, inference_compiler=inference)

@@ -371,3 +371,26 @@ def test_batched_gradients_through_an_inductor_backward_are_refused_naming_the_f
     got = torch.autograd.grad(aotkit.aot_function(f, aotkit.compilers.nop)(x), x, torch.eye(3),
                               is_grads_batched=True)[0]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_view_of_a_mutated_input_with_an_odd_size_one_stride_under_dynamic_shapes(grad):
+    """Inductor lays a size-1 dim's stride out its own way: the view's place in the input was
+    refused (training) or not found (inference), after the input had been written."""
+    def fn(x):
+        x.mul_(2)
+        return x[:, 0]
+
+    compiled = torch.compile(fn, backend="aotkit_inductor", dynamic=True)
+    for n in (3, 5):
+        leaf = torch.randn(n, 3, 1, requires_grad=grad)
+        x = (leaf * 1).transpose(1, 2)  # strides (3, 1, 1)
+        expected = fn(x.detach().clone())
+        with torch.set_grad_enabled(grad):
+            out = compiled(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(x, expected.unsqueeze(1), rtol=0, atol=0)
+        assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        if grad:
+            out.sum().backward()
+            assert leaf.grad.tolist() == torch.full((n, 3, 1), 2.0).tolist()

@@ -270,12 +270,13 @@ def _views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
 
 
 def _relaid(info: InputInfo, arg: Any, f_arg: Any) -> bool:
-    return info.mutates_data and not info.mutates_metadata and not _laid_out_alike(
+    return info.mutates_data and not info.mutates_metadata and not laid_out_alike(
         arg, from_fun(f_arg))
 
 
-def _laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same strides wherever a stride matters (dims of size 1 step nowhere)."""
+def laid_out_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides wherever a stride matters (dims of size 1 step nowhere); sizes are
+    ``a``'s."""
     keep = [d for d, n in enumerate(a.shape) if not statically_known_true(n <= 1)]
     return known_equal([a.stride(d) for d in keep], [b.stride(d) for d in keep])
 
@@ -486,7 +487,7 @@ class _RefuseStorageChanges(torch.overrides.TorchFunctionMode):
         value = torch._from_functional_tensor(f_arg.elem)
         same_offset = not explicit_offset or statically_known_true(
             value.storage_offset() == arg.storage_offset())  # none: counts from the tensor's own
-        if not (same_offset and _laid_out_alike(arg, value)):
+        if not (same_offset and laid_out_alike(arg, value)):
             raise UnsupportedError(
                 f"{where} after the function wrote that input: the graph holds the written "
                 f"value as a new tensor (strides {tuple(value.stride())}, storage offset "

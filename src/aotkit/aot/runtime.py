@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import counters
-from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent
+from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent, laid_out_alike
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
@@ -886,8 +886,9 @@ def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info:
         "memory of its own, and with symbolic sizes aotkit cannot find its place in the tensor it "
         "views. This happens with keep_inference_input_mutations=True for a view that changes "
         "the dtype (x.view(torch.int32), view_as_real) of a mutated input, or with a compiler "
-        "that copies its outputs.\nFix: compile with dynamic=False or without "
-        "keep_inference_input_mutations, or clone the output in the function."
+        "that copies its outputs (Inductor). The input has been written already.\nFix: clone "
+        "the output in the function, compile with dynamic=False (or without "
+        "keep_inference_input_mutations), or, under torch.compile, use backend='aotkit'."
     )
 
 
@@ -902,10 +903,7 @@ def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info:
 def _view_of_new_value(source: _ViewSource, out: torch.Tensor, name: str) -> tuple[Any, Any, int]:
     new, base = source.new_value, _plain(source.base)
     assert new is not None
-    laid_out_alike = (
-        new.dtype == base.dtype and new.size() == base.size() and new.stride() == base.stride()
-    )
-    if not laid_out_alike:
+    if not (new.dtype == base.dtype and new.size() == base.size() and laid_out_alike(new, base)):
         raise UnsupportedError(
             f"{name}: an output is a view of input {source.input_index}, which the function "
             "also mutates in place; with dynamic shapes aotkit finds the view's place in the "

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from aotkit import compat, config, counters
-from aotkit.aot.analysis import Alias, AotMeta, from_fun, to_fun
+from aotkit.aot.analysis import Alias, AotMeta, from_fun, laid_out_alike, to_fun
 from aotkit.aot.early_stop import WriteOrder
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
@@ -1048,7 +1048,7 @@ def _view_of_copied_input(primal: torch.Tensor, new: torch.Tensor, out: torch.Te
     sees, and with symbolic sizes its place cannot be recorded as numbers. Left as it is when
     the new value is laid out unlike the input (the runtime then says so)."""
     alike = (new.dtype == primal.dtype == out.dtype and known_equal(new.size(), primal.size())
-             and known_equal(new.stride(), primal.stride())
+             and laid_out_alike(new, primal)
              and new.untyped_storage()._cdata == out.untyped_storage()._cdata)
     if not alike:
         return out
