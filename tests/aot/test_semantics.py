@@ -1805,6 +1805,25 @@ def test_a_closed_over_csr_matrix_is_refused_naming_the_coo_layout():
         made_inside(dense, rand(4, 3, grad=True))
 
 
+def test_a_closed_over_mkldnn_tensor_is_refused_naming_the_conversion():
+    """Fake tensors cannot hold it: a raw NotImplementedError about _to_dense's fake kernel."""
+    weight = torch.randn(3, 3).to_mkldnn()
+    with pytest.raises(UnsupportedError, match=r"layout torch._mkldnn that it does not take as an "
+                                               r"argument(.|\n)*Fix: convert it outside"):
+        aotkit.aot_function(lambda x: weight.to_dense() @ x, compilers.nop)(rand(3, 3))
+
+
+def test_as_subclass_inside_is_a_typed_error_naming_the_fix():
+    """The subclass made inside loses functionalization's wrapper: a raw 'FunctionalTensor on
+    its own' RuntimeError."""
+    class Marked(torch.Tensor):
+        pass
+
+    with pytest.raises(UnsupportedError, match=r"lost aotkit's tracing wrapper(.|\n)*as_subclass"
+                                               r"(.|\n)*Fix: convert the tensor's class outside"):
+        aotkit.aot_function(lambda x: x.as_subclass(Marked) * 2, compilers.nop)(rand(3))
+
+
 def _raises_its_own(error):
     def fn(x):
         raise error

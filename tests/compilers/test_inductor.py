@@ -394,3 +394,15 @@ def test_a_view_of_a_mutated_input_with_an_odd_size_one_stride_under_dynamic_sha
         if grad:
             out.sum().backward()
             assert leaf.grad.tolist() == torch.full((n, 3, 1), 2.0).tolist()
+
+
+def test_a_graph_on_meta_tensors_runs_as_traced_with_a_fallback_decision():
+    """Inductor generates no kernels for meta tensors: it failed with an FX ordering error."""
+    def fn(x, w):
+        return (x @ w).relu().sum(0)
+
+    x = torch.empty(4, 3, device="meta", requires_grad=True)
+    out = torch.compile(fn, backend="aotkit_inductor")(x, torch.empty(3, 2, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2,)
+    whys = [d.why for d in aotkit.explain().of_kind("fallback")]
+    assert any("meta tensors" in why for why in whys), whys

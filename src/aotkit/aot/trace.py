@@ -553,6 +553,14 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def check_kept(self, how: str, tensors: Iterable[Any]) -> None:
         """A functional tensor made by another tracing pass was kept by the function."""
         for t in tensors:
+            if t.layout is torch._mkldnn:  # only a real tensor is: fake ones cannot copy it
+                raise UnsupportedError(
+                    f"{self.what} uses a tensor of shape {tuple(t.shape)} and layout "
+                    f"torch._mkldnn {NOT_AN_ARGUMENT} ({how}): PyTorch's fake tensors, which "
+                    "aotkit traces with, cannot hold an mkldnn tensor.\n"
+                    f"  at {current_user_line()}\n"
+                    "Fix: convert it outside the compiled function (W.to_dense()) and use the "
+                    "dense tensor inside.")
             if getattr(t, "_aotkit_pass", self.pass_id) != self.pass_id:
                 raise UnsupportedError(
                     f"{self.what} uses a tensor of shape {tuple(t.shape)} that it computed and "

@@ -209,6 +209,14 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
             "Fix: do the NumPy work outside the compiled function, or compile it with "
             "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
         )
+    if "Attempting to use FunctionalTensor on its own" in str(exc):
+        return UnsupportedError(
+            f"{what} computes with a tensor that lost aotkit's tracing wrapper: a plain "
+            "subclass made inside the function (x.as_subclass(MyTensor), "
+            "torch.Tensor._make_subclass), which functionalization cannot follow.\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: convert the tensor's class outside the compiled function (pass it in as the "
+            "subclass), or use torch.compile(fn, backend=\"aotkit\").")
     if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
         return data_dependent(what, exc)
     if "you can only change requires_grad flags of leaf variables" in str(exc):

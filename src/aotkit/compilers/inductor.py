@@ -163,11 +163,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     from torch._inductor.utils import BoxedBool
 
     sparse = _sparse_value(gm)
-    if sparse is not None:  # Note [Sparse values and Inductor]
-        counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})", (
-            f"the graph computes or reads a sparse tensor ({sparse}), whose memory "
-            "Inductor's buffer reuse does not track; it runs as traced (aotkit.compilers.nop) "
-            "instead"))
+    meta = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in example_inputs)
+    if sparse is not None or meta:  # Note [Sparse values and Inductor]
+        why = (f"the graph computes or reads a sparse tensor ({sparse}), whose memory "
+               "Inductor's buffer reuse does not track" if sparse is not None else
+               "the graph takes meta tensors, for which Inductor generates no kernels")
+        counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})",
+                        f"{why}; it runs as traced (aotkit.compilers.nop) instead")
         return nop(gm, example_inputs)
     _refuse_undecomposed(gm)
     storages = _output_storages(gm)  # before Inductor's passes change them
@@ -330,7 +332,8 @@ def _refuse_undecomposed(gm: fx.GraphModule) -> None:
 # (so did PyTorch's compiled autograd with backend="inductor"), and a sparse constant failed
 # inside Inductor. A graph computing or reading sparse tensors runs as traced instead (a
 # "fallback" decision per graph); aotkit's graphs hold them where a sparse Embedding's backward
-# or a closed-over sparse matrix puts them.
+# or a closed-over sparse matrix puts them. So does a graph on meta tensors (a model built on
+# the meta device), for which Inductor generates no kernels.
 def _sparse_value(gm: fx.GraphModule) -> str | None:
     """The first node computing or reading a sparse tensor, described; None if there is none."""
     for node in gm.graph.nodes:
