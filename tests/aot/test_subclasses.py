@@ -137,6 +137,44 @@ def test_plain_input_with_a_subclass_gradient_is_refused() -> None:
         f(two(), w)
 
 
+class _Unwrapping(torch.Tensor):
+    """A wrapper subclass whose ops return plain tensors: eager's .grad of one is plain."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False) -> _Unwrapping:
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype,
+                                                   requires_grad=requires_grad)
+
+    def __init__(self, data: torch.Tensor, requires_grad: bool = False) -> None:
+        self.data_ = data
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["data_"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride) -> _Unwrapping:
+        return _Unwrapping(inner["data_"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return _Unwrapping(args[0].data_)
+        unwrap = lambda t: t.data_ if isinstance(t, _Unwrapping) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_a_subclass_input_whose_gradient_is_plain_is_refused_naming_the_fix() -> None:
+    """The message said the gradient arrived as a FunctionalTensor, a type the user never
+    sees, and told to fix a backward such a subclass does not have."""
+    x = _Unwrapping(torch.arange(6.0).view(2, 3), requires_grad=True)
+    grad, = torch.autograd.grad(x.sin().sum(), x)
+    assert type(grad) is torch.Tensor  # eager
+    with pytest.raises(UnsupportedError, match=r"gradient of a _Unwrapping input is a plain tensor"
+                                               r"(.|\n)*Fix: make __torch_dispatch__ wrap"):
+        aotkit.aot_function(lambda t: t.sin().sum(), aotkit.compilers.nop)(x)
+
+
 def test_dynamic_aot_function_refuses_subclasses() -> None:
     f = aotkit.aot_function(pointwise, aotkit.compilers.nop, dynamic=True)
     with pytest.raises(UnsupportedError, match="dynamic=True .* tensor subclass arguments "

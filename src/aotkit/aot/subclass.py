@@ -34,7 +34,7 @@ from torch import nn
 from torch.fx.experimental.sym_node import SymNode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from aotkit.errors import CompilerError
+from aotkit.errors import UnsupportedError
 
 _PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter, nn.Buffer})
 
@@ -192,11 +192,14 @@ class _Rebuild(torch.autograd.Function):
 
 def _grad_parts(grad: torch.Tensor, layout: Layout) -> list[torch.Tensor | None]:
     if type(grad) is not layout.cls:
-        raise CompilerError(
-            f"the gradient of a {layout.cls.__name__} input arrived as a "
-            f"{type(grad).__name__}; aotkit passes a tensor subclass's gradient to the "
-            "plain tensors it is made of and needs the gradient to be the same subclass.\nFix: "
-            "make the subclass's backward return its own type, or run this function eagerly."
+        name = layout.cls.__name__
+        kind = "a plain tensor" if not is_subclass(grad) else f"a {type(grad).__name__}"
+        raise UnsupportedError(
+            f"the gradient of a {name} input is {kind} (its __torch_dispatch__ returns such "
+            f"results, so eager's .grad is one too); aotkit passes a subclass input's gradient "
+            f"to the plain tensors the {name} is made of, which needs it to be a {name}.\nFix: "
+            f"make __torch_dispatch__ wrap its results in {name}, pass the plain tensors it is "
+            "made of as the arguments instead, or run this function eagerly."
         )
     return [g if carries else None for g, carries in zip(parts(grad, layout), layout.grads, strict=True)]
 
