@@ -175,6 +175,28 @@ def test_a_subclass_input_whose_gradient_is_plain_is_refused_naming_the_fix() ->
         aotkit.aot_function(lambda t: t.sin().sum(), aotkit.compilers.nop)(x)
 
 
+def test_a_closed_over_jagged_tensor_without_grad_is_a_constant_and_one_with_grad_refused():
+    """An intermediate made from it (C * x) shares its offsets, and was blamed as a closed-over
+    tensor requiring grad."""
+    def jagged(requires_grad: bool) -> torch.Tensor:
+        return torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(1, 3)],
+                                          layout=torch.jagged, requires_grad=requires_grad)
+
+    constant = jagged(False)
+
+    def f(x):
+        return (constant * x).values().exp()
+
+    x = torch.randn(3, requires_grad=True)
+    out = aotkit.aot_function(f, aotkit.compilers.nop)(x)
+    torch.testing.assert_close(out, f(x))
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
+                               torch.autograd.grad(f(x).sum(), x)[0])
+    constant = jagged(True)
+    with pytest.raises(UnsupportedError, match="requires grad"):
+        aotkit.aot_function(f, aotkit.compilers.nop)(x)
+
+
 def test_dynamic_aot_function_refuses_subclasses() -> None:
     f = aotkit.aot_function(pointwise, aotkit.compilers.nop, dynamic=True)
     with pytest.raises(UnsupportedError, match="dynamic=True .* tensor subclass arguments "

@@ -517,13 +517,19 @@ class _OutsideTensorGuard(TorchDispatchMode):
         grad = torch.is_grad_enabled() and func not in _GRADLESS_READS and any(
             t.is_floating_point() or t.is_complex() for t in _tensors(out))
         for t, base in outside:
-            if grad and t.requires_grad:
+            if grad and t.requires_grad and self._wholly_outside(t):
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
             if fwAD._current_level >= 0 and _has_tangent(t):
                 raise self._refusal(t, f"is a forward-mode AD dual tensor ({func} reads it)",
                                     "its tangent would be lost")
             note_constant(base, grad, self.wrote)
+
+    def _wholly_outside(self, t: torch.Tensor) -> bool:
+        """Not made inside: a subclass computed in the trace from an outside one shares some
+        parts with it (a jagged tensor's offsets), and its gradient is the trace's own."""
+        return not is_subclass(t) or all(
+            self._outside(p) is not None for p in parts(t, layout_of(t)))
 
     def _refusal(self, t: torch.Tensor, what: str, so: str) -> UnsupportedError:
         # Not ArgumentError: a TypeError raised inside ``x * c`` becomes NotImplemented in
