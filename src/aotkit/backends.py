@@ -34,6 +34,7 @@ def _no_dynamo(compiler: Compiler) -> Compiler:
         return disabled
 
     wrapped.__name__ = getattr(compiler, "__name__", "compiler")
+    wrapped.returns_views = getattr(compiler, "returns_views", True)  # type: ignore[attr-defined]
     return wrapped
 
 

@@ -76,11 +76,16 @@ class InputInfo:
     def mutated(self) -> bool:
         return self.mutates_data or self.mutates_metadata or self.swaps_storage
 
+    # A view of it is returned that only replaying the graph's view ops places (Note [Views
+    # of inputs with gaps]): that needs its new value returned.
+    returns_view: bool = False
+
     @property
     def copied_in_graph(self) -> bool:
         """Under keep_inference_input_mutations the graph copies this mutation into the input
         itself; the others are returned and applied after the call."""
-        return self.mutates_data and not self.mutates_metadata and not self.swaps_storage
+        return self.mutates_data and not self.mutates_metadata and not self.swaps_storage \
+            and not self.returns_view
 
     @property
     def mutation_is_differentiable(self) -> bool:
@@ -241,6 +246,9 @@ def analyze(
         outputs, bases = _output_infos(f_args, f_outs)
         _refuse_views_of_swapped_inputs(inputs, outputs)
         outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
+        inputs = [dataclasses.replace(info, returns_view=True) if any(
+            o.replay_only and o.base == i for o in outputs) else info
+            for i, info in enumerate(inputs)]
         meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases], saved, stop)
         fw_outs = [
             *(f_args[i] for i in meta.mutated_inputs),
@@ -257,8 +265,9 @@ def analyze(
 # read other elements. Eager's view keeps the input's strides. So such a view records no place
 # (``static_view``); the runtime replays the view ops the compiled graph ran on the new value
 # (``select``, ``t``, ...) on the caller's input instead, after the mutation is written back.
-# That needs the graph's output to be a view of its new value with view functions recorded
-# (nop, TorchScript); a compiler whose outputs are plain tensors (Inductor) is refused then.
+# That needs the graph's new value returned, also under keep_inference_input_mutations, and
+# its output to be a view of that value with view functions recorded (nop, TorchScript); such a
+# graph of a compiler whose outputs are never those views (Inductor) runs as traced instead.
 def _views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
                             inputs: Sequence[InputInfo],
                             outputs: list[OutputInfo]) -> list[OutputInfo]:

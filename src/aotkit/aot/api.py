@@ -302,14 +302,17 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                                  keep_outputs=meta.num_fw_outputs if training else None)
     if not training:
         return _compile_inference(_insert_runtime_asserts(simplify(gm), mode, name, from_dynamo),
-                                  meta, options, name, len(args), absolute_offsets)
+                              meta, options, name, len(args), absolute_offsets,
+                              _returning_views(options.inference_compiler or options.fw_compiler,
+                                               meta, args, name))
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
     fw_code = fw_gm.code  # before its runtime checks, which name fresh symbols in each trace
     _insert_runtime_asserts(fw_gm, mode, name, from_dynamo)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graphs(name, joint=gm, forward=fw_gm, backward=bw_gm)
     _mark_static_inputs(fw_gm, options.num_params_buffers)
-    fw = compile_boxed(options.fw_compiler, fw_gm, _graph_inputs(fw_gm), "forward")
+    compiler = _returning_views(options.fw_compiler, meta, args, name)
+    fw = compile_boxed(compiler, fw_gm, _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
 
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
@@ -508,10 +511,29 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
         )
 
 
+def _returning_views(compiler: Compiler, meta: AotMeta, args: Sequence[Any],
+                     name: str) -> Compiler:
+    """Note [Views of inputs with gaps]: a compiler whose outputs are never the views the
+    function made (Inductor: ``returns_views = False``) cannot give such a view; the graph runs
+    as traced instead (a "fallback" decision), before any call wrote the input."""
+    from aotkit.compilers.basic import nop  # the compilers import aotkit.aot
+
+    if getattr(compiler, "returns_views", True):
+        return compiler
+    gappy = [out.base for out in meta.outputs if out.replay_only]
+    if not gappy:
+        return compiler
+    counters.record("fallback", name, (
+        f"returns a view of input {gappy[0]} (strides {tuple(args[gappy[0]].stride())}, with "
+        "gaps), which it writes in place, and the compiler returns no views: the graph runs as "
+        "traced (aotkit.compilers.nop)"), logger=log)
+    return nop
+
+
 def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
-                       num_inputs: int, absolute_offsets: bool) -> CompiledGraphs:
+                       num_inputs: int, absolute_offsets: bool,
+                       compiler: Compiler) -> CompiledGraphs:
     _log_graphs(name, inference=gm)
-    compiler = options.inference_compiler or options.fw_compiler
     _mark_static_inputs(gm, options.num_params_buffers)
     fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
     counters.bump("aot", "inference_compiles")

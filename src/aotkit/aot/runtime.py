@@ -857,9 +857,9 @@ def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo,
         f"{name}: the function mutates input {source.input_index} (strides "
         f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
         "view of it, which the compiled graph returned without the view ops that made it (a "
-        "tensor of its own, as Inductor's are, or a detached view), so aotkit cannot place it "
-        "in the input's memory as eager does.\nFix: pass a contiguous input (x.contiguous()), "
-        "or return a clone of the view."
+        "tensor of its own, or a detached view), so aotkit cannot place it in the input's "
+        "memory as eager does.\nFix: pass a contiguous input (x.contiguous()), or return a "
+        "clone of the view."
     )
 
 

@@ -77,6 +77,10 @@ class Inductor:
         >>> f(x).sum().backward()  # doctest: +SKIP
     """
 
+    # Its outputs are tensors of their own or views it makes with as_strided, never the view
+    # ops the function ran (Note [Views of inputs with gaps] in aotkit.aot.analysis).
+    returns_views = False
+
     def __init__(self, kind: Kind | None = None) -> None:
         if kind is not None and kind not in KINDS:
             raise ArgumentError(f"unknown Inductor graph kind {kind!r}.\nFix: pass one of "
