@@ -1149,6 +1149,26 @@ def test_a_view_of_a_mutated_input_with_an_odd_size_one_stride_is_placed_under_d
         assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("view", [torch.view_as_real, lambda z: z.view(torch.int32)],
+                         ids=["view_as_real", "view_int32"])
+def test_a_dtype_view_of_an_input_written_in_the_graph_is_placed_under_dynamic(view):
+    """With symbolic sizes the graph's copy-in could not take such a view from the input: an
+    error after the input had been written. Its new value is returned instead."""
+    def fn(z):
+        z.mul_(2)
+        return view(z)
+
+    f = aotkit.aot_function(fn, compilers.nop, dynamic=True, keep_inference_input_mutations=True)
+    for n in (3, 5):
+        z = torch.randn(n, 4, dtype=torch.cfloat) if view is torch.view_as_real \
+            else torch.randn(n, 4)
+        expected_z = z * 2
+        out = f(z)
+        assert torch.equal(z, expected_z)
+        assert torch.equal(out, view(expected_z))
+        assert out.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
+
+
 def test_without_keep_inference_input_mutations_graph_is_functional():
     inference = RecordingCompiler("inf")
     f = aotkit.aot_function(lambda x: x.add_(1).mul(2), compilers.nop, inference_compiler=inference)

@@ -76,8 +76,8 @@ class InputInfo:
     def mutated(self) -> bool:
         return self.mutates_data or self.mutates_metadata or self.swaps_storage
 
-    # A view of it is returned that only replaying the graph's view ops places (Note [Views
-    # of inputs with gaps]): that needs its new value returned.
+    # A view of it is returned that is placed through its new value, which the graph returns
+    # then, also under keep_inference_input_mutations (_placed_from_new_values).
     returns_view: bool = False
 
     @property
@@ -246,9 +246,7 @@ def analyze(
         outputs, bases = _output_infos(f_args, f_outs)
         _refuse_views_of_swapped_inputs(inputs, outputs)
         outputs = _views_of_relaid_inputs(args, f_args, inputs, outputs)
-        inputs = [dataclasses.replace(info, returns_view=True) if any(
-            o.replay_only and o.base == i for o in outputs) else info
-            for i, info in enumerate(inputs)]
+        inputs = _placed_from_new_values(inputs, outputs, f_args, f_outs)
         meta = AotMeta(inputs, outputs, out_spec, [b.requires_grad for b in bases], saved, stop)
         fw_outs = [
             *(f_args[i] for i in meta.mutated_inputs),
@@ -268,6 +266,18 @@ def analyze(
 # That needs the graph's new value returned, also under keep_inference_input_mutations, and
 # its output to be a view of that value with view functions recorded (nop, TorchScript); such a
 # graph of a compiler whose outputs are never those views (Inductor) runs as traced instead.
+def _placed_from_new_values(inputs: list[InputInfo], outputs: Sequence[OutputInfo],
+                            f_args: Sequence[Any], f_outs: Sequence[Any]) -> list[InputInfo]:
+    """Inputs a returned view is placed in through their new value, which the graph must then
+    return: views of Note [Views of inputs with gaps], and views in another dtype (``x.view(
+    torch.int32)``, ``view_as_real``) with symbolic sizes, which a graph copying the write in
+    cannot take from the input itself."""
+    placed = {o.base for o, f in zip(outputs, f_outs, strict=True) if o.alias is Alias.OF_INPUT
+              and (o.replay_only or (o.static_view is None and f.dtype != f_args[o.base].dtype))}
+    return [dataclasses.replace(info, returns_view=True) if i in placed else info
+            for i, info in enumerate(inputs)]
+
+
 def _views_of_relaid_inputs(args: Sequence[Any], f_args: Sequence[Any],
                             inputs: Sequence[InputInfo],
                             outputs: list[OutputInfo]) -> list[OutputInfo]:
