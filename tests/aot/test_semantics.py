@@ -3106,6 +3106,21 @@ def test_channels_last_gradients_are_bit_identical_to_eager():
         assert compiled.stride() == eager.stride()
 
 
+def test_a_channels_last_input_gets_a_channels_last_gradient_under_dynamic_shapes():
+    """With symbolic sizes every tangent was traced contiguous: the gradient of a channels_last
+    input reached through a view of an intermediate came back contiguous."""
+    def fn(x):
+        return (x * 3).permute(0, 2, 3, 1).reshape(x.shape[0], -1)
+
+    f = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    for n in (2, 3):
+        x = torch.randn(n, 3, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+        grad_out = torch.randn(n, 48)
+        expected, = torch.autograd.grad(fn(x), x, grad_out)
+        got, = torch.autograd.grad(f(x), x, grad_out)
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
 class _TimeMajorNorm(nn.Module):
     """BatchNorm1d over the channels of a (batch, time, channels) tensor, then a Linear: the
     transpose hands batch norm a dense input in no standard memory format."""

@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
@@ -1083,15 +1084,22 @@ def _tangent_like(out: Any) -> Any:
 # before the backward ran, and channels_last kernels (BatchNorm's backward) then ran in another
 # layout than eager's, rounding differently. So a tangent is traced in its output's memory
 # format, channels_last (3d) or contiguous, and the runtime lays each grad out so (a no-op when
-# it already is). Sizes that are symbolic keep contiguous tangents: asking a symbolic tensor
-# for its format would add guards.
+# it already is). With symbolic sizes the strides are compared without adding guards (asking a
+# symbolic tensor for its format would add them); a layout they cannot tell is contiguous.
 def tangent_format(out: torch.Tensor) -> torch.memory_format:
     """The memory format of ``out``'s tangent. See Note [Tangents in the outputs' memory format]."""
-    if out.layout is not torch.strided or not all(isinstance(n, int) for n in (*out.shape, *out.stride())):
-        return torch.contiguous_format
     channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
-    if channels_last is not None and not out.is_contiguous() and out.is_contiguous(
-            memory_format=channels_last):
+    if out.layout is not torch.strided or channels_last is None:
+        return torch.contiguous_format
+    if all(isinstance(n, int) for n in (*out.shape, *out.stride())):
+        if not out.is_contiguous() and out.is_contiguous(memory_format=channels_last):
+            return channels_last
+        return torch.contiguous_format
+    # Symbolic: strides known to be channels_last's and not known to be contiguous ones,
+    # compared without adding a guard.
+    strides = out.stride()
+    if known_equal(strides, make_channels_last_strides_for(out.shape)) and not known_equal(
+            strides, make_contiguous_strides_for(out.shape)):
         return channels_last
     return torch.contiguous_format
 
