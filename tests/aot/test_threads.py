@@ -241,7 +241,8 @@ def test_manual_seed_in_another_thread_during_a_trace_is_no_reseed_and_stays() -
 
     def seeder() -> None:
         started.wait(30)
-        torch.manual_seed(1234)
+        for _ in range(3):  # one decision for the thread, not one per reseed
+            torch.manual_seed(1234)
         seeded.set()
 
     thread = threading.Thread(target=seeder, name="seeder")

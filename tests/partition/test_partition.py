@@ -632,6 +632,25 @@ def test_a_checkpointed_dropout_saves_its_mask_not_its_output(partition: str) ->
     assert "aten.mul.Tensor" in captured.report.recomputed
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_checkpointed_dropout_in_reduced_precision_keeps_eagers_values(dtype) -> None:
+    """Note [Dropout in checkpointed regions]: x * mask * scale rounds otherwise than the CPU
+    kernel in bfloat16 and float16, so those keep the kernel's output."""
+    def fn(x):
+        return torch.utils.checkpoint.checkpoint(
+            lambda h: torch.native_dropout(h, 0.1, True)[0], x, use_reentrant=False)
+
+    results = []
+    for run in (fn, torch.compile(fn, backend="aotkit")):
+        torch.manual_seed(0)
+        x = torch.randn(256, dtype=dtype, requires_grad=True)
+        out = run(x)
+        (out * out).sum().backward()
+        results.append((out, x.grad))
+    assert torch.equal(results[1][0], results[0][0])
+    assert torch.equal(results[1][1], results[0][1])
+
+
 def test_an_in_place_op_on_a_saved_value_in_a_region_names_the_checkpoint() -> None:
     """Eager's checkpoint saves nothing inside its region, so ``h.relu_(); h.mul_(2)`` passes
     there; the traced region's saved relu output is checked, and the error says why."""

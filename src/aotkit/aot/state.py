@@ -177,12 +177,17 @@ class ReseedWatch:
         # Threads started during the trace may be the function's own: their reseed counts.
         before = {t.ident for t in threading.enumerate()} - {thread}
 
+        told: set[int] = set()  # one decision per thread and trace
+
         def elsewhere(call: str) -> bool:
-            if not (active[0] and threading.get_ident() in before):
+            ident = threading.get_ident()
+            if not (active[0] and ident in before):
                 return False
-            counters.record("reseed", self.what, f"{call} from thread "
-                            f"{threading.current_thread().name} during the trace, taken as not "
-                            "the function's", level=logging.WARNING)
+            if ident not in told:
+                told.add(ident)
+                counters.record("reseed", self.what, f"{call} from thread "
+                                f"{threading.current_thread().name} during the trace, taken as "
+                                "not the function's", level=logging.WARNING)
             return True
 
         def manual_seed(seed: int) -> Any:

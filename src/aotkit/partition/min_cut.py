@@ -274,14 +274,16 @@ _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 # A random op is never recomputed, so a checkpointed region's native_dropout kept both its
 # results: the mask and the full-size output the next op reads (eager's recompute keeps neither:
 # it replays the generator). The output is the input times the mask times 1 / (1 - p), two
-# pointwise ops that give the kernel's values bit for bit; computed from the mask that way, it
-# is recomputed with its region and only the (bool) mask is saved.
+# pointwise ops that give the kernel's values bit for bit in float32 and float64 (not in bfloat16
+# or float16, where the CPU kernel rounds otherwise: those keep both); computed from the mask
+# that way, it is recomputed with its region and only the (bool) mask is saved.
 def _dropout_outputs_from_masks(joint: fx.GraphModule) -> None:
     """See Note [Dropout in checkpointed regions]."""
     for node in list(joint.graph.find_nodes(op="call_function",
                                             target=torch.ops.aten.native_dropout.default)):
         results = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        if node.meta.get("recompute") not in _RECOMPUTE or 0 not in results or 1 not in results:
+        if node.meta.get("recompute") not in _RECOMPUTE or 0 not in results or 1 not in results \
+                or results[0].meta["val"].dtype not in (torch.float32, torch.float64):
             continue
         (x, p, *_), out, mask = node.args, results[0], results[1]
         with joint.graph.inserting_after(mask):
