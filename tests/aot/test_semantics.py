@@ -3463,6 +3463,23 @@ def test_a_foreach_write_to_tensors_sharing_memory_is_refused():
     update([expected[0:4], expected[4:8]], grads)
     aotkit.aot_function(update, compilers.nop)([apart[0:4], apart[4:8]], grads)
     assert torch.equal(apart, expected)
+    with pytest.raises(UnsupportedError, match="share memory"):  # symbolic sizes: found too
+        aotkit.aot_function(update, compilers.nop, dynamic=True)([w, w], grads)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_foreach_write_to_interleaved_columns_of_one_tensor_matches_eager(dynamic):
+    """The exact overlap check ran on fake tensors: a data-dependent error (static sizes) or a
+    raw TypeError (symbolic ones) for columns that share no element."""
+    def step(x, y):
+        torch._foreach_add_([x[:, 0], x[:, 1]], [y, y])
+        return x.sum()
+
+    x, y = torch.randn(6, 2), torch.randn(6)
+    expected = x.clone()
+    step(expected, y)
+    aotkit.aot_function(step, compilers.nop, dynamic=dynamic)(x, y)
+    assert torch.equal(x, expected)
 
 
 def test_a_long_list_in_an_argument_object_gets_its_appended_tracing_tensors_taken_off():

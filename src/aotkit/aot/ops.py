@@ -17,9 +17,9 @@ from torch._prims_common import (
     is_non_overlapping_and_dense_or_false,
     suggest_memory_format,
 )
-from torch.fx.experimental.symbolic_shapes import guard_or_true
+from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from aotkit import compat
 from aotkit.aot.frames import current_user_line
@@ -111,22 +111,43 @@ def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 # implementations call) updates its list's tensors one after another in eager, so a tensor
 # listed twice (a tied weight) or overlapping views get every update. Functionalized, each
 # result is computed from the old values and the last write wins: one update, silently
-# (PyTorch's AOT autograd too). The trace refuses such a call.
+# (PyTorch's AOT autograd too). The trace refuses such a call. The exact check (interleaved
+# views share no element) computes on real index tensors; with symbolic sizes only one view
+# listed twice is told, without adding a guard.
 def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | None:
-    """Two positions in ``written`` whose tensors share an element, if any."""
-    by_storage: dict[Any, list[tuple[Any, Any, int]]] = {}
+    """Two positions in ``written`` whose tensors share an element, if any. With symbolic sizes
+    only one view listed twice is found (compared without adding guards)."""
+    by_storage: dict[Any, list[int]] = {}
     for k, t in enumerate(written):
-        if t.numel() != 0:
-            by_storage.setdefault(compat.StorageWeakRef(t.untyped_storage()), []).append(
-                (*_bytes_spanned(t), k))
+        by_storage.setdefault(compat.StorageWeakRef(t.untyped_storage()), []).append(k)
     for members in by_storage.values():
-        members.sort(key=lambda m: m[:2])
-        for i, (_, end, k) in enumerate(members):
-            for start, _, j in members[i + 1:]:
-                if start >= end:
-                    break
-                if may_overlap(written[k], written[j]):
-                    return min(k, j), max(k, j)
+        if len(members) < 2:
+            continue
+        geometries = {k: _geometry(written[k]) for k in members}
+        if all(type(v) is int for g in geometries.values() for v in (*g[0], *g[1], g[2])):
+            with _disable_current_modes():  # the exact check computes on real index tensors
+                pair = _overlapping_pair([written[k] for k in members])
+            if pair is not None:
+                return members[pair[0]], members[pair[1]]
+            continue
+        for i, k in enumerate(members):
+            for j in members[i + 1:]:
+                if all(known_equal(a, b) for a, b in zip(
+                        geometries[k][:2], geometries[j][:2], strict=True)) and \
+                        statically_known_true(geometries[k][2] == geometries[j][2]):
+                    return k, j
+    return None
+
+
+def _overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """Positions of two of ``tensors`` (one storage, concrete sizes) sharing an element."""
+    spans = sorted((*_bytes_spanned(t), k) for k, t in enumerate(tensors) if t.numel() != 0)
+    for i, (_, end, k) in enumerate(spans):
+        for start, _, j in spans[i + 1:]:
+            if start >= end:
+                break
+            if may_overlap(tensors[k], tensors[j]):
+                return min(k, j), max(k, j)
     return None
 
 
@@ -223,8 +244,6 @@ def _wider_scalar(x: Any, dtype: torch.dtype) -> bool:
 
 def check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device: str) -> None:
     """See Note [Dtypes of out= arguments]."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     def meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return torch.zeros((1,) * x.dim(), dtype=x.dtype, device=device)
