@@ -557,6 +557,81 @@ def test_checkpoints_early_stop_repeats_only_the_writes_before_the_last_save(via
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
 
 
+class _DetachedStatistic(nn.Module):
+    """The last save is on a branch kept nowhere (pow saves y, the result is detached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("norm", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.steps += 1
+        self.norm.copy_(y.pow(2).mean().detach())
+        return y
+
+
+class _SavedInABuffer(nn.Module):
+    """The last save is in a buffer's own history (mul saves y), not the output's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("last", torch.zeros(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        self.steps += 1
+        self.last.copy_(y * y)
+        return y
+
+
+class _Observe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, steps):
+        y = x * 2
+        steps.add_(1)  # in its forward: before its save, which comes after it returns
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+class _CustomLastSaver(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Observe.apply(x.sin(), self.steps)
+
+
+@pytest.mark.parametrize("model", [_DetachedStatistic, _SavedInABuffer, _CustomLastSaver])
+@pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
+def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, model):
+    """Note [Checkpoint's early stop]: saves on a detached branch, in a buffer's history or in
+    a custom Function (under Dynamo, whose autograd_function_apply keeps them in a closure) were
+    missed, so writes before them were taken as after eager's stop and made once."""
+    torch.manual_seed(0)
+    base, x = model(), rand(8, 4, grad=True)
+    models = {}
+    for name in ("eager", via):
+        torch._dynamo.reset()
+        module = models[name] = copy.deepcopy(base)
+        run = module if name == "eager" else (
+            aotkit.aot_module(module, compilers.nop) if via == "aot_module"
+            else torch.compile(module, backend="aotkit"))
+        checkpoint(run, x, use_reentrant=False).sum().backward()
+    assert models["eager"].steps.item() == 2
+    for (key, got), want in zip(models[via].state_dict().items(),
+                                models["eager"].state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
+
+
 def test_checkpoints_early_stop_inside_an_input_write_is_refused():
     """A buffer written before and after the last save: eager's stop leaves it half written, a
     value the graph does not have. Without the early stop it matches eager."""

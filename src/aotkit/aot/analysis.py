@@ -19,7 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
-from aotkit.aot.early_stop import NO_EARLY_STOP, EarlyStop, WriteOrder, early_stop
+from aotkit.aot.early_stop import NO_EARLY_STOP, EarlyStop, SaveWatch, WriteOrder, early_stop
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import requested_size
 from aotkit.aot.simplify import known_equal
@@ -235,8 +235,9 @@ def analyze(
         # Held, not just compared: a grad_fn object stays the same only while referenced.
         grad_fns = [f.grad_fn if isinstance(f, torch.Tensor) else None for f in f_args]
         versions = versions_of(f_args)
+        watch = SaveWatch(write_order) if write_order is not None else contextlib.nullcontext()
         with _RefuseStorageChanges(args, f_args), RefuseUntraceable(args, f_args), \
-                fx_tracing():  # as the traced pass will be
+                fx_tracing(), watch:  # as the traced pass will be
             f_outs, out_spec = flat_fn(*f_args)
         inputs = [_input_info(i, a, f, g) for i, (a, f, g)
                   in enumerate(zip(args, f_args, grad_fns, strict=True))]

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from aotkit.aot.untraceable import nodes_below
 from aotkit.compat import StorageWeakRef
@@ -24,20 +26,24 @@ from aotkit.compat import StorageWeakRef
 # step counter, an EMA buffer updated after the last op that saves).
 #
 # The metadata pass records, for every op, the autograd node last created (sequence numbers
-# rise with each node) and the storages the op writes; the last node of the function's autograd
-# graph that saves a tensor places eager's stop. A write before that node's op or in it (the
-# results are saved after the kernel ran) is repeated at the stop: the forward keeps the
-# values of the inputs it writes, and the early stop applies those. An input written both
-# before and after the stop would need a value the graph never has: the stop is refused then,
-# naming the fix. Saves outside the outputs' history (an unused intermediate) are not seen.
+# rise with each node) and the storages the op writes, and, for every torch call, whether the
+# nodes its outputs carry save a tensor (a branch kept nowhere, ``buf.copy_(y.pow(2).mean()
+# .detach())``, saved in eager all the same); the last saving node places eager's stop. A write
+# before that node's op or in it (the results are saved after the kernel ran) is repeated at
+# the stop: the forward keeps the values of the inputs it writes, and the early stop applies
+# those. A custom Function saves when its forward has returned, so every write inside its
+# forward (made with grad mode off) comes before. An input written both before and after the
+# stop would need a value the graph never has: the stop is refused then, naming the fix.
 
 
 @dataclass
 class WriteOrder:
-    """Filled while the metadata pass runs (by aotkit.aot.trace's dispatch guard): per write,
-    the autograd node last created and whether the writing op created it."""
+    """Filled while the metadata pass runs: per write (by aotkit.aot.trace's dispatch guard),
+    the autograd node last created, whether the writing op created it and whether grad mode
+    was on; and the last node seen saving a tensor (by :class:`SaveWatch`)."""
 
-    writes: list[tuple[int, bool, StorageWeakRef]] = field(default_factory=list)
+    writes: list[tuple[int, bool, bool, StorageWeakRef]] = field(default_factory=list)
+    last_save: int = -1
     _last: int = -1
 
     def note(self, written: Iterable[torch.Tensor]) -> None:
@@ -45,7 +51,31 @@ class WriteOrder:
         last = torch._C._autograd._get_sequence_nr() - 1
         created = last > self._last
         self._last = last
-        self.writes += [(last, created, StorageWeakRef(t.untyped_storage())) for t in written]
+        grad = torch.is_grad_enabled()
+        self.writes += [(last, created, grad, StorageWeakRef(t.untyped_storage()))
+                        for t in written]
+
+    def saw(self, node: Any) -> None:
+        seq = node._sequence_nr()
+        if seq > self.last_save and _saves(node):
+            self.last_save = seq
+
+
+class SaveWatch(TorchFunctionMode):
+    """Shows :class:`WriteOrder` the nodes every torch call's outputs carry."""
+
+    def __init__(self, order: WriteOrder) -> None:
+        super().__init__()
+        self.order = order
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if torch.compiler.is_dynamo_compiling():  # eager torch.cond's branches: Dynamo's trace
+            return out
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                self.order.saw(t.grad_fn)
+        return out
 
 
 @dataclass(frozen=True)
@@ -67,14 +97,18 @@ def early_stop(order: WriteOrder | None, f_args: Sequence[Any], f_outs: Sequence
     if order is None or not order.writes:
         return NO_EARLY_STOP
     stop = {id(g): j for j, g in enumerate(before) if g is not None}
-    last = max((node._sequence_nr() for t in f_outs if isinstance(t, torch.Tensor)
-                for node in nodes_below(t.grad_fn, stop) if _saves(node)), default=None)
+    saving = [node for t in [*f_outs, *f_args] if isinstance(t, torch.Tensor)
+              for node in nodes_below(t.grad_fn, stop) if _saves(node)]
+    last_node = max(saving, key=lambda n: n._sequence_nr(), default=None)
+    last = max(order.last_save, last_node._sequence_nr() if last_node is not None else -1)
+    custom = last_node is not None and last_node._sequence_nr() == last and isinstance(
+        last_node, torch.autograd.function.BackwardCFunction)
     storages = {StorageWeakRef(f.untyped_storage()): i for i, f in enumerate(f_args)
                 if isinstance(f, torch.Tensor)}
     sides: dict[int, set[bool]] = {}
-    for seq, created, storage in order.writes:
+    for seq, created, grad, storage in order.writes:
         if (i := storages.get(storage)) is not None:
-            repeated = last is not None and (seq < last or (seq == last and created))
+            repeated = seq < last or (seq == last and (created or (custom and not grad)))
             sides.setdefault(i, set()).add(repeated)
     return EarlyStop(frozenset(i for i, s in sides.items() if s == {True}),
                      frozenset(i for i, s in sides.items() if len(s) == 2))
@@ -86,7 +120,9 @@ _SAVED_NAMES: dict[type, list[str]] = {}
 def _saves(node: Any) -> bool:
     """Whether an autograd node saved a tensor (packed it: what checkpoint counts)."""
     if isinstance(node, torch.autograd.function.BackwardCFunction):
-        return bool(node._raw_saved_tensors)
+        # Dynamo's autograd_function_apply keeps a custom Function's saves in a closure.
+        return bool(node._raw_saved_tensors) or getattr(
+            node._forward_cls, "__module__", None) == "torch._functorch.autograd_function"
     names = _SAVED_NAMES.get(type(node))
     if names is None:
         names = _SAVED_NAMES[type(node)] = [n for n in dir(node) if n.startswith("_saved_")]
