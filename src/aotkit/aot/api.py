@@ -30,7 +30,7 @@ from aotkit.aot.arguments import (
     refuse_torch_function_overrides,
 )
 from aotkit.aot.bases import OverlapLayout
-from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
@@ -43,11 +43,13 @@ from aotkit.aot.signature import (
     describe_change,
     differences,
     leaf_names,
+    recompile_fix,
     signature,
 )
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
 from aotkit.aot.state import StateWatch
 from aotkit.aot.subclass import Boundary, is_subclass
+from aotkit.aot.tangents import tangent_format
 from aotkit.aot.trace import (
     COMPILE_LOCK,
     Fallback,
@@ -57,7 +59,6 @@ from aotkit.aot.trace import (
     metadata_write_order,
     refuse_kept_outputs,
     require_graph_backward,
-    tangent_format,
     trace_inference,
     trace_joint,
     trace_with_fallback,
@@ -271,9 +272,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                     mode: FakeTensorMode, from_dynamo: bool) -> CompiledGraphs:
     counters.bump("aot", "traces")
     forward_autocast = autocast_state()
-    training = torch.is_grad_enabled() and any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in args
-    )
+    training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                               for a in args)
     primals = [_as_leaf(a) for a in args]
     grad_inside = False  # Note [Grad mode turned on inside]
     backward_error = None  # Note [Saved tensors the forward changes]
@@ -302,17 +302,15 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
                                  keep_outputs=meta.num_fw_outputs if training else None)
     if not training:
         return _compile_inference(_insert_runtime_asserts(simplify(gm), mode, name, from_dynamo),
-                              meta, options, name, len(args), absolute_offsets,
-                              _returning_views(options.inference_compiler or options.fw_compiler,
-                                               meta, args, name))
+                                  meta, options, name, args, absolute_offsets)
     fw_gm, bw_gm = _partition(options.partition_fn, simplify(gm), args, meta.num_fw_outputs, name)
     fw_code = fw_gm.code  # before its runtime checks, which name fresh symbols in each trace
     _insert_runtime_asserts(fw_gm, mode, name, from_dynamo)
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graphs(name, joint=gm, forward=fw_gm, backward=bw_gm)
     _mark_static_inputs(fw_gm, options.num_params_buffers)
-    compiler = _returning_views(options.fw_compiler, meta, args, name)
-    fw = compile_boxed(compiler, fw_gm, _graph_inputs(fw_gm), "forward")
+    fw = compile_boxed(compiler_for_views(options.fw_compiler, meta, args, name), fw_gm,
+                       _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
 
     def backward_under(autocast: AutocastState) -> fx.GraphModule:
@@ -511,37 +509,19 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
         )
 
 
-def _returning_views(compiler: Compiler, meta: AotMeta, args: Sequence[Any],
-                     name: str) -> Compiler:
-    """Note [Views of inputs with gaps]: a compiler whose outputs are never the views the
-    function made (Inductor: ``returns_views = False``) cannot give such a view; the graph runs
-    as traced instead (a "fallback" decision), before any call wrote the input."""
-    from aotkit.compilers.basic import nop  # the compilers import aotkit.aot
-
-    if getattr(compiler, "returns_views", True):
-        return compiler
-    gappy = [out.base for out in meta.outputs if out.replay_only]
-    if not gappy:
-        return compiler
-    counters.record("fallback", name, (
-        f"returns a view of input {gappy[0]} (strides {tuple(args[gappy[0]].stride())}, with "
-        "gaps), which it writes in place, and the compiler returns no views: the graph runs as "
-        "traced (aotkit.compilers.nop)"), logger=log)
-    return nop
-
-
 def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
-                       num_inputs: int, absolute_offsets: bool,
-                       compiler: Compiler) -> CompiledGraphs:
+                       args: Sequence[Any], absolute_offsets: bool) -> CompiledGraphs:
     _log_graphs(name, inference=gm)
     _mark_static_inputs(gm, options.num_params_buffers)
+    compiler = compiler_for_views(options.inference_compiler or options.fw_compiler, meta, args,
+                                  name)
     fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
     counters.bump("aot", "inference_compiles")
     returned = meta.mutated_inputs
     if options.keep_inference_input_mutations:
         returned = [i for i in returned if not meta.inputs[i].copied_in_graph]
     return CompiledGraphs(name=name, meta=meta, fw=fw, returned_mutations=returned,
-                          num_inputs=num_inputs, absolute_offsets=absolute_offsets)
+                          num_inputs=len(args), absolute_offsets=absolute_offsets)
 
 
 def _mark_static_inputs(gm: fx.GraphModule, num_params_buffers: int) -> None:
@@ -821,33 +801,8 @@ class AotFunction:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries} input signature(s), "
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
-                f"would compile another ({why}).\nFix: {_recompile_fix(why, self.options.dynamic)}")
+                f"would compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic)}")
         counters.record("recompile", self.name, why, logger=log)
-
-
-def _recompile_fix(why: str, dynamic: bool) -> str:
-    if why.startswith("aotkit.config."):
-        return ("keep aotkit.config fixed while the function runs (each value of an option "
-                "compiles anew: compile one function per value instead), or raise the limit with "
-                "aotkit.config.patch(recompile_limit=...).")
-    return (f"{_varying_shapes_fix(dynamic)}; pass Python numbers that change from call to call "
-            "as tensors (torch.tensor(n)), since other arguments are constants of the graph (the "
-            "attributes of an object argument too: pass only what the function reads, not an "
-            "object holding a step counter), or, for numbers used as sizes (x[:n]), use "
-            "torch.compile(fn, backend='aotkit', dynamic=True), which keeps them symbolic; keep "
-            "dtypes/devices/requires_grad stable; or raise the limit with "
-            "aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the reasons.")
-
-
-def _varying_shapes_fix(dynamic: bool) -> str:
-    if not dynamic:
-        return "pass dynamic=True if shapes vary"
-    return ("sizes still recompiling under dynamic=True were made constants while tracing (a "
-            "size turned into a Python number: int(), float() or math.* of x.shape, a size "
-            "compared with a number, an RNN's loop over time; the recompile reason names the "
-            "line where the trace can tell): compute such numbers with torch ops on tensors, or "
-            "use torch.compile(fn, backend='aotkit', dynamic=True), which traces Python "
-            "arithmetic on sizes symbolically")
 
 
 def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedError:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
+from aotkit import counters
 from aotkit.compat import hide_from_dynamo
 from aotkit.errors import AotkitError, ArgumentError, CompilerError
+
+if TYPE_CHECKING:
+    from aotkit.aot.analysis import AotMeta
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
 
@@ -237,3 +242,22 @@ def _refuse_outputs(outs: Any, expected: int, name: str, what: str) -> None:
         f"{what} graph has {expected} output(s).\nFix: return a list or tuple with one value "
         "per output of the graph, in order, as gm.forward does (make_boxed_func(gm.forward))."
     )
+
+
+def compiler_for_views(compiler: Compiler, meta: AotMeta, args: Sequence[Any],
+                       name: str) -> Compiler:
+    """Note [Views of inputs with gaps]: a compiler whose outputs are never the views the
+    function made (Inductor: ``returns_views = False``) cannot give such a view; the graph runs
+    as traced instead (a "fallback" decision), before any call wrote the input."""
+    from aotkit.compilers.basic import nop  # the compilers import aotkit.aot
+
+    if getattr(compiler, "returns_views", True):
+        return compiler
+    gappy = [out.base for out in meta.outputs if out.replay_only]
+    if not gappy:
+        return compiler
+    counters.record("fallback", name, (
+        f"returns a view of input {gappy[0]} (strides {tuple(args[gappy[0]].stride())}, with "
+        "gaps), which it writes in place, and the compiler returns no views: the graph runs as "
+        "traced (aotkit.compilers.nop)"), logger=logging.getLogger("aotkit.aot"))
+    return nop

@@ -686,3 +686,29 @@ def _user_location(sloc: Any) -> str | None:
 
 
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def recompile_fix(why: str, dynamic: bool) -> str:
+    """The fix a RecompileLimitError names for a recompile of reason ``why``."""
+    if why.startswith("aotkit.config."):
+        return ("keep aotkit.config fixed while the function runs (each value of an option "
+                "compiles anew: compile one function per value instead), or raise the limit with "
+                "aotkit.config.patch(recompile_limit=...).")
+    return (f"{varying_shapes_fix(dynamic)}; pass Python numbers that change from call to call "
+            "as tensors (torch.tensor(n)), since other arguments are constants of the graph (the "
+            "attributes of an object argument too: pass only what the function reads, not an "
+            "object holding a step counter), or, for numbers used as sizes (x[:n]), use "
+            "torch.compile(fn, backend='aotkit', dynamic=True), which keeps them symbolic; keep "
+            "dtypes/devices/requires_grad stable; or raise the limit with "
+            "aotkit.config.patch(recompile_limit=...). See aotkit.explain() for the reasons.")
+
+
+def varying_shapes_fix(dynamic: bool) -> str:
+    if not dynamic:
+        return "pass dynamic=True if shapes vary"
+    return ("sizes still recompiling under dynamic=True were made constants while tracing (a "
+            "size turned into a Python number: int(), float() or math.* of x.shape, a size "
+            "compared with a number, an RNN's loop over time; the recompile reason names the "
+            "line where the trace can tell): compute such numbers with torch ops on tensors, or "
+            "use torch.compile(fn, backend='aotkit', dynamic=True), which traces Python "
+            "arithmetic on sizes symbolically")

@@ -22,7 +22,6 @@ import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
-from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
@@ -53,7 +52,13 @@ from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
+from aotkit.aot.tangents import tangent_like
 from aotkit.aot.trace_errors import first_line, op_failed, traced_error
+from aotkit.aot.untraceable import (
+    no_autograd_kernel,
+    note_no_autograd_kernel,
+    reaches_autograd_fallback,
+)
 from aotkit.compat import (
     FakeTensor,
     FakeTensorDeviceMismatchError,
@@ -413,7 +418,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 "around the call instead, or use torch.compile(fn, backend='aotkit').")
         self._check_writes(func, args, kwargs)
         if func.namespace not in ("aten", "prims", "prim"):  # PyTorch's own: never without
-            self._note_no_autograd_kernel(func, args, kwargs)
+            note_no_autograd_kernel(func, args, kwargs, self.what, self.without_autograd_kernel)
         self._check_generators(func, args, kwargs)
         self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
@@ -429,19 +434,6 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if func is torch.ops.aten.unfold.default:
                 note_unfold(args, self.unfold_lengths)
         return out
-
-    def _note_no_autograd_kernel(self, func: torch._ops.OpOverload, args: Any,
-                                 kwargs: Any) -> None:
-        """Note [Ops without an autograd kernel]: such an op given a tensor requiring grad is
-        named by a refusal; one writing to such a tensor in place is refused here (autograd's
-        fallback leaves no node for it)."""
-        if not torch.is_grad_enabled() or torch._C._dispatch_has_kernel_for_dispatch_key(
-                func.name(), "Autograd"):
-            return
-        if any(t.requires_grad for t in _tensors((args, kwargs))):
-            self.without_autograd_kernel.add(func.name())
-            if any(t.requires_grad for t in written_by(func, args, kwargs)):
-                raise _no_autograd_kernel(self.what, [func.name()], "writes in place to a tensor")
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
         bases = [b for b in map(self._outside, _tensors((args, kwargs))) if b is not None]
@@ -689,7 +681,7 @@ def trace_joint(
 
     ``fw_out_fakes`` (from :func:`aotkit.aot.analysis.analyze`) give the tangents their shapes.
     """
-    tangents = [_tangent_like(o) for o in fw_out_fakes]
+    tangents = [tangent_like(o) for o in fw_out_fakes]
     differentiable = meta.fw_output_differentiable()
     tangents = [t for t, d in zip(tangents, differentiable, strict=True) if d]
 
@@ -966,7 +958,11 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
     if wrt and outs:
         # The engine would run CUDA nodes on its device thread, beside CPU nodes on this one:
         # two threads in one fake mode trip over its in-kernel flag. Trace on this thread.
-        _refuse_ops_without_autograd_kernel(outs)
+        if reaches_autograd_fallback(outs):  # Note [Ops without an autograd kernel]
+            guard = _GUARD.get()
+            raise no_autograd_kernel(guard.what if guard else "the function",
+                                     sorted(guard.without_autograd_kernel) if guard else [],
+                                     "gives it a tensor")
         with torch.autograd.set_multithreading_enabled(False):
             found = torch.autograd.grad(
                 outs, [f_primals[i] for i in wrt], f_tangents, allow_unused=True
@@ -976,57 +972,6 @@ def _grads(fw_outs: list[Any], differentiable: list[bool], f_primals: list[Any],
                 raise _subclass_gradient(g)
             grads[i] = g
     return grads
-
-
-# Note [Ops without an autograd kernel]
-# An op registered without an autograd kernel (torch.library.Library's lib.impl for CPU or
-# CompositeExplicitAutograd only) goes through autograd's fallback, which in eager runs the
-# kernel and lets autograd record whatever that kernel does (a Python kernel's x * x is
-# differentiated), and when nothing was recorded only warns ("an autograd kernel was not
-# registered ... This may lead to silently incorrect behavior") and gives no gradient. Traced,
-# the op runs its fake kernel, which records nothing: the backward always dropped its gradient,
-# with that warning only. Such an op's output has the fallback's node as its grad_fn: the joint
-# trace refuses the function when its outputs' autograd graph reaches one, naming the ops
-# without an autograd kernel that the dispatch guard saw given a tensor requiring grad.
-# (Catching the warning instead needed warnings.catch_warnings, which resets Python's
-# once-per-location record of every other warning.) An op writing in place to a tensor
-# requiring grad leaves no fallback node (eager records what its kernel's in-place ops do):
-# the guard refuses it when it is called.
-_FALLBACK_NODE = "torch::autograd::WarnNotImplemented"
-
-
-def _refuse_ops_without_autograd_kernel(outs: Sequence[torch.Tensor]) -> None:
-    """See Note [Ops without an autograd kernel]."""
-    seen: set[Any] = set()
-    stack = [o.grad_fn for o in outs]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node.name() == _FALLBACK_NODE:
-            break
-        stack.extend(n for n, _ in node.next_functions)
-    else:
-        return
-    guard = _GUARD.get()
-    raise _no_autograd_kernel(guard.what if guard else "the function",
-                              sorted(guard.without_autograd_kernel) if guard else [],
-                              "gives it a tensor")
-
-
-def _no_autograd_kernel(what: str, ops: Sequence[str], how: str) -> UnsupportedError:
-    """The refusal of Note [Ops without an autograd kernel]."""
-    calls = (f"{', '.join(ops)}, which {'has' if len(ops) == 1 else 'have'}" if ops
-             else "an op that has")
-    return UnsupportedError(
-        f"{what} calls {calls} no autograd kernel, and {how} requiring grad: its fake kernel, "
-        "which aotkit traces, records no gradient, so the backward would drop it (eager "
-        "differentiates what a Python kernel computes, and warns \"may lead to silently "
-        "incorrect behavior\" otherwise).\nFix: register the op's backward "
-        "(torch.library.register_autograd), register its kernel as CompositeImplicitAutograd "
-        "so that it traces through, or pass that input detached (x.detach()) where its "
-        "gradient is not needed.")
 
 
 def _subclass_gradient(grad: torch.Tensor) -> UnsupportedError:
@@ -1069,39 +1014,6 @@ def _view_of_copied_input(primal: torch.Tensor, new: torch.Tensor, out: torch.Te
         return out
     offset = out.storage_offset() - new.storage_offset() + primal.storage_offset()
     return primal.as_strided(out.size(), out.stride(), offset)
-
-
-def _tangent_like(out: Any) -> Any:
-    if not isinstance(out, torch.Tensor):
-        return None
-    return torch.empty(out.shape, dtype=out.dtype, device=out.device,
-                       memory_format=tangent_format(out))
-
-
-# Note [Tangents in the outputs' memory format]
-# A gradient usually arrives laid out like the output it belongs to (a channels_last
-# activation's grad is channels_last). Traced and passed contiguous, every such grad was copied
-# before the backward ran, and channels_last kernels (BatchNorm's backward) then ran in another
-# layout than eager's, rounding differently. So a tangent is traced in its output's memory
-# format, channels_last (3d) or contiguous, and the runtime lays each grad out so (a no-op when
-# it already is). With symbolic sizes the strides are compared without adding guards (asking a
-# symbolic tensor for its format would add them); a layout they cannot tell is contiguous.
-def tangent_format(out: torch.Tensor) -> torch.memory_format:
-    """The memory format of ``out``'s tangent. See Note [Tangents in the outputs' memory format]."""
-    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
-    if out.layout is not torch.strided or channels_last is None:
-        return torch.contiguous_format
-    if all(isinstance(n, int) for n in (*out.shape, *out.stride())):
-        if not out.is_contiguous() and out.is_contiguous(memory_format=channels_last):
-            return channels_last
-        return torch.contiguous_format
-    # Symbolic: strides known to be channels_last's and not known to be contiguous ones,
-    # compared without adding a guard.
-    strides = out.stride()
-    if known_equal(strides, make_channels_last_strides_for(out.shape)) and not known_equal(
-            strides, make_contiguous_strides_for(out.shape)):
-        return channels_last
-    return torch.contiguous_format
 
 
 def _refuse_traced_constants(gm: fx.GraphModule) -> None:

@@ -163,10 +163,22 @@ def _no_derivative(what: str, exc: Exception) -> UnsupportedError:
         "torch.no_grad() where its gradient is not needed.")
 
 
+def _lost_wrapper(what: str, exc: RuntimeError) -> UnsupportedError | None:
+    """A plain subclass made inside (``x.as_subclass(MyTensor)``) outside functionalization."""
+    if "Attempting to use FunctionalTensor on its own" not in str(exc):
+        return None
+    return UnsupportedError(
+        f"{what} computes with a tensor that lost aotkit's tracing wrapper: a plain subclass "
+        "made inside the function (x.as_subclass(MyTensor), torch.Tensor._make_subclass), "
+        f"which functionalization cannot follow.\n  at {user_frame(exc)}\n"
+        "Fix: convert the tensor's class outside the compiled function (pass it in as the "
+        "subclass), or use torch.compile(fn, backend=\"aotkit\").")
+
+
 def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> BaseException:
     """The error a RuntimeError raised while tracing becomes: one that says what to change where
     we know the cause, else ``exc`` itself."""
-    refused = _autograd_refusal(what, exc)
+    refused = _autograd_refusal(what, exc) or _lost_wrapper(what, exc)
     if refused is not None:
         return refused
     if is_nested_compile_refusal(exc):
@@ -209,14 +221,6 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
             "Fix: do the NumPy work outside the compiled function, or compile it with "
             "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
         )
-    if "Attempting to use FunctionalTensor on its own" in str(exc):
-        return UnsupportedError(
-            f"{what} computes with a tensor that lost aotkit's tracing wrapper: a plain "
-            "subclass made inside the function (x.as_subclass(MyTensor), "
-            "torch.Tensor._make_subclass), which functionalization cannot follow.\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: convert the tensor's class outside the compiled function (pass it in as the "
-            "subclass), or use torch.compile(fn, backend=\"aotkit\").")
     if "data is not allocated yet" in str(exc):  # a kernel with no fake implementation read data
         return data_dependent(what, exc)
     if "you can only change requires_grad flags of leaf variables" in str(exc):

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
+from aotkit.aot.ops import written_by
 from aotkit.compat import StorageWeakRef
 from aotkit.errors import UnsupportedError
 
@@ -330,3 +332,65 @@ def _saved_tensors(node: Any) -> Iterator[torch.Tensor]:
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, torch.Tensor):
                 yield v
+
+
+# Note [Ops without an autograd kernel]
+# An op registered without an autograd kernel (torch.library.Library's lib.impl for CPU or
+# CompositeExplicitAutograd only) goes through autograd's fallback, which in eager runs the
+# kernel and lets autograd record whatever that kernel does (a Python kernel's x * x is
+# differentiated), and when nothing was recorded only warns ("an autograd kernel was not
+# registered ... This may lead to silently incorrect behavior") and gives no gradient. Traced,
+# the op runs its fake kernel, which records nothing: the backward always dropped its gradient,
+# with that warning only. Such an op's output has the fallback's node as its grad_fn: the joint
+# trace refuses the function when its outputs' autograd graph reaches one, naming the ops
+# without an autograd kernel that the dispatch guard saw given a tensor requiring grad.
+# (Catching the warning instead needed warnings.catch_warnings, which resets Python's
+# once-per-location record of every other warning.) An op writing in place to a tensor
+# requiring grad leaves no fallback node (eager records what its kernel's in-place ops do):
+# the guard refuses it when it is called.
+_FALLBACK_NODE = "torch::autograd::WarnNotImplemented"
+
+
+def reaches_autograd_fallback(outs: Sequence[torch.Tensor]) -> bool:
+    """Whether the outputs' autograd graph reaches the fallback's node: see Note [Ops without
+    an autograd kernel]."""
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == _FALLBACK_NODE:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def note_no_autograd_kernel(func: torch._ops.OpOverload, args: Any, kwargs: Any, what: str,
+                            seen: set[str]) -> None:
+    """An op without an autograd kernel given a tensor requiring grad goes into ``seen``, for
+    the refusal to name; one writing to such a tensor in place is refused here (autograd's
+    fallback leaves no node for it)."""
+    if not torch.is_grad_enabled() or torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "Autograd"):
+        return
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad for t in tensors):
+        seen.add(func.name())
+        if any(t.requires_grad for t in written_by(func, args, kwargs)):
+            raise no_autograd_kernel(what, [func.name()], "writes in place to a tensor")
+
+
+def no_autograd_kernel(what: str, ops: Sequence[str], how: str) -> UnsupportedError:
+    """The refusal of Note [Ops without an autograd kernel]."""
+    calls = (f"{', '.join(ops)}, which {'has' if len(ops) == 1 else 'have'}" if ops
+             else "an op that has")
+    return UnsupportedError(
+        f"{what} calls {calls} no autograd kernel, and {how} requiring grad: its fake kernel, "
+        "which aotkit traces, records no gradient, so the backward would drop it (eager "
+        "differentiates what a Python kernel computes, and warns \"may lead to silently "
+        "incorrect behavior\" otherwise).\nFix: register the op's backward "
+        "(torch.library.register_autograd), register its kernel as CompositeImplicitAutograd "
+        "so that it traces through, or pass that input detached (x.detach()) where its "
+        "gradient is not needed.")

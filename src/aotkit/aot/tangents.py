@@ -1,0 +1,44 @@
+"""Tangents: what the traced backward's gradient inputs look like."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+
+from aotkit.aot.simplify import known_equal
+
+
+def tangent_like(out: Any) -> Any:
+    """An empty tensor shaped and laid out as ``out``'s tangent; None for a non-tensor."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device,
+                       memory_format=tangent_format(out))
+
+
+# Note [Tangents in the outputs' memory format]
+# A gradient usually arrives laid out like the output it belongs to (a channels_last
+# activation's grad is channels_last). Traced and passed contiguous, every such grad was copied
+# before the backward ran, and channels_last kernels (BatchNorm's backward) then ran in another
+# layout than eager's, rounding differently. So a tangent is traced in its output's memory
+# format, channels_last (3d) or contiguous, and the runtime lays each grad out so (a no-op when
+# it already is). With symbolic sizes the strides are compared without adding guards (asking a
+# symbolic tensor for its format would add them); a layout they cannot tell is contiguous.
+def tangent_format(out: torch.Tensor) -> torch.memory_format:
+    """The memory format of ``out``'s tangent. See Note [Tangents in the outputs' memory format]."""
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
+    if out.layout is not torch.strided or channels_last is None:
+        return torch.contiguous_format
+    if all(isinstance(n, int) for n in (*out.shape, *out.stride())):
+        if not out.is_contiguous() and out.is_contiguous(memory_format=channels_last):
+            return channels_last
+        return torch.contiguous_format
+    # Symbolic: strides known to be channels_last's and not known to be contiguous ones,
+    # compared without adding a guard.
+    strides = out.stride()
+    if known_equal(strides, make_channels_last_strides_for(out.shape)) and not known_equal(
+            strides, make_contiguous_strides_for(out.shape)):
+        return channels_last
+    return torch.contiguous_format
