@@ -347,6 +347,7 @@ def test_a_generator_passed_to_a_sampler_without_generator_support_is_refused(op
     with pytest.raises(UnsupportedError, match=r"torch\.Generator|generator") as info:
         aotkit.aot_function(fn, compilers.nop)(torch.ones(3))
     assert "Fix:" in str(info.value)
+    assert "getattr(torch.empty_like(x), op)" in str(info.value)  # the line
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="FX before 2.13 holds no generator")

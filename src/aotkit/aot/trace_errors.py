@@ -68,9 +68,12 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
     if isinstance(exc, AssertionError):
         if "generator is not supported in refs" not in str(exc):
             return exc
+        failed = getattr(exc, "_aotkit_failed", None)
+        op = f" ({failed[0]})" if failed is not None else ""
         return UnsupportedError(  # exponential_, geometric_, cauchy_, log_normal_
-            f"{what} passes a torch.Generator to a random op whose functional form PyTorch "
-            f"traces through a reference implementation that takes no generator ({exc}).\nFix: "
+            f"{what} passes a torch.Generator to a random op{op} whose functional form PyTorch "
+            f"traces through a reference implementation that takes no generator ({exc}).\n"
+            f"  at {failed[1] if failed is not None else user_frame(exc)}\nFix: "
             "draw from the default generator (seeded with torch.manual_seed), or compile with "
             "torch.compile(fn, backend='aotkit'), which runs the op eagerly.")
     if isinstance(exc, RuntimeError):
