@@ -596,7 +596,20 @@ class _Observe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * 2, None
+        x, = ctx.saved_tensors
+        return grad * 2 + x * 0, None
+
+
+class _Reversal(torch.autograd.Function):
+    """Saves nothing: not a save, though Dynamo turns it into the same higher-order op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
 
 
 class _CustomLastSaver(nn.Module):
@@ -608,6 +621,21 @@ class _CustomLastSaver(nn.Module):
         return _Observe.apply(x.sin(), self.steps)
 
 
+class _CounterAfterLastSave(nn.Module):
+    """Neither y * 2.0 (its 2.0 is a number autograd saves unpacked) nor the reversal saves:
+    eager's stop is relu's save, before the counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).relu()
+        self.steps += 1
+        return _Reversal.apply(y * 2.0)
+
+
 @pytest.mark.parametrize("model", [_DetachedStatistic, _SavedInABuffer, _CustomLastSaver])
 @pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
 def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, model):
@@ -616,6 +644,13 @@ def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, mod
     missed, so writes before them were taken as after eager's stop and made once."""
     torch.manual_seed(0)
     assert _checkpointed_like_eager(model(), rand(8, 4, grad=True), via).steps.item() == 2
+
+
+@pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
+def test_checkpoints_early_stop_counts_only_packed_saves(via):
+    torch.manual_seed(0)
+    eager = _checkpointed_like_eager(_CounterAfterLastSave(), rand(8, 4, grad=True), via)
+    assert eager.steps.item() == 1
 
 
 def test_checkpoints_early_stop_inside_an_input_write_is_refused():

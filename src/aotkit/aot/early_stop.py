@@ -120,9 +120,7 @@ _SAVED_NAMES: dict[type, list[str]] = {}
 def _saves(node: Any) -> bool:
     """Whether an autograd node saved a tensor (packed it: what checkpoint counts)."""
     if isinstance(node, torch.autograd.function.BackwardCFunction):
-        # Dynamo's autograd_function_apply keeps a custom Function's saves in a closure.
-        return bool(node._raw_saved_tensors) or getattr(
-            node._forward_cls, "__module__", None) == "torch._functorch.autograd_function"
+        return bool(node._raw_saved_tensors) or _dynamo_function_saves(node)
     names = _SAVED_NAMES.get(type(node))
     if names is None:
         names = _SAVED_NAMES[type(node)] = [n for n in dir(node) if n.startswith("_saved_")]
@@ -131,7 +129,32 @@ def _saves(node: Any) -> bool:
             value = getattr(node, name)
         except RuntimeError:  # written after it was saved: saved all the same
             return True
-        if any(isinstance(v, torch.Tensor)
+        if any(isinstance(v, torch.Tensor) and not _wrapped_number(v)
                for v in (value if isinstance(value, (tuple, list)) else (value,))):
             return True
     return False
+
+
+def _wrapped_number(t: torch.Tensor) -> bool:
+    """Looks like a Python number an op was given (``y * 2.0``'s other), which autograd saves
+    without packing: 0-dim, on the CPU, in a Python number's dtype."""
+    return t.dim() == 0 and t.device.type == "cpu" and t.dtype in _NUMBER_DTYPES
+
+
+_NUMBER_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
+
+
+def _dynamo_function_saves(node: Any) -> bool:
+    """Dynamo's autograd_function_apply keeps a custom Function's saved values in a closure
+    of its backward: whether it holds a tensor (unreadable: assumed so)."""
+    cls = node._forward_cls
+    if getattr(cls, "__module__", None) != "torch._functorch.autograd_function":
+        return False
+    backward = getattr(cls, "backward", None)
+    cells = dict(zip(getattr(getattr(backward, "__code__", None), "co_freevars", ()),
+                     getattr(backward, "__closure__", None) or (), strict=False))
+    try:
+        saved = cells["saved_values"].cell_contents
+    except (KeyError, ValueError):
+        return True
+    return any(isinstance(v, torch.Tensor) for v in saved or ())

@@ -239,8 +239,14 @@ def get_inputs(input_data_path: str | os.PathLike[str], *, device: str | None = 
                                ".input file of a graph saved by graph_dumper_aot or debug_compile.")
     values_path = path.with_suffix(".tensors")
     stored = read_tensors(values_path, device) if values_path.exists() else {}
-    return [_rebuild(i, spec, stored.get(str(i)), device)
-            for i, spec in enumerate(described["inputs"])]
+    try:
+        return [_rebuild(i, spec, stored.get(str(i)), device)
+                for i, spec in enumerate(described["inputs"])]
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # edited or cut short
+        raise UnsupportedError(
+            f"{path} describes its inputs in a way aotkit cannot read ({type(exc).__name__}: "
+            f"{exc}).\nFix: pass the .input file as graph_dumper_aot or debug_compile wrote it "
+            "(save the graph again if it was edited).") from exc
 
 
 # --- saving and loading graph code --------------------------------------------------------------
