@@ -332,6 +332,8 @@ def test_compiler_factories_called_wrongly_say_how_to_call_them(tmp_path: Path) 
 
     with pytest.raises(aotkit.errors.ArgumentError, match=r"current_name was a GraphModule"):
         aotkit.aot_function(_scaled_sine, graph_dumper_aot)(torch.randn(2))
+    with pytest.raises(aotkit.errors.ArgumentError, match=r"folder_name must be a path"):
+        graph_dumper_aot("model", None)
     with pytest.raises(aotkit.errors.ArgumentError, match=r"cannot draw '\.pdf' files"):
         draw_graph_compile(str(tmp_path / "graph.pdf"))
     assert list(tmp_path.iterdir()) == []

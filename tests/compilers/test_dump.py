@@ -178,6 +178,12 @@ def test_get_inputs_refuses_files_it_did_not_write(tmp_path: Path) -> None:
         get_inputs(pickled)
     with pytest.raises(UnsupportedError, match="input 0 is a Generator"):
         get_inputs(unknown)
+    for name, inputs in (("no_dtype", [{"kind": "tensor", "shape": [2]}]), ("none", None)):
+        edited = tmp_path / f"{name}.input"  # edited by hand: raw KeyErrors came through
+        edited.write_text(json.dumps({"format": "aotkit.inputs/1", "inputs": inputs}
+                                     if inputs is not None else {"format": "aotkit.inputs/1"}))
+        with pytest.raises(UnsupportedError, match="in a way aotkit cannot read"):
+            get_inputs(edited)
 
 
 # --- debug_compile -----------------------------------------------------------------------------

@@ -544,6 +544,10 @@ def graph_dumper_aot(current_name: str, folder_name: str | os.PathLike[str],
             f"was a {given}, not a str (was graph_dumper_aot itself passed as a compiler?).\n"
             "Fix: graph_dumper_aot('model', 'dumps') returns the object to wrap a function "
             "with or to pass as the backend.")
+    if not isinstance(folder_name, (str, os.PathLike)):
+        raise ArgumentError(
+            f"graph_dumper_aot's folder_name must be a path (str or os.PathLike), not "
+            f"{type(folder_name).__name__}.\nFix: graph_dumper_aot('model', 'dumps').")
     return GraphDumper(current_name, folder_name, dump_example_input)
 
 
