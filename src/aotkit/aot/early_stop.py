@@ -72,10 +72,20 @@ class SaveWatch(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if torch.compiler.is_dynamo_compiling():  # eager torch.cond's branches: Dynamo's trace
             return out
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                self.order.saw(t.grad_fn)
+        with torch._C.DisableTorchFunction():  # reading grad_fn is a torch function too
+            for t in pytree.tree_leaves(out):
+                if (node := _grad_fn(t)) is not None:
+                    self.order.saw(node)
         return out
+
+
+def _grad_fn(t: Any) -> Any:
+    if not (isinstance(t, torch.Tensor) and t.requires_grad):
+        return None
+    try:
+        return t.grad_fn
+    except RuntimeError:  # a view made under no_grad whose base was written since
+        return None
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,8 @@ def early_stop(order: WriteOrder | None, f_args: Sequence[Any], f_outs: Sequence
     if order is None or not order.writes:
         return NO_EARLY_STOP
     stop = {id(g): j for j, g in enumerate(before) if g is not None}
-    saving = [node for t in [*f_outs, *f_args] if isinstance(t, torch.Tensor)
-              for node in nodes_below(t.grad_fn, stop) if _saves(node)]
+    saving = [node for t in [*f_outs, *f_args] for node in nodes_below(_grad_fn(t), stop)
+              if _saves(node)]
     last_node = max(saving, key=lambda n: n._sequence_nr(), default=None)
     last = max(order.last_save, last_node._sequence_nr() if last_node is not None else -1)
     custom = last_node is not None and last_node._sequence_nr() == last and isinstance(
