@@ -621,6 +621,46 @@ class _CustomLastSaver(nn.Module):
         return _Observe.apply(x.sin(), self.steps)
 
 
+class _Stash(torch.autograd.Function):
+    """Keeps its input on ctx, which checkpoint does not count (Dynamo's higher-order op holds
+    it with the saved values all the same)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.x = x
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.x.cos()
+
+
+class _StashAfterCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.steps += 1
+        return _Stash.apply(h)
+
+
+class _ZeroDimLastSave(nn.Module):
+    """The last save is a 0-dim bool the function made (packed in eager), not a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.steps += 1
+        return torch.where(h.sum() > 0, h, 0.0)
+
+
 class _CounterAfterLastSave(nn.Module):
     """Neither y * 2.0 (its 2.0 is a number autograd saves unpacked) nor the reversal saves:
     eager's stop is relu's save, before the counter."""
@@ -636,7 +676,8 @@ class _CounterAfterLastSave(nn.Module):
         return _Reversal.apply(y * 2.0)
 
 
-@pytest.mark.parametrize("model", [_DetachedStatistic, _SavedInABuffer, _CustomLastSaver])
+@pytest.mark.parametrize("model", [_DetachedStatistic, _SavedInABuffer, _CustomLastSaver,
+                                   _ZeroDimLastSave])
 @pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
 def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, model):
     """Note [Checkpoint's early stop]: saves on a detached branch, in a buffer's history or in
@@ -646,11 +687,11 @@ def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, mod
     assert _checkpointed_like_eager(model(), rand(8, 4, grad=True), via).steps.item() == 2
 
 
+@pytest.mark.parametrize("model", [_CounterAfterLastSave, _StashAfterCounter])
 @pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
-def test_checkpoints_early_stop_counts_only_packed_saves(via):
+def test_checkpoints_early_stop_counts_only_packed_saves(via, model):
     torch.manual_seed(0)
-    eager = _checkpointed_like_eager(_CounterAfterLastSave(), rand(8, 4, grad=True), via)
-    assert eager.steps.item() == 1
+    assert _checkpointed_like_eager(model(), rand(8, 4, grad=True), via).steps.item() == 1
 
 
 def test_checkpoints_early_stop_inside_an_input_write_is_refused():
@@ -670,10 +711,15 @@ def test_checkpoints_early_stop_inside_an_input_write_is_refused():
             return y
 
     x = rand(3, grad=True)
-    with pytest.raises(UnsupportedError, match="set_checkpoint_early_stop"):
+    with pytest.raises(UnsupportedError, match=r"early_stop=False"):
         checkpoint(aotkit.aot_module(Twice(), compilers.nop), x, use_reentrant=False).sum().backward()
     eager, model = Twice(), Twice()
-    with set_checkpoint_early_stop(False):
-        for run in (eager, aotkit.aot_module(model, compilers.nop)):
-            checkpoint(run, x, use_reentrant=False).sum().backward()
+    for run in (eager, aotkit.aot_module(model, compilers.nop)):  # the fix it names
+        checkpoint(run, x, use_reentrant=False, early_stop=False).sum().backward()
+    torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)
+    eager, model = Twice(), Twice()
+    for run in (eager, aotkit.aot_module(model, compilers.nop)):
+        with set_checkpoint_early_stop(False):  # read when the checkpointed forward runs
+            out = checkpoint(run, x, use_reentrant=False)
+        out.sum().backward()
     torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)

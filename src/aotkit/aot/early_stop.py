@@ -146,25 +146,29 @@ def _saves(node: Any) -> bool:
 
 
 def _wrapped_number(t: torch.Tensor) -> bool:
-    """Looks like a Python number an op was given (``y * 2.0``'s other), which autograd saves
-    without packing: 0-dim, on the CPU, in a Python number's dtype."""
-    return t.dim() == 0 and t.device.type == "cpu" and t.dtype in _NUMBER_DTYPES
+    """A Python number an op was given (``y * 2.0``'s other), which autograd saves without
+    packing: the metadata pass's own values are functional tensors, a number wrapped by the
+    op's argument parser is a plain 0-dim CPU tensor of a Python number's dtype."""
+    return type(t) is torch.Tensor and t.dim() == 0 and t.device.type == "cpu" \
+        and t.dtype in _NUMBER_DTYPES
 
 
 _NUMBER_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
 
 
 def _dynamo_function_saves(node: Any) -> bool:
-    """Dynamo's autograd_function_apply keeps a custom Function's saved values in a closure
-    of its backward: whether it holds a tensor (unreadable: assumed so)."""
+    """Dynamo's autograd_function_apply keeps a custom Function's saved values in a closure of
+    its forward, with the positions of those it saved with ``save_for_backward`` (the others
+    were stashed on ctx, which checkpoint does not count); unreadable: assumed saving."""
     cls = node._forward_cls
     if getattr(cls, "__module__", None) != "torch._functorch.autograd_function":
         return False
-    backward = getattr(cls, "backward", None)
-    cells = dict(zip(getattr(getattr(backward, "__code__", None), "co_freevars", ()),
-                     getattr(backward, "__closure__", None) or (), strict=False))
+    forward = getattr(cls, "forward", None)
+    cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()),
+                     getattr(forward, "__closure__", None) or (), strict=False))
     try:
-        saved = cells["saved_values"].cell_contents
-    except (KeyError, ValueError):
+        saved = cells["saved_values"].cell_contents or ()
+        packed = set(cells["saved_for_backward_idx"].cell_contents)
+    except (KeyError, ValueError, TypeError):
         return True
-    return any(isinstance(v, torch.Tensor) for v in saved or ())
+    return any(isinstance(v, torch.Tensor) for k, v in enumerate(saved) if k in packed)

@@ -500,9 +500,9 @@ def _mutate_at_early_stop(graphs: CompiledGraphs, args: list[Any]) -> None:
             f"{graphs.name}, recomputed by torch.utils.checkpoint, writes input {split[0]} both "
             "before and after the last tensor it saves for backward: eager's recompute stops "
             "at that save, with the input written halfway, a value the compiled graph does not "
-            "have.\nFix: turn the early stop off around the backward "
-            "(torch.utils.checkpoint.set_checkpoint_early_stop(False)), or make the writes "
-            "together in the function.")
+            "have.\nFix: turn the early stop off for that checkpoint (checkpoint(..., "
+            "early_stop=False), or set_checkpoint_early_stop(False) around its forward), or "
+            "make the writes together in the function.")
     for i, new in zip(graphs.returned_mutations, values, strict=True):
         if i in stop.repeated:
             apply_mutation(args[i], new, graphs.meta.inputs[i])
