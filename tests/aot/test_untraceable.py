@@ -635,45 +635,44 @@ class _Stash(torch.autograd.Function):
         return grad * ctx.x.cos()
 
 
-class _StashAfterCounter(nn.Module):
+class _Counted(nn.Module):
+    """A step counter written between a head and a tail, whose saves place eager's stop."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.register_buffer("steps", torch.zeros(()))
 
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
+        h = self.head(x)
         self.steps += 1
+        return self.tail(h)
+
+
+class _StashAfterCounter(_Counted):
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
         return _Stash.apply(h)
 
 
-class _ZeroDimLastSave(nn.Module):
+class _ZeroDimLastSave(_Counted):
     """The last save is a 0-dim bool the function made (packed in eager), not a number."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.register_buffer("steps", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        self.steps += 1
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
         return torch.where(h.sum() > 0, h, 0.0)
 
 
-class _CounterAfterLastSave(nn.Module):
+class _CounterAfterLastSave(_Counted):
     """Neither y * 2.0 (its 2.0 is a number autograd saves unpacked) nor the reversal saves:
     eager's stop is relu's save, before the counter."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.register_buffer("steps", torch.zeros(()))
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x).relu()
-        self.steps += 1
-        return _Reversal.apply(y * 2.0)
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        return _Reversal.apply(h * 2.0)
 
 
 @pytest.mark.parametrize("model", [_DetachedStatistic, _SavedInABuffer, _CustomLastSaver,
@@ -713,13 +712,15 @@ def test_checkpoints_early_stop_inside_an_input_write_is_refused():
     x = rand(3, grad=True)
     with pytest.raises(UnsupportedError, match=r"early_stop=False"):
         checkpoint(aotkit.aot_module(Twice(), compilers.nop), x, use_reentrant=False).sum().backward()
-    eager, model = Twice(), Twice()
-    for run in (eager, aotkit.aot_module(model, compilers.nop)):  # the fix it names
-        checkpoint(run, x, use_reentrant=False, early_stop=False).sum().backward()
-    torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)
-    eager, model = Twice(), Twice()
-    for run in (eager, aotkit.aot_module(model, compilers.nop)):
-        with set_checkpoint_early_stop(False):  # read when the checkpointed forward runs
-            out = checkpoint(run, x, use_reentrant=False)
-        out.sum().backward()
-    torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)
+    def keyword(run):  # the fix it names
+        return checkpoint(run, x, use_reentrant=False, early_stop=False)
+
+    def around_forward(run):  # the flag is read when the checkpointed forward runs
+        with set_checkpoint_early_stop(False):
+            return checkpoint(run, x, use_reentrant=False)
+
+    for early_stop_off in (keyword, around_forward):
+        eager, model = Twice(), Twice()
+        for run in (eager, aotkit.aot_module(model, compilers.nop)):
+            early_stop_off(run).sum().backward()
+        torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)

@@ -68,14 +68,7 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
     if isinstance(exc, AssertionError):
         if "generator is not supported in refs" not in str(exc):
             return exc
-        failed = getattr(exc, "_aotkit_failed", None)
-        op = f" ({failed[0]})" if failed is not None else ""
-        return UnsupportedError(  # exponential_, geometric_, cauchy_, log_normal_
-            f"{what} passes a torch.Generator to a random op{op} whose functional form PyTorch "
-            f"traces through a reference implementation that takes no generator ({exc}).\n"
-            f"  at {failed[1] if failed is not None else user_frame(exc)}\nFix: "
-            "draw from the default generator (seeded with torch.manual_seed), or compile with "
-            "torch.compile(fn, backend='aotkit'), which runs the op eagerly.")
+        return _generator_in_refs(what, exc)
     if isinstance(exc, RuntimeError):
         return _runtime_error(what, exc, symbolic)
     if isinstance(exc, ZeroDivisionError) and _raised_in_torch(exc):  # aot_eager the same
@@ -164,6 +157,18 @@ def _no_derivative(what: str, exc: Exception) -> UnsupportedError:
         "called, so it needs every derivative there; eager raises only if a backward reaches "
         "the op.\nFix: pass that input detached (x.detach()) or compute the op under "
         "torch.no_grad() where its gradient is not needed.")
+
+
+def _generator_in_refs(what: str, exc: AssertionError) -> UnsupportedError:
+    """exponential_, geometric_, cauchy_, log_normal_ given a generator."""
+    failed = getattr(exc, "_aotkit_failed", None)
+    op = f" ({failed[0]})" if failed is not None else ""
+    return UnsupportedError(
+        f"{what} passes a torch.Generator to a random op{op} whose functional form PyTorch "
+        f"traces through a reference implementation that takes no generator ({exc}).\n"
+        f"  at {failed[1] if failed is not None else user_frame(exc)}\nFix: draw from the "
+        "default generator (seeded with torch.manual_seed), or compile with "
+        "torch.compile(fn, backend='aotkit'), which runs the op eagerly.")
 
 
 def _lost_wrapper(what: str, exc: RuntimeError) -> UnsupportedError | None:
