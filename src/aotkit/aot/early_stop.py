@@ -32,8 +32,10 @@ from aotkit.compat import StorageWeakRef
 # before that node's op or in it (the results are saved after the kernel ran) is repeated at
 # the stop: the forward keeps the values of the inputs it writes, and the early stop applies
 # those. A custom Function saves when its forward has returned, so every write inside its
-# forward (made with grad mode off) comes before. An input written both before and after the
-# stop would need a value the graph never has: the stop is refused then, naming the fix.
+# forward (made with grad mode off) comes before; under Dynamo only what its save_for_backward
+# saved counts (not what it stashed on ctx). A Python number an op was given (``y * 2.0``) is
+# saved unpacked and does not count. An input written both before and after the stop would
+# need a value the graph never has: the stop is refused then, naming the fix.
 
 
 @dataclass
