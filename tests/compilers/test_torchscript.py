@@ -220,3 +220,20 @@ def test_ts_compile_keeps_the_device_index() -> None:
     code = ts_compile(gm, [torch.empty(3)]).scripted.code
     assert 'device=torch.device("cuda:1")' in code, code
     assert moved.kwargs["device"] == torch.device("cuda", 1)  # the given graph is left alone
+
+
+@pytest.mark.parametrize("compile_with", ["ts_compile", "simple_ts_compile"])
+def test_a_dtype_view_is_refused_before_anything_runs(compile_with: str) -> None:
+    """TorchScript reads a dtype as an int: x.view(torch.int32) ran as view(x, [3]), a raw
+    error at run time (or a view to the wrong shape)."""
+    compiler = getattr(aotkit.compilers, compile_with)
+
+    def fn(x):
+        x.mul_(2)
+        return x.view(torch.int32)
+
+    x = torch.arange(12.0).view(3, 4)
+    with torch.no_grad(), pytest.raises(aotkit.errors.CompilerError,
+                                        match=r"reinterprets a tensor's dtype(.|\n)*Fix"):
+        aotkit.aot_function(fn, compiler)(x)
+    assert torch.equal(x, torch.arange(12.0).view(3, 4))  # nothing written

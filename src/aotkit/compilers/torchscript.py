@@ -103,8 +103,16 @@ def _log_deprecation_once() -> None:
 
 
 def _strip_overloads(gm: fx.GraphModule) -> None:
-    """``aten.add.Tensor`` -> ``aten.add``: TorchScript resolves overloads itself."""
+    """``aten.add.Tensor`` -> ``aten.add``: TorchScript resolves overloads itself. It knows no
+    ``view(dtype)`` and reads a dtype as an int: ``x.view(torch.int32)`` ran as ``view(x, [3])``
+    (a raw error at run time, or a wrong shape), so such a graph is refused."""
     for node in gm.graph.nodes:
+        if node.target is aten.view.dtype:
+            raise CompilerError(
+                "TorchScript cannot compile a view that reinterprets a tensor's dtype "
+                f"({node.format_node()}: x.view(torch.int32) and the like); it would run it as a "
+                "view to a shape.\nFix: compile this function with aotkit.compilers.nop or "
+                "inductor, or keep the dtype view outside it.")
         if isinstance(node.target, torch._ops.OpOverload):
             node.target = node.target.overloadpacket
 
