@@ -78,14 +78,14 @@ class InputInfo:
 
     # A view of it is returned that is placed through its new value, which the graph returns
     # then, also under keep_inference_input_mutations (_placed_from_new_values).
-    returns_view: bool = False
+    views_need_new_value: bool = False
 
     @property
     def copied_in_graph(self) -> bool:
         """Under keep_inference_input_mutations the graph copies this mutation into the input
         itself; the others are returned and applied after the call."""
         return self.mutates_data and not self.mutates_metadata and not self.swaps_storage \
-            and not self.returns_view
+            and not self.views_need_new_value
 
     @property
     def mutation_is_differentiable(self) -> bool:
@@ -275,7 +275,7 @@ def _placed_from_new_values(inputs: list[InputInfo], outputs: Sequence[OutputInf
     cannot take from the input itself."""
     placed = {o.base for o, f in zip(outputs, f_outs, strict=True) if o.alias is Alias.OF_INPUT
               and (o.replay_only or (o.static_view is None and f.dtype != f_args[o.base].dtype))}
-    return [dataclasses.replace(info, returns_view=True) if i in placed else info
+    return [dataclasses.replace(info, views_need_new_value=True) if i in placed else info
             for i, info in enumerate(inputs)]
 
 

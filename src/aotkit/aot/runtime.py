@@ -87,6 +87,9 @@ class CompiledGraphs:
         self.mutates_inputs = bool(self.meta.mutated_inputs or self.saved.inputs_written)
         self.mutated_in_graph = [i for i in self.meta.mutated_inputs
                                  if i not in self.returned_mutations]
+        # Note [Checkpoint's early stop]: only writes it repeats or refuses need their values.
+        stop = self.meta.early_stop
+        self.keeps_written_values = bool(self.returned_mutations and (stop.repeated or stop.split))
         # The common case: nothing to write back, every output is a fresh graph output.
         self.outputs_are_graph_outputs = not self.returned_mutations and all(
             o.alias is Alias.NONE and not o.fresh_leaf and not o.made_as
@@ -187,7 +190,7 @@ class CompiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
         outs = graphs.run_forward(list(args))
-        if graphs.returned_mutations:  # Note [Checkpoint's early stop]
+        if graphs.keeps_written_values:  # Note [Checkpoint's early stop]
             _forward_values.mutations = outs[: len(graphs.returned_mutations)]
         n = graphs.num_fw_outputs
         saved = outs[n : n + graphs.saved.tensors]
@@ -460,7 +463,7 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
             _mutate_at_early_stop(graphs, args)
             raise
         finally:
-            if graphs.returned_mutations:  # the values it kept: not held past the call
+            if graphs.keeps_written_values:  # the values it kept: not held past the call
                 _forward_values.mutations = None
     else:
         with torch.no_grad():
@@ -492,7 +495,7 @@ _forward_values = threading.local()
 def _mutate_at_early_stop(graphs: CompiledGraphs, args: list[Any]) -> None:
     """Make the writes eager's recompute makes before it stops (Note [Checkpoint's early stop])."""
     values = getattr(_forward_values, "mutations", None)
-    if values is None:
+    if values is None or not graphs.keeps_written_values:
         return
     stop = graphs.meta.early_stop
     if split := [i for i in graphs.returned_mutations if i in stop.split]:
