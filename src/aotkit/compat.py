@@ -281,6 +281,14 @@ def replay_ctx(ctx: Any, saved_tensors: list[torch.Tensor]) -> Any:
     return FakeBackwardCFunction(ctx, saved_tensors)
 
 
+def checkpoint_recomputing() -> bool:
+    """Whether non-reentrant ``torch.utils.checkpoint`` is recomputing a forward now (its
+    recomputation hooks are the innermost saved-tensor hooks). Private to PyTorch."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        "_recomputation_hook.")
+
+
 def source_name(source: Any) -> str:
     """A Dynamo ``Source``'s name, e.g. ``L['arg0'].size()[1]``: a method before torch 2.13."""
     name = source.name

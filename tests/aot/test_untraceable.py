@@ -675,8 +675,68 @@ class _CounterAfterLastSave(_Counted):
         return _Reversal.apply(h * 2.0)
 
 
+class _ConstantLastSave(_Counted):
+    """The last save is a closed-over 0-dim int64 tensor (packed in eager), not a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = torch.tensor(3)  # a plain attribute: a constant of the graph
+
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.n
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _FunctionOnADetachedBranch(_Counted):
+    """The last save is a custom Function's, applied between torch calls on a branch whose
+    next op (mean) saves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.zeros(()))
+
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        self.stat.copy_(_Square.apply(h).mean().detach())
+        return h
+
+
+class _CompositeOnADetachedBranch(_FunctionOnADetachedBranch):
+    """einsum returns a view node; the bmm below it saves."""
+
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        self.stat.copy_(torch.einsum("ij,ij->", h, h).detach())
+        return h
+
+
+class _NoGradCounterAfterFunction(nn.Module):
+    """A counter written under no_grad right after a custom Function saved: after eager's
+    stop, though no node was made between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Square.apply(x)
+        with torch.no_grad():
+            self.steps += 1
+        return y
+
+
 @pytest.mark.parametrize("model", [_DetachedStatistic, _SavedInABuffer, _CustomLastSaver,
-                                   _ZeroDimLastSave])
+                                   _ZeroDimLastSave, _ConstantLastSave,
+                                   _FunctionOnADetachedBranch, _CompositeOnADetachedBranch])
 @pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
 def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, model):
     """Note [Checkpoint's early stop]: saves on a detached branch, in a buffer's history or in
@@ -686,11 +746,60 @@ def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, mod
     assert _checkpointed_like_eager(model(), rand(8, 4, grad=True), via).steps.item() == 2
 
 
-@pytest.mark.parametrize("model", [_CounterAfterLastSave, _StashAfterCounter])
+@pytest.mark.parametrize("model", [_CounterAfterLastSave, _StashAfterCounter,
+                                   _NoGradCounterAfterFunction])
 @pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
 def test_checkpoints_early_stop_counts_only_packed_saves(via, model):
     torch.manual_seed(0)
     assert _checkpointed_like_eager(model(), rand(8, 4, grad=True), via).steps.item() == 1
+
+
+class _WritesAfterSavingItsInputs(nn.Module):
+    """addcmul_ saves its tensor arguments before its kernel writes: eager's stop comes
+    before the write, so it is made once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.ones(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        self.acc.addcmul_(y, y)
+        return self.acc + 0.0
+
+
+@pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
+def test_checkpoints_early_stop_after_an_op_that_saves_only_its_inputs(via):
+    torch.manual_seed(0)
+    _checkpointed_like_eager(_WritesAfterSavingItsInputs(), rand(8, 4, grad=True), via)
+
+
+def test_a_compile_in_checkpoints_recompute_is_refused():
+    """The forward leaves its buffer requiring grad (a mul_ by a value requiring grad), so the
+    recompute called the module with another signature: the graph compiled for it saved three
+    tensors where the forward's saved two, and checkpoint paired them by position (wrong
+    gradients). Reentrant checkpoint, whose forward runs under no_grad, recompiles freely."""
+
+    class JoinsTheGraph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("a", torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.a.mul_(x.sin())
+            return self.a * 1.0
+
+    x = rand(3, grad=True)
+    with pytest.raises(UnsupportedError, match=r"compiled again in torch.utils.checkpoint's "
+                                               r"recompute \(requires_grad of a changed"):
+        run = aotkit.aot_module(JoinsTheGraph(), compilers.nop)
+        checkpoint(run, x, use_reentrant=False).sum().backward()
+    eager, model = JoinsTheGraph(), JoinsTheGraph()
+    x.grad = None
+    checkpoint(eager, x, use_reentrant=True).sum().backward()
+    want, x.grad = x.grad, None
+    checkpoint(aotkit.aot_module(model, compilers.nop), x, use_reentrant=True).sum().backward()
+    torch.testing.assert_close(x.grad, want)
 
 
 def test_checkpoints_early_stop_inside_an_input_write_is_refused():

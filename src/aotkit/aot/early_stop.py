@@ -5,7 +5,8 @@ See Note [Checkpoint's early stop].
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.untraceable import nodes_below
-from aotkit.compat import StorageWeakRef
+from aotkit.compat import StorageWeakRef, checkpoint_recomputing
+from aotkit.errors import UnsupportedError
 
 # Note [Checkpoint's early stop]
 # torch.utils.checkpoint (non-reentrant, early stop on: the default) recomputes a forward in
@@ -27,40 +29,79 @@ from aotkit.compat import StorageWeakRef
 #
 # The metadata pass records, for every op, the autograd node last created (sequence numbers
 # rise with each node) and the storages the op writes, and, for every torch call, whether the
-# nodes its outputs carry save a tensor (a branch kept nowhere, ``buf.copy_(y.pow(2).mean()
-# .detach())``, saved in eager all the same); the last saving node places eager's stop. A write
-# before that node's op or in it (the results are saved after the kernel ran) is repeated at
-# the stop: the forward keeps the values of the inputs it writes, and the early stop applies
-# those. A custom Function saves when its forward has returned, so every write inside its
-# forward (made with grad mode off) comes before; under Dynamo only what its save_for_backward
-# saved counts (not what it stashed on ctx). A Python number an op was given (``y * 2.0``) is
-# saved unpacked and does not count. An input written both before and after the stop would
-# need a value the graph never has: the stop is refused then, naming the fix.
+# nodes its outputs carry, or the nodes below them made since the calls before (a composite's
+# bmm under its view node, a custom Function applied between calls), save a tensor (a branch
+# kept nowhere, ``buf.copy_(y.pow(2).mean().detach())``, saved in eager all the same); the last
+# saving node places eager's stop. A write before that node's op is repeated at the stop, and
+# one by that op when it saves its result (saved after its kernel ran; ``addcmul_`` saves only
+# its inputs, before). A custom Function saves when its forward has returned, so the writes in
+# its forward (told by its apply on the Python stack) come before, and one right after it
+# (``with no_grad(): steps += 1``) after; under Dynamo only what its save_for_backward saved
+# counts (not what it stashed on ctx). A Python number an op was given (``y * 2.0``) is saved
+# unpacked and does not count; a 0-dim tensor a torch call was given (a closed-over
+# ``torch.tensor(3)``) is packed and does. The forward keeps the values of the inputs it writes,
+# and the early stop applies those of the repeated writes. An input written both before and
+# after the stop would need a value the graph never has: the stop is refused then, naming the
+# fix. Saves eager makes outside the compiled function are not seen (README, known gaps).
 
 
 @dataclass
 class WriteOrder:
     """Filled while the metadata pass runs: per write (by aotkit.aot.trace's dispatch guard),
-    the autograd node last created, whether the writing op created it and whether grad mode
-    was on; and the last node seen saving a tensor (by :class:`SaveWatch`)."""
+    the autograd node last created, whether the writing op created it and whether it runs in a
+    custom Function's forward; the last node seen saving a tensor and the 0-dim tensors torch
+    calls were given (by :class:`SaveWatch`)."""
 
     writes: list[tuple[int, bool, bool, StorageWeakRef]] = field(default_factory=list)
-    last_save: int = -1
+    last_save: Any = None  # the saving node with the highest sequence number seen
+    given: dict[int, torch.Tensor] = field(default_factory=dict)  # held: ids stay unique
     _last: int = -1
+    _seen_below: int = 0  # nodes numbered below were seen, or made before the pass
+    _applies: int = 0  # custom Functions' applies on the stack when the pass began
 
     def note(self, written: Iterable[torch.Tensor]) -> None:
         """An op is about to run, writing ``written``; autograd made its node already."""
         last = torch._C._autograd._get_sequence_nr() - 1
         created = last > self._last
         self._last = last
-        grad = torch.is_grad_enabled()
-        self.writes += [(last, created, grad, StorageWeakRef(t.untyped_storage()))
-                        for t in written]
+        if written:
+            inside = _function_applies() > self._applies
+            self.writes += [(last, created, inside, StorageWeakRef(t.untyped_storage()))
+                            for t in written]
 
-    def saw(self, node: Any) -> None:
-        seq = node._sequence_nr()
-        if seq > self.last_save and _saves(node):
-            self.last_save = seq
+    def saw(self, nodes: Iterable[Any]) -> None:
+        """``nodes`` came out of a torch call: they and the nodes below made since those seen
+        before (a composite's saving ops below its view, a custom Function applied between
+        calls; not the nodes ops inside a custom Function's forward were made below)."""
+        newest, made = self._seen_below, torch._C._autograd._get_sequence_nr()
+        for node in nodes:
+            for below in nodes_below(node, {}, numbered_from=self._seen_below):
+                if _later(below, self.last_save) and _saves(below, self.given):
+                    self.last_save = below
+                if below._sequence_nr() < made:  # not an AccumulateGrad (numbered last)
+                    newest = max(newest, below._sequence_nr() + 1)
+        self._seen_below = newest
+
+    def begin(self) -> None:
+        """The function starts (the inputs' histories are not its)."""
+        self._seen_below = torch._C._autograd._get_sequence_nr()
+        self._applies = _function_applies()
+
+
+def _later(node: Any, than: Any) -> bool:
+    return than is None or node._sequence_nr() > than._sequence_nr()
+
+
+def _function_applies() -> int:
+    """How many custom Functions' apply calls the Python stack holds."""
+    frame, count = sys._getframe(1), 0
+    while frame is not None:
+        count += frame.f_code is _APPLY_CODE
+        frame = frame.f_back
+    return count
+
+
+_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__
 
 
 class SaveWatch(TorchFunctionMode):
@@ -70,14 +111,19 @@ class SaveWatch(TorchFunctionMode):
         super().__init__()
         self.order = order
 
+    def __enter__(self) -> SaveWatch:
+        self.order.begin()
+        return super().__enter__()
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if torch.compiler.is_dynamo_compiling():  # eager torch.cond's branches: Dynamo's trace
             return out
         with torch._C.DisableTorchFunction():  # reading grad_fn is a torch function too
-            for t in pytree.tree_leaves(out):
-                if (node := _grad_fn(t)) is not None:
-                    self.order.saw(node)
+            for t in pytree.tree_leaves((args, kwargs)):
+                if type(t) is torch.Tensor and t.dim() == 0:  # a constant, not a number
+                    self.order.given[id(t)] = t
+            self.order.saw(n for t in pytree.tree_leaves(out) if (n := _grad_fn(t)) is not None)
         return out
 
 
@@ -109,50 +155,68 @@ def early_stop(order: WriteOrder | None, f_args: Sequence[Any], f_outs: Sequence
     if order is None or not order.writes:
         return NO_EARLY_STOP
     stop = {id(g): j for j, g in enumerate(before) if g is not None}
-    saving = [node for t in [*f_outs, *f_args] for node in nodes_below(_grad_fn(t), stop)
-              if _saves(node)]
-    last_node = max(saving, key=lambda n: n._sequence_nr(), default=None)
-    last = max(order.last_save, last_node._sequence_nr() if last_node is not None else -1)
-    custom = last_node is not None and last_node._sequence_nr() == last and isinstance(
-        last_node, torch.autograd.function.BackwardCFunction)
+    last = order.last_save
+    for t in [*f_outs, *f_args]:
+        for node in nodes_below(_grad_fn(t), stop):
+            if _later(node, last) and _saves(node, order.given):
+                last = node
     storages = {StorageWeakRef(f.untyped_storage()): i for i, f in enumerate(f_args)
                 if isinstance(f, torch.Tensor)}
     sides: dict[int, set[bool]] = {}
-    for seq, created, grad, storage in order.writes:
+    for seq, created, inside, storage in order.writes:
         if (i := storages.get(storage)) is not None:
-            repeated = seq < last or (seq == last and (created or (custom and not grad)))
-            sides.setdefault(i, set()).add(repeated)
+            sides.setdefault(i, set()).add(_before_stop(seq, created, inside, last))
     return EarlyStop(frozenset(i for i, s in sides.items() if s == {True}),
                      frozenset(i for i, s in sides.items() if len(s) == 2))
+
+
+def _before_stop(seq: int, created: bool, inside: bool, last: Any) -> bool:
+    """Whether a write (see :meth:`WriteOrder.note`) comes before eager's stop at the save of
+    ``last``: a write by the op that made ``last`` does when the op saves its result (saved
+    after its kernel ran; inputs are saved before), one in a custom Function's forward when
+    ``last`` is that Function's node (saved when its forward has returned)."""
+    if last is None:
+        return False
+    if seq != last._sequence_nr():
+        return seq < last._sequence_nr()
+    if isinstance(last, torch.autograd.function.BackwardCFunction):
+        return inside
+    return created and any(name.startswith("_saved_result") for name in _saved_names(last))
 
 
 _SAVED_NAMES: dict[type, list[str]] = {}
 
 
-def _saves(node: Any) -> bool:
-    """Whether an autograd node saved a tensor (packed it: what checkpoint counts)."""
+def _saves(node: Any, given: Mapping[int, torch.Tensor]) -> bool:
+    """Whether an autograd node saved a tensor (packed it: what checkpoint counts); ``given``
+    are the 0-dim tensors torch calls were passed (see :func:`_wrapped_number`)."""
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         return bool(node._raw_saved_tensors) or _dynamo_function_saves(node)
-    names = _SAVED_NAMES.get(type(node))
-    if names is None:
-        names = _SAVED_NAMES[type(node)] = [n for n in dir(node) if n.startswith("_saved_")]
-    for name in names:
+    for name in _saved_names(node):
         try:
             value = getattr(node, name)
         except RuntimeError:  # written after it was saved: saved all the same
             return True
-        if any(isinstance(v, torch.Tensor) and not _wrapped_number(v)
+        if any(isinstance(v, torch.Tensor) and not _wrapped_number(v, given)
                for v in (value if isinstance(value, (tuple, list)) else (value,))):
             return True
     return False
 
 
-def _wrapped_number(t: torch.Tensor) -> bool:
+def _saved_names(node: Any) -> list[str]:
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = [n for n in dir(node) if n.startswith("_saved_")]
+    return names
+
+
+def _wrapped_number(t: torch.Tensor, given: Mapping[int, torch.Tensor]) -> bool:
     """A Python number an op was given (``y * 2.0``'s other), which autograd saves without
     packing: the metadata pass's own values are functional tensors, a number wrapped by the
-    op's argument parser is a plain 0-dim CPU tensor of a Python number's dtype."""
+    op's argument parser is a plain 0-dim CPU tensor of a Python number's dtype that no torch
+    call was given (a closed-over ``torch.tensor(3)`` is one, and is packed)."""
     return type(t) is torch.Tensor and t.dim() == 0 and t.device.type == "cpu" \
-        and t.dtype in _NUMBER_DTYPES
+        and t.dtype in _NUMBER_DTYPES and given.get(id(t)) is not t
 
 
 _NUMBER_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
@@ -174,3 +238,16 @@ def _dynamo_function_saves(node: Any) -> bool:
     except (KeyError, ValueError, TypeError):
         return True
     return any(isinstance(v, torch.Tensor) for k, v in enumerate(saved) if k in packed)
+
+
+def refuse_recompile_in_recompute(name: str, why: str) -> None:
+    """Checkpoint pairs the tensors its recompute saves with those the forward saved, by
+    position: a graph compiled anew for the recompute saves others (wrong gradients)."""
+    if checkpoint_recomputing():
+        raise UnsupportedError(
+            f"{name} would be compiled again in torch.utils.checkpoint's recompute ({why}): the "
+            "new graph saves other tensors than the one its forward ran, and checkpoint pairs "
+            "them by position.\nFix: keep what the function reads the same from its forward to "
+            "the backward (a buffer written with a value requiring grad joins the autograd "
+            "graph and requires grad afterwards: write .detach()ed values or under "
+            "torch.no_grad()), or call it outside the checkpointed region.")

@@ -294,13 +294,15 @@ def _sharing_versions(f_args: Sequence[Any], found: Sequence[tuple[Any, ...]]) -
     return shared
 
 
-def nodes_below(node: Any, stop: Mapping[int, int]) -> Iterator[Any]:
-    """Autograd nodes from ``node`` down, not past the inputs' own histories (``stop``)."""
+def nodes_below(node: Any, stop: Mapping[int, int], numbered_from: int = 0) -> Iterator[Any]:
+    """Autograd nodes from ``node`` down, not past the inputs' own histories (``stop``) nor
+    into nodes numbered below ``numbered_from`` (made earlier)."""
     seen: dict[int, Any] = {}  # held: an id is unique only while its node lives
     todo = [node]
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
+        if node is None or id(node) in seen or id(node) in stop \
+                or node._sequence_nr() < numbered_from:
             continue
         seen[id(node)] = node
         yield node
