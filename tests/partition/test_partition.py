@@ -632,13 +632,15 @@ def test_a_checkpointed_dropout_saves_its_mask_not_its_output(partition: str) ->
     assert "aten.mul.Tensor" in captured.report.recomputed
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_checkpointed_dropout_in_reduced_precision_keeps_eagers_values(dtype) -> None:
+@pytest.mark.parametrize(("dtype", "train"), [(torch.bfloat16, True), (torch.float16, True),
+                                             (torch.float32, False)])
+def test_a_checkpointed_dropout_keeps_eagers_values(dtype, train) -> None:
     """Note [Dropout in checkpointed regions]: x * mask * scale rounds otherwise than the CPU
-    kernel in bfloat16 and float16, so those keep the kernel's output."""
+    kernel in bfloat16 and float16, so those keep the kernel's output; with train=False the
+    output is a copy (it was scaled by 1 / (1 - p))."""
     def fn(x):
         return torch.utils.checkpoint.checkpoint(
-            lambda h: torch.native_dropout(h, 0.1, True)[0], x, use_reentrant=False)
+            lambda h: torch.native_dropout(h, 0.1, train)[0], x, use_reentrant=False)
 
     results = []
     for run in (fn, torch.compile(fn, backend="aotkit")):

@@ -282,10 +282,12 @@ def _dropout_outputs_from_masks(joint: fx.GraphModule) -> None:
     for node in list(joint.graph.find_nodes(op="call_function",
                                             target=torch.ops.aten.native_dropout.default)):
         results = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        (x, p, *rest), train = node.args, node.kwargs.get("train")
         if node.meta.get("recompute") not in _RECOMPUTE or 0 not in results or 1 not in results \
-                or results[0].meta["val"].dtype not in (torch.float32, torch.float64):
-            continue
-        (x, p, *_), out, mask = node.args, results[0], results[1]
+                or results[0].meta["val"].dtype not in (torch.float32, torch.float64) \
+                or (rest[0] if rest else train) is False or not isinstance(p, (int, float)):
+            continue  # train=False: the output is a copy, the mask all ones
+        out, mask = results[0], results[1]
         with joint.graph.inserting_after(mask):
             masked = joint.graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
         with joint.graph.inserting_after(masked):
