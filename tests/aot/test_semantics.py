@@ -1787,6 +1787,45 @@ def test_an_in_place_op_without_an_autograd_kernel_is_refused_and_only_guilty_op
                                    triples(x))
 
 
+def test_an_in_place_op_whose_autograd_kernel_is_backend_specific_runs():
+    """An autograd kernel registered at AutogradCPU (as C++ extensions do) calls the op again
+    below autograd with grad mode on: that inner call was refused as having no autograd
+    kernel."""
+    lib = torch.library.Library("aotkit_autograd_cpu", "DEF")
+    lib.define("double_(Tensor(a!) x) -> ()")
+
+    def kernel(x):
+        x.mul_(2)
+
+    lib.impl("double_", kernel, "CPU")
+    lib.impl("double_", kernel, "Meta")
+    op = torch.ops.aotkit_autograd_cpu.double_
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd():
+                op(x)
+            ctx.mark_dirty(x)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    def autograd_kernel(x):
+        Double.apply(x)
+
+    lib.impl("double_", autograd_kernel, "AutogradCPU")
+
+    def f(x):
+        h = x * 1
+        op(h)
+        return h
+
+    check_against_eager(f, rand(3, grad=True))
+
+
 def test_a_warning_in_a_traced_backward_is_shown_once_per_location_as_in_eager():
     """Catching the no-autograd-kernel warning with warnings.catch_warnings reset Python's
     once-per-location record: a backward's warning came again at every trace."""
@@ -3465,6 +3504,22 @@ def test_a_foreach_write_to_tensors_sharing_memory_is_refused():
     assert torch.equal(apart, expected)
     with pytest.raises(UnsupportedError, match="share memory"):  # symbolic sizes: found too
         aotkit.aot_function(update, compilers.nop, dynamic=True)([w, w], grads)
+
+
+def test_a_foreach_write_that_does_not_read_its_tensors_may_share_memory():
+    """_foreach_zero_ and _foreach_copy_ overwrite: written back in order, the functional
+    graph gives eager's values (they were refused with the updating ops)."""
+    def overwrite(x, a, b):
+        torch._foreach_copy_([x[:3], x[1:], x[:3]], [a, b, b])
+        torch._foreach_zero_([x[:2], x[1:3]])
+        return x.sum()
+
+    a, b = torch.randn(3), torch.randn(3)
+    x, expected = torch.randn(4), torch.empty(4)
+    expected.copy_(x)
+    assert torch.equal(aotkit.aot_function(overwrite, compilers.nop)(x, a, b),
+                       overwrite(expected, a, b))
+    assert torch.equal(x, expected)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

@@ -111,9 +111,14 @@ def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 # implementations call) updates its list's tensors one after another in eager, so a tensor
 # listed twice (a tied weight) or overlapping views get every update. Functionalized, each
 # result is computed from the old values and the last write wins: one update, silently
-# (PyTorch's AOT autograd too). The trace refuses such a call. The exact check (interleaved
+# (PyTorch's AOT autograd too). The trace refuses such a call, but for ops whose results do
+# not read the old values (``_foreach_zero_``, ``_foreach_copy_``: the writes back in order
+# give eager's values). The exact check (interleaved
 # views share no element) computes on real index tensors; with symbolic sizes only one view
 # listed twice is told, without adding a guard.
+OVERWRITING_FOREACH = (torch.ops.aten._foreach_zero_.default, torch.ops.aten._foreach_copy_.default)
+
+
 def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     """Two positions in ``written`` whose tensors share an element, if any. With symbolic sizes
     only one view listed twice is found (compared without adding guards)."""

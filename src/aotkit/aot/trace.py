@@ -32,6 +32,7 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, laid_out_alike, to_fun
 from aotkit.aot.early_stop import WriteOrder
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
+    OVERWRITING_FOREACH,
     PRINTABLE_DECOMPOSITIONS,
     EagerOps,
     UnfoldLengths,
@@ -462,7 +463,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         written = written_by(func, args, kwargs)
         if self.write_order is not None:
             self.write_order.note(written)
-        if len(written) > 1 and (pair := overlapping_members(written)) is not None:
+        if len(written) > 1 and func not in OVERWRITING_FOREACH \
+                and (pair := overlapping_members(written)) is not None:
             raise UnsupportedError(  # Note [Foreach writes to shared memory]
                 f"{self.what} writes in place ({func}) to two tensors that share memory "
                 f"(numbers {pair[0]} and {pair[1]} of those it writes: one tensor "

@@ -374,8 +374,10 @@ def note_no_autograd_kernel(func: torch._ops.OpOverload, args: Any, kwargs: Any,
     """An op without an autograd kernel given a tensor requiring grad goes into ``seen``, for
     the refusal to name; one writing to such a tensor in place is refused here (autograd's
     fallback leaves no node for it)."""
-    if not torch.is_grad_enabled() or torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "Autograd"):
+    if not torch.is_grad_enabled() or torch._C._dispatch_tls_is_dispatch_key_excluded(
+            torch._C.DispatchKey.AutogradCPU) or any(  # called below an autograd kernel
+            torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+            for key in ("Autograd", "AutogradCPU", "AutogradCUDA")):
         return
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.requires_grad for t in tensors):
