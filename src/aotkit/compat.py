@@ -281,6 +281,20 @@ def replay_ctx(ctx: Any, saved_tensors: list[torch.Tensor]) -> Any:
     return FakeBackwardCFunction(ctx, saved_tensors)
 
 
+@contextlib.contextmanager
+def parametrize_cache_off() -> Iterator[None]:
+    """``torch.nn.utils.parametrize.cached()`` off (its counter, private to PyTorch): a trace
+    computes parametrized weights from their originals (Note [Closed-over tensors])."""
+    from torch.nn.utils import parametrize
+
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
+
+
 def checkpoint_recomputing() -> bool:
     """Whether non-reentrant ``torch.utils.checkpoint`` is recomputing a forward now (its
     recomputation hooks are the innermost saved-tensor hooks). Private to PyTorch."""

@@ -321,6 +321,25 @@ def test_an_rnn_with_computed_weights_trains_as_in_eager(wrap):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_weight_parametrize_cached_holds_is_computed_in_the_graph(grad):
+    """An eager call inside ``parametrize.cached()`` filled the cache before the first compiled
+    call: the trace read the cached weight as a constant and kept it after the block (under
+    no_grad: stale weights, silently; with grad: refused)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    lin = parametrizations.orthogonal(nn.Linear(4, 4))
+    compiled, x = aotkit.aot_module(lin, compilers.nop), torch.randn(2, 4)
+    with torch.set_grad_enabled(grad):
+        with parametrize.cached():
+            lin(x)
+            torch.testing.assert_close(compiled(x), lin(x))
+        with torch.no_grad():
+            lin.parametrizations.weight.original.copy_(torch.linalg.qr(torch.randn(4, 4))[0])
+        torch.testing.assert_close(compiled(x), lin(x))
+
+
 class _ActNorm(nn.Module):
     """Data-dependent initialisation on the first call, guarded by a Python flag."""
 

@@ -260,7 +260,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         # tensors, and a data-dependent branch to the trace. The engine still checks the
         # compiled backward's results when it runs.
         with mode, dispatcher, onednn, EagerOps(), compiled_autograd_off(), \
-                _saved_tensor_hooks_deferred(), torch.autograd.set_detect_anomaly(False), guard:
+                _saved_tensor_hooks_deferred(), torch.autograd.set_detect_anomaly(False), \
+                compat.parametrize_cache_off(), guard:
             yield guard.generators
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)
@@ -367,11 +368,13 @@ def _saved_tensor_hooks_deferred() -> Iterator[None]:
 # (``buf[0].add_(1)`` mutates ``buf``). Dynamo hands aot_module_simplified its closed-over
 # tensors as inputs (parameters and buffers are lifted), so only read-only constants remain.
 #
-# A tensor the function computes and keeps (``self.cache = pos.cos()``, a memo dict,
-# ``parametrize.cached()``) is a tracing value, not data. Read back in a later tracing pass (the
-# joint trace after the metadata pass, or the next signature's trace) it would become a graph
-# constant holding no data, and the outputs would be fake. The guard tags each functional
-# tensor an op makes with its pass and refuses one from another pass.
+# A tensor the function computes and keeps (``self.cache = pos.cos()``, a memo dict) is a
+# tracing value, not data. Read back in a later tracing pass (the joint trace after the
+# metadata pass, or the next signature's trace) it would become a graph constant holding no
+# data, and the outputs would be fake. The guard tags each functional
+# tensor an op makes with its pass and refuses one from another pass. A weight
+# ``parametrize.cached()`` holds from an eager call would be a real constant, stale once the
+# block ends: traces run with that cache off and compute the weight from its original.
 NOT_AN_ARGUMENT = ("that it does not take as an argument (a closed-over variable, a global or "
                    "an attribute)")
 
@@ -566,9 +569,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 raise UnsupportedError(
                     f"{self.what} uses a tensor of shape {tuple(t.shape)} that it computed and "
                     f"kept in an earlier tracing pass ({how}): an attribute or cache set "
-                    "inside the function (self.cache = ..., a memo dict, "
-                    "torch.nn.utils.parametrize.cached(); also an aot_function first called "
-                    "inside another's trace). aotkit traces the function on fake tensors, so "
+                    "inside the function (self.cache = ..., a memo dict; also an "
+                    "aot_function first called inside another's trace). aotkit traces the function on fake tensors, so "
                     "the kept tensor holds no data.\n"
                     f"  at {current_user_line()}\n"
                     "Fix: compute it outside the compiled function and pass it in (or register "
