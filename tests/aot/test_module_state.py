@@ -908,6 +908,43 @@ def test_pytorch_tensor_only_hooks_are_not_reported():
     assert not aotkit.explain().of_kind("hook")
 
 
+def test_quantization_observer_hooks_are_not_reported():
+    model = nn.Sequential(torch.ao.quantization.QuantStub(), nn.Linear(4, 4))
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    model = torch.ao.quantization.prepare_qat(model.train())
+    model(torch.randn(3, 4))  # an eager call sizes the observers' buffers
+    aotkit.aot_module(model, compilers.nop)(torch.randn(3, 4))
+    assert not aotkit.explain().of_kind("hook")
+
+
+def test_global_module_hooks_run_once_per_module_as_in_eager():
+    """They ran in the graph on the original's modules and once more on the wrapper: a hook
+    doubling outputs doubled the compiled module's output again."""
+    from torch.nn.modules import module as nn_module
+
+    torch.manual_seed(0)
+    model, calls = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), []
+
+    def double(mod, args, out):
+        calls.append(type(mod).__name__)
+        return out * 2
+
+    x = torch.randn(3, 4)
+    handle = nn_module.register_module_forward_hook(double)
+    try:
+        expected = model(x)
+        compiled = aotkit.aot_module(model, compilers.nop)
+        compiled(x)
+        calls.clear()
+        torch.testing.assert_close(compiled(x), expected)
+        assert calls == []  # traced: they ran in the graph, not on the wrapper
+        compiled.register_forward_hook(lambda mod, args, out: out + 1)  # its own: both run
+        torch.testing.assert_close(compiled(x), 2 * expected + 1)  # global hooks first
+        assert "global module hooks are set" in str(aotkit.explain().of_kind("hook"))
+    finally:
+        handle.remove()
+
+
 def test_hooks_forward_registers_on_its_first_call_are_installed_once():
     """transformers installs its output-capturing hooks inside the first forward: every
     tracing pass must see the same hooks, and afterwards the module holds one, as in eager."""

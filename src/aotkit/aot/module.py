@@ -184,6 +184,21 @@ class AotModule(nn.Module):
         """How many (layout, input signature) pairs have been traced and compiled."""
         return sum(c.fn.num_entries for c in self._compiled.values())
 
+    # Global module hooks (register_module_forward_hook) ran in the trace on the original's
+    # modules; on the wrapper they would run a second time, on its call.
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks \
+                or self._backward_pre_hooks:  # its own hooks, which run with the global ones
+            if _global_module_hooks():
+                counters.record("hook", f"aot_module({type(self.orig_module).__name__})", (
+                    "the compiled module has hooks of its own and global module hooks are set "
+                    "(torch.nn.modules.module.register_module_*_hook): the global ones run on "
+                    "the original's modules in the graph and once more on the compiled module. "
+                    "Fix: register the hooks on the original module before aot_module."),
+                    logger=log, level=logging.WARNING)
+            return super()._call_impl(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if tracing_active():  # Note [Calls inside other traces]: part of that graph
             return self.orig_module(*args, **kwargs)
@@ -439,6 +454,13 @@ def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any
             for kind, table in zip(_HOOK_KINDS, kinds, strict=True) for hook in table.values()]
 
 
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
+                or module._global_backward_hooks or module._global_backward_pre_hooks)
+
+
 def _record_hooks(name: str, hooks: Sequence[tuple[str, str, Any]]) -> None:
     """See Note [Module hooks]."""
     from torch.nn.utils.prune import BasePruningMethod
@@ -447,7 +469,8 @@ def _record_hooks(name: str, hooks: Sequence[tuple[str, str, Any]]) -> None:
 
     own = (BasePruningMethod, SpectralNorm, WeightNorm)
     user = [f"{kind} {getattr(hook, '__qualname__', repr(hook))} on {where}"
-            for where, kind, hook in hooks if not isinstance(hook, own)]
+            for where, kind, hook in hooks if not isinstance(hook, own)
+            and not getattr(hook, "__module__", "").startswith("torch.ao.quantization.")]
     if user:
         counters.record(
             "hook", name,
