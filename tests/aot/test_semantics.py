@@ -3297,6 +3297,34 @@ def test_a_module_passed_to_an_aot_module_is_watched():
         compiled(x, teacher)
 
 
+def test_hooks_and_forward_of_a_closed_over_module_changed_after_compiling_trace_again():
+    """Note [What a trace reads besides its inputs]: a hook registered on a module the function
+    calls, or a forward patched on it, after the first call: the graph ran on without them."""
+    teacher = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: teacher(x), compilers.nop), torch.randn(3, 4)
+    compiled(x)
+    handle = teacher[1].register_forward_hook(lambda mod, args, out: out + 100)
+    torch.testing.assert_close(compiled(x), teacher(x))
+    handle.remove()
+    torch.testing.assert_close(compiled(x), teacher(x))  # the first entry again
+    plain = teacher[0].forward
+    teacher[0].forward = lambda h: plain(h) * 2
+    torch.testing.assert_close(compiled(x), teacher(x))
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert len(reasons) == 2 and all("hooks or the instance forward" in r for r in reasons)
+
+
+def test_a_forward_patched_on_an_aot_modules_submodule_traces_again():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(3, 4)
+    compiled(x)
+    plain = model[0].forward
+    model[0].forward = lambda h: plain(h) * 2
+    torch.testing.assert_close(compiled(x), model(x))
+    (reason,) = aotkit.explain().of_kind("recompile")
+    assert "forward set on the module instance changed: 0" in reason.why
+
+
 def test_an_attribute_of_an_object_argument_changed_between_calls_traces_again():
     """Note [Objects as arguments]: keyed by identity, an annealed temperature (and a replaced
     tensor attribute, and a value one level down) left the graph stale."""

@@ -95,6 +95,8 @@ class _Layout:
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
     # Attributes read as state, as the graph was traced: "a tensor", "None", "a float", ...
     attribute_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Modules whose forward is set on the instance (a wrapper patched on), by name.
+    forwards: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -189,7 +191,7 @@ class AotModule(nn.Module):
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks \
                 or self._backward_pre_hooks:  # its own hooks, which run with the global ones
-            if _global_module_hooks():
+            if any(_global_hook_tables()):
                 counters.record("hook", f"aot_module({type(self.orig_module).__name__})", (
                     "the compiled module has hooks of its own and global module hooks are set "
                     "(torch.nn.modules.module.register_module_*_hook): the global ones run on "
@@ -367,6 +369,8 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         key.append((id(m), m.training, *p, None, *b, None, *m._modules))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             key.append(tuple(map(tuple, _hook_tables(m))))
+        if "forward" in m.__dict__:  # set on the instance
+            key.append(("forward", id(m.__dict__["forward"])))
         params.extend(p.values())
         buffers.extend(b.values())
         if attributes and (read := attributes.get(id(m))):
@@ -454,13 +458,6 @@ def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any
             for kind, table in zip(_HOOK_KINDS, kinds, strict=True) for hook in table.values()]
 
 
-def _global_module_hooks() -> bool:
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
-                or module._global_backward_hooks or module._global_backward_pre_hooks)
-
-
 def _record_hooks(name: str, hooks: Sequence[tuple[str, str, Any]]) -> None:
     """See Note [Module hooks]."""
     from torch.nn.utils.prune import BasePruningMethod
@@ -534,7 +531,9 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         {f"{n}.{k}" if n else k: m.__dict__.get(k, _MISSING) for n, m in modules
          for k in guarded.get(id(m), ())},
         attribute_kinds={f"{n}.{k}" if n else k: _kind_shown(m.__dict__.get(k, _MISSING))
-                         for n, m in modules for k in attributes.get(id(m), ())})
+                         for n, m in modules for k in attributes.get(id(m), ())},
+        forwards={n or type(root).__name__: m.__dict__["forward"] for n, m in modules
+                  if "forward" in m.__dict__})
 
 
 def _kind_shown(value: Any) -> str:
@@ -750,6 +749,10 @@ def _describe(old: _Layout, new: _Layout) -> str:
     reasons += _state_changes(old, new, read)
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
+    if {n: id(f) for n, f in old.forwards.items()} != {n: id(f) for n, f in new.forwards.items()}:
+        changed = sorted({*old.forwards, *new.forwards} - {
+            n for n, f in new.forwards.items() if old.forwards.get(n) is f})
+        reasons.append(f"forward set on the module instance changed: {', '.join(changed)}")
     return "; ".join(reasons) or ("the module's layout changed (a submodule was replaced, or a "
                                   "parameter or buffer registered as or set to None)")
 

@@ -7,26 +7,28 @@ A function may call a module it does not take as its compiled input (``aot_funct
 model(x))``, a frozen teacher handed to an ``aot_module``'s forward) and read tensors it closes
 over (a mask, a global table, that module's frozen weights). The graph holds such tensors as
 constants (later in-place changes show, Note [Closed-over tensors]) and the branches the
-module's training flag took. Three changes would leave the graph silently stale:
+module's training flag took. Four changes would leave the graph silently stale:
 
 * the module's training flag (``model.eval()``): dropout went on dropping out;
+* its hooks, or a forward set on the instance (a hook registered after compiling, a wrapper
+  patched on), which the trace ran as they were;
 * a parameter or buffer of the module replaced by a new tensor (``load_state_dict(...,
   assign=True)``, ``module.weight = nn.Parameter(...)``): the graph went on reading the old one;
 * a constant made to require grad (a frozen feature extractor unfrozen after warm-up): its
   gradient was silently dropped, where tracing it that way is refused.
 
 So each trace records the modules whose forward runs (a global forward pre-hook, in the tracing
-thread only) with their flags, and the constants it reads (Note [Closed-over tensors]), among
-them the parameters and buffers of those modules (a teacher called under no_grad included; not
-one ``torch.func.functional_call`` swapped in while tracing: an input), and an entry is used only
-while every recorded module still alive has its flag, still holds those tensors, and no constant
-read where a gradient could flow requires grad (checked before every call: flat lists, weak references to the modules,
-about 27 us for a closed-over 12-layer TransformerEncoder); otherwise the function
-is traced again, with a recompile decision naming the change (a constant that now requires grad
-is then refused, with the fix). A module the function switches itself (``model.eval()``
-inside; ``Module.train`` is watched while tracing) keeps no flag: its flag is the function's
-doing, the same at every call. ``aot_module``'s own submodules are inputs, not reads: its
-layout key holds them; Dynamo's graphs call no modules.
+thread only) with their flags and hooks, and the constants it reads (Note [Closed-over tensors]),
+among them the parameters and buffers of those modules (a teacher called under no_grad included;
+not one ``torch.func.functional_call`` swapped in while tracing: an input), and an entry is used
+only while every recorded module still alive has its flag and hooks, still holds those tensors, and
+no constant read where a gradient could flow requires grad (checked before every call: flat lists,
+weak references to the modules, about 27 us for a closed-over 12-layer TransformerEncoder);
+otherwise the function is traced again, with a recompile decision naming the change (a constant
+that now requires grad is then refused, with the fix). A module the function switches itself
+(``model.eval()`` inside; ``Module.train`` is watched while tracing) keeps no flag: its flag is the
+function's doing, the same at every call. ``aot_module``'s own submodules are inputs, not reads:
+its layout key holds them; Dynamo's graphs call no modules.
 """
 
 from __future__ import annotations
@@ -48,8 +50,24 @@ from aotkit.compat import FakeTensor, FunctionalTensor
 
 @dataclass(frozen=True)
 class _Flag:
+    """A module the function calls: its training flag (None: the function sets it) and hooks
+    (ids), as traced."""
+
     module: weakref.ref[nn.Module]
-    training: bool
+    training: bool | None
+    hooks: tuple[Any, ...]
+
+    def holds(self, module: nn.Module) -> bool:
+        return self.training in (None, module.training) and _hook_ids(module) == self.hooks
+
+
+def _hook_ids(m: nn.Module) -> tuple[Any, ...]:
+    """The ids of ``m``'s own hooks and its instance forward; () when it has none."""
+    if not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
+            or m._backward_hooks or "forward" in m.__dict__):
+        return ()
+    return (*map(tuple, (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks,
+                         m._backward_hooks)), id(m.__dict__.get("forward")))
 
 
 @dataclass(frozen=True)
@@ -78,7 +96,7 @@ class Reads:
         """Whether the graph is still what a trace would give."""
         for flag in self.flags:
             module = flag.module()
-            if module is not None and module.training != flag.training:
+            if module is not None and not flag.holds(module):
                 return False
         return all(slot.table.get(slot.name) is slot.tensor for slot in self.slots) \
             and not any(t.requires_grad for t in self.constants)
@@ -88,7 +106,11 @@ class Reads:
         changes = [f"the training flag of {type(m).__name__} (a module the function calls), "
                    f"traced with its flag, changed: {flag.training} -> {m.training}"
                    for flag in self.flags
-                   if (m := flag.module()) is not None and m.training != flag.training]
+                   if (m := flag.module()) is not None and flag.training not in (None, m.training)]
+        changes += [f"the hooks or the instance forward of {type(m).__name__} (a module the "
+                    "function calls) changed"
+                    for flag in self.flags
+                    if (m := flag.module()) is not None and _hook_ids(m) != flag.hooks]
         changes += [f"{slot.where} (a module the function calls), which the graph reads as a "
                     "constant, was replaced"
                     for slot in self.slots if slot.table.get(slot.name) is not slot.tensor]
@@ -158,8 +180,8 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         handle.remove()
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
-        reads.flags = [_Flag(weakref.ref(m), m.training) for i, m in called.items()
-                       if i not in switched]
+        reads.flags = [_Flag(weakref.ref(m), m.training if i not in switched else None,
+                             _hook_ids(m)) for i, m in called.items()]
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
