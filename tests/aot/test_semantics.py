@@ -3160,6 +3160,23 @@ def test_a_channels_last_input_gets_a_channels_last_gradient_under_dynamic_shape
         assert torch.equal(got, expected) and got.stride() == expected.stride()
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("index", [(slice(None), slice(1, None)), (slice(None), 1)],
+                         ids=["slice", "select"])
+def test_a_part_of_a_channels_last_intermediate_gets_eagers_gradient_layout(dynamic, index):
+    """Eager's slice/select backward fills new zeros of the intermediate's size, contiguous:
+    the intermediate's tangent was traced channels_last, so the input's gradient was too."""
+    def fn(x):
+        return (x.sin() * 2)[index]
+
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_()
+    grad_out = torch.randn(fn(x).shape)
+    expected, = torch.autograd.grad(fn(x), x, grad_out)
+    got, = torch.autograd.grad(aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x), x,
+                               grad_out)
+    assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
 class _TimeMajorNorm(nn.Module):
     """BatchNorm1d over the channels of a (batch, time, channels) tensor, then a Linear: the
     transpose hands batch norm a dense input in no standard memory format."""

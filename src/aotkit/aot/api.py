@@ -50,7 +50,7 @@ from aotkit.aot.signature import (
 from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
 from aotkit.aot.state import StateWatch
 from aotkit.aot.subclass import Boundary, is_subclass
-from aotkit.aot.tangents import tangent_format
+from aotkit.aot.tangents import tangent_formats
 from aotkit.aot.trace import (
     COMPILE_LOCK,
     Fallback,
@@ -342,8 +342,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         bw_compiler=options.bw_compiler or options.fw_compiler,
         saved=saved_for_backward(fw_gm, meta.num_fw_outputs),
         differentiable=meta.fw_output_differentiable(),
-        tangent_formats=[tangent_format(o) if isinstance(o, torch.Tensor) else None
-                         for o in fw_out_fakes],
+        tangent_formats=tangent_formats(meta, fw_out_fakes),
         tangent_specs=[_tangent_spec(o) for o in fw_out_fakes],
         backward_under=backward_under, grad_inside=grad_inside, backward_error=backward_error,
         gradless=() if backward_error else _gradless(bw_gm, args, meta),

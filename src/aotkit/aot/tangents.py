@@ -2,20 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from aotkit.aot.analysis import Alias, AotMeta
 from aotkit.aot.simplify import known_equal
 
 
-def tangent_like(out: Any) -> Any:
-    """An empty tensor shaped and laid out as ``out``'s tangent; None for a non-tensor."""
+def tangent_like(out: Any, memory_format: torch.memory_format | None) -> Any:
+    """An empty tensor shaped as ``out``'s tangent, in ``memory_format`` (from
+    :func:`tangent_formats`); None for a non-tensor."""
     if not isinstance(out, torch.Tensor):
         return None
-    return torch.empty(out.shape, dtype=out.dtype, device=out.device,
-                       memory_format=tangent_format(out))
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=memory_format)
+
+
+def tangent_formats(meta: AotMeta, fw_outs: Sequence[Any]) -> list[torch.memory_format | None]:
+    """The memory format of each forward output's tangent (None: no tensor): see Note [Tangents
+    in the outputs' memory format]."""
+    formats = [tangent_format(o) if isinstance(o, torch.Tensor) else None for o in fw_outs]
+    first_base = len(fw_outs) - len(meta.intermediate_bases_requires_grad)
+    users = dict(zip(meta.graph_user_outputs(), fw_outs[len(meta.mutated_inputs):first_base],
+                     strict=True))
+    for i, out in users.items():
+        info = meta.outputs[i]
+        if info.alias is Alias.OF_INTERMEDIATE and info.base is not None \
+                and _partial_view(out, fw_outs[first_base + info.base]):
+            formats[first_base + info.base] = torch.contiguous_format
+    return formats
+
+
+def _partial_view(view: Any, base: Any) -> bool:
+    """Whether ``view`` covers fewer elements than ``base`` (known without guards)."""
+    return isinstance(view, torch.Tensor) and isinstance(base, torch.Tensor) \
+        and statically_known_true(view.numel() < base.numel())
 
 
 # Note [Tangents in the outputs' memory format]
@@ -25,7 +49,9 @@ def tangent_like(out: Any) -> Any:
 # layout than eager's, rounding differently. So a tangent is traced in its output's memory
 # format, channels_last (3d) or contiguous, and the runtime lays each grad out so (a no-op when
 # it already is). With symbolic sizes the strides are compared without adding guards (asking a
-# symbolic tensor for its format would add them); a layout they cannot tell is contiguous.
+# symbolic tensor for its format would add them); a layout they cannot tell is contiguous. An
+# intermediate whose returned view covers part of it (``h[:, 1:]``) gets its gradient from
+# eager's view backward, which fills new zeros of its size: contiguous, whatever its layout.
 def tangent_format(out: torch.Tensor) -> torch.memory_format:
     """The memory format of ``out``'s tangent. See Note [Tangents in the outputs' memory format]."""
     channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())

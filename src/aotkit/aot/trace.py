@@ -53,7 +53,7 @@ from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
-from aotkit.aot.tangents import tangent_like
+from aotkit.aot.tangents import tangent_formats, tangent_like
 from aotkit.aot.trace_errors import first_line, op_failed, traced_error
 from aotkit.aot.untraceable import (
     no_autograd_kernel,
@@ -685,7 +685,8 @@ def trace_joint(
 
     ``fw_out_fakes`` (from :func:`aotkit.aot.analysis.analyze`) give the tangents their shapes.
     """
-    tangents = [tangent_like(o) for o in fw_out_fakes]
+    formats = tangent_formats(meta, fw_out_fakes)
+    tangents = [tangent_like(o, f) for o, f in zip(fw_out_fakes, formats, strict=True)]
     differentiable = meta.fw_output_differentiable()
     tangents = [t for t, d in zip(tangents, differentiable, strict=True) if d]
 
