@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from aotkit import config
 from aotkit.errors import ArgumentError
+from aotkit.locks import new_lock
 
 #: ``counters[category][name]``, e.g. ``counters["aot"]["fw_compiles"]``.
 counters: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
@@ -31,6 +32,7 @@ counters: collections.defaultdict[str, collections.Counter[str]] = collections.d
 )
 
 _decisions: collections.deque[Decision] = collections.deque()
+_LOCK = new_lock()  # counters and decisions are recorded and read from several threads
 
 #: The kinds of decision aotkit records, with what each means.
 KINDS: dict[str, str] = {
@@ -83,7 +85,8 @@ class Decision:
 
 def bump(category: str, name: str, by: int = 1) -> None:
     """Add ``by`` to ``counters[category][name]``."""
-    counters[category][name] += by
+    with _LOCK:
+        counters[category][name] += by
 
 
 def record(
@@ -97,11 +100,16 @@ def record(
     level: int = logging.INFO,
 ) -> Decision:
     """Log, count and keep one decision; returns it."""
+    if not isinstance(kind, str) or not isinstance(what, str):
+        raise ArgumentError(f"counters.record takes a kind and a what that are str, got "
+                            f"{type(kind).__name__} and {type(what).__name__}.\nFix: name them "
+                            "with strings (aotkit's kinds are listed in counters.KINDS).")
     decision = Decision(kind, what, why, node, user_stack)
-    _decisions.append(decision)
-    while len(_decisions) > max(config.max_decisions, 0):
-        _decisions.popleft()
-    counters[kind][what] += 1
+    with _LOCK:
+        _decisions.append(decision)
+        while len(_decisions) > max(config.max_decisions, 0):
+            _decisions.popleft()
+        counters[kind][what] += 1
     (logger or log).log(level, "%s", decision)
     return decision
 
@@ -140,7 +148,7 @@ class Explanation:
 
     def __str__(self) -> str:
         lines = [f"aotkit: {len(self.decisions)} decision(s)"]
-        lines += [f"  {d}" for d in self.decisions]
+        lines += ["  " + str(d).replace("\n", "\n    ") for d in self.decisions]
         lines.append("counters:")
         for category, names in sorted(self.counters.items()):
             for name, value in sorted(names.items()):
@@ -162,8 +170,10 @@ def explain() -> Explanation:
         >>> report = aotkit.explain()
         >>> [d.why for d in report.of_kind("recompile")]  # doctest: +SKIP
     """
-    counts = {cat: dict(names) for cat, names in counters.items() if names}
-    return Explanation(list(_decisions), counts, _dynamo_breaks())
+    with _LOCK:
+        counts = {cat: dict(names) for cat, names in counters.items() if names}
+        decisions = list(_decisions)
+    return Explanation(decisions, counts, _dynamo_breaks())
 
 
 def _dynamo_breaks() -> dict[str, int]:
@@ -196,7 +206,8 @@ _dynamo_at_reset: dict[str, int] = {}
 
 def reset() -> None:
     """Forget every counter and decision (Dynamo's graph breaks counted until now included)."""
-    counters.clear()
-    _decisions.clear()
+    with _LOCK:
+        counters.clear()
+        _decisions.clear()
     _dynamo_at_reset.clear()
     _dynamo_at_reset.update(_dynamo_totals())

@@ -13,7 +13,7 @@ import torch
 
 import aotkit
 from aotkit import compilers, config, counters
-from aotkit.errors import AotkitError, ConfigError
+from aotkit.errors import AotkitError, ArgumentError, ConfigError
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -543,3 +543,31 @@ def test_explain_while_another_thread_imports_dynamo(monkeypatch: pytest.MonkeyP
     AttributeError from a monitoring thread while another thread's first compile imported it."""
     monkeypatch.setitem(sys.modules, "torch._dynamo.utils", types.ModuleType("torch._dynamo.utils"))
     assert aotkit.explain().dynamo == {}
+
+
+def test_decisions_recorded_from_threads_while_explain_reads_them() -> None:
+    """explain() copied the counters while another thread added a kind ("dictionary changed
+    size during iteration"), and two threads trimming to max_decisions popped an empty deque."""
+    import threading
+
+    def record_many(k: int) -> None:
+        for i in range(300):
+            counters.record(f"kind_{k}_{i}", "t", "why")
+
+    with aotkit.config.patch(max_decisions=0):
+        threads = [threading.Thread(target=record_many, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            aotkit.explain()
+        for t in threads:
+            t.join()
+    assert sum(len(v) for k, v in aotkit.explain().counters.items() if k.startswith("kind_")) \
+        == 1200
+
+
+def test_record_names_kinds_with_strings_and_explain_indents_long_reasons() -> None:
+    with pytest.raises(ArgumentError, match="kind and a what that are str"):
+        counters.record(3, "x", "y")  # type: ignore[arg-type]
+    counters.record("mine", "f", "first line\nFix: second line")
+    assert "  [mine] f: first line\n    Fix: second line" in str(aotkit.explain())
