@@ -108,6 +108,18 @@ def test_without_graphviz_writes_dot_and_warns(tmp_path: Path, monkeypatch: Any,
     assert later.levelno == logging.INFO and "h.png" in later.getMessage()
 
 
+def test_a_failing_graphviz_writes_dot_and_says_why(tmp_path: Path, monkeypatch: Any) -> None:
+    """A `dot` that exits with an error (a plugin missing) raised pydot's raw AssertionError."""
+    fake = tmp_path / "bin" / "dot"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'dot: cannot load plugin' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    result = draw_graph(forward_graph(), tmp_path / "g.svg")
+    assert result.path == tmp_path / "g.dot" and result.path.read_text().startswith("digraph")
+    assert result.fallback is not None and "`dot` failed" in result.fallback
+
+
 def test_missing_folders_are_created_and_graphs_accepted(tmp_path: Path) -> None:
     gm = forward_graph()
     out = draw_graph(gm.graph, tmp_path / "a" / "b" / "fw.dot")

@@ -87,18 +87,22 @@ def _write(dot: Any, path: Path, fmt: str) -> DrawnGraph:
         path.write_text(dot.to_string())
         return DrawnGraph(path, fmt)
     if shutil.which("dot") is None:
-        return _write_dot_instead(dot, path)
-    dot.write(str(path), format=fmt, prog="dot")
+        return _write_dot_instead(dot, path, "Graphviz's `dot` program is not on PATH")
+    try:
+        dot.write(str(path), format=fmt, prog="dot")
+    except AssertionError as exc:  # pydot's report of dot's failure, with its stderr
+        failure = " ".join(str(exc).split())
+        return _write_dot_instead(dot, path, f"Graphviz's `dot` failed ({failure})")
     return DrawnGraph(path, fmt)
 
 
-def _write_dot_instead(dot: Any, path: Path) -> DrawnGraph:
+def _write_dot_instead(dot: Any, path: Path, cause: str) -> DrawnGraph:
     # Note [draw_graph fallback]: aotkit.partition sits below aotkit.counters (DESIGN.md, Layout),
     # so this level only logs the warning and returns the reason; callers on higher floors
     # (aotkit.compilers.draw_graph_compile) record it as a "fallback" decision.
     dot_path = path.with_suffix(".dot")
     dot_path.write_text(dot.to_string())
-    why = (f"Graphviz's `dot` program is not on PATH, so {path.name} could not be rendered; "
+    why = (f"{cause}, so {path.name} could not be rendered; "
            f"wrote the DOT source to {dot_path} instead. To get images, install Graphviz "
            "(apt-get install graphviz, brew install graphviz or conda install graphviz) or "
            f"render the file elsewhere: dot -T{path.suffix.lstrip('.').lower()} "
