@@ -498,6 +498,7 @@ def test_not_callable_arguments_are_argument_errors():
     (lambda joint: None, "failed on the joint graph"),
     (lambda joint, inputs, *, num_fwd_outputs: None, "returned NoneType"),
     (lambda joint, inputs, *, num_fwd_outputs: (joint,), "returned tuple"),
+    (lambda joint, inputs, *, num_fwd_outputs: (joint, joint), "takes the joint graph's tangents"),
 ])
 def test_a_broken_partition_fn_is_named_in_a_compiler_error(partition_fn, match):
     f = aotkit.aot_function(torch.sin, compilers.nop, partition_fn=partition_fn)

@@ -462,6 +462,11 @@ def _partition(partition_fn: Partitioner, joint: fx.GraphModule, args: Sequence[
             and all(isinstance(g, fx.GraphModule) for g in graphs)):
         raise CompilerError(f"partition_fn {who!r} returned {type(graphs).__name__} for {name}, "
                             f"not two GraphModules.\n{fix}")
+    tangents = {n.name for n in joint.graph.find_nodes(op="placeholder")
+                if n.name.startswith("tangents")}
+    if any(n.name in tangents for n in graphs[0].graph.find_nodes(op="placeholder")):
+        raise CompilerError(f"partition_fn {who!r} returned a forward graph for {name} that takes "
+                            f"the joint graph's tangents (the joint graph itself?).\n{fix}")
     return graphs[0], graphs[1]
 
 
