@@ -430,3 +430,14 @@ def test_the_recompile_limit_error_states_the_limit() -> None:
                            match=r"compiled for 2 input signature\(s\), and aotkit.config."
                                  r"recompile_limit is 2"):
             f(torch.ones(3))
+
+
+@pytest.mark.parametrize("name", ["nop", "print_compile", "debug_nop", "ts_compile",
+                                  "simple_ts_compile", "debug_compile", "inductor"])
+def test_a_compiler_called_on_a_function_says_it_is_a_compiler(name: str) -> None:
+    """Taken for a decorator (as nnc_jit is): raw AttributeErrors came ('graph', 'named_modules'),
+    or a callable that failed later."""
+    from aotkit.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=rf"{name} is a compiler(.|\n)*Fix: pass it as a "):
+        getattr(aotkit.compilers, name)(torch.sin, [torch.zeros(2)])

@@ -23,6 +23,16 @@ from aotkit.partition.draw import draw_graph
 log = logging.getLogger("aotkit.compilers")
 
 
+def require_graph_module(gm: Any, who: str) -> None:
+    """Compilers take a GraphModule: one called on a function (taken for a decorator, as
+    ``nnc_jit`` is) says so."""
+    if not isinstance(gm, fx.GraphModule):
+        raise ArgumentError(
+            f"{who} is a compiler: it takes an FX GraphModule and example inputs, got "
+            f"{type(gm).__name__}.\nFix: pass it as a compiler, aotkit.aot_function(fn, "
+            f"aotkit.compilers.{who}) (aotkit.compilers.nnc_jit is the decorator).")
+
+
 def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
     """Run the graph as it is, through its generated Python code, calling each ATen op through
     PyTorch's Python binding for it where that binding makes the same dispatcher call
@@ -35,6 +45,7 @@ def nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any
         >>> f(torch.zeros(1))
         tensor([0.])
     """
+    require_graph_module(gm, "nop")
     return run_boxed(bind_aten_calls(gm))  # Note [Freeing inputs as the graph goes]
 
 
@@ -54,6 +65,7 @@ def print_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable
         <BLANKLINE>
         tensor([0.])
     """
+    require_graph_module(gm, "print_compile")
     print(gm.print_readable(print_output=False))
     return nop(gm, example_inputs)
 
@@ -119,6 +131,7 @@ def debug_nop(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[li
         torch.Size([2, 2])
     """
 
+    require_graph_module(gm, "debug_nop")
     recorded: set[str] = set()  # Note [Mismatches PyTorch is known to have]: once per node
 
     def run(*args: Any) -> Any:

@@ -29,6 +29,7 @@ from aotkit import config
 from aotkit.aot import aot_function, aot_module, aot_module_simplified
 from aotkit.aot.boxing import make_boxed_func
 from aotkit.compat import FakeTensor, size_hint
+from aotkit.compilers.basic import require_graph_module
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.partition.default import default_partition
@@ -694,11 +695,7 @@ def debug_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         ...     f(torch.zeros(2))
         tensor([0., 0.])
     """
-    if not isinstance(gm, fx.GraphModule):
-        raise ArgumentError(
-            f"debug_compile is a compiler: it takes an FX GraphModule, got "
-            f"{type(gm).__name__}.\nFix: pass it as a compiler, "
-            "aotkit.aot_function(fn, aotkit.compilers.debug_compile).")
+    require_graph_module(gm, "debug_compile")
     target = _fresh_folder(Path(config.debug_dir if folder is None else folder))
     values = "graph.tensors, written when the graph first runs" if dump_example_input else (
         "not saved (debug_compile(..., dump_example_input=True) saves them)")

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from aotkit import counters
-from aotkit.compilers.basic import closed_over_tensors, copy_graph_module, nop
+from aotkit.compilers.basic import closed_over_tensors, copy_graph_module, nop, require_graph_module
 from aotkit.errors import ArgumentError, CompilerError
 
 Kind = Literal["forward", "backward", "inference"]
@@ -118,6 +118,7 @@ class Inductor:
         return f"aotkit.compilers.{self.__name__}"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        require_graph_module(gm, self.__name__)
         if any("grapharg" in n.meta for n in gm.graph.find_nodes(op="placeholder")):
             raise ArgumentError(
                 f"{self!r} compiles the ATen graphs aotkit's AOT autograd makes, but was given "

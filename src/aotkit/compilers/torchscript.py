@@ -23,7 +23,7 @@ from torch._decomp import get_decompositions
 
 from aotkit.aot import AotFunction, AotModule, aot_function, aot_module
 from aotkit.aot.boxing import require_boxed
-from aotkit.compilers.basic import closed_over_tensors, copy_graph_module
+from aotkit.compilers.basic import closed_over_tensors, copy_graph_module, require_graph_module
 from aotkit.errors import ArgumentError, CompilerError
 from aotkit.partition import min_cut_rematerialization_partition
 
@@ -220,6 +220,7 @@ def ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[l
         >>> x.grad
         tensor([2., 2., 2.])
     """
+    require_graph_module(gm, "ts_compile")
     with _torchscript():
         copied = copy_graph_module(gm)
         _strip_overloads(copied)
@@ -240,6 +241,7 @@ def simple_ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
         >>> f(torch.zeros(2))
         tensor([2., 2.])
     """
+    require_graph_module(gm, "simple_ts_compile")
     with _torchscript():
         copied = copy_graph_module(gm)
         _strip_overloads(copied)
