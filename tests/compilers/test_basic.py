@@ -418,7 +418,7 @@ def test_compiler_factories_and_compilers_misused_are_argument_errors() -> None:
     TypeError and AttributeError."""
     with pytest.raises(aotkit.errors.ArgumentError, match="file name prefix, got int"):
         draw_graph_compile(123)  # type: ignore[arg-type]
-    with pytest.raises(aotkit.errors.ArgumentError, match="takes an FX GraphModule, got function"):
+    with pytest.raises(aotkit.errors.ArgumentError, match="takes an FX GraphModule and example inputs, got function"):
         aotkit.compilers.debug_compile(lambda x: x, [])  # type: ignore[arg-type]
 
 
