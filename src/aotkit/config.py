@@ -58,7 +58,8 @@ _define("recompile_limit", int, 8,
         "RecompileLimitError (at least 1: the first compile is not a recompile); use "
         "dynamic=True when shapes vary.", bounds=(1, math.inf))
 _define("debug_graphs", bool, False,
-        "Run graph.lint() after every pass and log every graph at DEBUG level.")
+        "Run graph.lint() on every traced graph (the joint, forward, backward and inference "
+        "graphs are logged at DEBUG level whether it is on or not).")
 _define("log_graphs", bool, False,
         "Log the forward, backward and inference graphs at INFO level under aotkit.aot (and "
         "compiled autograd's lowered graphs under aotkit.compiled_autograd, whose captured "

@@ -302,7 +302,8 @@ def _mismatch_message(n: fx.Node, problem: str, bindings: dict[sympy.Symbol, int
         lines.append("User code:\n" + "\n".join("    " + f.strip() for f in frames))
     else:
         lines.append("User code: not recorded (set aotkit.config.record_stack_traces = True or "
-                     "AOTKIT_RECORD_STACK_TRACES=1 to see it).")
+                     "AOTKIT_RECORD_STACK_TRACES=1 before the function is first called, or "
+                     "compile it again, to see it).")
     if n.op == "placeholder":
         lines.append("Fix: the graph was called with an input unlike the one it was traced with. "
                      "If the call came through aotkit, this is an aotkit bug: please report it "
