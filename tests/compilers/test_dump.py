@@ -168,6 +168,17 @@ def test_dumper_as_a_dynamic_torch_compile_backend_records_symbolic_sizes(tmp_pa
     torch.testing.assert_close(out, x.sin() * 5)
 
 
+@pytest.mark.parametrize("device", ["gpu", "meta:x"])
+def test_get_inputs_names_a_device_it_cannot_use(tmp_path: Path, device: str) -> None:
+    """A bad device was blamed on the .input file ("describes its inputs in a way aotkit cannot
+    read ... save the graph again")."""
+    dumper = graph_dumper_aot("f", tmp_path)
+    with torch.no_grad():
+        dumper(torch.sin)(torch.zeros(2))
+    with pytest.raises(ArgumentError, match=rf"cannot make tensors on device '{device}'"):
+        get_inputs(tmp_path / "f" / "f_inference_0" / "f_inference_0.input", device=device)
+
+
 def test_get_inputs_refuses_files_it_did_not_write(tmp_path: Path) -> None:
     pickled = tmp_path / "pickled.input"
     pickled.write_bytes(b"\x80\x04\x95" + bytes(20))

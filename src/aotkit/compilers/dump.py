@@ -232,6 +232,7 @@ def get_inputs(input_data_path: str | os.PathLike[str], *, device: str | None = 
         >>> [x.stride() for x in get_inputs(dumper.saved[0] / "sin_inference_0.input")]
         [(1, 3)]
     """
+    _check_device(device)
     path = _input_file(Path(input_data_path))
     described = _json(path.read_bytes())
     if described.get("format") != _INPUTS_FORMAT:
@@ -248,6 +249,19 @@ def get_inputs(input_data_path: str | os.PathLike[str], *, device: str | None = 
             f"{path} describes its inputs in a way aotkit cannot read ({type(exc).__name__}: "
             f"{exc}).\nFix: pass the .input file as graph_dumper_aot or debug_compile wrote it "
             "(save the graph again if it was edited).") from exc
+
+
+def _check_device(device: str | None) -> None:
+    """A device to rebuild inputs on that this process can make tensors on."""
+    if device is None:
+        return
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:  # a bad name, or a build without the device
+        raise ArgumentError(
+            f"get_inputs cannot make tensors on device {device!r} ({type(exc).__name__}: "
+            f"{exc}).\nFix: pass a device this process has (device='cpu', or a CUDA device "
+            "where torch.cuda.is_available()); for repro.py, set AOTKIT_REPRO_DEVICE so.") from exc
 
 
 # --- saving and loading graph code --------------------------------------------------------------
