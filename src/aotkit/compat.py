@@ -295,6 +295,31 @@ def parametrize_cache_off() -> Iterator[None]:
         parametrize._cache_enabled = enabled
 
 
+@contextlib.contextmanager
+def selective_checkpointing_off() -> Iterator[None]:
+    """Selective activation checkpointing's dispatch modes (a ``context_fn`` made by
+    ``create_selective_checkpoint_contexts``; private to PyTorch) taken off the top of the
+    dispatch mode stack for the block: a trace's tensors are not values to cache for the
+    recompute (the compiled graph's ops run under them)."""
+    from torch.utils._python_dispatch import (
+        _get_current_dispatch_mode_stack,
+        _pop_mode,
+        _push_mode,
+    )
+
+    kinds = tuple(k for k in (getattr(torch.utils.checkpoint, name, None) for name in (
+        "_CachingTorchDispatchMode", "_CachedTorchDispatchMode")) if isinstance(k, type))
+    popped = []
+    while kinds and (stack := _get_current_dispatch_mode_stack()) \
+            and isinstance(stack[-1], kinds):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
+
+
 def checkpoint_recomputing() -> bool:
     """Whether non-reentrant ``torch.utils.checkpoint`` is recomputing a forward now (its
     recomputation hooks are the innermost saved-tensor hooks). Private to PyTorch."""

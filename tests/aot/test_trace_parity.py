@@ -416,6 +416,31 @@ def test_selective_checkpoint_matches_eager_and_leaves_no_node_meta_behind():
     assert "recompute" not in torch.fx.traceback.current_meta
 
 
+@pytest.mark.parametrize("save", ["aten.addmm.default", "aten.native_layer_norm.default"])
+def test_a_selective_checkpoint_around_a_compiled_module_matches_eager(save):
+    """Traced inside the region, its caching modes kept the trace's tensors for the recompute:
+    "FunctionalTensor on its own" (PyTorch's aot_module: a raw TypeError)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if str(op) == save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    grads, x0 = [], torch.randn(4, 3)
+    for run in (block, aotkit.aot_module(block, compilers.nop)):
+        x = x0.clone().requires_grad_()
+        checkpoint(lambda a: run(a).relu(), x, use_reentrant=False,
+                   context_fn=context).sum().backward()
+        grads.append([x.grad, *(p.grad for p in block.parameters())])
+        block.zero_grad()
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_reentrant_checkpoint_is_refused_with_the_fix():
     f = lambda x: checkpoint(lambda a: a.sin() * 2, x, use_reentrant=True).sum()  # noqa: E731
     with pytest.raises(UnsupportedError, match="use_reentrant=False"):

@@ -259,9 +259,9 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         # Anomaly mode's NaN check reads each backward result's values: meaningless on fake
         # tensors, and a data-dependent branch to the trace. The engine still checks the
         # compiled backward's results when it runs.
-        with mode, dispatcher, onednn, EagerOps(), compiled_autograd_off(), \
-                _saved_tensor_hooks_deferred(), torch.autograd.set_detect_anomaly(False), \
-                compat.parametrize_cache_off(), guard:
+        with compat.selective_checkpointing_off(), mode, dispatcher, onednn, EagerOps(), \
+                compiled_autograd_off(), _saved_tensor_hooks_deferred(), \
+                torch.autograd.set_detect_anomaly(False), compat.parametrize_cache_off(), guard:
             yield guard.generators
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)
