@@ -861,8 +861,10 @@ def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo,
         f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
         "view of it, which the compiled graph returned without the view ops that made it (a "
         "tensor of its own, or a detached view), so aotkit cannot place it in the input's "
-        "memory as eager does.\nFix: pass a contiguous input (x.contiguous()), or return a "
-        "clone of the view."
+        "memory as eager does (Inductor's code returns no views).\nFix: pass a contiguous "
+        "input (x.contiguous()), or return a clone of the view; a compiler of your own that "
+        "wraps one returning no views can say so with a returns_views = False attribute, and "
+        "aotkit then runs such graphs as traced."
     )
 
 
