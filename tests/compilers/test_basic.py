@@ -334,6 +334,9 @@ def test_compiler_factories_called_wrongly_say_how_to_call_them(tmp_path: Path) 
         aotkit.aot_function(_scaled_sine, graph_dumper_aot)(torch.randn(2))
     with pytest.raises(aotkit.errors.ArgumentError, match=r"folder_name must be a path"):
         graph_dumper_aot("model", None)
+    for name in ("a/b", ""):  # wrote into a/b/a/b_inference_0, or an unnamed _inference_0
+        with pytest.raises(aotkit.errors.ArgumentError, match=r"without path separators"):
+            graph_dumper_aot(name, tmp_path)
     with pytest.raises(aotkit.errors.ArgumentError, match=r"cannot draw '\.pdf' files"):
         draw_graph_compile(str(tmp_path / "graph.pdf"))
     assert list(tmp_path.iterdir()) == []

@@ -563,6 +563,11 @@ def graph_dumper_aot(current_name: str, folder_name: str | os.PathLike[str],
         raise ArgumentError(
             f"graph_dumper_aot's folder_name must be a path (str or os.PathLike), not "
             f"{type(folder_name).__name__}.\nFix: graph_dumper_aot('model', 'dumps').")
+    if not current_name or "/" in current_name or os.sep in current_name:
+        raise ArgumentError(
+            f"graph_dumper_aot's current_name {current_name!r} names the folder and the files "
+            "of its graphs, so it must be a non-empty name without path separators.\nFix: "
+            "graph_dumper_aot('model', 'dumps/run1') (the folder goes in folder_name).")
     return GraphDumper(current_name, folder_name, dump_example_input)
 
 
