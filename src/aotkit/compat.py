@@ -320,14 +320,6 @@ def selective_checkpointing_off() -> Iterator[None]:
             _push_mode(mode)
 
 
-def checkpoint_recomputing() -> bool:
-    """Whether non-reentrant ``torch.utils.checkpoint`` is recomputing a forward now (its
-    recomputation hooks are the innermost saved-tensor hooks). Private to PyTorch."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
-        "_recomputation_hook.")
-
-
 def source_name(source: Any) -> str:
     """A Dynamo ``Source``'s name, e.g. ``L['arg0'].size()[1]``: a method before torch 2.13."""
     name = source.name

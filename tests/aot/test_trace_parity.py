@@ -433,7 +433,7 @@ def test_a_selective_checkpoint_around_a_compiled_module_matches_eager(save):
     grads, x0 = [], torch.randn(4, 3)
     for run in (block, aotkit.aot_module(block, compilers.nop)):
         x = x0.clone().requires_grad_()
-        checkpoint(lambda a: run(a).relu(), x, use_reentrant=False,
+        checkpoint(lambda a, run=run: run(a).relu(), x, use_reentrant=False,
                    context_fn=context).sum().backward()
         grads.append([x.grad, *(p.grad for p in block.parameters())])
         block.zero_grad()

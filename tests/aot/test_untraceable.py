@@ -774,34 +774,6 @@ def test_checkpoints_early_stop_after_an_op_that_saves_only_its_inputs(via):
     _checkpointed_like_eager(_WritesAfterSavingItsInputs(), rand(8, 4, grad=True), via)
 
 
-def test_a_compile_in_checkpoints_recompute_is_refused():
-    """The forward leaves its buffer requiring grad (a mul_ by a value requiring grad), so the
-    recompute called the module with another signature: the graph compiled for it saved three
-    tensors where the forward's saved two, and checkpoint paired them by position (wrong
-    gradients). Reentrant checkpoint, whose forward runs under no_grad, recompiles freely."""
-
-    class JoinsTheGraph(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("a", torch.ones(3))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.a.mul_(x.sin())
-            return self.a * 1.0
-
-    x = rand(3, grad=True)
-    with pytest.raises(UnsupportedError, match=r"compiled again in torch.utils.checkpoint's "
-                                               r"recompute \(requires_grad of a changed"):
-        run = aotkit.aot_module(JoinsTheGraph(), compilers.nop)
-        checkpoint(run, x, use_reentrant=False).sum().backward()
-    eager, model = JoinsTheGraph(), JoinsTheGraph()
-    x.grad = None
-    checkpoint(eager, x, use_reentrant=True).sum().backward()
-    want, x.grad = x.grad, None
-    checkpoint(aotkit.aot_module(model, compilers.nop), x, use_reentrant=True).sum().backward()
-    torch.testing.assert_close(x.grad, want)
-
-
 def test_checkpoints_early_stop_inside_an_input_write_is_refused():
     """A buffer written before and after the last save: eager's stop leaves it half written, a
     value the graph does not have. Without the early stop it matches eager."""

@@ -31,7 +31,6 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
-from aotkit.aot.early_stop import refuse_recompile_in_recompute
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
@@ -807,7 +806,6 @@ class AotFunction:
                 f"{self.name} has been compiled for {self.num_entries} input signature(s), "
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
                 f"would compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic)}")
-        refuse_recompile_in_recompute(self.name, why)
         counters.record("recompile", self.name, why, logger=log)
 
 

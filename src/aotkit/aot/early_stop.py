@@ -15,8 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.untraceable import nodes_below
-from aotkit.compat import StorageWeakRef, checkpoint_recomputing
-from aotkit.errors import UnsupportedError
+from aotkit.compat import StorageWeakRef
 
 # Note [Checkpoint's early stop]
 # torch.utils.checkpoint (non-reentrant, early stop on: the default) recomputes a forward in
@@ -238,16 +237,3 @@ def _dynamo_function_saves(node: Any) -> bool:
     except (KeyError, ValueError, TypeError):
         return True
     return any(isinstance(v, torch.Tensor) for k, v in enumerate(saved) if k in packed)
-
-
-def refuse_recompile_in_recompute(name: str, why: str) -> None:
-    """Checkpoint pairs the tensors its recompute saves with those the forward saved, by
-    position: a graph compiled anew for the recompute saves others (wrong gradients)."""
-    if checkpoint_recomputing():
-        raise UnsupportedError(
-            f"{name} would be compiled again in torch.utils.checkpoint's recompute ({why}): the "
-            "new graph saves other tensors than the one its forward ran, and checkpoint pairs "
-            "them by position.\nFix: keep what the function reads the same from its forward to "
-            "the backward (a buffer written with a value requiring grad joins the autograd "
-            "graph and requires grad afterwards: write .detach()ed values or under "
-            "torch.no_grad()), or call it outside the checkpointed region.")

@@ -18,7 +18,6 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.early_stop import refuse_recompile_in_recompute
 from aotkit.aot.reads import is_recording_hook
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
@@ -300,7 +299,6 @@ class AotModule(nn.Module):
                     "forward changes at every call, such as a step counter, in a buffer), or "
                     "raise the limit with aotkit.config.patch(recompile_limit=...)."
                 )
-            refuse_recompile_in_recompute(name, why)
             counters.record("recompile", name, why, logger=log)
         self._layouts_compiled += 1
         _record_hooks(name, layout.hooks)
