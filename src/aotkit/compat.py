@@ -283,16 +283,17 @@ def replay_ctx(ctx: Any, saved_tensors: list[torch.Tensor]) -> Any:
 
 @contextlib.contextmanager
 def parametrize_cache_off() -> Iterator[None]:
-    """``torch.nn.utils.parametrize.cached()`` off (its counter, private to PyTorch): a trace
-    computes parametrized weights from their originals (Note [Closed-over tensors])."""
+    """``torch.nn.utils.parametrize.cached()`` off and its cache set aside (private to
+    PyTorch): a trace computes parametrized weights from their originals (Note [Closed-over
+    tensors])."""
     from torch.nn.utils import parametrize
 
-    enabled = parametrize._cache_enabled
-    parametrize._cache_enabled = 0
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}  # a cached() in forward starts empty
     try:
         yield
     finally:
-        parametrize._cache_enabled = enabled
+        parametrize._cache_enabled, parametrize._cache = enabled, cache
 
 
 @contextlib.contextmanager

@@ -328,16 +328,27 @@ def test_a_weight_parametrize_cached_holds_is_computed_in_the_graph(grad):
     no_grad: stale weights, silently; with grad: refused)."""
     from torch.nn.utils import parametrizations, parametrize
 
+    class Twice(nn.Module):  # opens its own cached(): the eager call's cache was read then
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = parametrizations.orthogonal(nn.Linear(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with parametrize.cached():
+                return self.lin(self.lin(x))
+
     torch.manual_seed(0)
-    lin = parametrizations.orthogonal(nn.Linear(4, 4))
-    compiled, x = aotkit.aot_module(lin, compilers.nop), torch.randn(2, 4)
-    with torch.set_grad_enabled(grad):
-        with parametrize.cached():
-            lin(x)
-            torch.testing.assert_close(compiled(x), lin(x))
-        with torch.no_grad():
-            lin.parametrizations.weight.original.copy_(torch.linalg.qr(torch.randn(4, 4))[0])
-        torch.testing.assert_close(compiled(x), lin(x))
+    for model in (parametrizations.orthogonal(nn.Linear(4, 4)), Twice()):
+        weight = model.parametrizations.weight if hasattr(model, "parametrizations") \
+            else model.lin.parametrizations.weight
+        compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(2, 4)
+        with torch.set_grad_enabled(grad):
+            with parametrize.cached():
+                model(x)
+                torch.testing.assert_close(compiled(x), model(x))
+            with torch.no_grad():
+                weight.original.copy_(torch.linalg.qr(torch.randn(4, 4))[0])
+            torch.testing.assert_close(compiled(x), model(x))
 
 
 class _ActNorm(nn.Module):
