@@ -3567,6 +3567,20 @@ def test_a_foreach_write_that_does_not_read_its_tensors_may_share_memory():
     assert torch.equal(x, expected)
 
 
+@pytest.mark.parametrize("call", [
+    lambda a, s: torch._foreach_copy_([a, s], [s, a]),
+    lambda a, s: torch._foreach_add_([a, s], [s, a]),
+    lambda a, s: torch._foreach_copy_([a[0:2], a[2:4]], [s[0:2], a[0:2]]),
+], ids=["copy_swap", "add_swap", "copy_from_written_view"])
+def test_a_foreach_write_then_read_of_the_same_memory_is_refused(call):
+    """Eager updates the list in turn, so a later source reads an earlier destination's new
+    value; the functional graph read every source first (values swapped, silently)."""
+    a, s = torch.arange(4.0), torch.arange(10.0, 14.0)
+    with pytest.raises(UnsupportedError, match=r"then reads memory it shares(.|\n)*\.clone\(\)"):
+        aotkit.aot_function(lambda a, s: call(a, s) or a.sum(), compilers.nop)(a, s)
+    assert torch.equal(a, torch.arange(4.0)) and torch.equal(s, torch.arange(10.0, 14.0))
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_foreach_write_to_interleaved_columns_of_one_tensor_matches_eager(dynamic):
     """The exact overlap check ran on fake tensors: a data-dependent error (static sizes) or a

@@ -113,10 +113,31 @@ def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 # result is computed from the old values and the last write wins: one update, silently
 # (PyTorch's AOT autograd too). The trace refuses such a call, but for ops whose results do
 # not read the old values (``_foreach_zero_``, ``_foreach_copy_``: the writes back in order
-# give eager's values). The exact check (interleaved
+# give eager's values); and a call reading a tensor it wrote at an earlier position (``_foreach_
+# copy_([a, s], [s, a])``: eager reads the new value) is refused too. The exact check (interleaved
 # views share no element) computes on real index tensors; with symbolic sizes only one view
 # listed twice is told, without adding a guard.
 OVERWRITING_FOREACH = (torch.ops.aten._foreach_zero_.default, torch.ops.aten._foreach_copy_.default)
+
+
+def read_after_written(written: Sequence[torch.Tensor],
+                       args: Sequence[Any]) -> tuple[int, int] | None:
+    """Positions ``(i, j)`` where an in-place foreach op reads, at ``j``, a tensor sharing an
+    element with the one it wrote at an earlier ``i`` (``_foreach_copy_([a, s], [s, a])``):
+    eager reads the new value, the functional graph the old one."""
+    by_storage: dict[Any, list[int]] = {}
+    for i, w in enumerate(written):
+        by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), []).append(i)
+    for sources in args[1:]:
+        if not isinstance(sources, (list, tuple)):
+            continue
+        for j, r in enumerate(sources):
+            if not isinstance(r, torch.Tensor):
+                continue
+            for i in by_storage.get(compat.StorageWeakRef(r.untyped_storage()), ()):
+                if i < j and overlapping_members([written[i], r]) is not None:
+                    return i, j
+    return None
 
 
 def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | None:

@@ -44,6 +44,7 @@ from aotkit.aot.ops import (
     note_unfold,
     overlapping_members,
     overlaps_itself,
+    read_after_written,
     through_unfold_gaps,
     writes_out_argument,
     written_by,
@@ -466,6 +467,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
         written = written_by(func, args, kwargs)
         if self.write_order is not None:
             self.write_order.note(written)
+        if len(written) > 1 and (pair := read_after_written(written, args)) is not None:
+            raise UnsupportedError(  # Note [Foreach writes to shared memory]
+                f"{self.what} writes in place ({func}) tensor number {pair[0]} of a list and "
+                f"then reads memory it shares, as number {pair[1]} of another list: eager reads "
+                "the new value, the functional graph the old one.\n"
+                f"  at {current_user_line()}\n"
+                "Fix: pass a .clone() of the tensor read, or use separate calls.")
         if len(written) > 1 and func not in OVERWRITING_FOREACH \
                 and (pair := overlapping_members(written)) is not None:
             raise UnsupportedError(  # Note [Foreach writes to shared memory]
