@@ -139,6 +139,8 @@ class AotModule(nn.Module):
         # Buffers forward assigns anew, (id of the module's _buffers, name): their sizes are
         # symbolic under dynamic=True (Note [Static parameters]).
         self._reassigned_buffers: set[tuple[int, str]] = set()
+        # The hooks (ids) its own and global hooks were last reported for (in _call_impl).
+        self._hooks_told: tuple[Any, ...] = ()
 
     # The wrapper reads as the module it compiles, as torch.compile's does: its training flag
     # (``model.eval()`` on the original shows here) and the public attributes it lacks itself
@@ -190,7 +192,9 @@ class AotModule(nn.Module):
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks \
                 or self._backward_pre_hooks:  # its own hooks, which run with the global ones
-            if any(_global_hook_tables()):
+            hooks = (*map(tuple, _hook_tables(self)), *map(tuple, _global_hook_tables()))
+            if any(_global_hook_tables()) and hooks != self._hooks_told:  # once per hook set
+                self._hooks_told = hooks
                 counters.record("hook", f"aot_module({type(self.orig_module).__name__})", (
                     "the compiled module has hooks of its own and global module hooks are set "
                     "(torch.nn.modules.module.register_module_*_hook): the global ones run on "
