@@ -3329,6 +3329,18 @@ def test_hooks_and_forward_of_a_closed_over_module_changed_after_compiling_trace
     torch.testing.assert_close(compiled(x), teacher(x))
     reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
     assert len(reasons) == 2 and all("hooks or the instance forward" in r for r in reasons)
+    from torch.nn.modules import module as nn_module
+
+    handle = nn_module.register_module_forward_hook(lambda mod, args, out: out * 2)
+    try:  # a global hook: the graph stayed undoubled
+        torch.testing.assert_close(compiled(x), teacher(x))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(compiled(x), teacher(x))
+    with aotkit.config.patch(recompile_limit=1), pytest.raises(
+            aotkit.errors.RecompileLimitError, match="register module hooks once"):
+        teacher[1].register_forward_hook(lambda mod, args, out: out + 1)
+        compiled(x)
 
 
 def test_a_forward_patched_on_an_aot_modules_submodule_traces_again():

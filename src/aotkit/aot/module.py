@@ -12,13 +12,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.reads import is_recording_hook
+from aotkit.aot.reads import global_hook_tables
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
@@ -192,8 +191,8 @@ class AotModule(nn.Module):
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks \
                 or self._backward_pre_hooks:  # its own hooks, which run with the global ones
-            hooks = (*map(tuple, _hook_tables(self)), *map(tuple, _global_hook_tables()))
-            if any(_global_hook_tables()) and hooks != self._hooks_told:  # once per hook set
+            hooks = (*map(tuple, _hook_tables(self)), *map(tuple, global_hook_tables()))
+            if any(global_hook_tables()) and hooks != self._hooks_told:  # once per hook set
                 self._hooks_told = hooks
                 counters.record("hook", f"aot_module({type(self.orig_module).__name__})", (
                     "the compiled module has hooks of its own and global module hooks are set "
@@ -300,8 +299,9 @@ class AotModule(nn.Module):
                     f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
                     "Fix: keep the module's layout stable (replace a submodule's parameters in "
                     "place instead of the submodule, keep training flags, keep a Python value "
-                    "forward changes at every call, such as a step counter, in a buffer), or "
-                    "raise the limit with aotkit.config.patch(recompile_limit=...)."
+                    "forward changes at every call, such as a step counter, in a buffer; "
+                    "register hooks once, not at every step), or raise the limit with "
+                    "aotkit.config.patch(recompile_limit=...)."
                 )
             counters.record("recompile", name, why, logger=log)
         self._layouts_compiled += 1
@@ -382,7 +382,7 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
             values.extend(m.__dict__[n] for n in names)
         if guarded and (names := guarded.get(id(m))):
             key.append(("values", *(_hashable(m.__dict__.get(n, _MISSING)) for n in names)))
-    if any(every := _global_hook_tables()):
+    if any(every := global_hook_tables()):
         key.append(tuple(map(tuple, every)))
     state, slots = _unique([*params, *buffers, *values])
     return (tuple(key), slots), state
@@ -442,20 +442,9 @@ def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
     return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
 
 
-def _global_hook_tables() -> tuple[dict[int, Any], ...]:
-    """The global module hooks, but the one a trace in another thread records modules with
-    (Note [What a trace reads besides its inputs]): it is not the user's, and taken for a hook
-    it made every other thread's compiled modules compile again."""
-    tables = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
-              nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
-    if not tables[0] or not any(is_recording_hook(h) for h in tables[0].values()):
-        return tables
-    return ({k: h for k, h in tables[0].items() if not is_recording_hook(h)}, *tables[1:])
-
-
 def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:
     tables = [(name, _hook_tables(m)) for name, m in modules]
-    tables.append(("every module", _global_hook_tables()))
+    tables.append(("every module", global_hook_tables()))
     return [(name, kind, hook) for name, kinds in tables
             for kind, table in zip(_HOOK_KINDS, kinds, strict=True) for hook in table.values()]
 

@@ -10,8 +10,8 @@ constants (later in-place changes show, Note [Closed-over tensors]) and the bran
 module's training flag took. Four changes would leave the graph silently stale:
 
 * the module's training flag (``model.eval()``): dropout went on dropping out;
-* its hooks, or a forward set on the instance (a hook registered after compiling, a wrapper
-  patched on), which the trace ran as they were;
+* its hooks, the global module hooks, or a forward set on the instance (a hook registered
+  after compiling, a wrapper patched on), which the trace ran as they were;
 * a parameter or buffer of the module replaced by a new tensor (``load_state_dict(...,
   assign=True)``, ``module.weight = nn.Parameter(...)``): the graph went on reading the old one;
 * a constant made to require grad (a frozen feature extractor unfrozen after warm-up): its
@@ -23,7 +23,7 @@ among them the parameters and buffers of those modules (a teacher called under n
 not one ``torch.func.functional_call`` swapped in while tracing: an input), and an entry is used
 only while every recorded module still alive has its flag and hooks, still holds those tensors, and
 no constant read where a gradient could flow requires grad (checked before every call: flat lists,
-weak references to the modules, about 27 us for a closed-over 12-layer TransformerEncoder);
+weak references to the modules, about 30-40 us for a closed-over 12-layer TransformerEncoder);
 otherwise the function is traced again, with a recompile decision naming the change (a constant
 that now requires grad is then refused, with the fix). A module the function switches itself
 (``model.eval()`` inside; ``Module.train`` is watched while tracing) keeps no flag: its flag is the
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from aotkit.compat import FakeTensor, FunctionalTensor
 
@@ -57,8 +58,10 @@ class _Flag:
     training: bool | None
     hooks: tuple[Any, ...]
 
-    def holds(self, module: nn.Module) -> bool:
-        return self.training in (None, module.training) and _hook_ids(module) == self.hooks
+
+def _global_hook_ids() -> tuple[Any, ...]:
+    tables = global_hook_tables()
+    return tuple(map(tuple, tables)) if any(tables) else ()
 
 
 def _hook_ids(m: nn.Module) -> tuple[Any, ...]:
@@ -86,6 +89,7 @@ class Reads:
     Checked before every call of its entry, so kept as flat lists."""
 
     flags: list[_Flag] = field(default_factory=list)
+    global_hooks: tuple[Any, ...] = ()  # their ids, when the trace called modules
     slots: list[_Slot] = field(default_factory=list)
     constants: list[torch.Tensor] = field(default_factory=list)  # read where grads could flow
     # Constants read after the function wrote some tensor in place (Note [Inputs sharing
@@ -95,9 +99,18 @@ class Reads:
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
         for flag in self.flags:
-            module = flag.module()
-            if module is not None and not flag.holds(module):
+            m = flag.module()
+            if m is None:
+                continue
+            d = m.__dict__  # one lookup per module: this runs at every call
+            if flag.training is not None and m.training != flag.training:  # may be a property
                 return False
+            if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
+                    or d["_backward_pre_hooks"] or d["_backward_hooks"]) \
+                    and _hook_ids(m) != flag.hooks:
+                return False
+        if self.flags and _global_hook_ids() != self.global_hooks:
+            return False
         return all(slot.table.get(slot.name) is slot.tensor for slot in self.slots) \
             and not any(t.requires_grad for t in self.constants)
 
@@ -111,6 +124,9 @@ class Reads:
                     "function calls) changed"
                     for flag in self.flags
                     if (m := flag.module()) is not None and _hook_ids(m) != flag.hooks]
+        if self.flags and _global_hook_ids() != self.global_hooks:
+            changes.append("global module hooks (register_module_forward_hook) were added or "
+                           "removed; the function calls modules")
         changes += [f"{slot.where} (a module the function calls), which the graph reads as a "
                     "constant, was replaced"
                     for slot in self.slots if slot.table.get(slot.name) is not slot.tensor]
@@ -182,6 +198,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         _put_back_tracing_tensors(held)
         reads.flags = [_Flag(weakref.ref(m), m.training if i not in switched else None,
                              _hook_ids(m)) for i, m in called.items()]
+        reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
@@ -282,6 +299,17 @@ def _tracing(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(isinstance(x, (FakeTensor, FunctionalTensor)) for x in value)
     return isinstance(value, (FakeTensor, FunctionalTensor))
+
+
+def global_hook_tables() -> tuple[dict[int, Any], ...]:
+    """The global module hooks, but the one a trace in another thread records modules with
+    (Note [What a trace reads besides its inputs]): it is not the user's, and taken for a hook
+    it made every other thread's compiled modules compile again."""
+    tables = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+              nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
+    if not tables[0] or not any(is_recording_hook(h) for h in tables[0].values()):
+        return tables
+    return ({k: h for k, h in tables[0].items() if not is_recording_hook(h)}, *tables[1:])
 
 
 def is_recording_hook(hook: object) -> bool:

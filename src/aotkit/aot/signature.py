@@ -690,6 +690,10 @@ _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(_
 
 def recompile_fix(why: str, dynamic: bool) -> str:
     """The fix a RecompileLimitError names for a recompile of reason ``why``."""
+    if "hooks" in why:
+        return ("register module hooks once, before the first call (a hook added and removed at "
+                "every step, or a profiler's global hooks entered per step, compiles anew each "
+                "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
     if why.startswith("aotkit.config."):
         return ("keep aotkit.config fixed while the function runs (each value of an option "
                 "compiles anew: compile one function per value instead), or raise the limit with "
