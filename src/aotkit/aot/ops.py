@@ -117,7 +117,28 @@ def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 # copy_([a, s], [s, a])``: eager reads the new value) is refused too. The exact check (interleaved
 # views share no element) computes on real index tensors; with symbolic sizes only one view
 # listed twice is told, without adding a guard.
-OVERWRITING_FOREACH = (torch.ops.aten._foreach_zero_.default, torch.ops.aten._foreach_copy_.default)
+_OVERWRITING_FOREACH = (torch.ops.aten._foreach_zero_.default,
+                        torch.ops.aten._foreach_copy_.default)
+
+
+def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
+                         written: Sequence[torch.Tensor], what: str) -> None:
+    """Refuse an in-place op writing several tensors that eager's one-by-one updates would give
+    other values than the functional graph (Note [Foreach writes to shared memory])."""
+    if (pair := read_after_written(written, args)) is not None:
+        raise UnsupportedError(
+            f"{what} writes in place ({func}) tensor number {pair[0]} of a list and then reads "
+            f"memory it shares, as number {pair[1]} of another list: eager reads the new value, "
+            f"the functional graph the old one.\n  at {current_user_line()}\n"
+            "Fix: pass a .clone() of the tensor read, or use separate calls.")
+    if func not in _OVERWRITING_FOREACH and (pair := overlapping_members(written)) is not None:
+        raise UnsupportedError(
+            f"{what} writes in place ({func}) to two tensors that share memory (numbers "
+            f"{pair[0]} and {pair[1]} of those it writes: one tensor listed twice, a tied "
+            "weight, or overlapping views): eager applies each update in turn, the functional "
+            f"graph only the last.\n  at {current_user_line()}\n"
+            "Fix: list each tensor once (deduplicate an optimizer's parameters), or use "
+            "foreach=False.")
 
 
 def read_after_written(written: Sequence[torch.Tensor],

@@ -32,19 +32,17 @@ from aotkit.aot.analysis import Alias, AotMeta, from_fun, laid_out_alike, to_fun
 from aotkit.aot.early_stop import WriteOrder
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
-    OVERWRITING_FOREACH,
     PRINTABLE_DECOMPOSITIONS,
     EagerOps,
     UnfoldLengths,
+    check_foreach_writes,
     check_out_dtype,
     in_eager_devices,
     in_eager_indices,
     in_eager_layout,
     may_not_cast_in_place,
     note_unfold,
-    overlapping_members,
     overlaps_itself,
-    read_after_written,
     through_unfold_gaps,
     writes_out_argument,
     written_by,
@@ -467,23 +465,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         written = written_by(func, args, kwargs)
         if self.write_order is not None:
             self.write_order.note(written)
-        if len(written) > 1 and (pair := read_after_written(written, args)) is not None:
-            raise UnsupportedError(  # Note [Foreach writes to shared memory]
-                f"{self.what} writes in place ({func}) tensor number {pair[0]} of a list and "
-                f"then reads memory it shares, as number {pair[1]} of another list: eager reads "
-                "the new value, the functional graph the old one.\n"
-                f"  at {current_user_line()}\n"
-                "Fix: pass a .clone() of the tensor read, or use separate calls.")
-        if len(written) > 1 and func not in OVERWRITING_FOREACH \
-                and (pair := overlapping_members(written)) is not None:
-            raise UnsupportedError(  # Note [Foreach writes to shared memory]
-                f"{self.what} writes in place ({func}) to two tensors that share memory "
-                f"(numbers {pair[0]} and {pair[1]} of those it writes: one tensor "
-                "listed twice, a tied weight, or overlapping views): eager applies each update "
-                "in turn, the functional graph only the last.\n"
-                f"  at {current_user_line()}\n"
-                "Fix: list each tensor once (deduplicate an optimizer's parameters), or use "
-                "foreach=False.")
+        if len(written) > 1:
+            check_foreach_writes(func, args, written, self.what)
         for t in written:
             self.wrote = True  # Note [Inputs sharing memory with constants]
             if (base := self._outside(t)) is not None:
