@@ -137,7 +137,7 @@ class Explanation:
             raise ArgumentError(f"of_kind takes a kind's name, got {kind!r}.\nFix: use one of "
                                 f"{', '.join(KINDS)}.")
         found = [d for d in self.decisions if d.kind == kind]
-        if not found and kind not in KINDS:  # a misspelled kind would always be []
+        if not found and kind not in KINDS and kind not in self.counters:  # a misspelling
             import difflib
 
             close = difflib.get_close_matches(kind, list(KINDS), n=1)

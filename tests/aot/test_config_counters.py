@@ -572,3 +572,14 @@ def test_record_names_kinds_with_strings_and_explain_indents_long_reasons() -> N
         counters.record(3, "x", "y")  # type: ignore[arg-type]
     counters.record("mine", "f", "first line\nFix: second line")
     assert "  [mine] f: first line\n    Fix: second line" in str(aotkit.explain())
+
+
+def test_of_kind_of_a_kind_of_ones_own_whose_decisions_were_dropped_is_empty() -> None:
+    """Once max_decisions dropped them it raised "aotkit records no such kind", though the
+    counters listed the kind."""
+    with aotkit.config.patch(max_decisions=1):
+        counters.record("mykind", "f", "why")
+        counters.record("recompile", "g", "why")
+    assert aotkit.explain().of_kind("mykind") == []
+    with pytest.raises(ArgumentError, match="did you mean 'recompile'"):
+        aotkit.explain().of_kind("recompil")
