@@ -52,7 +52,7 @@ class WriteOrder:
     calls were given (by :class:`SaveWatch`)."""
 
     writes: list[tuple[int, bool, bool, StorageWeakRef]] = field(default_factory=list)
-    last_save: Any = None  # the saving node with the highest sequence number seen
+    last_save: _Save | None = None  # the saving node with the highest number seen
     given: dict[int, torch.Tensor] = field(default_factory=dict)  # held: ids stay unique
     _last: int = -1
     _seen_below: int = 0  # nodes numbered below were seen, or made before the pass
@@ -76,7 +76,7 @@ class WriteOrder:
         for node in nodes:
             for below in nodes_below(node, {}, numbered_from=self._seen_below):
                 if _later(below, self.last_save) and _saves(below, self.given):
-                    self.last_save = below
+                    self.last_save = _Save.of(below)
                 if below._sequence_nr() < made:  # not an AccumulateGrad (numbered last)
                     newest = max(newest, below._sequence_nr() + 1)
         self._seen_below = newest
@@ -87,8 +87,25 @@ class WriteOrder:
         self._applies = _function_applies()
 
 
-def _later(node: Any, than: Any) -> bool:
-    return than is None or node._sequence_nr() > than._sequence_nr()
+@dataclass(frozen=True)
+class _Save:
+    """A saving node, as much of it as the early stop reads: kept as numbers, since the node
+    of a branch kept nowhere is freed before the stop is placed (torch 2.11 then refuses to
+    read it)."""
+
+    number: int
+    custom: bool  # a custom Function's node
+    saves_result: bool  # an op's node saving its result (after its kernel ran)
+
+    @staticmethod
+    def of(node: Any) -> _Save:
+        custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        return _Save(node._sequence_nr(), custom, not custom and any(
+            name.startswith("_saved_result") for name in _saved_names(node)))
+
+
+def _later(node: Any, than: _Save | None) -> bool:
+    return than is None or node._sequence_nr() > than.number
 
 
 def _function_applies() -> int:
@@ -158,7 +175,7 @@ def early_stop(order: WriteOrder | None, f_args: Sequence[Any], f_outs: Sequence
     for t in [*f_outs, *f_args]:
         for node in nodes_below(_grad_fn(t), stop):
             if _later(node, last) and _saves(node, order.given):
-                last = node
+                last = _Save.of(node)
     storages = {StorageWeakRef(f.untyped_storage()): i for i, f in enumerate(f_args)
                 if isinstance(f, torch.Tensor)}
     sides: dict[int, set[bool]] = {}
@@ -169,18 +186,16 @@ def early_stop(order: WriteOrder | None, f_args: Sequence[Any], f_outs: Sequence
                      frozenset(i for i, s in sides.items() if len(s) == 2))
 
 
-def _before_stop(seq: int, created: bool, inside: bool, last: Any) -> bool:
+def _before_stop(seq: int, created: bool, inside: bool, last: _Save | None) -> bool:
     """Whether a write (see :meth:`WriteOrder.note`) comes before eager's stop at the save of
     ``last``: a write by the op that made ``last`` does when the op saves its result (saved
     after its kernel ran; inputs are saved before), one in a custom Function's forward when
     ``last`` is that Function's node (saved when its forward has returned)."""
     if last is None:
         return False
-    if seq != last._sequence_nr():
-        return seq < last._sequence_nr()
-    if isinstance(last, torch.autograd.function.BackwardCFunction):
-        return inside
-    return created and any(name.startswith("_saved_result") for name in _saved_names(last))
+    if seq != last.number:
+        return seq < last.number
+    return inside if last.custom else created and last.saves_result
 
 
 _SAVED_NAMES: dict[type, list[str]] = {}
