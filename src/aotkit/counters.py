@@ -19,7 +19,7 @@ import collections
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from aotkit import config
@@ -112,6 +112,17 @@ def record(
         counters[kind][what] += 1
     (logger or log).log(level, "%s", decision)
     return decision
+
+
+def log_graph(logger: logging.Logger, text: Callable[[], str]) -> None:
+    """Log a graph's ``text()`` at INFO under ``aotkit.config.log_graphs``, else at DEBUG. Asked
+    for (AOTKIT_LOG_GRAPHS=1) where nothing shows aotkit's logs, it is printed to stderr, as
+    TORCH_LOGS shows PyTorch's (logging's configuration is left as it is)."""
+    level = logging.INFO if config.log_graphs else logging.DEBUG
+    if config.log_graphs and not logger.hasHandlers():
+        print(f"[{logger.name}] {text()}", file=sys.stderr)
+    elif logger.isEnabledFor(level):
+        logger.log(level, "%s", text())
 
 
 class Explanation:

@@ -521,6 +521,12 @@ def test_log_graphs_alone_shows_the_graphs():
                      "f(torch.ones(2, requires_grad=True))\n", AOTKIT_LOG_GRAPHS="1")
     assert result.returncode == 0, result.stderr
     assert "[aotkit.aot] aot_function(_VariableFunctionsClass.sin) forward graph:" in result.stderr
+    lowered = _python("import torch, aotkit\n"  # compiled autograd's lowered graphs said nothing
+                      "x = torch.ones(2, requires_grad=True)\n"
+                      "with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):\n"
+                      "    x.sin().sum().backward()\n", AOTKIT_LOG_GRAPHS="1")
+    assert lowered.returncode == 0, lowered.stderr
+    assert "[aotkit.compiled_autograd] lowered " in lowered.stderr, lowered.stderr
     quiet = _python("import torch, aotkit\n"
                     "aotkit.aot_function(torch.sin, aotkit.compilers.nop)(torch.ones(2))\n")
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

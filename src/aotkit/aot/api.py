@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -545,18 +544,9 @@ def _graph_inputs(gm: fx.GraphModule) -> list[Any]:
 
 
 def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
-    level = logging.INFO if config.log_graphs else logging.DEBUG
-    # Asked for graphs (AOTKIT_LOG_GRAPHS=1) where nothing shows aotkit's logs, they went
-    # nowhere: they are printed to stderr then, as TORCH_LOGS shows PyTorch's (logging's
-    # configuration is left as it is).
-    unseen = config.log_graphs and not log.hasHandlers()
-    if unseen or log.isEnabledFor(level):
-        for kind, gm in graphs.items():
-            text = f"{name} {kind} graph:\n{gm.print_readable(print_output=False)}"
-            if unseen:
-                print(f"[{log.name}] {text}", file=sys.stderr)
-            else:
-                log.log(level, "%s", text)
+    for kind, gm in graphs.items():
+        counters.log_graph(log, lambda kind=kind, gm=gm: (
+            f"{name} {kind} graph:\n{gm.print_readable(print_output=False)}"))
 
 
 def _under_transform(name: str) -> UnsupportedError:

@@ -262,10 +262,8 @@ def make_variant(captured: fx.GraphModule, example: Example, session: Session,
             why_captured = f"lowering to ATen failed: {type(exc).__name__}: {exc}"
         else:
             # The captured graph is logged at INFO; its lowered form too where asked for.
-            level = logging.INFO if config.log_graphs else logging.DEBUG
-            if log.isEnabledFor(level):
-                log.log(level, "lowered %s to ATen:\n%s", captured.__class__.__name__,
-                        lowered.gm.print_readable(print_output=False))
+            counters.log_graph(log, lambda: f"lowered {captured.__class__.__name__} to ATen:\n"
+                                            f"{lowered.gm.print_readable(print_output=False)}")
             return Variant(lowered.gm, lowered, compile_graph(lowered.gm, session.compiler_fn))
     if config.compiled_autograd_lower:
         counters.record("fallback", "compiled_autograd",
