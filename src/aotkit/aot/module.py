@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.reads import global_hook_tables
+from aotkit.aot.reads import global_hook_tables, hook_tables
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
@@ -189,10 +189,9 @@ class AotModule(nn.Module):
     # Global module hooks (register_module_forward_hook) ran in the trace on the original's
     # modules; on the wrapper they would run a second time, on its call.
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
-        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks \
-                or self._backward_pre_hooks:  # its own hooks, which run with the global ones
-            hooks = (*map(tuple, _hook_tables(self)), *map(tuple, global_hook_tables()))
-            if any(global_hook_tables()) and hooks != self._hooks_told:  # once per hook set
+        if any(own := hook_tables(self)):  # its own hooks, which run with the global ones
+            hooks = (*map(tuple, own), *map(tuple, every := global_hook_tables()))
+            if any(every) and hooks != self._hooks_told:  # once per set of hooks
                 self._hooks_told = hooks
                 counters.record("hook", f"aot_module({type(self.orig_module).__name__})", (
                     "the compiled module has hooks of its own and global module hooks are set "
@@ -370,7 +369,7 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         p, b = m._parameters, m._buffers
         key.append((id(m), m.training, *p, None, *b, None, *m._modules))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
-            key.append(tuple(map(tuple, _hook_tables(m))))
+            key.append(tuple(map(tuple, hook_tables(m))))
         if "forward" in m.__dict__:  # set on the instance
             key.append(("forward", id(m.__dict__["forward"])))
         params.extend(p.values())
@@ -438,12 +437,8 @@ _HOOK_STATE = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
                "_forward_hooks_always_called")
 
 
-def _hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
-    return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
-
-
 def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:
-    tables = [(name, _hook_tables(m)) for name, m in modules]
+    tables = [(name, hook_tables(m)) for name, m in modules]
     tables.append(("every module", global_hook_tables()))
     return [(name, kind, hook) for name, kinds in tables
             for kind, table in zip(_HOOK_KINDS, kinds, strict=True) for hook in table.values()]
@@ -740,9 +735,8 @@ def _describe(old: _Layout, new: _Layout) -> str:
     reasons += _state_changes(old, new, read)
     if old.hooks != new.hooks:
         reasons.append("module hooks added or removed")
-    if {n: id(f) for n, f in old.forwards.items()} != {n: id(f) for n, f in new.forwards.items()}:
-        changed = sorted({*old.forwards, *new.forwards} - {
-            n for n, f in new.forwards.items() if old.forwards.get(n) is f})
+    if changed := sorted(n for n in {*old.forwards, *new.forwards}
+                         if old.forwards.get(n) is not new.forwards.get(n)):
         reasons.append(f"forward set on the module instance changed: {', '.join(changed)}")
     return "; ".join(reasons) or ("the module's layout changed (a submodule was replaced, or a "
                                   "parameter or buffer registered as or set to None)")

@@ -64,13 +64,17 @@ def _global_hook_ids() -> tuple[Any, ...]:
     return tuple(map(tuple, tables)) if any(tables) else ()
 
 
+def hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
+    """A module's own hooks: forward pre-hooks, forward hooks, backward pre-hooks, backward."""
+    return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
+
+
 def _hook_ids(m: nn.Module) -> tuple[Any, ...]:
     """The ids of ``m``'s own hooks and its instance forward; () when it has none."""
-    if not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
-            or m._backward_hooks or "forward" in m.__dict__):
+    tables = hook_tables(m)
+    if not (any(tables) or "forward" in m.__dict__):
         return ()
-    return (*map(tuple, (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks,
-                         m._backward_hooks)), id(m.__dict__.get("forward")))
+    return (*map(tuple, tables), id(m.__dict__.get("forward")))
 
 
 @dataclass(frozen=True)
