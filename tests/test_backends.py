@@ -751,6 +751,19 @@ def test_float_argument_that_changes_between_calls(backend: str) -> None:
     assert not aotkit.explain().of_kind("specialize")
 
 
+def test_an_unused_float_argument_is_not_specialized() -> None:
+    """An eval-mode dropout's p reaches the graph as a float read nothing uses; specializing it
+    made Dynamo trace the frame twice (a GPU run found two traces where one was expected)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.25), nn.Linear(16, 4)).eval()
+    compiled = torch.compile(model, backend="aotkit", dynamic=True)
+    for batch in (3, 5, 7):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert counters["aot"]["traces"] == 1
+    assert not aotkit.explain().of_kind("specialize")
+
+
 @pytest.mark.parametrize("backend", ["aotkit", "aotkit_inductor"])
 def test_compiled_optimizer_step_with_a_learning_rate_scheduler(backend: str) -> None:
     torch.manual_seed(0)

@@ -194,12 +194,10 @@ def test_aotkit_inductor_dynamic_batch_on_cuda() -> None:
         out.square().sum().backward()
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
         _assert_grads_equal(model, eager, rtol=1e-4, atol=1e-4)
-    # One dynamic graph for all batches. Dynamo passes dropout's p in as a changing float; the
-    # first trace finds it used as a Scalar and asks Dynamo to trace again with it constant
-    # (Note [Float arguments from Dynamo]), so two traces, one compile, one specialize decision.
-    assert aotkit.counters.counters["aot"]["fw_compiles"] == 1
-    assert aotkit.counters.counters["aot"]["traces"] == 2
-    assert len(aotkit.counters.explain().of_kind("specialize")) == 1
+    # One dynamic graph for all batches; the eval-mode dropout's p is a float read nothing uses,
+    # not a reason to trace again (Note [Float arguments from Dynamo]).
+    assert aotkit.counters.counters["aot"]["traces"] == 1
+    assert not aotkit.counters.explain().of_kind("specialize")
 
 
 def test_side_stream_matches_eager() -> None:

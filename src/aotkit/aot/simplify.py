@@ -154,12 +154,18 @@ def pin_factory_dtypes(gm: fx.GraphModule) -> int:
 # symbol it is not told how to bind, and every compiler gains a graph without a host read.
 # Where the pass cannot rewrite a use, it specializes the float and makes Dynamo trace again
 # with it as a constant (it raises ``TensorifyScalarRestartAnalysis``, which Dynamo handles).
+# A read nothing uses (an eval-mode dropout's p) is dropped first: the pass would specialize it,
+# a second trace for nothing. Trace-time dead-code elimination keeps such reads (Note
+# [Data-dependent sizes]), but Dynamo writes its own checks on a value into the graph it hands
+# us, so an unused read of one checks nothing.
 def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
     """Rewrite arithmetic on floats Dynamo read from tensor inputs into tensor ops, in place.
     A no-op without symbolic shapes. See Note [Float arguments from Dynamo]."""
-    if mode.shape_env is None or not any(
-        n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes
-    ):
+    reads = [n for n in gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
+    for unused in (n for n in reads if not n.users):
+        gm.graph.erase_node(unused)
+    if mode.shape_env is None or not any(n.users for n in reads):
+        gm.recompile()
         return
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
