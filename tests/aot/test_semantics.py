@@ -3349,6 +3349,91 @@ def test_hooks_and_forward_of_a_closed_over_module_changed_after_compiling_trace
         compiled(x)
 
 
+def test_submodules_and_classes_of_a_closed_over_module_changed_after_compiling_trace_again():
+    """A head replaced, a layer appended (to a called Sequential, and to a ModuleList the
+    forward loops over without calling it), an activation's class swapped: the graph ran the
+    old modules with no recompile."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Stack()).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: model(x) * 2, compilers.nop), torch.randn(3, 4)
+    changes = [lambda: None, lambda: model.__setitem__(0, nn.Linear(4, 4)),
+               lambda: model.append(nn.Tanh()), lambda: setattr(model[1], "__class__", nn.SiLU),
+               lambda: model[2].layers.append(nn.Linear(4, 4))]
+    for change in changes:
+        change()
+        model.requires_grad_(False)
+        torch.testing.assert_close(compiled(x), model(x) * 2, rtol=0, atol=0)
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert [r.split(" (")[0] for r in reasons] == [
+        "the submodules of Sequential", "the submodules of Sequential",
+        "the class of ReLU", "the submodules of ModuleList"]
+
+
+def test_a_new_instance_forward_at_a_freed_ones_address_traces_again():
+    """The instance forward was told by its id: a new closure allocated where the freed one
+    was ran the old graph (scaled by the first scale at every call)."""
+    lin = nn.Linear(3, 3).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: lin(x), compilers.nop), torch.randn(2, 3)
+    for scale in (1.0, 2.0, 3.0, 4.0):
+        lin.__dict__.pop("forward", None)
+        lin.forward = lambda h, scale=scale: nn.Linear.forward(lin, h) * scale
+        torch.testing.assert_close(compiled(x), lin(x), rtol=0, atol=0)
+    assert len(aotkit.explain().of_kind("recompile")) == 3
+
+
+def test_pruning_again_reuses_its_hook_and_compiles_once_more():
+    """Iterative pruning re-registers one PruningContainer under a new handle each round: keyed
+    by handle, every round compiled again (with a generic reason) until the recompile limit."""
+    import torch.nn.utils.prune as prune
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    eager = copy.deepcopy(model)
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(4, 8)
+    for _ in range(10):
+        for m in (model, eager):
+            prune.l1_unstructured(m[0], "weight", amount=0.1)
+        compiled(x).sum().backward()
+        eager(x).sum().backward()
+        torch.testing.assert_close(model[0].weight_orig.grad, eager[0].weight_orig.grad)
+    (reason,) = aotkit.explain().of_kind("recompile")  # the container replaces the first method
+    assert "module hooks added or removed" in reason.why
+
+
+def test_aot_module_recompile_reasons_name_replaced_submodules_and_classes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(3, 4)
+    changes = [lambda: None, lambda: model.__setitem__(2, nn.Linear(4, 2)),
+               lambda: setattr(model[1], "__class__", nn.Tanh)]
+    for change in changes:
+        change()
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reasons == ["submodules replaced: 2", "module classes changed: 1 ReLU -> Tanh"]
+
+
+def test_the_recompile_reason_is_the_closest_entrys_change():
+    """With train and eval graphs of one signature, the reason came from the last entry made
+    (training flags that had not changed since the entry in use ran), not the closest one."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: model(x) * 2, compilers.nop), torch.randn(3, 4)
+    for change in (model.eval, model.train, model.eval,
+                   lambda: setattr(model[0], "bias", nn.Parameter(torch.ones(4), False))):
+        change()
+        compiled(x)
+    reason = aotkit.explain().of_kind("recompile")[-1].why
+    assert reason.startswith("the parameter 'bias' (4,) of Linear") and "training" not in reason
+
+
 def test_a_forward_patched_on_an_aot_modules_submodule_traces_again():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(3, 4)

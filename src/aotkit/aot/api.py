@@ -775,8 +775,9 @@ class AotFunction:
         failed = self._entries.get(key)
         names = self._leaf_names(args, kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
-        if failed and (change := failed[-1].reads.change()) is not None:
-            why = change
+        changes = [c for e in failed or () if (c := e.reads.change()) is not None]
+        if changes:  # the entry it differs least from (train/eval graphs of one signature)
+            why = min(reversed(changes), key=lambda c: c.count("; "))
         elif failed and (moved := moved_offsets(failed[-1].offsets, failed[-1].tensor_positions,
                                                 leaves, names)):
             why = moved

@@ -74,6 +74,7 @@ class _Slot:
 @dataclasses.dataclass
 class _Layout:
     modes: list[tuple[str, bool]]   # (module name, training)
+    classes: list[type]             # each module's, in the same order
     names: list[str]                # state tensor names, in input order
     slots: list[_Slot]
     attributes: list[tuple[str, dict[str, Any]]]  # every module's name and __dict__
@@ -367,9 +368,11 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
     values: list[Any] = []
     for m in root.modules():
         p, b = m._parameters, m._buffers
-        key.append((id(m), m.training, *p, None, *b, None, *m._modules))
+        key.append((id(m), m.__class__, m.training, *p, None, *b, None, *m._modules))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
-            key.append(tuple(map(tuple, hook_tables(m))))
+            # The hook objects, which the entry's layout holds, not their handles: pruning
+            # again re-registers the same hook under a new handle.
+            key.append(tuple(tuple(map(id, t.values())) for t in hook_tables(m)))
         if "forward" in m.__dict__:  # set on the instance
             key.append(("forward", id(m.__dict__["forward"])))
         params.extend(p.values())
@@ -511,7 +514,8 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
     constants = {f"{n}.{k}" if n else k: (m.__dict__, k, v) for n, m in modules
                  for k, v in m.__dict__.items()
                  if isinstance(v, torch.Tensor) and (id(m.__dict__), k) not in lifted}
-    return _Layout(modes, names, slots, [(n, m.__dict__) for n, m in modules], _hooks(
+    return _Layout(modes, [type(m) for _, m in modules], names, slots,
+                   [(n, m.__dict__) for n, m in modules], _hooks(
         [(f"{n!r} ({type(m).__name__})" if n else type(m).__name__, m) for n, m in modules]),
         constants, {id(m.__dict__) for _, m in modules if _defined_by_pytorch(m)},
         {f"{n}.{k}" if n else k: m.__dict__.get(k, _MISSING) for n, m in modules
@@ -709,8 +713,17 @@ def _describe(old: _Layout, new: _Layout) -> str:
     """Why a new layout was compiled, e.g. ``training flags changed: drop.training True -> False``."""
     reasons = []
     if [n for n, _ in old.modes] == [n for n, _ in new.modes]:
-        flips = [f"{n}.training {a} -> {b}" for (n, a), (_, b) in zip(old.modes, new.modes, strict=True)
-                 if a != b]
+        pairs = list(zip(old.modes, new.modes, old.classes, new.classes, old.attributes,
+                         new.attributes, strict=True))
+        replaced = [n for (n, _), _, _, _, (_, a), (_, b) in pairs if a is not b]
+        if replaced:  # a module's __dict__ is the module, held by the layout
+            reasons.append(f"submodules replaced: {', '.join(replaced)}")
+        classes = [f"{n} {a.__name__} -> {b.__name__}" for (n, _), _, a, b, *_ in pairs
+                   if a is not b and n not in replaced]
+        if classes:
+            reasons.append(f"module classes changed: {', '.join(classes)}")
+        flips = [f"{n}.training {a} -> {b}" for (n, a), (_, b), *_ in pairs
+                 if a != b and n not in replaced]
         if flips:
             reasons.append(f"training flags changed: {', '.join(flips)}")
     else:

@@ -7,23 +7,28 @@ A function may call a module it does not take as its compiled input (``aot_funct
 model(x))``, a frozen teacher handed to an ``aot_module``'s forward) and read tensors it closes
 over (a mask, a global table, that module's frozen weights). The graph holds such tensors as
 constants (later in-place changes show, Note [Closed-over tensors]) and the branches the
-module's training flag took. Four changes would leave the graph silently stale:
+module's training flag took. Five changes would leave the graph silently stale:
 
 * the module's training flag (``model.eval()``): dropout went on dropping out;
+* its class or its submodules (``model.head = nn.Linear(...)``, ``layers.append(...)``, an
+  activation's ``__class__`` swapped): the graph ran the old ones;
 * its hooks, the global module hooks, or a forward set on the instance (a hook registered
-  after compiling, a wrapper patched on), which the trace ran as they were;
+  after compiling, a wrapper patched on), which the trace ran as they were; the hook objects
+  count, not their handles (pruning again re-registers the same hook), and are held by weak
+  reference, as a freed function's address may be reused by the next one;
 * a parameter or buffer of the module replaced by a new tensor (``load_state_dict(...,
   assign=True)``, ``module.weight = nn.Parameter(...)``): the graph went on reading the old one;
 * a constant made to require grad (a frozen feature extractor unfrozen after warm-up): its
   gradient was silently dropped, where tracing it that way is refused.
 
 So each trace records the modules whose forward runs (a global forward pre-hook, in the tracing
-thread only) with their flags and hooks, and the constants it reads (Note [Closed-over tensors]),
+thread only), and the containers between them it loops over without calling (a ModuleList),
+with their classes, flags, hooks and children, and the constants it reads (Note [Closed-over tensors]),
 among them the parameters and buffers of those modules (a teacher called under no_grad included;
 not one ``torch.func.functional_call`` swapped in while tracing: an input), and an entry is used
-only while every recorded module still alive has its flag and hooks, still holds those tensors, and
+only while every recorded module still alive is as recorded, still holds those tensors, and
 no constant read where a gradient could flow requires grad (checked before every call: flat lists,
-weak references to the modules, about 30-40 us for a closed-over 12-layer TransformerEncoder);
+weak references to the modules, about 40-50 us for a closed-over 12-layer TransformerEncoder);
 otherwise the function is traced again, with a recompile decision naming the change (a constant
 that now requires grad is then refused, with the fix). A module the function switches itself
 (``model.eval()`` inside; ``Module.train`` is watched while tracing) keeps no flag: its flag is the
@@ -51,12 +56,44 @@ from aotkit.compat import FakeTensor, FunctionalTensor
 
 @dataclass(frozen=True)
 class _Flag:
-    """A module the function calls: its training flag (None: the function sets it) and hooks
-    (ids), as traced."""
+    """A module the function uses, as traced: its class, training flag (None: the function sets
+    it or does not call the module), hooks and instance forward (weak references, see
+    :func:`_hooks_of`) and children (held: a freed module's address may be reused by another)."""
 
     module: weakref.ref[nn.Module]
+    cls: type
     training: bool | None
-    hooks: tuple[Any, ...]
+    hooks: tuple[Callable[[], Any], ...]
+    children: tuple[nn.Module | None, ...]
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    """A weak reference where ``obj`` takes one, else a strong one (``ref() is obj`` either way)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _refs(objs: Iterable[Any]) -> tuple[Callable[[], Any], ...]:
+    return tuple(map(_ref, objs))
+
+
+def _same(refs: tuple[Callable[[], Any], ...], objs: Iterable[Any]) -> bool:
+    """Whether ``objs`` are the objects ``refs`` were taken of, in order."""
+    objs = tuple(objs)
+    return len(refs) == len(objs) and all(r() is o for r, o in zip(refs, objs, strict=True))
+
+
+def _hooks_of(m: nn.Module) -> list[Any]:
+    """``m``'s own hooks, each table's followed by a None, and its instance forward: the hook
+    objects, not their handles' ids (pruning again re-registers the same hook under a new id)."""
+    found: list[Any] = []
+    for table in hook_tables(m):
+        found += table.values()
+        found.append(None)
+    found.append(m.__dict__.get("forward"))
+    return found if len(found) > 5 or found[-1] is not None else []
 
 
 def _global_hook_ids() -> tuple[Any, ...]:
@@ -67,14 +104,6 @@ def _global_hook_ids() -> tuple[Any, ...]:
 def hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
     """A module's own hooks: forward pre-hooks, forward hooks, backward pre-hooks, backward."""
     return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
-
-
-def _hook_ids(m: nn.Module) -> tuple[Any, ...]:
-    """The ids of ``m``'s own hooks and its instance forward; () when it has none."""
-    tables = hook_tables(m)
-    if not (any(tables) or "forward" in m.__dict__):
-        return ()
-    return (*map(tuple, tables), id(m.__dict__.get("forward")))
 
 
 @dataclass(frozen=True)
@@ -102,16 +131,19 @@ class Reads:
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
-        for flag in self.flags:
+        for flag in self.flags:  # one __dict__ lookup per module: this runs at every call
             m = flag.module()
             if m is None:
                 continue
-            d = m.__dict__  # one lookup per module: this runs at every call
-            if flag.training is not None and m.training != flag.training:  # may be a property
+            d = m.__dict__
+            if m.__class__ is not flag.cls or (flag.training is not None
+                                               and m.training != flag.training):  # a property?
                 return False
+            if (flag.children or d["_modules"]) and tuple(d["_modules"].values()) != flag.children:
+                return False  # modules compare by identity
             if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
                     or d["_backward_pre_hooks"] or d["_backward_hooks"]) \
-                    and _hook_ids(m) != flag.hooks:
+                    and not _same(flag.hooks, _hooks_of(m)):
                 return False
         if self.flags and _global_hook_ids() != self.global_hooks:
             return False
@@ -120,18 +152,24 @@ class Reads:
 
     def change(self) -> str | None:
         """What changed since the trace, if anything: every change, ``; ``-separated."""
-        changes = [f"the training flag of {type(m).__name__} (a module the function calls), "
-                   f"traced with its flag, changed: {flag.training} -> {m.training}"
-                   for flag in self.flags
-                   if (m := flag.module()) is not None and flag.training not in (None, m.training)]
-        changes += [f"the hooks or the instance forward of {type(m).__name__} (a module the "
-                    "function calls) changed"
-                    for flag in self.flags
-                    if (m := flag.module()) is not None and _hook_ids(m) != flag.hooks]
+        changes = []
+        for flag in self.flags:
+            if (m := flag.module()) is None:
+                continue
+            called = f"{flag.cls.__name__} (a module the function uses)"
+            if m.__class__ is not flag.cls:
+                changes.append(f"the class of {called} changed to {type(m).__name__}")
+            if flag.training not in (None, m.training):
+                changes.append(f"the training flag of {called}, traced with its flag, changed: "
+                               f"{flag.training} -> {m.training}")
+            if tuple(m._modules.values()) != flag.children:
+                changes.append(f"the submodules of {called} were replaced, added or removed")
+            if not _same(flag.hooks, _hooks_of(m)):
+                changes.append(f"the hooks or the instance forward of {called} changed")
         if self.flags and _global_hook_ids() != self.global_hooks:
             changes.append("global module hooks (register_module_forward_hook) were added or "
                            "removed; the function calls modules")
-        changes += [f"{slot.where} (a module the function calls), which the graph reads as a "
+        changes += [f"{slot.where} (a module the function uses), which the graph reads as a "
                     "constant, was replaced"
                     for slot in self.slots if slot.table.get(slot.name) is not slot.tensor]
         changes += [f"a tensor of shape {tuple(t.shape)} the function reads as a constant (a "
@@ -200,8 +238,10 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         handle.remove()
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
-        reads.flags = [_Flag(weakref.ref(m), m.training if i not in switched else None,
-                             _hook_ids(m)) for i, m in called.items()]
+        # A module the function switches itself, or one it does not call, keeps no flag.
+        reads.flags = [_Flag(weakref.ref(m), m.__class__, m.training if i in called and i not
+                             in switched else None, _refs(_hooks_of(m)), tuple(m._modules.values()))
+                       for i, m in _with_containers(called)]
         reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
@@ -209,6 +249,30 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
         reads.read_after_writes = list(after_writes.values())
+
+
+def _with_containers(called: dict[int, nn.Module]) -> list[tuple[int, nn.Module]]:
+    """The modules called, then the ones between them the function reached without calling (a
+    ModuleList it loops over, whose ``append`` the graph would not see), by id."""
+    found = dict(called)
+    seen: set[int] = set()
+
+    def leads_to_called(m: nn.Module) -> bool:
+        below = False
+        for c in m._modules.values():
+            if c is None or id(c) in seen:
+                continue
+            seen.add(id(c))
+            if id(c) in called:
+                below = True
+            elif c._modules and leads_to_called(c):
+                found[id(c)] = c
+                below = True
+        return below
+
+    for m in called.values():
+        leads_to_called(m)
+    return list(found.items())
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
