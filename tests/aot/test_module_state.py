@@ -1202,3 +1202,19 @@ def test_a_tensor_attribute_set_to_require_grad_after_a_call_gets_gradients() ->
     eager(x).sum().backward()
     torch.testing.assert_close(model.scale.grad, eager.scale.grad)
     torch.testing.assert_close(model.lin.weight.grad, eager.lin.weight.grad)
+
+
+def test_functional_call_on_the_wrapper_takes_prefixed_names_and_explains_unprefixed_ones():
+    """An unprefixed top-level parameter reached nn.Module's raw TypeError (a plain tensor
+    assigned to a parameter of the wrapped module)."""
+    from torch.func import functional_call
+
+    model = nn.Linear(4, 3)
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(2, 4)
+    params = {k: v.detach() + 1 for k, v in model.named_parameters()}
+    prefixed = {f"orig_module.{k}": v for k, v in params.items()}
+    torch.testing.assert_close(functional_call(compiled, prefixed, (x,)),
+                               functional_call(model, params, (x,)))
+    with pytest.raises(ArgumentError, match=r"'orig_module\.weight'"):
+        functional_call(compiled, params, (x,))
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # put back

@@ -1610,6 +1610,26 @@ def test_double_backward_raises():
         torch.autograd.grad(g.sum(), x)
 
 
+def test_first_gradients_under_create_graph_are_plain_tensors():
+    """They were views made by the double-backward guard: clipping one in place (clamp_, or a
+    tensor hook) raised autograd's custom-Function view error, and a sparse gradient
+    (Embedding(sparse=True)) could not be viewed at all. A second backward still raises."""
+    f = aotkit.aot_function(lambda x: x.sin() * x, compilers.nop)
+    x = rand(4, grad=True)
+    (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+    assert g._base is None
+    g.clamp_(-0.5, 0.5)
+    torch.testing.assert_close(g, (x.cos() * x + x.sin()).detach().clamp(-0.5, 0.5))
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad(g.sum(), x)
+    emb = nn.Embedding(10, 3, sparse=True)
+    eager, idx = copy.deepcopy(emb), torch.tensor([1, 2, 2, 5])
+    aotkit.aot_module(emb, compilers.nop)(idx).pow(2).sum().backward(create_graph=True)
+    eager(idx).pow(2).sum().backward(create_graph=True)
+    assert emb.weight.grad.is_sparse
+    torch.testing.assert_close(emb.weight.grad.to_dense(), eager.weight.grad.to_dense())
+
+
 def test_double_backward_mixed_with_eager_terms_raises():
     f = aotkit.aot_function(lambda x, w: (x * w).sin(), compilers.nop)
     x, w = rand(3, grad=True), rand(3, grad=True)

@@ -559,8 +559,9 @@ def _under_transform(name: str) -> UnsupportedError:
             "export with strict=False (the default), which traces the original function, or "
             "call the original function in the code Dynamo traces.")
     return UnsupportedError(
-        f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...); its graphs "
-        "were traced for plain tensors and cannot see the transform's wrapped ones.\nFix: call "
+        f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...), where "
+        "aotkit's compiled functions cannot run, also on tensors the transform did not wrap: "
+        "its graphs were traced for plain tensors, without the transform.\nFix: call "
         "the original function inside the transform, or compile a function that applies the "
         "transform itself (aot_function(lambda x: vmap(f)(x), ...)), whose trace holds it."
     )

@@ -170,7 +170,17 @@ class AotModule(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         original = self._original_having(name)
         if original is not None and name not in self.__dict__:
-            setattr(original, name, value)
+            try:
+                setattr(original, name, value)
+            except TypeError as exc:
+                if not (isinstance(value, torch.Tensor) and name in original._parameters):
+                    raise
+                raise ArgumentError(  # functional_call's unprefixed top-level names land here
+                    f"{exc} (set through the aot_module wrapper, which passes {name!r} on to "
+                    f"the module it wraps).\nFix: give torch.func.functional_call the wrapper's "
+                    f"name for it, 'orig_module.{name}' (as in its state_dict()), or call "
+                    "functional_call on the original module; to replace the parameter, assign "
+                    "an nn.Parameter.") from exc
         else:
             super().__setattr__(name, value)
 

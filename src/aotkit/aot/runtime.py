@@ -375,7 +375,9 @@ class _DoubleBackwardGuard(torch.autograd.Function):
     def forward(ctx: Any, name: str, num_links: int, anchor: torch.Tensor,  # type: ignore[override]
                 *links_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.name = name
-        return tuple(g.view_as(g) for g in links_and_grads[num_links:])
+        # detach, not view_as: a view of a Function's input cannot be changed in place (a
+        # gradient clipped with clamp_, a hook editing it), nor made of a sparse gradient.
+        return tuple(g.detach() for g in links_and_grads[num_links:])
 
     @staticmethod
     def backward(ctx: Any, *unused: Any) -> Any:  # type: ignore[override]
