@@ -3694,7 +3694,9 @@ def test_a_foreach_write_that_does_not_read_its_tensors_may_share_memory():
     lambda a, s: torch._foreach_copy_([a, s], [s, a]),
     lambda a, s: torch._foreach_add_([a, s], [s, a]),
     lambda a, s: torch._foreach_copy_([a[0:2], a[2:4]], [s[0:2], a[0:2]]),
-], ids=["copy_swap", "add_swap", "copy_from_written_view"])
+    lambda a, s: torch._foreach_mul_([a[:1], s], a[0]),
+    lambda a, s: torch._foreach_div_([s, a], s[1]),
+], ids=["copy_swap", "add_swap", "copy_from_written_view", "mul_by_written", "div_by_written"])
 def test_a_foreach_write_then_read_of_the_same_memory_is_refused(call):
     """Eager updates the list in turn, so a later source reads an earlier destination's new
     value; the functional graph read every source first (values swapped, silently)."""

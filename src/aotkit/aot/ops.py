@@ -126,9 +126,12 @@ def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
     """Refuse an in-place op writing several tensors that eager's one-by-one updates would give
     other values than the functional graph (Note [Foreach writes to shared memory])."""
     if (pair := read_after_written(written, args)) is not None:
+        i, j, single = pair
+        read = f"as the one tensor it applies to every number, for number {j}" if single \
+            else f"as number {j} of another list"
         raise UnsupportedError(
-            f"{what} writes in place ({func}) tensor number {pair[0]} of a list and then reads "
-            f"memory it shares, as number {pair[1]} of another list: eager reads the new value, "
+            f"{what} writes in place ({func}) tensor number {i} of a list and then reads "
+            f"memory it shares, {read}: eager reads the new value, "
             f"the functional graph the old one.\n  at {current_user_line()}\n"
             "Fix: pass a .clone() of the tensor read, or use separate calls.")
     if func not in _OVERWRITING_FOREACH and (pair := overlapping_members(written)) is not None:
@@ -142,22 +145,26 @@ def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
 
 
 def read_after_written(written: Sequence[torch.Tensor],
-                       args: Sequence[Any]) -> tuple[int, int] | None:
-    """Positions ``(i, j)`` where an in-place foreach op reads, at ``j``, a tensor sharing an
-    element with the one it wrote at an earlier ``i`` (``_foreach_copy_([a, s], [s, a])``):
-    eager reads the new value, the functional graph the old one."""
+                       args: Sequence[Any]) -> tuple[int, int, bool] | None:
+    """Positions ``(i, j, single)`` where an in-place foreach op reads, at ``j``, a tensor
+    sharing an element with the one it wrote at an earlier ``i`` (``_foreach_copy_([a, s], [s,
+    a])``, or ``_foreach_mul_([a, b], a)``, whose one tensor, ``single``, is read at every
+    position): eager reads the new value, the functional graph the old one."""
     by_storage: dict[Any, list[int]] = {}
     for i, w in enumerate(written):
         by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), []).append(i)
     for sources in args[1:]:
-        if not isinstance(sources, (list, tuple)):
+        single = isinstance(sources, torch.Tensor)
+        if single:
+            sources = [sources] * len(written)
+        elif not isinstance(sources, (list, tuple)):
             continue
         for j, r in enumerate(sources):
             if not isinstance(r, torch.Tensor):
                 continue
             for i in by_storage.get(compat.StorageWeakRef(r.untyped_storage()), ()):
                 if i < j and overlapping_members([written[i], r]) is not None:
-                    return i, j
+                    return i, j, single
     return None
 
 
