@@ -299,9 +299,10 @@ def parametrize_cache_off() -> Iterator[None]:
 @contextlib.contextmanager
 def selective_checkpointing_off() -> Iterator[None]:
     """Selective activation checkpointing's dispatch modes (a ``context_fn`` made by
-    ``create_selective_checkpoint_contexts``; private to PyTorch) taken off the top of the
-    dispatch mode stack for the block: a trace's tensors are not values to cache for the
-    recompute (the compiled graph's ops run under them)."""
+    ``create_selective_checkpoint_contexts``; private to PyTorch) taken off the dispatch mode
+    stack for the block, the modes above them (a user's mode entered in the region) kept in
+    order: a trace's tensors are not values to cache for the recompute (the compiled graph's
+    ops run under them)."""
     from torch.utils._python_dispatch import (
         _get_current_dispatch_mode_stack,
         _pop_mode,
@@ -310,13 +311,21 @@ def selective_checkpointing_off() -> Iterator[None]:
 
     kinds = tuple(k for k in (getattr(torch.utils.checkpoint, name, None) for name in (
         "_CachingTorchDispatchMode", "_CachedTorchDispatchMode")) if isinstance(k, type))
-    popped = []
-    while kinds and (stack := _get_current_dispatch_mode_stack()) \
-            and isinstance(stack[-1], kinds):
-        popped.append(_pop_mode())
+    stack = _get_current_dispatch_mode_stack()
+    lowest = next((i for i, m in enumerate(stack) if isinstance(m, kinds)), None) if kinds \
+        else None
+    if lowest is None:
+        yield
+        return
+    popped = [_pop_mode() for _ in range(len(stack) - lowest)]  # the top first
+    kept = [m for m in reversed(popped) if not isinstance(m, kinds)]
+    for mode in kept:
+        _push_mode(mode)
     try:
         yield
     finally:
+        for _ in kept:
+            _pop_mode()
         for mode in reversed(popped):
             _push_mode(mode)
 

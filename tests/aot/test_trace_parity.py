@@ -5,6 +5,8 @@ that aotkit changed nothing before refusing."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -416,13 +418,24 @@ def test_selective_checkpoint_matches_eager_and_leaves_no_node_meta_behind():
     assert "recompute" not in torch.fx.traceback.current_meta
 
 
+@pytest.mark.parametrize("user_mode", [False, True], ids=["", "under_a_user_mode"])
 @pytest.mark.parametrize("save", ["aten.addmm.default", "aten.native_layer_norm.default"])
-def test_a_selective_checkpoint_around_a_compiled_module_matches_eager(save):
+def test_a_selective_checkpoint_around_a_compiled_module_matches_eager(save, user_mode):
     """Traced inside the region, its caching modes kept the trace's tensors for the recompute:
-    "FunctionalTensor on its own" (PyTorch's aot_module: a raw TypeError)."""
+    "FunctionalTensor on its own" (PyTorch's aot_module: a raw TypeError); also with a user's
+    dispatch mode entered in the region, above them."""
     import functools
 
+    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def region(a, run):
+        with Passthrough() if user_mode else contextlib.nullcontext():
+            return run(a).relu()
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if str(op) == save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -433,8 +446,7 @@ def test_a_selective_checkpoint_around_a_compiled_module_matches_eager(save):
     grads, x0 = [], torch.randn(4, 3)
     for run in (block, aotkit.aot_module(block, compilers.nop)):
         x = x0.clone().requires_grad_()
-        checkpoint(lambda a, run=run: run(a).relu(), x, use_reentrant=False,
-                   context_fn=context).sum().backward()
+        checkpoint(region, x, run, use_reentrant=False, context_fn=context).sum().backward()
         grads.append([x.grad, *(p.grad for p in block.parameters())])
         block.zero_grad()
     for got, want in zip(grads[1], grads[0], strict=True):
