@@ -746,8 +746,24 @@ def test_checkpoints_early_stop_finds_saves_outside_the_outputs_history(via, mod
     assert _checkpointed_like_eager(model(), rand(8, 4, grad=True), via).steps.item() == 2
 
 
+class _SavesNone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(None)  # ``w if ctx.needs_input_grad[0] else None``: not packed
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _CounterBeforeASavedNone(_Counted):
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        return _SavesNone.apply(h)
+
+
 @pytest.mark.parametrize("model", [_CounterAfterLastSave, _StashAfterCounter,
-                                   _NoGradCounterAfterFunction])
+                                   _NoGradCounterAfterFunction, _CounterBeforeASavedNone])
 @pytest.mark.parametrize("via", ["aot_module", "torch.compile"])
 def test_checkpoints_early_stop_counts_only_packed_saves(via, model):
     torch.manual_seed(0)

@@ -205,7 +205,10 @@ def _saves(node: Any, given: Mapping[int, torch.Tensor]) -> bool:
     """Whether an autograd node saved a tensor (packed it: what checkpoint counts); ``given``
     are the 0-dim tensors torch calls were passed (see :func:`_wrapped_number`)."""
     if isinstance(node, torch.autograd.function.BackwardCFunction):
-        return bool(node._raw_saved_tensors) or _dynamo_function_saves(node)
+        # A saved None (``ctx.save_for_backward(None)``) is not packed: its ``data`` is None,
+        # read without unpacking (which would run checkpoint's recompute).
+        return any(saved.data is not None for saved in node._raw_saved_tensors) \
+            or _dynamo_function_saves(node)
     for name in _saved_names(node):
         try:
             value = getattr(node, name)

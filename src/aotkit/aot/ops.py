@@ -153,8 +153,9 @@ def read_after_written(written: Sequence[torch.Tensor],
     by_storage: dict[Any, list[int]] = {}
     for i, w in enumerate(written):
         by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), []).append(i)
+    foreach = isinstance(args[0], (list, tuple))  # not batch norm writing its statistics
     for sources in args[1:]:
-        single = isinstance(sources, torch.Tensor)
+        single = foreach and isinstance(sources, torch.Tensor)
         if single:
             sources = [sources] * len(written)
         elif not isinstance(sources, (list, tuple)):
