@@ -420,16 +420,23 @@ def test_conjugate_and_negative_views_are_new_signatures():
     assert whys[2] == "negative bit of args[0] changed: False -> True"
 
 
-def test_floats_that_compare_equal_but_differ_are_new_signatures():
+@pytest.mark.parametrize("kind", [float, "float32"])
+def test_floats_that_compare_equal_but_differ_are_new_signatures(kind):
+    """NumPy's float32 (not a float subclass) was keyed by ==: -0.0 reused 0.0's graph, and
+    every nan traced anew until the recompile limit."""
+    import numpy as np
+
+    make = float if kind is float else np.float32
     x = torch.ones(2)
-    divide = aotkit.aot_function(lambda x, s: x / s, compilers.nop)
-    assert divide(x, 0.0).tolist() == [float("inf")] * 2
-    assert divide(x, -0.0).tolist() == [float("-inf")] * 2
+    divide = aotkit.aot_function(lambda x, s: x / float(s), compilers.nop)
+    assert divide(x, make(0.0)).tolist() == [float("inf")] * 2
+    assert divide(x, make(-0.0)).tolist() == [float("-inf")] * 2
     (reason,) = aotkit.explain().of_kind("recompile")
-    assert reason.why == "args[1] changed: float 0.0 -> float -0.0"
-    add = aotkit.aot_function(lambda x, s: x + s, compilers.nop)
+    assert reason.why == ("args[1] changed: float 0.0 -> float -0.0" if kind is float else
+                          "args[1] changed: float32 np.float32(0.0) -> float32 np.float32(-0.0)")
+    add = aotkit.aot_function(lambda x, s: x + float(s), compilers.nop)
     for _ in range(config.recompile_limit + 1):  # nan != nan: one entry all the same
-        assert add(x, float("nan")).isnan().all()
+        assert add(x, make("nan")).isnan().all()
     assert add.num_entries == 1
 
 

@@ -53,7 +53,9 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
             leaf.is_neg(),
             type(leaf),  # Note [Subclasses with __torch_function__]
         )
-    if isinstance(leaf, (float, complex)):  # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan
+    # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan. NumPy's float scalars too (np.float32).
+    if isinstance(leaf, (float, complex)) or (
+            isinstance(leaf, numbers.Number) and not isinstance(leaf, (int, numbers.Rational))):
         return (type(leaf), repr(leaf))
     if (contents := _contents_key(leaf)) is not None:
         return contents
@@ -593,7 +595,8 @@ def _show(x: Any) -> str:
     if isinstance(x, torch.Size):
         return str(tuple(x))
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], type):
-        shown = x[1] if x[0] in (float, complex) else repr(x[1])  # keyed by repr already
+        keyed_by_repr = issubclass(x[0], numbers.Number) and isinstance(x[1], str)
+        shown = x[1] if keyed_by_repr else repr(x[1])
         return f"{x[0].__name__} {shown}"
     return repr(x)
 
