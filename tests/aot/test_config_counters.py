@@ -596,3 +596,50 @@ def test_of_kind_of_a_kind_of_ones_own_whose_decisions_were_dropped_is_empty() -
     assert aotkit.explain().of_kind("mykind") == []
     with pytest.raises(ArgumentError, match="did you mean 'recompile'"):
         aotkit.explain().of_kind("recompil")
+
+
+LEARNING_RATE = 1.0
+
+
+def test_values_a_function_reads_besides_its_arguments_are_keyed():
+    """Note [Values a function captures]: a global, a closed-over number, a default value and
+    the attributes of a bound method's object, changed after compiling, kept the traced value
+    silently (PyTorch's aot_function too)."""
+    global LEARNING_RATE
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.temperature = 1.0
+
+        def logits(self, x: torch.Tensor) -> torch.Tensor:
+            return x / self.temperature
+
+    def step(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return x - LEARNING_RATE * x.sin() * scale * shift
+
+    shift = 1.0
+    sampler, x = Sampler(), torch.randn(3)
+    compiled = {fn: aotkit.aot_function(fn, compilers.nop) for fn in (step, sampler.logits)}
+    changes = [lambda: None, lambda: globals().__setitem__("LEARNING_RATE", 0.1),
+               lambda: setattr(step, "__defaults__", (3.0,)),
+               lambda: setattr(sampler, "temperature", 0.5)]
+    try:
+        for change in changes:
+            change()
+            shift += 1.0
+            for fn, run in compiled.items():
+                torch.testing.assert_close(run(x), fn(x), rtol=0, atol=0)
+    finally:
+        LEARNING_RATE = 1.0
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reasons == [
+        "the global LEARNING_RATE changed: float 1.0 -> float 0.1; the closed-over shift "
+        "changed: float 2.0 -> float 3.0",
+        "the closed-over shift changed: float 3.0 -> float 4.0; the default value of scale "
+        "changed: float 2.0 -> float 3.0",
+        "the closed-over shift changed: float 4.0 -> float 5.0",
+        "attribute temperature of self changed: float 1.0 -> float 0.5"]
+    with aotkit.config.patch(recompile_limit=1), pytest.raises(
+            aotkit.errors.RecompileLimitError, match="instead of a global"):
+        shift += 1.0
+        compiled[step](x)

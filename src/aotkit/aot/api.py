@@ -30,6 +30,7 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
+from aotkit.aot.captured import captured_values
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
@@ -615,6 +616,9 @@ class AotFunction:
         # Inputs traced with static sizes under dynamic=True (Note [Static parameters]).
         self.static_sizes = frozenset(range(options.num_params_buffers) if static_sizes is None
                                       else static_sizes)
+        # Note [Values a function captures]: keyed after the arguments (not aot_module's).
+        self._captured_names, self._captured = captured_values(fn) if own_modules is None \
+            else ([], [])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracing_active():  # Note [Calls inside other traces] (a transform inside one too)
@@ -629,6 +633,8 @@ class AotFunction:
             note_forward_ad(self.name, first=not self._told_forward_ad)
             self._told_forward_ad = True
             return self.fn(*args, **kwargs)
+        if self._captured:
+            leaves = [*leaves, *(get() for get in self._captured)]
         key = signature(structure, leaves, self.options.dynamic, self._config_parts,
                         self.static_sizes)
         found = self._find(key, leaves)
@@ -774,7 +780,7 @@ class AotFunction:
 
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         failed = self._entries.get(key)
-        names = self._leaf_names(args, kwargs)
+        names = [*self._leaf_names(args, kwargs), *self._captured_names]
         leaves = pytree.tree_leaves((args, kwargs))
         changes = [c for e in failed or () if (c := e.reads.change()) is not None]
         if changes:  # the entry it differs least from (train/eval graphs of one signature)

@@ -697,6 +697,12 @@ def recompile_fix(why: str, dynamic: bool) -> str:
         return ("register module hooks once, before the first call (a hook added and removed at "
                 "every step, or a profiler's global hooks entered per step, compiles anew each "
                 "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
+    if why.startswith(("the global ", "the closed-over ")) or " of self changed" in why:
+        return ("pass a value that changes from call to call as an argument, a tensor where "
+                "the graph should not hold it as a constant (torch.tensor(lr)), instead of a "
+                "global, a closed-over variable or an attribute of the bound method's object "
+                "(Note [Values a function captures]), or raise the limit with "
+                "aotkit.config.patch(recompile_limit=...).")
     if why.startswith("aotkit.config."):
         return ("keep aotkit.config fixed while the function runs (each value of an option "
                 "compiles anew: compile one function per value instead), or raise the limit with "
