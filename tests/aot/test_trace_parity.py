@@ -301,6 +301,17 @@ def test_python_branch_on_a_data_dependent_value_is_a_trace_error_under_dynamic(
         aotkit.aot_function(branchy, compilers.nop, dynamic=True)(rand(4, 3))
 
 
+def test_indexing_with_a_data_dependent_int_is_a_trace_error_naming_select():
+    """x[n.item()] under dynamic=True: Python indexing refuses the SymInt (a raw IndexError;
+    PyTorch's aot_function too), where x.select(0, n.item()) traces."""
+    x, n = torch.arange(8.0), torch.tensor(3)
+    with pytest.raises(TraceError, match=r"got SymInt(.|\n)*x\.select\(dim, i\)"):
+        aotkit.aot_function(lambda x, n: x[n.item()] * 2, compilers.nop, dynamic=True)(x, n)
+    selected = aotkit.aot_function(lambda x, n: x.select(0, n.item()) * 2, compilers.nop,
+                                   dynamic=True)
+    assert selected(x, n).item() == 6.0
+
+
 def test_generator_made_inside_the_function_is_refused():
     def fn(x):
         g = torch.Generator().manual_seed(5)

@@ -88,6 +88,13 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             "operators on the size instead (// and % for divmod), int(size) or bool(...), "
             "which fix that value, or torch.compile(fn, backend='aotkit'), whose Dynamo "
             "handles such code.")
+    if isinstance(exc, IndexError) and symbolic and "(got SymInt)" in str(exc):
+        return TraceError(
+            f"{what}: {exc}, at {user_frame(exc)}: a tensor indexed with a symbolic int (a "
+            "value read with .item() under dynamic=True, or computed from sizes), which "
+            "Python indexing does not take while tracing.\nFix: use x.select(dim, i) for "
+            "x[i] (x[:, i] is x.select(1, i), x[i:j] x.narrow(0, i, j - i)), or "
+            "torch.compile(fn, backend='aotkit'), whose Dynamo rewrites such indexing.")
     if isinstance(exc, TypeError) and symbolic and "but got FunctionalTensor" in str(exc) \
             and _raised_in_torch(exc):  # not the user's own TypeError
         return TraceError(
