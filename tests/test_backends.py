@@ -784,7 +784,8 @@ def test_compiled_optimizer_step_with_a_learning_rate_scheduler(backend: str) ->
         torch.testing.assert_close(model.weight, eager_model.weight)
     # SGD passes lr as alpha=, a Scalar a tensor cannot replace: Dynamo specializes it.
     [decision] = aotkit.explain().of_kind("specialize")
-    assert "0-d tensor" in decision.why
+    assert "0-d tensor" in decision.why and "float (L['self'].param_groups[0]['lr'])" in \
+        decision.why
     recompiles = [d.what for d in aotkit.explain().of_kind("recompile")]
     assert len(recompiles) == len(set(recompiles)) >= 1  # one each, though Dynamo restarts
 

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from aotkit import counters
+from aotkit import compat, counters
 
 
 # Note [Views that undo themselves]
@@ -168,13 +168,20 @@ def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
         gm.recompile()
         return
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
     from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
 
+    before = set(TensorifyState.force_specializations)
     try:
         tensorify_python_scalars(gm, mode.shape_env, mode)
     except TensorifyScalarRestartAnalysis:
-        counters.record("specialize", name, "a Python float Dynamo passes in as a changing "
-                        "value (a module attribute such as a dropout's p or a scale, an "
+        new = TensorifyState.force_specializations - before
+        floats = sorted({compat.source_name(sources[0]) for symbol, sources in
+                         mode.shape_env.var_to_sources.items() if str(symbol) in new and sources})
+        which = f" ({', '.join(floats)})" if floats else ""
+        counters.record("specialize", name, f"a Python float{which} that Dynamo passes in "
+                        "as a value that may change (under dynamic=True every float; else one "
+                        "that changed: a module attribute such as a dropout's p or a scale, an "
                         "optimizer's lr) is used where a tensor cannot stand in for it (an op's "
                         "Scalar argument such as alpha= or p=, a size); Dynamo traces again "
                         "with its value as a constant, so each new value compiles anew (the "
