@@ -2579,6 +2579,24 @@ def test_dropout_between_rnn_layers_under_dynamic_shapes_matches_eager(make):
     assert counters.counters["aot"]["traces"] == 1
 
 
+@pytest.mark.parametrize("make", [
+    lambda: nn.GRU(5, 4, num_layers=2, dropout=0.5),
+    lambda: nn.LSTM(5, 4, num_layers=3, dropout=0.5, bidirectional=True),
+], ids=["gru", "lstm_bidirectional"])
+def test_dropout_between_rnn_layers_under_inference_mode_matches_eager(make):
+    """A training-mode RNN called under inference_mode reaches the Python decomposition too (no
+    autograd key decomposes it first): its output was the eval-mode one (PyTorch's the same)."""
+    torch.manual_seed(0)
+    eager, x = make(), torch.randn(3, 2, 5)
+    compiled = aotkit.aot_module(copy.deepcopy(eager), compilers.nop)
+    outs = []
+    for run in (eager, compiled):
+        with torch.inference_mode():
+            torch.manual_seed(1)
+            outs.append(run(x)[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 # --- the graphs compilers receive ------------------------------------------------------------
 
 

@@ -335,9 +335,9 @@ class EagerOps(torch.overrides.TorchFunctionMode):
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
             if train and not call.get("inplace") and 0 < p < 1:
                 return _dropout(x, p)
-        elif func in _RNNS and not kwargs and _layers_with_dropout(args) \
-                and torch._C._dispatch_tls_is_dispatch_key_included(
-                    torch._C.DispatchKey.PythonDispatcher):
+        elif func in _RNNS and not kwargs and _layers_with_dropout(args) and (
+                torch._C._dispatch_tls_is_dispatch_key_included(
+                    torch._C.DispatchKey.PythonDispatcher) or torch.is_inference_mode_enabled()):
             return _rnn_by_layer(func, args)
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
                 and not args[0].requires_grad \
@@ -375,9 +375,10 @@ def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 # Note [Dropout between RNN layers]
-# Traced with the Python dispatcher (symbolic sizes), ``aten.lstm``, ``gru`` and ``rnn_*``
-# run PyTorch's Python decomposition, whose test for dropout between layers is never true
-# (2.13): a two-layer LSTM with dropout=0.5 trained as if in eval mode, silently. So a
+# Traced with the Python dispatcher (symbolic sizes), or under inference_mode (no autograd key
+# decomposes them in C++ first), ``aten.lstm``, ``gru`` and ``rnn_*`` run PyTorch's Python
+# decomposition, whose test for dropout between layers is never true (2.13): a two-layer LSTM
+# with dropout=0.5 trained as if in eval mode, silently (PyTorch's aot_module too). So a
 # multi-layer call with dropout in training runs one layer at a time, as eager's kernel does,
 # with eager's dropout on each layer's output but the last (the same draws, in the same order).
 _RNNS = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
