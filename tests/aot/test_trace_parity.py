@@ -312,6 +312,19 @@ def test_indexing_with_a_data_dependent_int_is_a_trace_error_naming_select():
     assert selected(x, n).item() == 6.0
 
 
+def test_an_op_needing_concrete_sizes_under_dynamic_is_refused_naming_static_sizes():
+    """affine_grid's backward (a C++ composite) cannot take symbolic sizes: a raw RuntimeError
+    about SymIntArrayRef came through (PyTorch's aot_eager too)."""
+    def warp(theta, x):
+        grid = F.affine_grid(theta.expand(x.shape[0], 2, 3), list(x.shape), align_corners=False)
+        return F.grid_sample(x, grid, align_corners=False)
+
+    theta, x = (torch.eye(2, 3) + 0.1).requires_grad_(), torch.randn(4, 2, 5, 6)
+    with pytest.raises(UnsupportedError, match=r"concrete(.|\n)*dynamic=False"):
+        aotkit.aot_function(warp, compilers.nop, dynamic=True)(theta, x)
+    check_against_eager(warp, theta, x)
+
+
 def test_generator_made_inside_the_function_is_refused():
     def fn(x):
         g = torch.Generator().manual_seed(5)

@@ -228,6 +228,16 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
             "Fix: move that code out of the compiled function, or compile with "
             "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
         )
+    if "expected to contain only concrete integers" in str(exc):  # a C++ composite's sizes
+        where = user_frame(exc)
+        return UnsupportedError(
+            f"{what} could not be traced with symbolic sizes: an op's C++ code needs concrete "
+            f"ones ({first_line(exc).rsplit(': ', 1)[-1]}; F.affine_grid's backward is one, "
+            "with PyTorch's AOT autograd too)."
+            f"{'' if where == '<unknown location>' else chr(10) + '  at ' + where}\n"
+            "Fix: compile it with static sizes "
+            "(dynamic=False, the default; each new size compiles anew), or move that op out "
+            "of the compiled function.")
     if ".numpy() is not supported" in str(exc):
         return TraceError(
             f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
