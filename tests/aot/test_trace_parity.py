@@ -325,6 +325,18 @@ def test_an_op_needing_concrete_sizes_under_dynamic_is_refused_naming_static_siz
     check_against_eager(warp, theta, x)
 
 
+def test_a_transformer_mask_without_is_causal_is_a_trace_error_naming_it():
+    """nn.Transformer's layers compare a mask's values to tell whether it is causal: the
+    generic data-dependent fix (torch.where, torch.cond) did not say to pass is_causal."""
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0), 2)
+    decoder.requires_grad_(False)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    tgt, memory = torch.randn(5, 3, 8), torch.randn(7, 3, 8)
+    with pytest.raises(TraceError, match="pass is_causal=True"):
+        aotkit.aot_function(lambda t, m: decoder(t, m, tgt_mask=mask), compilers.nop)(tgt, memory)
+    check_against_eager(lambda t, m: decoder(t, m, tgt_mask=mask, tgt_is_causal=True), tgt, memory)
+
+
 def test_generator_made_inside_the_function_is_refused():
     def fn(x):
         g = torch.Generator().manual_seed(5)

@@ -390,6 +390,12 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             f"buffer, which a trace does not hold.\n  at {where}\nFix: give the layer a "
             "momentum (0.1 is the default), or use torch.compile(model, backend=\"aotkit\"), "
             "which reads that value between graphs.")
+    if any(f.name == "_detect_is_causal_mask" for f in frames):
+        return TraceError(
+            f"{what} could not be traced: nn.Transformer's layers, given a mask without "
+            "is_causal, compare the mask's values with a causal mask to tell whether it is one, "
+            f"which depends on tensor data.\n  at {where}\nFix: say it: pass is_causal=True "
+            "or False with the mask (tgt_is_causal=, memory_is_causal= for a decoder).")
     if _in_backward(frames) and where == "<unknown location>" \
             and not (from_dynamo and _captures_data()):  # not the user's own backward code
         return TraceError(
