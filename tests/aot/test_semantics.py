@@ -3417,37 +3417,6 @@ def test_submodules_and_classes_of_a_closed_over_module_changed_after_compiling_
         "the class of ReLU", "the submodules of ModuleList"]
 
 
-def test_hooks_a_call_changes_on_a_closed_over_module_act_once_per_call():
-    """Tracing runs the function more than once: a one-shot pre-hook (lazy initialization)
-    removed itself in the first pass, so the first call's graph ran without it; a hook the
-    function registers at each call was registered once per pass."""
-    def one_shot(lin: nn.Module) -> nn.Module:
-        handles = []
-
-        def once(mod, args):
-            handles[0].remove()
-            return (args[0] * 2,)
-
-        handles.append(lin.register_forward_pre_hook(once))
-        return lin
-
-    def registering(lin: nn.Module):
-        def f(x):
-            lin.register_forward_hook(lambda mod, args, out: out + 1)
-            return lin(x)
-        return f
-
-    base, x = nn.Linear(3, 3).requires_grad_(False), torch.randn(2, 3)
-    pairs = [(one_shot(copy.deepcopy(base)), one_shot(copy.deepcopy(base)), lambda lin: lin),
-             (copy.deepcopy(base), copy.deepcopy(base), registering)]
-    for eager_lin, compiled_lin, make in pairs:
-        eager, compiled = make(eager_lin), aotkit.aot_function(make(compiled_lin), compilers.nop)
-        for _ in range(3):
-            torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
-            for table in ("_forward_hooks", "_forward_pre_hooks"):
-                assert len(getattr(compiled_lin, table)) == len(getattr(eager_lin, table))
-
-
 def test_a_new_instance_forward_at_a_freed_ones_address_traces_again():
     """The instance forward was told by its id: a new closure allocated where the freed one
     was ran the old graph (scaled by the first scale at every call)."""

@@ -740,8 +740,7 @@ class AotFunction:
         held = argument_containers(zip(names, leaves, strict=True), held_tensors)
         try:
             with dynamo_frames_off(), recording(self._own_modules) as reads:
-                graphs = compile_graphs(_hooks_put_back(flat_fn, reads), fakes, self.options,
-                                        self.name, mode)
+                graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held)
             name_held_tensor(exc, held_tensors)
@@ -862,15 +861,6 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
         return flat, out_spec
 
     return flat_fn
-
-
-def _hooks_put_back(flat_fn: FlatFn, reads: Reads) -> FlatFn:
-    """``flat_fn``, each tracing pass starting from the hooks modules had before the first."""
-    def each_pass(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        reads.put_hooks_back()
-        return flat_fn(*tensors)
-
-    return each_pass
 
 
 def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], name: str,

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.reads import HOOK_STATE, global_hook_tables, hook_tables
+from aotkit.aot.reads import global_hook_tables, hook_tables
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
@@ -444,6 +444,11 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 _HOOK_KINDS = ("forward pre-hook", "forward hook", "backward pre-hook", "backward hook")
 
 
+# Every table registering or removing a hook changes (the last three flag hooks by id).
+_HOOK_STATE = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
 
 def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, str, Any]]:
     tables = [(name, hook_tables(m)) for name, m in modules]
@@ -560,7 +565,7 @@ def _filled(layout: _Layout, state: Sequence[torch.Tensor],
     originals = [s.table[s.key] for s in slots]
     keys = [(table, dict.fromkeys(table)) for table in layout.tables]
     attributes = [(prefix, d, dict(d)) for prefix, d in layout.attributes]
-    hooks = [(d[k], dict(d[k])) for _, d in layout.attributes for k in HOOK_STATE if k in d]
+    hooks = [(d[k], dict(d[k])) for _, d in layout.attributes for k in _HOOK_STATE if k in d]
     for s in slots:
         s.table[s.key] = state[s.index]
     assigned: dict[str, Any] = {}

@@ -15,10 +15,7 @@ module's training flag took. Five changes would leave the graph silently stale:
 * its hooks, the global module hooks, or a forward set on the instance (a hook registered
   after compiling, a wrapper patched on), which the trace ran as they were; the hook objects
   count, not their handles (pruning again re-registers the same hook), and are held by weak
-  reference, as a freed function's address may be reused by the next one. Tracing runs the
-  function more than once, so each pass starts from the hooks as they were before the first
-  (a hook that removes itself, or one the function registers, acts once per call), the last
-  pass leaves them as one call would, and the entry holds the hooks as the passes started;
+  reference, as a freed function's address may be reused by the next one;
 * a parameter or buffer of the module replaced by a new tensor (``load_state_dict(...,
   assign=True)``, ``module.weight = nn.Parameter(...)``): the graph went on reading the old one;
 * a constant made to require grad (a frozen feature extractor unfrozen after warm-up): its
@@ -53,7 +50,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
-from torch.utils.hooks import RemovableHandle
 
 from aotkit.compat import FakeTensor, FunctionalTensor
 
@@ -89,12 +85,11 @@ def _same(refs: tuple[Callable[[], Any], ...], objs: Iterable[Any]) -> bool:
     return len(refs) == len(objs) and all(r() is o for r, o in zip(refs, objs, strict=True))
 
 
-def _hooks_of(m: nn.Module, tables: Iterable[dict[int, Any]] | None = None) -> list[Any]:
-    """``m``'s own hooks (of ``tables``, :func:`hook_tables`' as they were), each table's
-    followed by a None, and its instance forward: the hook objects, not their handles' ids
-    (pruning again re-registers the same hook under a new id)."""
+def _hooks_of(m: nn.Module) -> list[Any]:
+    """``m``'s own hooks, each table's followed by a None, and its instance forward: the hook
+    objects, not their handles' ids (pruning again re-registers the same hook under a new id)."""
     found: list[Any] = []
-    for table in hook_tables(m) if tables is None else tables:
+    for table in hook_tables(m):
         found += table.values()
         found.append(None)
     found.append(m.__dict__.get("forward"))
@@ -104,12 +99,6 @@ def _hooks_of(m: nn.Module, tables: Iterable[dict[int, Any]] | None = None) -> l
 def _global_hook_ids() -> tuple[Any, ...]:
     tables = global_hook_tables()
     return tuple(map(tuple, tables)) if any(tables) else ()
-
-
-# Every table registering or removing a hook changes (the last three flag hooks by id).
-HOOK_STATE = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-              "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
 
 
 def hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
@@ -139,16 +128,6 @@ class Reads:
     # Constants read after the function wrote some tensor in place (Note [Inputs sharing
     # memory with constants]).
     read_after_writes: list[torch.Tensor] = field(default_factory=list)
-    # While tracing: the hook tables of the modules called so far, as before the first pass.
-    hooks_before: list[tuple[dict[int, Any], dict[int, Any]]] = field(default_factory=list)
-
-    def put_hooks_back(self) -> None:
-        """Before a tracing pass: the hooks of the modules called as before the first pass
-        (a hook that removes itself, or one the function registers, acts once per call, not
-        once per pass). The last pass leaves them as one call leaves them."""
-        for table, before in self.hooks_before:
-            table.clear()
-            table.update(before)
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
@@ -232,8 +211,6 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
     grad_constants: dict[int, torch.Tensor] = {}
     after_writes: dict[int, torch.Tensor] = {}
     original_train = nn.Module.train
-    first_handle = RemovableHandle.next_id  # hooks registered from here on are the trace's
-    traced_hooks: dict[int, list[Any]] = {}
 
     def record(module: nn.Module, args: object) -> None:
         # Dynamo inlines module hooks where it traces a module call (a torch.cond branch
@@ -244,11 +221,6 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
             return
         called[id(module)] = module
         held.extend(_slots(module))
-        d = module.__dict__  # hooks registered while tracing (by the function) are not kept
-        before = [(d[k], {i: h for i, h in d[k].items() if i < first_handle})
-                  for k in HOOK_STATE if k in d]
-        reads.hooks_before += before
-        traced_hooks[id(module)] = _hooks_of(module, [b for _, b in before[:4]])
 
     def train(module: nn.Module, mode: bool = True) -> nn.Module:
         if threading.get_ident() == thread:
@@ -266,12 +238,9 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         handle.remove()
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
-        reads.hooks_before = []
         # A module the function switches itself, or one it does not call, keeps no flag.
-        # Hooks as the passes started: those the function changes are its doing at each call.
         reads.flags = [_Flag(weakref.ref(m), m.__class__, m.training if i in called and i not
-                             in switched else None, _refs(traced_hooks.get(i, _hooks_of(m))),
-                             tuple(m._modules.values()))
+                             in switched else None, _refs(_hooks_of(m)), tuple(m._modules.values()))
                        for i, m in _with_containers(called)]
         reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
