@@ -640,6 +640,55 @@ def test_values_a_function_reads_besides_its_arguments_are_keyed():
         "the closed-over shift changed: float 4.0 -> float 5.0",
         "attribute temperature of self changed: float 1.0 -> float 0.5"]
     with aotkit.config.patch(recompile_limit=1), pytest.raises(
-            aotkit.errors.RecompileLimitError, match="instead of a global"):
+            aotkit.errors.RecompileLimitError, match="besides its arguments changes at every call"):
         shift += 1.0
         compiled[step](x)
+
+
+COUNTER = 0
+t = 0  # a global sharing its name with the attribute .t()
+
+
+def test_captured_values_are_loads_of_plain_values_by_repr():
+    """Attribute names are no globals (x @ w.t() with a global t keyed t), a global the function
+    assigns itself is its own doing, a tuple is keyed by its repr ((0.0,) == (-0.0,)), and a
+    NumPy bool, a decorated function's globals and a global defined after compiling count."""
+    import functools
+
+    import numpy as np
+
+    w = torch.randn(4, 4)
+
+    def counted(x):
+        global COUNTER
+        COUNTER += 1
+        return x @ w.t()
+
+    compiled, x = aotkit.aot_function(counted, compilers.nop), torch.randn(2, 4)
+    for value in range(4):
+        globals()["t"] = value
+        compiled(x)
+    assert counters.counters["aot"]["traces"] == 1  # its own global counter is no key
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return fn(*args)
+        return wrapper
+
+    @decorate
+    def scaled(x):
+        return x * SIGNS[0] if FLAG else x * LATE  # noqa: F821 - set below, LATE later
+
+    g = globals()
+    g.update(SIGNS=(0.0,), FLAG=np.True_)
+    compiled = aotkit.aot_function(scaled, compilers.nop)
+    try:
+        for change in ({}, {"SIGNS": (-0.0,)}, {"FLAG": np.False_, "LATE": 3.0}):
+            g.update(change)
+            torch.testing.assert_close(compiled(torch.ones(2)), scaled(torch.ones(2)))
+            assert torch.equal(compiled(torch.ones(2)).signbit(), scaled(torch.ones(2)).signbit())
+    finally:
+        for name in ("SIGNS", "FLAG", "LATE"):
+            g.pop(name, None)
+    assert len(aotkit.explain().of_kind("recompile")) == 2

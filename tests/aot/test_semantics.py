@@ -1630,6 +1630,17 @@ def test_first_gradients_under_create_graph_are_plain_tensors():
     torch.testing.assert_close(emb.weight.grad.to_dense(), eager.weight.grad.to_dense())
 
 
+def test_a_create_graph_gradient_that_is_an_incoming_gradient_stays_guarded():
+    """x + y passes the incoming gradient through: returned detached, an in-place write to it
+    changed a grad_outputs that requires grad without autograd seeing it (a wrong gradient
+    later). It stays a view, whose in-place write raises, as PyTorch's aot_function does."""
+    f = aotkit.aot_function(lambda x, y: x + y, compilers.nop)
+    x, y, w = rand(3, grad=True), rand(3, grad=True), rand(3, grad=True)
+    gx, _ = torch.autograd.grad(f(x, y), (x, y), w * 2, create_graph=True)
+    with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+        gx.mul_(2)
+
+
 def test_double_backward_mixed_with_eager_terms_raises():
     f = aotkit.aot_function(lambda x, w: (x * w).sin(), compilers.nop)
     x, w = rand(3, grad=True), rand(3, grad=True)

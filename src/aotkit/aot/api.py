@@ -737,7 +737,9 @@ class AotFunction:
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
-        held = argument_containers(zip(names, leaves, strict=True), held_tensors)
+        captured = zip(self._captured_names, [get() for get in self._captured], strict=True)
+        held = argument_containers([*zip(names, leaves, strict=True), *captured],  # a bound self
+                                   held_tensors)
         try:
             with dynamo_frames_off(), recording(self._own_modules) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)

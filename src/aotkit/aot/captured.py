@@ -9,9 +9,11 @@ self.temperature`` for a bound method ``aot_function(sampler.logits)``. Changed 
 the old graph silently went on with the old value (PyTorch's ``aot_function`` too; Dynamo
 guards on them). So the values the function's own code can read are keyed as extra arguments:
 
-* the globals its code names (its nested code too: comprehensions, lambdas) and the variables
-  it closes over, when they hold a plain value (a number, string, bool, None, enum, dtype or
-  device; a tuple of such) when it is compiled, read again at every call;
+* the globals its code loads (its nested code too: comprehensions, lambdas; not those it
+  assigns itself, nor attribute names) and the variables it closes over, when they hold a
+  plain value (a number, string, bool, None, enum, dtype or device; a tuple of such, by its
+  repr) when it is compiled or are not assigned yet, read again at every call (a function
+  behind decorators, ``functools.wraps``'s ``__wrapped__``, is looked into);
 * its default argument values;
 * the object of a bound method, keyed by its attributes as an object argument is (Note
   [Objects as arguments]): ``aot_function(sampler.logits)`` recompiles where
@@ -27,11 +29,12 @@ not looked into: a module's attributes are read while tracing (README).
 
 from __future__ import annotations
 
+import dis
 import enum
 import inspect
 import numbers
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,20 +42,55 @@ import torch
 from aotkit.aot.signature import _plain_object
 
 _VALUES = (bool, str, type(None), numbers.Number, enum.Enum, torch.dtype, torch.device)
-_MISSING = object()
+
+
+class _Unset:
+    """What a getter reads for a global not (yet) defined or a cell not (yet) assigned."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+class _NotPlain:
+    """What a getter reads for a value that is not plain (an object): not keyed."""
+
+    def __repr__(self) -> str:
+        return "not a plain value"
+
+
+_UNSET, _NOT_PLAIN = _Unset(), _NotPlain()
 
 
 def _plain_value(value: Any) -> bool:
     if isinstance(value, tuple):
         return len(value) <= 16 and all(map(_plain_value, value))
-    return isinstance(value, _VALUES)
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ == "bool"
+    return isinstance(value, _VALUES) or numpy_bool  # np.bool_ is no numbers.Number
 
 
-def _code_names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
+def _keyed(value: Any) -> Any:
+    if isinstance(value, tuple) and _plain_value(value):
+        return repr(value)  # (0.0,) == (-0.0,) and (2.0,) == (2,): their reprs differ
+    return value if value is _UNSET or _plain_value(value) else _NOT_PLAIN
+
+
+def _global_loads(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """The globals ``code`` (and the code nested in it: comprehensions, lambdas) reads, and
+    those it assigns (its own doing at every call). Attribute names (``x.t()``) are not
+    globals, though ``co_names`` holds them too."""
+    loads: set[str] = set()
+    stores: set[str] = set()
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            loads.add(instruction.argval)
+        elif instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            stores.add(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _code_names(const)
+            inner = _global_loads(const)
+            loads |= inner[0]
+            stores |= inner[1]
+    return loads, stores
 
 
 def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[], Any]]]:
@@ -64,30 +102,28 @@ def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[]
     if owner is not None and _plain_object(owner):
         names.append("self")
         getters.append(lambda: owner)
-    fn = getattr(fn, "__func__", fn)
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a decorator's wrapper: the function
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
         return names, getters  # a callable object, a builtin, functools.partial
-    space = fn.__globals__
-    for name in dict.fromkeys(_code_names(code)):
-        if name in space and _plain_value(space[name]):
+    space, builtins = fn.__globals__, fn.__builtins__
+    loads, stores = _global_loads(code)
+    for name in sorted(loads - stores):
+        # Plain now, or not defined yet (assigned after compiling); not a builtin's name.
+        if _plain_value(space[name]) if name in space else name not in builtins:
             names.append(f"the global {name}")
-            getters.append(lambda name=name: space.get(name, _MISSING))
+            getters.append(lambda name=name: _keyed(space.get(name, _UNSET)))
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
-        try:
-            plain = _plain_value(cell.cell_contents)
-        except ValueError:  # not yet assigned
-            continue
-        if plain:
+        if _keyed(_contents(cell)) is not _NOT_PLAIN:  # plain, or not assigned yet
             names.append(f"the closed-over {name}")
-            getters.append(lambda cell=cell: _contents(cell))
+            getters.append(lambda cell=cell: _keyed(_contents(cell)))
     positional = code.co_varnames[:code.co_argcount]
     defaults = dict(zip(positional[len(positional) - len(fn.__defaults__ or ()):],
                         range(len(fn.__defaults__ or ())), strict=True))
     for name in (*defaults, *(fn.__kwdefaults__ or {})):
         if _plain_value(_default(fn, name, defaults)):
             names.append(f"the default value of {name}")
-            getters.append(lambda name=name: _default(fn, name, defaults))
+            getters.append(lambda name=name: _keyed(_default(fn, name, defaults)))
     return names, getters
 
 
@@ -95,12 +131,12 @@ def _default(fn: types.FunctionType, name: str, positions: dict[str, int]) -> An
     """The default value of parameter ``name`` now (``__defaults__`` may be replaced)."""
     if name in positions:
         values = fn.__defaults__ or ()
-        return values[positions[name]] if positions[name] < len(values) else _MISSING
-    return (fn.__kwdefaults__ or {}).get(name, _MISSING)
+        return values[positions[name]] if positions[name] < len(values) else _UNSET
+    return (fn.__kwdefaults__ or {}).get(name, _UNSET)
 
 
 def _contents(cell: types.CellType) -> Any:
     try:
         return cell.cell_contents
-    except ValueError:  # deleted
-        return _MISSING
+    except ValueError:  # not assigned yet, or deleted
+        return _UNSET

@@ -125,7 +125,7 @@ def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
                          written: Sequence[torch.Tensor], what: str) -> None:
     """Refuse an in-place op writing several tensors that eager's one-by-one updates would give
     other values than the functional graph (Note [Foreach writes to shared memory])."""
-    if (pair := read_after_written(written, args)) is not None:
+    if (pair := read_after_written(func, written, args)) is not None:
         i, j, single = pair
         read = f"as the one tensor it applies to every number, for number {j}" if single \
             else f"as number {j} of another list"
@@ -144,7 +144,7 @@ def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
             "foreach=False.")
 
 
-def read_after_written(written: Sequence[torch.Tensor],
+def read_after_written(func: torch._ops.OpOverload, written: Sequence[torch.Tensor],
                        args: Sequence[Any]) -> tuple[int, int, bool] | None:
     """Positions ``(i, j, single)`` where an in-place foreach op reads, at ``j``, a tensor
     sharing an element with the one it wrote at an earlier ``i`` (``_foreach_copy_([a, s], [s,
@@ -153,9 +153,13 @@ def read_after_written(written: Sequence[torch.Tensor],
     by_storage: dict[Any, list[int]] = {}
     for i, w in enumerate(written):
         by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), []).append(i)
-    foreach = isinstance(args[0], (list, tuple))  # not batch norm writing its statistics
-    for sources in args[1:]:
-        single = foreach and isinstance(sources, torch.Tensor)
+    # The one tensor a foreach op applies at every position is its ``other`` (addcmul_'s
+    # ``scalars`` tensor is read into numbers first; batch norm writing its statistics is no
+    # foreach op).
+    names = [a.name for a in func._schema.arguments[1:]] if isinstance(args[0], (list, tuple)) \
+        else []
+    for k, sources in enumerate(args[1:]):
+        single = k < len(names) and names[k] == "other" and isinstance(sources, torch.Tensor)
         if single:
             sources = [sources] * len(written)
         elif not isinstance(sources, (list, tuple)):

@@ -376,8 +376,14 @@ class _DoubleBackwardGuard(torch.autograd.Function):
                 *links_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.name = name
         # detach, not view_as: a view of a Function's input cannot be changed in place (a
-        # gradient clipped with clamp_, a hook editing it), nor made of a sparse gradient.
-        return tuple(g.detach() for g in links_and_grads[num_links:])
+        # gradient clipped with clamp_, a hook editing it), nor made of a sparse gradient. But
+        # a gradient that is an incoming gradient requiring grad (x + y passes it through)
+        # stays a view: written in place, autograd must see the write to that gradient.
+        links = {t.untyped_storage().data_ptr() for t in links_and_grads[:num_links]
+                 if t.layout is torch.strided}
+        return tuple(g.view_as(g) if g.layout is torch.strided
+                     and g.untyped_storage().data_ptr() in links else g.detach()
+                     for g in links_and_grads[num_links:])
 
     @staticmethod
     def backward(ctx: Any, *unused: Any) -> Any:  # type: ignore[override]

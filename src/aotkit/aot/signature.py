@@ -55,7 +55,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         )
     # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan. NumPy's float scalars too (np.float32).
     if isinstance(leaf, (float, complex)) or (
-            isinstance(leaf, numbers.Number) and not isinstance(leaf, (int, numbers.Rational))):
+            isinstance(leaf, numbers.Complex) and not isinstance(leaf, (int, numbers.Rational))):
         return (type(leaf), repr(leaf))
     if (contents := _contents_key(leaf)) is not None:
         return contents
@@ -698,10 +698,12 @@ def recompile_fix(why: str, dynamic: bool) -> str:
                 "every step, or a profiler's global hooks entered per step, compiles anew each "
                 "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
     if why.startswith(("the global ", "the closed-over ")) or " of self changed" in why:
-        return ("pass a value that changes from call to call as an argument, a tensor where "
-                "the graph should not hold it as a constant (torch.tensor(lr)), instead of a "
-                "global, a closed-over variable or an attribute of the bound method's object "
-                "(Note [Values a function captures]), or raise the limit with "
+        return ("a value the function reads besides its arguments changes at every call "
+                "(Note [Values a function captures]): pass it as a tensor argument where the "
+                "graph computes with it (torch.tensor(lr)); move code that only logs it out of "
+                "the compiled function; for a bound method whose object holds a counter, "
+                "compile the plain function and pass what it reads (aot_function(Cls.method) "
+                "called with the tensors it needs); or raise the limit with "
                 "aotkit.config.patch(recompile_limit=...).")
     if why.startswith("aotkit.config."):
         return ("keep aotkit.config fixed while the function runs (each value of an option "
