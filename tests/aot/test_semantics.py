@@ -3426,6 +3426,19 @@ def test_submodules_and_classes_of_a_closed_over_module_changed_after_compiling_
     assert [r.split(" (")[0] for r in reasons] == [
         "the submodules of Sequential", "the submodules of Sequential",
         "the class of ReLU", "the submodules of ModuleList"]
+    layers = nn.ModuleList([nn.Linear(4, 4)]).requires_grad_(False)  # looped over by the function
+
+    def loop(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    compiled = aotkit.aot_function(loop, compilers.nop)
+    for change in (lambda: None, lambda: layers.append(nn.Linear(4, 4)),
+                   lambda: layers.__setitem__(0, nn.Linear(4, 4))):
+        change()
+        layers.requires_grad_(False)
+        torch.testing.assert_close(compiled(x), loop(x), rtol=0, atol=0)
 
 
 def test_a_new_instance_forward_at_a_freed_ones_address_traces_again():
@@ -3456,6 +3469,22 @@ def test_pruning_again_reuses_its_hook_and_compiles_once_more():
         torch.testing.assert_close(model[0].weight_orig.grad, eager[0].weight_orig.grad)
     (reason,) = aotkit.explain().of_kind("recompile")  # the container replaces the first method
     assert "module hooks added or removed" in reason.why
+
+
+def test_a_bound_method_hook_attached_again_reuses_the_graph():
+    """self.hook is a new bound method at each access: keyed by object, a hook detached and
+    attached each epoch compiled every epoch until the recompile limit."""
+    class Scaler:
+        def hook(self, mod, args, out):
+            return out * 2
+
+    model, scaler = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Scaler()
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(3, 4)
+    for _ in range(aotkit.config.recompile_limit + 2):
+        handle = model[0].register_forward_hook(scaler.hook)
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        handle.remove()
+    assert counters.counters["aot"]["traces"] == 1
 
 
 def test_aot_module_recompile_reasons_name_replaced_submodules_and_classes():

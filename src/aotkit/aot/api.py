@@ -30,7 +30,7 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
-from aotkit.aot.captured import captured_values
+from aotkit.aot.captured import captured_values, held_modules
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
@@ -741,7 +741,8 @@ class AotFunction:
         held = argument_containers([*zip(names, leaves, strict=True), *captured],  # a bound self
                                    held_tensors)
         try:
-            with dynamo_frames_off(), recording(self._own_modules) as reads:
+            held_by_fn = held_modules(self.fn) if self._own_modules is None else []
+            with dynamo_frames_off(), recording(self._own_modules, held_by_fn) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held)

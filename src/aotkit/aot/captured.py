@@ -140,3 +140,15 @@ def _contents(cell: types.CellType) -> Any:
         return cell.cell_contents
     except ValueError:  # not assigned yet, or deleted
         return _UNSET
+
+
+def held_modules(fn: Callable[..., Any]) -> list[torch.nn.Module]:
+    """The modules ``fn``'s code loads from its globals or closes over, as they are now (a
+    ModuleList it loops over: Note [What a trace reads besides its inputs])."""
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return []
+    values = [fn.__globals__.get(name) for name in _global_loads(code)[0]]
+    values += [_contents(cell) for cell in fn.__closure__ or ()]
+    return [v for v in values if isinstance(v, torch.nn.Module)]

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.reads import global_hook_tables, hook_tables
+from aotkit.aot.reads import global_hook_tables, hook_identity, hook_tables
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
@@ -382,7 +382,7 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             # The hook objects, which the entry's layout holds, not their handles: pruning
             # again re-registers the same hook under a new handle.
-            key.append(tuple(tuple(map(id, t.values())) for t in hook_tables(m)))
+            key.append(tuple(tuple(map(hook_identity, t.values())) for t in hook_tables(m)))
         if "forward" in m.__dict__:  # set on the instance
             key.append(("forward", id(m.__dict__["forward"])))
         params.extend(p.values())
@@ -756,7 +756,8 @@ def _describe(old: _Layout, new: _Layout) -> str:
         reasons.append(f"plain attribute(s) set anew ({', '.join(replaced)}): traced again for "
                        "that value")
     reasons += _state_changes(old, new, read)
-    if old.hooks != new.hooks:
+    if [(n, k, hook_identity(h)) for n, k, h in old.hooks] != \
+            [(n, k, hook_identity(h)) for n, k, h in new.hooks]:  # a hook's own __eq__ may raise
         reasons.append("module hooks added or removed")
     if changed := sorted(n for n in {*old.forwards, *new.forwards}
                          if old.forwards.get(n) is not new.forwards.get(n)):

@@ -42,6 +42,7 @@ import collections
 import contextlib
 import contextvars
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -68,11 +69,22 @@ class _Flag:
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
-    """A weak reference where ``obj`` takes one, else a strong one (``ref() is obj`` either way)."""
+    """A weak reference where ``obj`` takes one, else a strong one (``ref() is obj`` either way,
+    but for a bound method, made anew at each attribute access: ``==`` to it)."""
+    if isinstance(obj, types.MethodType):
+        return weakref.WeakMethod(obj)
     try:
         return weakref.ref(obj)
     except TypeError:
         return lambda: obj
+
+
+def hook_identity(hook: Any) -> Any:
+    """What tells a hook apart: the object, or a bound method's function and object (``self.hook``
+    registered again is a new bound method of both)."""
+    if isinstance(hook, types.MethodType):
+        return id(hook.__func__), id(hook.__self__)
+    return id(hook)
 
 
 def _refs(objs: Iterable[Any]) -> tuple[Callable[[], Any], ...]:
@@ -82,7 +94,9 @@ def _refs(objs: Iterable[Any]) -> tuple[Callable[[], Any], ...]:
 def _same(refs: tuple[Callable[[], Any], ...], objs: Iterable[Any]) -> bool:
     """Whether ``objs`` are the objects ``refs`` were taken of, in order."""
     objs = tuple(objs)
-    return len(refs) == len(objs) and all(r() is o for r, o in zip(refs, objs, strict=True))
+    return len(refs) == len(objs) and all(
+        (x := r()) is o or (isinstance(o, types.MethodType) and x == o)
+        for r, o in zip(refs, objs, strict=True))
 
 
 def _hooks_of(m: nn.Module) -> list[Any]:
@@ -198,9 +212,11 @@ def note_constant(t: torch.Tensor, grad: bool, after_write: bool) -> None:
 
 
 @contextlib.contextmanager
-def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> Iterator[Reads]:
+def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None,
+              roots: Iterable[nn.Module] = ()) -> Iterator[Reads]:
     """Record what the traces inside the block read (Note [What a trace reads besides its
-    inputs]); ``own_modules``: the compiled module's own submodules, which are inputs."""
+    inputs]); ``own_modules``: the compiled module's own submodules, which are inputs;
+    ``roots``: modules the function holds (a ModuleList it loops over)."""
     reads = Reads()
     own = {id(m) for m in own_modules()} if own_modules is not None else set()
     thread = threading.get_ident()
@@ -241,7 +257,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         # A module the function switches itself, or one it does not call, keeps no flag.
         reads.flags = [_Flag(weakref.ref(m), m.__class__, m.training if i in called and i not
                              in switched else None, _refs(_hooks_of(m)), tuple(m._modules.values()))
-                       for i, m in _with_containers(called)]
+                       for i, m in _with_containers(called, roots)]
         reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
@@ -251,9 +267,11 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None) -> I
         reads.read_after_writes = list(after_writes.values())
 
 
-def _with_containers(called: dict[int, nn.Module]) -> list[tuple[int, nn.Module]]:
-    """The modules called, then the ones between them the function reached without calling (a
-    ModuleList it loops over, whose ``append`` the graph would not see), by id."""
+def _with_containers(called: dict[int, nn.Module],
+                     roots: Iterable[nn.Module] = ()) -> list[tuple[int, nn.Module]]:
+    """The modules called, then the ones between them, or between ``roots`` and them, the
+    function reached without calling (a ModuleList it loops over, whose ``append`` the graph
+    would not see), by id."""
     found = dict(called)
     seen: set[int] = set()
 
@@ -272,6 +290,9 @@ def _with_containers(called: dict[int, nn.Module]) -> list[tuple[int, nn.Module]
 
     for m in called.values():
         leads_to_called(m)
+    for m in roots:
+        if id(m) not in found and leads_to_called(m):
+            found[id(m)] = m
     return list(found.items())
 
 
