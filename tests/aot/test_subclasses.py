@@ -496,3 +496,19 @@ def test_subclass_outputs_viewing_an_input_have_parts_of_their_own():
     assert out.a is not x.a and out.a.data_ptr() == x.a.data_ptr()
     out.t_()
     assert x.shape == x.a.shape == (3, 4)
+
+
+def test_double_backward_through_subclass_inputs_is_refused():
+    """The subclass's gradient was rebuilt detached from the guarded parts: a second backward
+    got None (a jagged tensor) or added zeros (TwoTensor) instead of the refusal."""
+    f = aotkit.aot_function(lambda t: t.sin() * 2, aotkit.compilers.nop)
+    nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged,
+                                    requires_grad=True)
+    (g,) = torch.autograd.grad(f(nt).values().sum(), nt, create_graph=True)
+    torch.testing.assert_close(g.values(), (nt.values().cos() * 2).detach())
+    with pytest.raises(UnsupportedError, match="double backward"):
+        torch.autograd.grad(g.values().sum(), nt, allow_unused=True)
+    t = TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_()
+    f(t).sum().backward(create_graph=True)
+    with pytest.raises(UnsupportedError, match="double backward"):
+        t.grad.sum().backward()

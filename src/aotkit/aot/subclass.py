@@ -223,6 +223,11 @@ class _Unwrap(torch.autograd.Function):
             return None, None
         filled = [p if not d else g if g is not None else torch.zeros_like(p)
                   for p, g, d in zip(ctx.plain, grads, ctx.layout.grads, strict=True)]
+        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
+            # create_graph=True: the subclass's gradient stays connected to its parts', so a
+            # second backward reaches the compiled backward's refusal instead of a detached
+            # leaf (None, or zeros added). Note [Refusing double backward]
+            return None, _Rebuild.apply(ctx.layout, *filled)
         return None, rebuild(ctx.layout, iter(filled))
 
 
