@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import (
 
 from aotkit.aot.frames import AOTKIT_DIR, user_frame
 from aotkit.compat import data_dependent_errors, is_nested_compile_refusal
-from aotkit.errors import TraceError, UnsupportedError
+from aotkit.errors import AotkitError, TraceError, UnsupportedError
 
 _TRACED_TENSORS = ("'FunctionalTensor' object has no attribute",
                    "'FakeTensor' object has no attribute")
@@ -80,7 +80,19 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             "an empty tensor; batch norm's unbiased variance, training on one value per "
             "channel); eager's kernel returns nan there.\nFix: skip empty batches (for batch "
             "norm in training, batches of one sample) before calling the compiled function.")
-    if isinstance(exc, TypeError) and symbolic and _SYMBOLIC_REFUSED.search(str(exc)):
+    if symbolic and isinstance(exc, (TypeError, IndexError)):
+        return _symbolic_python(what, exc) or exc
+    return exc
+
+
+# "unsupported operand type(s) for divmod(): 'SymInt' and 'int'"; "argument 'is_causal' must be
+# bool, not SymBool" (a C++ argument).
+_SYMBOLIC_REFUSED = re.compile(r"'Sym(Int|Float|Bool)'|\bnot Sym(Int|Float|Bool)\b")
+
+
+def _symbolic_python(what: str, exc: TypeError | IndexError) -> TraceError | None:
+    """Python code that cannot take the symbolic sizes or values of a dynamic=True trace."""
+    if isinstance(exc, TypeError) and _SYMBOLIC_REFUSED.search(str(exc)):
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes, and what is "
             "computed from them (q.size(-2) == k.size(-2)), are symbolic (torch.SymInt, "
@@ -88,14 +100,14 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             "operators on the size instead (// and % for divmod), int(size) or bool(...), "
             "which fix that value, or torch.compile(fn, backend='aotkit'), whose Dynamo "
             "handles such code.")
-    if isinstance(exc, IndexError) and symbolic and "(got SymInt)" in str(exc):
+    if isinstance(exc, IndexError) and "(got SymInt)" in str(exc):
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: a tensor indexed with a symbolic int (a "
             "value read with .item() under dynamic=True, or computed from sizes), which "
             "Python indexing does not take while tracing.\nFix: use x.select(dim, i) for "
             "x[i] (x[:, i] is x.select(1, i), x[i:j] x.narrow(0, i, j - i)), or "
             "torch.compile(fn, backend='aotkit'), whose Dynamo rewrites such indexing.")
-    if isinstance(exc, TypeError) and symbolic and "but got FunctionalTensor" in str(exc) \
+    if isinstance(exc, TypeError) and "but got FunctionalTensor" in str(exc) \
             and _raised_in_torch(exc):  # not the user's own TypeError
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: a tensor is passed where Python ints are "
@@ -103,12 +115,7 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             "does with its batch sizes); eager reads its value, which a trace cannot hold as "
             "a constant.\nFix: keep that code outside the compiled function, or use "
             "torch.compile(fn, backend='aotkit'), whose Dynamo runs it eagerly.")
-    return exc
-
-
-# "unsupported operand type(s) for divmod(): 'SymInt' and 'int'"; "argument 'is_causal' must be
-# bool, not SymBool" (a C++ argument).
-_SYMBOLIC_REFUSED = re.compile(r"'Sym(Int|Float|Bool)'|\bnot Sym(Int|Float|Bool)\b")
+    return None
 
 
 def _raised_in_torch(exc: BaseException) -> bool:
@@ -220,24 +227,8 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
             "do it outside the compiled function.")
     if "tolist() shouldn't be called on a tensor with unallocated storage" in str(exc):
         return data_dependent(what, exc)  # .tolist() of a fake tensor, 2-d or more
-    if "on tensor with symbolic sizes/strides" in str(exc):
-        return TraceError(
-            f"{what} could not be traced: it calls code that needs concrete sizes, or the "
-            f"data itself (.tolist()), on a tensor with symbolic sizes ({first_line(exc)}).\n"
-            f"  at {user_frame(exc)}\n"
-            "Fix: move that code out of the compiled function, or compile with "
-            "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
-        )
-    if "expected to contain only concrete integers" in str(exc):  # a C++ composite's sizes
-        where = user_frame(exc)
-        return UnsupportedError(
-            f"{what} could not be traced with symbolic sizes: an op's C++ code needs concrete "
-            f"ones ({first_line(exc).rsplit(': ', 1)[-1]}; F.affine_grid's backward is one, "
-            "with PyTorch's AOT autograd too)."
-            f"{'' if where == '<unknown location>' else chr(10) + '  at ' + where}\n"
-            "Fix: compile it with static sizes "
-            "(dynamic=False, the default; each new size compiles anew), or move that op out "
-            "of the compiled function.")
+    if (concrete := _needs_concrete_sizes(what, exc)) is not None:
+        return concrete
     if ".numpy() is not supported" in str(exc):
         return TraceError(
             f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
@@ -275,6 +266,32 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
     if failed is not None:  # an op's own check, raised on fake tensors: name the op and line
         return op_failed(what, *failed, exc, symbolic=symbolic)
     return exc
+
+
+def _needs_concrete_sizes(what: str, exc: RuntimeError) -> BaseException | None:
+    """Code that needs concrete sizes, given symbolic ones (a dynamic=True trace); not one of
+    ours saying so already (a random op's explicit generator)."""
+    if isinstance(exc, AotkitError):
+        return None
+    if "on tensor with symbolic sizes/strides" in str(exc):
+        return TraceError(
+            f"{what} could not be traced: it calls code that needs concrete sizes, or the "
+            f"data itself (.tolist()), on a tensor with symbolic sizes ({first_line(exc)}).\n"
+            f"  at {user_frame(exc)}\n"
+            "Fix: move that code out of the compiled function, or compile with "
+            "torch.compile(fn, backend=\"aotkit\"), which splits the graph there."
+        )
+    if "expected to contain only concrete integers" in str(exc):  # a C++ composite's sizes
+        where = user_frame(exc)
+        return UnsupportedError(
+            f"{what} could not be traced with symbolic sizes: an op's C++ code needs concrete "
+            f"ones ({first_line(exc).rsplit(': ', 1)[-1]}; F.affine_grid's backward is one, "
+            "with PyTorch's AOT autograd too)."
+            f"{'' if where == '<unknown location>' else chr(10) + '  at ' + where}\n"
+            "Fix: compile it with static sizes "
+            "(dynamic=False, the default; each new size compiles anew), or move that op out "
+            "of the compiled function.")
+    return None
 
 
 def _autograd_refusal(what: str, exc: RuntimeError) -> UnsupportedError | None:
