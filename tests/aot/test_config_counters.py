@@ -670,10 +670,10 @@ def test_captured_values_are_loads_of_plain_values_by_repr():
         compiled(x)
     assert counters.counters["aot"]["traces"] == 1  # its own global counter is no key
 
-    def decorate(fn):
+    def decorate(fn):  # the wrapper's own globals count too
         @functools.wraps(fn)
         def wrapper(*args):
-            return fn(*args)
+            return fn(*args) * WRAPPER_SCALE  # noqa: F821 - set below
         return wrapper
 
     @decorate
@@ -681,14 +681,15 @@ def test_captured_values_are_loads_of_plain_values_by_repr():
         return x * SIGNS[0] if FLAG else x * LATE  # noqa: F821 - set below, LATE later
 
     g = globals()
-    g.update(SIGNS=(0.0,), FLAG=np.True_)
+    g.update(SIGNS=(0.0,), FLAG=np.True_, WRAPPER_SCALE=1.0)
     compiled = aotkit.aot_function(scaled, compilers.nop)
     try:
-        for change in ({}, {"SIGNS": (-0.0,)}, {"FLAG": np.False_, "LATE": 3.0}):
+        for change in ({}, {"SIGNS": (-0.0,)}, {"FLAG": np.False_, "LATE": 3.0},
+                       {"WRAPPER_SCALE": 2.0}):
             g.update(change)
             torch.testing.assert_close(compiled(torch.ones(2)), scaled(torch.ones(2)))
             assert torch.equal(compiled(torch.ones(2)).signbit(), scaled(torch.ones(2)).signbit())
     finally:
-        for name in ("SIGNS", "FLAG", "LATE"):
+        for name in ("SIGNS", "FLAG", "LATE", "WRAPPER_SCALE"):
             g.pop(name, None)
-    assert len(aotkit.explain().of_kind("recompile")) == 2
+    assert len(aotkit.explain().of_kind("recompile")) == 3

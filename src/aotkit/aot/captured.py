@@ -51,14 +51,7 @@ class _Unset:
         return "unset"
 
 
-class _NotPlain:
-    """What a getter reads for a value that is not plain (an object): not keyed."""
-
-    def __repr__(self) -> str:
-        return "not a plain value"
-
-
-_UNSET, _NOT_PLAIN = _Unset(), _NotPlain()
+_UNSET = _Unset()
 
 
 def _plain_value(value: Any) -> bool:
@@ -71,13 +64,16 @@ def _plain_value(value: Any) -> bool:
 def _keyed(value: Any) -> Any:
     if isinstance(value, tuple) and _plain_value(value):
         return repr(value)  # (0.0,) == (-0.0,) and (2.0,) == (2,): their reprs differ
-    return value if value is _UNSET or _plain_value(value) else _NOT_PLAIN
+    if value is _UNSET or _plain_value(value):
+        return value
+    return f"an object of type {type(value).__name__}"  # not keyed further
 
 
-def _global_loads(code: types.CodeType) -> tuple[set[str], set[str]]:
-    """The globals ``code`` (and the code nested in it: comprehensions, lambdas) reads, and
-    those it assigns (its own doing at every call). Attribute names (``x.t()``) are not
-    globals, though ``co_names`` holds them too."""
+def _global_loads(code: types.CodeType) -> set[str]:
+    """The globals ``code`` (and the code nested in it: comprehensions, lambdas) reads but does
+    not assign itself (a counter it increments: its own doing at every call, which a trace
+    runs once per pass). Attribute names (``x.t()``) are not globals, though ``co_names``
+    holds them too."""
     loads: set[str] = set()
     stores: set[str] = set()
     for instruction in dis.get_instructions(code):
@@ -87,10 +83,8 @@ def _global_loads(code: types.CodeType) -> tuple[set[str], set[str]]:
             stores.add(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            inner = _global_loads(const)
-            loads |= inner[0]
-            stores |= inner[1]
-    return loads, stores
+            loads |= _global_loads(const)  # a nested function assigning one still reads it here
+    return loads - stores
 
 
 def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[], Any]]]:
@@ -102,19 +96,34 @@ def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[]
     if owner is not None and _plain_object(owner):
         names.append("self")
         getters.append(lambda: owner)
-    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # a decorator's wrapper: the function
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        return names, getters  # a callable object, a builtin, functools.partial
+    for level in _levels(getattr(fn, "__func__", fn)):
+        _captured_by(level, names, getters)
+    return names, getters
+
+
+def _levels(fn: Any) -> list[types.FunctionType]:
+    """``fn`` and the functions behind its decorators (``__wrapped__``): each one's code runs."""
+    found = []
+    while isinstance(fn, types.FunctionType) and fn not in found:
+        found.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return found
+
+
+def _captured_by(fn: types.FunctionType, names: list[str],
+                 getters: list[Callable[[], Any]]) -> None:
+    """Add what one level of the function reads besides its arguments to ``names``/``getters``."""
+    code = fn.__code__
     space, builtins = fn.__globals__, fn.__builtins__
-    loads, stores = _global_loads(code)
-    for name in sorted(loads - stores):
+    for name in sorted(_global_loads(code)):
+        if f"the global {name}" in names:
+            continue
         # Plain now, or not defined yet (assigned after compiling); not a builtin's name.
         if _plain_value(space[name]) if name in space else name not in builtins:
             names.append(f"the global {name}")
             getters.append(lambda name=name: _keyed(space.get(name, _UNSET)))
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
-        if _keyed(_contents(cell)) is not _NOT_PLAIN:  # plain, or not assigned yet
+        if (value := _contents(cell)) is _UNSET or _plain_value(value):  # or not assigned yet
             names.append(f"the closed-over {name}")
             getters.append(lambda cell=cell: _keyed(_contents(cell)))
     positional = code.co_varnames[:code.co_argcount]
@@ -124,7 +133,6 @@ def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[]
         if _plain_value(_default(fn, name, defaults)):
             names.append(f"the default value of {name}")
             getters.append(lambda name=name: _keyed(_default(fn, name, defaults)))
-    return names, getters
 
 
 def _default(fn: types.FunctionType, name: str, positions: dict[str, int]) -> Any:
@@ -145,10 +153,8 @@ def _contents(cell: types.CellType) -> Any:
 def held_modules(fn: Callable[..., Any]) -> list[torch.nn.Module]:
     """The modules ``fn``'s code loads from its globals or closes over, as they are now (a
     ModuleList it loops over: Note [What a trace reads besides its inputs])."""
-    fn = inspect.unwrap(getattr(fn, "__func__", fn))
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        return []
-    values = [fn.__globals__.get(name) for name in _global_loads(code)[0]]
-    values += [_contents(cell) for cell in fn.__closure__ or ()]
+    values = []
+    for level in _levels(getattr(fn, "__func__", fn)):
+        values += [level.__globals__.get(name) for name in _global_loads(level.__code__)]
+        values += [_contents(cell) for cell in level.__closure__ or ()]
     return [v for v in values if isinstance(v, torch.nn.Module)]

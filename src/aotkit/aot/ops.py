@@ -339,10 +339,12 @@ class EagerOps(torch.overrides.TorchFunctionMode):
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
             if train and not call.get("inplace") and 0 < p < 1:
                 return _dropout(x, p)
-        elif func in _RNNS and not kwargs and _layers_with_dropout(args) and (
-                torch._C._dispatch_tls_is_dispatch_key_included(
-                    torch._C.DispatchKey.PythonDispatcher) or torch.is_inference_mode_enabled()):
-            return _rnn_by_layer(func, args)
+        elif func in _RNNS and not kwargs and (torch._C._dispatch_tls_is_dispatch_key_included(
+                torch._C.DispatchKey.PythonDispatcher) or torch.is_inference_mode_enabled()):
+            if _layers_with_dropout(args):
+                return _rnn_by_layer(func, args)
+            out, *states = func(*args)  # torch 2.11's decomposition: (layers, directions, ...)
+            return (out, *(s.flatten(0, -3) if s.dim() == 4 else s for s in states))
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
                 and not args[0].requires_grad \
                 and tuple(args[0].shape) == requested_size(func, args, kwargs):

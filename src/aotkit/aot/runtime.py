@@ -380,7 +380,7 @@ class _DoubleBackwardGuard(torch.autograd.Function):
         # a gradient that is an incoming gradient requiring grad (x + y passes it through)
         # stays a view: written in place, autograd must see the write to that gradient.
         links = {t.untyped_storage().data_ptr() for t in links_and_grads[:num_links]
-                 if t.layout is torch.strided}
+                 if t.layout is torch.strided} - {0}  # 0: every empty storage's
         return tuple(g.view_as(g) if g.layout is torch.strided
                      and g.untyped_storage().data_ptr() in links else g.detach()
                      for g in links_and_grads[num_links:])
