@@ -693,3 +693,34 @@ def test_captured_values_are_loads_of_plain_values_by_repr():
         for name in ("SIGNS", "FLAG", "LATE", "WRAPPER_SCALE"):
             g.pop(name, None)
     assert len(aotkit.explain().of_kind("recompile")) == 3
+
+
+def test_captured_globals_of_two_modules_and_objects_are_told_apart():
+    """A decorator from another module reading a global of the function's global's name hid
+    it (keyed by name alone); a non-plain value was keyed by a text a string could equal."""
+    import types
+
+    lib = types.ModuleType("mylib")
+    exec("import functools\nSCALE = 1.0\ndef deco(fn):\n    @functools.wraps(fn)\n"
+         "    def wrapper(x):\n        return fn(x) * SCALE\n    return wrapper\n", lib.__dict__)
+    g = globals()
+    g["SCALE"] = 2.0
+    try:
+        scaled = lib.deco(lambda x: x * SCALE)  # noqa: F821 - set above
+        compiled, x = aotkit.aot_function(scaled, compilers.nop), torch.ones(2)
+        for change in (lambda: None, lambda: g.update(SCALE=5.0),
+                       lambda: setattr(lib, "SCALE", 3.0)):
+            change()
+            torch.testing.assert_close(compiled(x), scaled(x), rtol=0, atol=0)
+        reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+        assert reasons == ["the global SCALE changed: float 2.0 -> float 5.0",
+                           "the global mylib.SCALE changed: float 1.0 -> float 3.0"]
+
+        def kind(x):
+            return x - 100 if isinstance(SCALE, str) else x * 2  # noqa: F821
+        compiled = aotkit.aot_function(kind, compilers.nop)
+        for value in ([1.0], "an object of type list"):
+            g["SCALE"] = value
+            torch.testing.assert_close(compiled(x), kind(x), rtol=0, atol=0)
+    finally:
+        g.pop("SCALE", None)

@@ -29,6 +29,7 @@ not looked into: a module's attributes are read while tracing (README).
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import enum
 import inspect
@@ -66,25 +67,41 @@ def _keyed(value: Any) -> Any:
         return repr(value)  # (0.0,) == (-0.0,) and (2.0,) == (2,): their reprs differ
     if value is _UNSET or _plain_value(value):
         return value
-    return f"an object of type {type(value).__name__}"  # not keyed further
+    return _Object(type(value))  # not keyed further
+
+
+@dataclasses.dataclass(frozen=True)
+class _Object:
+    """The key of a value that is not plain: its type alone (a string could equal any text)."""
+
+    kind: type
+
+    def __repr__(self) -> str:
+        return f"an object of type {self.kind.__name__}"
 
 
 def _global_loads(code: types.CodeType) -> set[str]:
-    """The globals ``code`` (and the code nested in it: comprehensions, lambdas) reads but does
-    not assign itself (a counter it increments: its own doing at every call, which a trace
-    runs once per pass). Attribute names (``x.t()``) are not globals, though ``co_names``
-    holds them too."""
+    """The globals ``code`` (and the code nested in it: comprehensions, lambdas, functions)
+    reads but does not assign (a counter it increments: its own doing at every call, which a
+    trace runs once per pass). Attribute names (``x.t()``) are not globals, though
+    ``co_names`` holds them too."""
     loads: set[str] = set()
     stores: set[str] = set()
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            loads.add(instruction.argval)
-        elif instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            stores.add(instruction.argval)
+    for inner in _nested(code):
+        for instruction in dis.get_instructions(inner):
+            if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                loads.add(instruction.argval)
+            elif instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                stores.add(instruction.argval)
+    return loads - stores
+
+
+def _nested(code: types.CodeType) -> list[types.CodeType]:
+    found = [code]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            loads |= _global_loads(const)  # a nested function assigning one still reads it here
-    return loads - stores
+            found += _nested(const)
+    return found
 
 
 def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[], Any]]]:
@@ -96,8 +113,9 @@ def captured_values(fn: Callable[..., Any]) -> tuple[list[str], list[Callable[[]
     if owner is not None and _plain_object(owner):
         names.append("self")
         getters.append(lambda: owner)
-    for level in _levels(getattr(fn, "__func__", fn)):
-        _captured_by(level, names, getters)
+    levels = _levels(getattr(fn, "__func__", fn))
+    for level in levels:
+        _captured_by(level, levels[-1].__globals__, names, getters)
     return names, getters
 
 
@@ -110,17 +128,21 @@ def _levels(fn: Any) -> list[types.FunctionType]:
     return found
 
 
-def _captured_by(fn: types.FunctionType, names: list[str],
+def _captured_by(fn: types.FunctionType, home: dict[str, Any], names: list[str],
                  getters: list[Callable[[], Any]]) -> None:
-    """Add what one level of the function reads besides its arguments to ``names``/``getters``."""
+    """Add what one level of the function reads besides its arguments to ``names``/``getters``;
+    ``home``: the innermost level's globals (the decorated function's own module)."""
     code = fn.__code__
     space, builtins = fn.__globals__, fn.__builtins__
     for name in sorted(_global_loads(code)):
-        if f"the global {name}" in names:
+        # A decorator's module is not the function's: its globals are named by module.
+        shown = f"the global {name}" if space is home else \
+            f"the global {space.get('__name__', '?')}.{name}"
+        if shown in names:
             continue
         # Plain now, or not defined yet (assigned after compiling); not a builtin's name.
         if _plain_value(space[name]) if name in space else name not in builtins:
-            names.append(f"the global {name}")
+            names.append(shown)
             getters.append(lambda name=name: _keyed(space.get(name, _UNSET)))
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
         if (value := _contents(cell)) is _UNSET or _plain_value(value):  # or not assigned yet
