@@ -3770,6 +3770,22 @@ def test_a_foreach_write_then_read_of_the_same_memory_is_refused(call):
     assert torch.equal(a, torch.arange(4.0)) and torch.equal(s, torch.arange(10.0, 14.0))
 
 
+def test_a_foreach_one_tensor_read_the_sizes_cannot_place_is_refused_under_dynamic():
+    """u[-1] written first, u[2] read for the next: with symbolic sizes the overlap cannot be
+    told, and the graph multiplied w by the old u[2] (eager 16, 32; the graph 4, 8)."""
+    def f(u, w):
+        torch._foreach_mul_([u[-1], w], u[2])
+
+    with pytest.raises(UnsupportedError, match="then reads memory it shares"):
+        aotkit.aot_function(f, compilers.nop, dynamic=True)(torch.tensor([2., 3., 4.]),
+                                                            torch.tensor([1., 2.]))
+    g = aotkit.aot_function(lambda u, w: torch._foreach_mul_([w, u[:2]], u[2]), compilers.nop,
+                            dynamic=True)  # the shared tensor written last: eager's values
+    u, w = torch.tensor([2., 3., 4.]), torch.tensor([1., 2.])
+    g(u, w)
+    assert u.tolist() == [8., 12., 4.] and w.tolist() == [4., 8.]
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_foreach_write_to_interleaved_columns_of_one_tensor_matches_eager(dynamic):
     """The exact overlap check ran on fake tensors: a data-dependent error (static sizes) or a

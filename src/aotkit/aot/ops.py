@@ -168,9 +168,16 @@ def read_after_written(func: torch._ops.OpOverload, written: Sequence[torch.Tens
             if not isinstance(r, torch.Tensor):
                 continue
             for i in by_storage.get(compat.StorageWeakRef(r.untyped_storage()), ()):
-                if i < j and overlapping_members([written[i], r]) is not None:
-                    return i, j, single
+                if i < j and (overlapping_members([written[i], r]) is not None
+                              or (single and not _static(written[i], r))):
+                    return i, j, single  # the one tensor: refused where sizes cannot tell
     return None
+
+
+def _static(*tensors: torch.Tensor) -> bool:
+    """Whether the layouts are plain ints, which the exact overlap check can compare."""
+    return all(type(v) is int for t in tensors for g in [_geometry(t)]
+               for v in (*g[0], *g[1], g[2]))
 
 
 def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | None:
