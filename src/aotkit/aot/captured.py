@@ -9,11 +9,12 @@ self.temperature`` for a bound method ``aot_function(sampler.logits)``. Changed 
 the old graph silently went on with the old value (PyTorch's ``aot_function`` too; Dynamo
 guards on them). So the values the function's own code can read are keyed as extra arguments:
 
-* the globals its code loads (its nested code too: comprehensions, lambdas; not those it
-  assigns itself, nor attribute names) and the variables it closes over, when they hold a
-  plain value (a number, string, bool, None, enum, dtype or device; a tuple of such, by its
-  repr) when it is compiled or are not assigned yet, read again at every call (a function
-  behind decorators, ``functools.wraps``'s ``__wrapped__``, is looked into);
+* the globals its code loads (its nested code too: comprehensions, lambdas; not those it or
+  a function nested in it assigns, nor attribute names) and the variables it closes over,
+  when they hold a plain value (a number, string, bool, None, enum, dtype or device; a tuple
+  of such, by its repr) when it is compiled or are not assigned yet, read again at every
+  call; each level of a decorated function (``functools.wraps``'s ``__wrapped__``) counts,
+  a decorator module's globals named by module (``the global mylib.DEBUG``);
 * its default argument values;
 * the object of a bound method, keyed by its attributes as an object argument is (Note
   [Objects as arguments]): ``aot_function(sampler.logits)`` recompiles where
