@@ -2326,7 +2326,7 @@ class _CallsCompiled(nn.Module):
 
 @pytest.mark.parametrize("inner_compiled_first", [False, True])
 @pytest.mark.parametrize("tracer", ["make_fx", "make_fx symbolic", "torch.export",
-                                    "symbolic_trace"])
+                                    "torch.export Dim", "symbolic_trace", "torch.jit.trace"])
 def test_compiled_code_called_inside_other_traces_is_traced_into_them(tracer,
                                                                       inner_compiled_first):
     """Note [Calls inside other traces]: the outer graph holds the original's ops only; tracing
@@ -2346,6 +2346,13 @@ def test_compiled_code_called_inside_other_traces_is_traced_into_them(tracer,
         outer = _CallsCompiled(inner)
         if tracer == "torch.export":
             gm = torch.export.export(outer, (x,)).module()
+        elif tracer == "torch.export Dim":  # symbols in the call's key: an unhashable SymInt
+            gm = torch.export.export(outer, (x,), dynamic_shapes=(
+                {0: torch.export.Dim("batch")},)).module()
+        elif tracer == "torch.jit.trace":  # the JIT records the ops the call runs
+            traced = torch.jit.trace(outer, (x,), check_trace=False)
+            torch.testing.assert_close(traced(x), eager(x) + (0 if inner is inner_fn else 1))
+            continue
         elif tracer == "symbolic_trace":
             gm = torch.fx.symbolic_trace(outer)
         else:

@@ -637,7 +637,12 @@ class AotFunction:
             leaves = [*leaves, *(get() for get in self._captured)]
         key = signature(structure, leaves, self.options.dynamic, self._config_parts,
                         self.static_sizes)
-        found = self._find(key, leaves)
+        try:
+            found = self._find(key, leaves)
+        except TypeError:  # symbols in the key: another trace's (torch.export with Dim)
+            if not traced_from_outside(leaves):
+                raise
+            found = None
         if found is None and traced_from_outside(leaves):
             return self.fn(*args, **kwargs)
         if found is None:

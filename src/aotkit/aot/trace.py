@@ -303,7 +303,8 @@ def tracing_active() -> bool:
     """Whether a trace is running, aotkit's or another's (make_fx, torch.export): a compiled
     function called inside is traced as part of it, since its own graphs would see the outer
     trace's tensors (Note [Calls inside other traces])."""
-    return _GUARD.get() is not None or torch._C._get_dispatch_mode(_PROXY) is not None
+    return _GUARD.get() is not None or torch._C._get_dispatch_mode(_PROXY) is not None \
+        or torch._C._get_tracing_state() is not None  # torch.jit.trace records the ops run
 
 
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
@@ -319,7 +320,8 @@ _PROXY = torch._C._TorchDispatchModeKey.PROXY
 # proxies and fake tensors as arguments, which no entry holds, when no entry fits.
 def traced_from_outside(leaves: Sequence[Any]) -> bool:
     """Whether ``leaves`` are values of someone else's trace (Note [Calls inside other traces])."""
-    return any(isinstance(x, (fx.Proxy, FakeTensor, FunctionalTensor)) for x in leaves)
+    return any(isinstance(x, (fx.Proxy, FakeTensor, FunctionalTensor, torch.SymInt,
+                              torch.SymFloat, torch.SymBool)) for x in leaves)
 
 
 def refuse_kept_outputs(outputs: Sequence[Any]) -> None:
