@@ -190,7 +190,7 @@ def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | No
         if len(members) < 2:
             continue
         geometries = {k: _geometry(written[k]) for k in members}
-        if all(type(v) is int for g in geometries.values() for v in (*g[0], *g[1], g[2])):
+        if _static(*(written[k] for k in members)):
             with _disable_current_modes():  # the exact check computes on real index tensors
                 pair = _overlapping_pair([written[k] for k in members])
             if pair is not None:
