@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
-from aotkit.aot.captured import captured_values, held_modules
+from aotkit.aot.captured import Captured, captured_values, held_modules
+from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
@@ -590,6 +592,10 @@ class AotFunction:
     Create it with :func:`aot_function`; call it like the original function.
     """
 
+    # Keyed by identity where it is an attribute (Note [Objects as arguments]), and its own
+    # __call__ is not user code (Note [Values a function captures]): its cache changes.
+    _aotkit_opaque = True
+
     def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
                  leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
                  checked: tuple[Callable[..., Any], int] | None = None,
@@ -617,8 +623,7 @@ class AotFunction:
         self.static_sizes = frozenset(range(options.num_params_buffers) if static_sizes is None
                                       else static_sizes)
         # Note [Values a function captures]: keyed after the arguments (not aot_module's).
-        self._captured_names, self._captured = captured_values(fn) if own_modules is None \
-            else ([], [])
+        self._captured = captured_values(fn) if own_modules is None else Captured()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracing_active():  # Note [Calls inside other traces] (a transform inside one too)
@@ -633,8 +638,8 @@ class AotFunction:
             note_forward_ad(self.name, first=not self._told_forward_ad)
             self._told_forward_ad = True
             return self.fn(*args, **kwargs)
-        if self._captured:
-            leaves = [*leaves, *(get() for get in self._captured)]
+        if self._captured.getters:
+            leaves = [*leaves, *(captured_key(get()) for get in self._captured.getters)]
         key = signature(structure, leaves, self.options.dynamic, self._config_parts,
                         self.static_sizes)
         try:
@@ -699,8 +704,12 @@ class AotFunction:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
-        hold compiler state that cannot be copied)."""
-        return AotFunction(*self.__reduce__()[1])
+        hold compiler state that cannot be copied); a method of an object copied with it (``self.f
+        = aot_function(self.step)``) is bound to the copy."""
+        fn, *rest = self.__reduce__()[1]
+        if inspect.ismethod(fn) and id(fn.__self__) in memo:
+            fn = types.MethodType(fn.__func__, memo[id(fn.__self__)])
+        return AotFunction(fn, *rest)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled as its function and options, compiled anew after loading."""
@@ -723,8 +732,11 @@ class AotFunction:
             self._record_recompile(key, args, kwargs)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         names = self._leaf_names(args, kwargs)
-        self._told_identity_keys = record_identity_keys(leaves, names, self.name,
-                                                         self._told_identity_keys)
+        captured = list(zip(self._captured.names, [get() for get in self._captured.getters],
+                            strict=True))
+        self._told_identity_keys = record_identity_keys(
+            [*leaves, *(value for _, value in captured)], [*names, *self._captured.names],
+            self.name, self._told_identity_keys)
         refuse_tensor_sets(leaves, names, self.name)
         check_params_buffers(self.options.num_params_buffers, leaves, self.name)
         refuse_torch_function_overrides(leaves, names, self.name)
@@ -742,8 +754,8 @@ class AotFunction:
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
-        captured = zip(self._captured_names, [get() for get in self._captured], strict=True)
-        held = argument_containers([*zip(names, leaves, strict=True), *captured],  # a bound self
+        held = argument_containers([*zip(names, leaves, strict=True), *captured,
+                                    *(("self", owner) for owner in self._captured.owners)],
                                    held_tensors)
         try:
             held_by_fn = held_modules(self.fn) if self._own_modules is None else []
@@ -788,7 +800,7 @@ class AotFunction:
 
     def _record_recompile(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         failed = self._entries.get(key)
-        names = [*self._leaf_names(args, kwargs), *self._captured_names]
+        names = [*self._leaf_names(args, kwargs), *self._captured.names]
         leaves = pytree.tree_leaves((args, kwargs))
         changes = [c for e in failed or () if (c := e.reads.change()) is not None]
         if changes:  # the entry it differs least from (train/eval graphs of one signature)

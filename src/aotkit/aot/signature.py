@@ -24,6 +24,8 @@ from aotkit.errors import UnsupportedError
 
 def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     """What about one flattened argument decides the traced graph."""
+    if type(leaf) is Keyed:  # a value the function captures (Note [Values a function captures])
+        return leaf.key
     if isinstance(leaf, torch.Tensor):
         if is_subclass(leaf):  # Note [Tensor subclasses]
             sub = layout_of(leaf)
@@ -120,7 +122,8 @@ def _plain_object(value: Any) -> bool:
     ``random.Random`` keep theirs elsewhere). The empty ``__slots__`` of ``abc.ABC``,
     ``typing.Generic`` and ``collections.abc`` bases hold nothing: their subclasses (a
     transformers cache layer, a ``UserDict``) are plain."""
-    if isinstance(value, _OPAQUE) or not hasattr(value, "__dict__"):
+    if isinstance(value, _OPAQUE) or not hasattr(value, "__dict__") \
+            or getattr(type(value), "_aotkit_opaque", False):  # an aot_function: its cache
         return False
     cls = type(value)
     return cls.__basicsize__ <= _PLAIN_SIZE and not any(_has_slots(c) for c in cls.__mro__)
@@ -154,6 +157,16 @@ class _Identity:
 
     def __repr__(self) -> str:
         return f"a {type(self.value).__name__} object"
+
+
+class Keyed:
+    """A value keyed already: its key (a captured value's, Note [Values a function
+    captures])."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
 
 
 class _Walk:
@@ -596,9 +609,16 @@ def _show(x: Any) -> str:
         return str(tuple(x))
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], type):
         keyed_by_repr = issubclass(x[0], numbers.Number) and isinstance(x[1], str)
-        shown = x[1] if keyed_by_repr else repr(x[1])
-        return f"{x[0].__name__} {shown}"
+        shown = x[1] if keyed_by_repr else _repr(x[1])
+        return f"{x[0].__name__} {_short(shown, 100)}"
     return repr(x)
+
+
+def _repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except ValueError:  # an int past Python's 4300 digits
+        return f"of {value.bit_length()} bits" if isinstance(value, int) else "?"
 
 
 def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:

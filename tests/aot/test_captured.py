@@ -1,0 +1,398 @@
+"""Note [Values a function captures]: globals, closed-over values, defaults, partial arguments
+and the attributes of the object a method runs on are keyed with aot_function's arguments; a
+change recompiles (naming it), and values the function changes itself do not."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import aotkit
+from aotkit import compilers, counters
+
+
+def _reasons() -> list[str]:
+    return [d.why for d in aotkit.explain().of_kind("recompile")]
+
+
+def _same(compiled, fn, *args) -> None:
+    torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
+
+
+LEARNING_RATE = 1.0
+
+
+def test_values_a_function_reads_besides_its_arguments_are_keyed():
+    """Note [Values a function captures]: a global, a closed-over number, a default value and
+    the attributes of a bound method's object, changed after compiling, kept the traced value
+    silently (PyTorch's aot_function too)."""
+    global LEARNING_RATE
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.temperature = 1.0
+
+        def logits(self, x: torch.Tensor) -> torch.Tensor:
+            return x / self.temperature
+
+    def step(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return x - LEARNING_RATE * x.sin() * scale * shift
+
+    shift = 1.0
+    sampler, x = Sampler(), torch.randn(3)
+    compiled = {fn: aotkit.aot_function(fn, compilers.nop) for fn in (step, sampler.logits)}
+    changes = [lambda: None, lambda: globals().__setitem__("LEARNING_RATE", 0.1),
+               lambda: setattr(step, "__defaults__", (3.0,)),
+               lambda: setattr(sampler, "temperature", 0.5)]
+    try:
+        for change in changes:
+            change()
+            shift += 1.0
+            for fn, run in compiled.items():
+                torch.testing.assert_close(run(x), fn(x), rtol=0, atol=0)
+    finally:
+        LEARNING_RATE = 1.0
+    reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+    assert reasons == [
+        "the global LEARNING_RATE changed: float 1.0 -> float 0.1; the closed-over shift "
+        "changed: float 2.0 -> float 3.0",
+        "the closed-over shift changed: float 3.0 -> float 4.0; the default value of scale "
+        "changed: float 2.0 -> float 3.0",
+        "the closed-over shift changed: float 4.0 -> float 5.0",
+        "self.temperature changed: float 1.0 -> float 0.5"]
+    with aotkit.config.patch(recompile_limit=1), pytest.raises(
+            aotkit.errors.RecompileLimitError, match="besides its arguments changes at every call"):
+        shift += 1.0
+        compiled[step](x)
+
+
+COUNTER = 0
+t = 0  # a global sharing its name with the attribute .t()
+
+
+def test_captured_values_are_loads_of_plain_values_by_repr():
+    """Attribute names are no globals (x @ w.t() with a global t keyed t), a global the function
+    assigns itself is its own doing, a tuple is keyed by its repr ((0.0,) == (-0.0,)), and a
+    NumPy bool, a decorated function's globals and a global defined after compiling count."""
+    import functools
+
+    import numpy as np
+
+    w = torch.randn(4, 4)
+
+    def counted(x):
+        global COUNTER
+        COUNTER += 1
+        return x @ w.t()
+
+    compiled, x = aotkit.aot_function(counted, compilers.nop), torch.randn(2, 4)
+    for value in range(4):
+        globals()["t"] = value
+        compiled(x)
+    assert counters.counters["aot"]["traces"] == 1  # its own global counter is no key
+
+    def decorate(fn):  # the wrapper's own globals count too
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return fn(*args) * WRAPPER_SCALE  # noqa: F821 - set below
+        return wrapper
+
+    @decorate
+    def scaled(x):
+        return x * SIGNS[0] if FLAG else x * LATE  # noqa: F821 - set below, LATE later
+
+    g = globals()
+    g.update(SIGNS=(0.0,), FLAG=np.True_, WRAPPER_SCALE=1.0)
+    compiled = aotkit.aot_function(scaled, compilers.nop)
+    try:
+        for change in ({}, {"SIGNS": (-0.0,)}, {"FLAG": np.False_, "LATE": 3.0},
+                       {"WRAPPER_SCALE": 2.0}):
+            g.update(change)
+            torch.testing.assert_close(compiled(torch.ones(2)), scaled(torch.ones(2)))
+            assert torch.equal(compiled(torch.ones(2)).signbit(), scaled(torch.ones(2)).signbit())
+    finally:
+        for name in ("SIGNS", "FLAG", "LATE", "WRAPPER_SCALE"):
+            g.pop(name, None)
+    assert len(aotkit.explain().of_kind("recompile")) == 3
+
+
+def test_captured_globals_of_two_modules_and_objects_are_told_apart():
+    """A decorator from another module reading a global of the function's global's name hid
+    it (keyed by name alone); a non-plain value was keyed by a text a string could equal."""
+    import types
+
+    lib = types.ModuleType("mylib")
+    exec("import functools\nSCALE = 1.0\ndef deco(fn):\n    @functools.wraps(fn)\n"
+         "    def wrapper(x):\n        return fn(x) * SCALE\n    return wrapper\n", lib.__dict__)
+    g = globals()
+    g["SCALE"] = 2.0
+    try:
+        scaled = lib.deco(lambda x: x * SCALE)  # noqa: F821 - set above
+        compiled, x = aotkit.aot_function(scaled, compilers.nop), torch.ones(2)
+        for change in (lambda: None, lambda: g.update(SCALE=5.0),
+                       lambda: setattr(lib, "SCALE", 3.0)):
+            change()
+            torch.testing.assert_close(compiled(x), scaled(x), rtol=0, atol=0)
+        reasons = [d.why for d in aotkit.explain().of_kind("recompile")]
+        assert reasons == ["the global SCALE changed: float 2.0 -> float 5.0",
+                           "the global mylib.SCALE changed: float 1.0 -> float 3.0"]
+
+        def kind(x):
+            return x - 100 if isinstance(SCALE, str) else x * 2  # noqa: F821
+        compiled = aotkit.aot_function(kind, compilers.nop)
+        for value in ([1.0], "an object of type list"):
+            g["SCALE"] = value
+            torch.testing.assert_close(compiled(x), kind(x), rtol=0, atol=0)
+    finally:
+        g.pop("SCALE", None)
+
+
+class _Scaler:
+    """A method compiled onto its own object, which also holds a counter it does not read."""
+
+    def __init__(self) -> None:
+        self.scale = 2.0
+        self.steps = 0
+        self.calls = 0
+        self.f = aotkit.aot_function(self.apply, compilers.nop)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # its own doing: not keyed
+        return self._scaled(x)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:  # a method it names: its reads count
+        return x * self.scale
+
+
+def test_only_the_attributes_a_method_names_are_keyed():
+    """Keying every attribute of a bound method's object recompiled at every call on an
+    attribute the method never reads (the aot_function stored on it, a step counter) until
+    RecompileLimitError; one named by a method it calls is seen."""
+    s, x = _Scaler(), torch.ones(3)
+    for step in range(12):
+        s.steps = step
+        _same(s.f, s.apply, x)
+    assert counters.counters["aot"]["traces"] == 1
+    s.scale = 3.0
+    _same(s.f, s.apply, x)
+    assert _reasons() == ["self.scale changed: float 2.0 -> float 3.0"]
+    twin = copy.deepcopy(s)  # its method is bound to the copy, not to the original
+    twin.scale = 5.0
+    _same(twin.f, twin.apply, x)
+    assert twin.f.fn.__self__ is twin
+
+
+def test_values_a_function_assigns_itself_are_not_keyed():
+    """A nonlocal counter (the function's or a counting decorator's) changed at every call: a
+    recompile each time, until RecompileLimitError (a global it assigns never was)."""
+    def counting(fn):
+        calls = 0
+
+        @functools.wraps(fn)
+        def wrapper(x):
+            nonlocal calls
+            calls += 1
+            return fn(x)
+        return wrapper
+
+    def make():
+        count = 0
+
+        @counting
+        def f(x):
+            nonlocal count
+            count += 1
+            return x * 2
+        return f
+
+    compiled = aotkit.aot_function(make(), compilers.nop)
+    for _ in range(12):
+        compiled(torch.randn(3))
+    assert counters.counters["aot"]["traces"] == 1
+
+
+MASK = None
+
+
+def test_a_captured_tensor_is_keyed_by_identity():
+    """A global that was None and then held tensors was keyed by its type: a second mask ran
+    the graph of the first, silently; a closed-over tuple of tensors rebound too."""
+    global MASK
+
+    def masked(x):
+        return x if MASK is None else x.masked_fill(MASK, 0.0)
+
+    compiled, x = aotkit.aot_function(masked, compilers.nop), torch.arange(4.0)
+    try:
+        for mask in (None, [True, False, False, False], [False, False, False, True]):
+            MASK = None if mask is None else torch.tensor(mask)
+            _same(compiled, masked, x)
+    finally:
+        MASK = None
+    assert _reasons() == ["the global MASK changed: NoneType None -> a Tensor object",
+                          "the global MASK is another Tensor object"]
+
+    weights = (torch.ones(4),)
+
+    def weighted(x):
+        return x * weights[0]
+
+    compiled = aotkit.aot_function(weighted, compilers.nop)
+    _same(compiled, weighted, x)
+    weights = (torch.full((4,), 3.0),)
+    _same(compiled, weighted, x)
+
+
+class _Temperature:
+    def __init__(self) -> None:
+        self.t = 2.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.t
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.t
+
+    scale = 2.0
+
+    @classmethod
+    def scaled(cls, x: torch.Tensor) -> torch.Tensor:
+        return x * cls.scale
+
+
+def _base(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x * k
+
+
+class _Decorator:
+    """A class-based decorator (functools.update_wrapper)."""
+
+    def __init__(self, fn) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.factor = fn, 1.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x) * self.factor
+
+
+def test_what_wraps_a_function_is_looked_into():
+    """A partial's arguments, a callable object's and a class-based decorator's attributes, a
+    method under torch.no_grad(), a classmethod's class and the function inside another
+    aot_function were not keyed: their changes ran the old graph, silently."""
+    temperature, x = _Temperature(), torch.ones(2)
+    partial = functools.partial(_base, k=1.0)
+    decorated = _Decorator(temperature.logits)
+    cases = [(partial, lambda: partial.keywords.update(k=2.0)),
+             (temperature, lambda: setattr(temperature, "t", 4.0)),
+             (torch.no_grad()(temperature.logits), lambda: setattr(temperature, "t", 8.0)),
+             (decorated, lambda: setattr(decorated, "factor", 3.0)),
+             (_Temperature.scaled, lambda: setattr(_Temperature, "scale", 5.0)),
+             (aotkit.aot_function(functools.partial(_base, k=1.0), compilers.nop),
+              lambda: cases[-1][0].fn.keywords.update(k=6.0))]
+    try:
+        for fn, change in cases:
+            compiled = aotkit.aot_function(fn, compilers.nop)
+            _same(compiled, fn, x)
+            change()
+            _same(compiled, fn, x)
+    finally:
+        _Temperature.scale = 2.0
+    assert len(_reasons()) == len(cases) + 1  # the inner aot_function's own too
+
+
+def test_a_modules_forward_attributes_are_keyed():
+    """aot_function(model.forward) kept the training-mode graph after model.eval() (forward
+    reads self.training itself); aot_function(model) missed a plain attribute changed."""
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = 2.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.dropout(x, 0.5, training=self.training) * self.scale
+
+    model, x = Scaled(), torch.ones(8)
+    for fn in (model.forward, model):
+        model.train()
+        compiled = aotkit.aot_function(fn, compilers.nop)
+        compiled(x)
+        model.eval()
+        _same(compiled, fn, x)
+        model.scale = 3.0
+        _same(compiled, fn, x)
+        model.scale = 2.0
+
+
+FORMAT, WINDOW, ITEMS = torch.contiguous_format, slice(0, 2), tuple(range(20))
+
+
+def test_captured_immutable_values_of_every_kind_are_keyed():
+    """A memory format, a slice and a tuple of more than 16 items were not keyed."""
+    global FORMAT, WINDOW, ITEMS
+
+    def f(x):
+        return x.contiguous(memory_format=FORMAT)[WINDOW] * len(ITEMS) + ITEMS[-1]
+
+    compiled, x = aotkit.aot_function(f, compilers.nop), torch.randn(2, 3, 4, 5)
+    try:
+        for change in (lambda: None, lambda: globals().update(FORMAT=torch.channels_last),
+                       lambda: globals().update(WINDOW=slice(0, 1)),
+                       lambda: globals().update(ITEMS=tuple(range(21)))):
+            change()
+            out, expected = compiled(x), f(x)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+            assert out.stride() == expected.stride()
+    finally:
+        FORMAT, WINDOW, ITEMS = torch.contiguous_format, slice(0, 2), tuple(range(20))
+    assert len(_reasons()) == 3
+
+
+class _Unprintable(float):
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class _Proxy:
+    @property
+    def __class__(self):  # type: ignore[override]
+        raise RuntimeError("proxy not bound")
+
+
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    t: float
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.t
+
+
+HUGE, ODD, PROXY = (10 ** 5000,), _Unprintable(2.0), _Proxy()
+
+
+def test_captured_values_that_defy_inspection():
+    """A float whose repr raises, a proxy whose __class__ raises, an int past Python's repr
+    limit (in a tuple and changed: its reason) and defaults longer than the parameters were raw
+    crashes; a slotted object's attribute was not seen."""
+    global HUGE
+
+    def f(x, y=1.0):
+        return x * ODD + (HUGE[0] % 7 if PROXY is not None else 0) + y
+
+    f.__defaults__ = (5.0, 1.0)  # Python takes the last ones
+    compiled, x = aotkit.aot_function(f, compilers.nop), torch.ones(2)
+    try:
+        _same(compiled, f, x)
+        HUGE = (10 ** 5000 + 1,)
+        _same(compiled, f, x)
+    finally:
+        HUGE = (10 ** 5000,)
+    assert _reasons() == ["the global HUGE changed: a tuple of 1 item(s) -> a tuple of 1 item(s)"]
+    slotted = _Slotted(2.0)
+    compiled = aotkit.aot_function(slotted.logits, compilers.nop)
+    _same(compiled, slotted.logits, x)
+    slotted.t = 4.0
+    _same(compiled, slotted.logits, x)
