@@ -3793,6 +3793,53 @@ def test_a_foreach_one_tensor_read_the_sizes_cannot_place_is_refused_under_dynam
     assert u.tolist() == [8., 12., 4.] and w.tolist() == [4., 8.]
 
 
+def test_a_foreach_read_the_sizes_place_apart_is_not_refused_under_dynamic():
+    """u[0] read after u[1:] is written: the byte spans tell them apart without a guard (it was
+    refused, and torch.compile failed from the second input size on)."""
+    def f(u, w):
+        torch._foreach_mul_([u[1:], w], u[0])
+        return u.sum() + w.sum()
+
+    for compiled in (aotkit.aot_function(f, compilers.nop, dynamic=True),
+                     torch.compile(f, backend="aotkit")):
+        for n in (3, 4, 5):
+            u, w = torch.arange(2.0, 2.0 + n), torch.tensor([1.0, 2.0])
+            u_eager, w_eager = u.clone(), w.clone()
+            assert torch.equal(compiled(u, w), f(u_eager, w_eager))
+            assert torch.equal(u, u_eager) and torch.equal(w, w_eager)
+
+
+def test_a_foreach_list_read_the_sizes_cannot_place_is_refused_under_dynamic():
+    """u[2:3] read for w[:1] after u[-1:] is written: under symbolic sizes only an identical view
+    was told, and the graph multiplied by the old u[2] (eager 20, the graph 4), silently."""
+    def f(u, w, x):
+        torch._foreach_mul_([u[-1:], w[:1]], [x, u[2:3]])
+        return w + 0
+
+    with pytest.raises(UnsupportedError, match="may share"):
+        aotkit.aot_function(f, compilers.nop, dynamic=True)(
+            torch.tensor([2., 3., 4.]), torch.tensor([1., 2.]), torch.tensor([5.]))
+
+
+@torch.library.custom_op("aotkit_test::add_all", mutates_args=("xs",))
+def _add_all(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
+    added = [y.clone() for y in ys]  # reads every input before it writes
+    for x, y in zip(xs, added, strict=True):
+        x.add_(y)
+
+
+def test_a_custom_op_writing_a_list_may_read_what_it_writes():
+    """Refused as a foreach op would be, though its kernel reads every input first."""
+    def f(a, b):
+        _add_all([a, b], [b, a])
+        return a + b
+
+    a, b = torch.tensor([1., 2.]), torch.tensor([10., 20.])
+    a_eager, b_eager = a.clone(), b.clone()
+    assert torch.equal(aotkit.aot_function(f, compilers.nop)(a, b), f(a_eager, b_eager))
+    assert torch.equal(a, a_eager) and torch.equal(b, b_eager)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_foreach_write_to_interleaved_columns_of_one_tensor_matches_eager(dynamic):
     """The exact overlap check ran on fake tensors: a data-dependent error (static sizes) or a

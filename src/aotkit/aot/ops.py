@@ -4,8 +4,10 @@ ops FX cannot print. Used by :mod:`aotkit.aot.trace` while it traces."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
+import itertools
 import math
 import warnings
 from collections.abc import Sequence
@@ -116,7 +118,10 @@ def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 # give eager's values); and a call reading a tensor it wrote at an earlier position (``_foreach_
 # copy_([a, s], [s, a])``: eager reads the new value) is refused too. The exact check (interleaved
 # views share no element) computes on real index tensors; with symbolic sizes only one view
-# listed twice is told, without adding a guard.
+# listed twice is told, without adding a guard, and a read is taken to share memory with an
+# earlier write unless their byte spans are apart without a guard (``u[0]`` after ``u[1:]``).
+# Only aten's foreach ops are checked for reads after writes: a custom op writing a list may
+# read all its inputs first.
 _OVERWRITING_FOREACH = (torch.ops.aten._foreach_zero_.default,
                         torch.ops.aten._foreach_copy_.default)
 
@@ -131,8 +136,8 @@ def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
             else f"as number {j} of another list"
         raise UnsupportedError(
             f"{what} writes in place ({func}) tensor number {i} of a list and then reads "
-            f"memory it shares, {read}: eager reads the new value, "
-            f"the functional graph the old one.\n  at {current_user_line()}\n"
+            f"memory it shares (or, where symbolic sizes cannot tell, may share), {read}: eager "
+            f"reads the new value, the functional graph the old one.\n  at {current_user_line()}\n"
             "Fix: pass a .clone() of the tensor read, or use separate calls.")
     if func not in _OVERWRITING_FOREACH and (pair := overlapping_members(written)) is not None:
         raise UnsupportedError(
@@ -149,29 +154,76 @@ def read_after_written(func: torch._ops.OpOverload, written: Sequence[torch.Tens
     """Positions ``(i, j, single)`` where an in-place foreach op reads, at ``j``, a tensor
     sharing an element with the one it wrote at an earlier ``i`` (``_foreach_copy_([a, s], [s,
     a])``, or ``_foreach_mul_([a, b], a)``, whose one tensor, ``single``, is read at every
-    position): eager reads the new value, the functional graph the old one."""
-    by_storage: dict[Any, list[int]] = {}
+    position): eager reads the new value, the functional graph the old one. Where symbolic
+    sizes cannot place the two, they are taken to share one. Other ops writing several tensors
+    (a custom op) may read all their inputs first: not checked."""
+    if not func._schema.name.startswith("aten::_foreach_"):
+        return None
+    by_storage: dict[Any, _Written] = {}
     for i, w in enumerate(written):
-        by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), []).append(i)
+        by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), _Written()).add(i, w)
     # The one tensor a foreach op applies at every position is its ``other`` (addcmul_'s
-    # ``scalars`` tensor is read into numbers first; batch norm writing its statistics is no
-    # foreach op).
+    # ``scalars`` tensor is read into numbers first).
     names = [a.name for a in func._schema.arguments[1:]] if isinstance(args[0], (list, tuple)) \
         else []
     for k, sources in enumerate(args[1:]):
         single = k < len(names) and names[k] == "other" and isinstance(sources, torch.Tensor)
-        if single:
-            sources = [sources] * len(written)
+        if single:  # read at every position: after the first write it shares memory with
+            sources = [*[None] * (len(written) - 1), sources]
         elif not isinstance(sources, (list, tuple)):
             continue
         for j, r in enumerate(sources):
-            if not isinstance(r, torch.Tensor):
-                continue
-            for i in by_storage.get(compat.StorageWeakRef(r.untyped_storage()), ()):
-                if i < j and (overlapping_members([written[i], r]) is not None
-                              or (single and not _static(written[i], r))):
-                    return i, j, single  # the one tensor: refused where sizes cannot tell
+            group = by_storage.get(compat.StorageWeakRef(r.untyped_storage())) \
+                if isinstance(r, torch.Tensor) else None
+            if group is not None and (i := group.first_sharing(r, before=j)) is not None:
+                return i, i + 1 if single else j, single
     return None
+
+
+class _Written:
+    """The tensors an op writes in one storage, by position, and their byte spans sorted."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self._spans: list[tuple[int, int, int]] | None = None  # (start, end, position)
+        self._reach: list[int] = []  # the furthest end of the spans up to each
+        self._static: bool | None = None
+
+    def add(self, i: int, t: torch.Tensor) -> None:
+        self.tensors[i] = t
+
+    def first_sharing(self, r: torch.Tensor, before: int) -> int | None:
+        """The first position before ``before`` whose tensor shares an element with ``r``."""
+        if self._static is None:
+            self._static = _static(*self.tensors.values())
+        if not (self._static and _static(r)):
+            return next((i for i, w in self.tensors.items()
+                         if i < before and not _apart(w, r)), None)
+        if r.numel() == 0:
+            return None
+        spans = self._sorted()
+        start, end = _bytes_spanned(r)
+        found = []
+        k = bisect.bisect_left(spans, (end,)) - 1  # the last span starting before r ends
+        while k >= 0 and self._reach[k] > start:
+            if spans[k][1] > start and spans[k][2] < before:
+                found.append(spans[k][2])
+            k -= 1
+        with _disable_current_modes():  # the exact check computes on real index tensors
+            return min((i for i in found if may_overlap(self.tensors[i], r)), default=None)
+
+    def _sorted(self) -> list[tuple[int, int, int]]:
+        if self._spans is None:
+            self._spans = sorted((*_bytes_spanned(t), i) for i, t in self.tensors.items()
+                                 if t.numel() != 0)
+            self._reach = list(itertools.accumulate((end for _, end, _ in self._spans), max))
+        return self._spans
+
+
+def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of symbolic sizes provably span disjoint bytes (no guard added)."""
+    (a0, a1), (b0, b1) = _bytes_spanned(a), _bytes_spanned(b)
+    return statically_known_true(a1 <= b0) or statically_known_true(b1 <= a0)
 
 
 def _static(*tensors: torch.Tensor) -> bool:
