@@ -3,6 +3,9 @@ torch.compile(backend="aotkit"), against eager. See Note [Tensor subclasses]."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -512,3 +515,70 @@ def test_double_backward_through_subclass_inputs_is_refused():
     f(t).sum().backward(create_graph=True)
     with pytest.raises(UnsupportedError, match="double backward"):
         t.grad.sum().backward()
+
+
+# Rank 0 of a simulated world of two ranks holding the same data (a sum all-reduce doubles), in
+# a process of its own: one rank cannot tell a summand from the sum.
+_TWO_RANKS = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.futures import Future
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import aotkit
+
+class Done(dist._Work):
+    def __init__(self, result):
+        super().__init__()
+        self.future = Future()
+        self.future.set_result(result)
+    def wait(self, timeout=None):
+        return True
+    def get_future(self):
+        return self.future
+
+class TwinRanks(dist.ProcessGroup):
+    group_name = property(lambda self: "0")
+    def getBackendName(self):
+        return "twin"
+    def allreduce(self, tensors, opts=None):
+        for t in tensors:
+            t.mul_(2)
+        return Done(tensors)
+
+dist.Backend.register_backend("twin", lambda *a: TwinRanks(a[1], a[2]), devices=["cpu"])
+dist.init_process_group("twin", store=FakeStore(), rank=0, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+
+def matmul(x, w):
+    return (x @ w).relu()
+
+def partial(d):
+    return DTensor.from_local(d.to_local() * 3, mesh, [Partial()])
+
+for fn in (matmul, aotkit.aot_function(matmul, aotkit.compilers.nop)):
+    x = DTensor.from_local(torch.arange(12.0).reshape(4, 3) / 5, mesh, [Shard(0)])
+    w = DTensor.from_local(torch.arange(6.0).reshape(3, 2) / 7, mesh, [Replicate()])
+    w.requires_grad_()
+    fn(x, w).to_local().sum().backward()
+    print(w.grad.full_tensor().flatten().tolist())
+d = DTensor.from_local(torch.ones(2, 2), mesh, [Replicate()]).requires_grad_()
+try:
+    aotkit.aot_function(partial, aotkit.compilers.nop)(d).full_tensor().sum().backward()
+except aotkit.errors.UnsupportedError as exc:
+    print(str(exc).splitlines()[0])
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_gradient_in_other_placements_than_its_input_keeps_eagers_values() -> None:
+    """Note [Gradients in another layout]: a replicated weight's gradient is Partial (each rank
+    a summand); rebuilt as Replicate, the summand was taken for the sum (half the values on two
+    ranks), silently. A Replicate gradient of a Partial output is refused."""
+    pytest.importorskip("torch.distributed.tensor")
+    run = subprocess.run([sys.executable, "-c", _TWO_RANKS], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    eager, compiled, refused = run.stdout.splitlines()
+    assert eager == compiled
+    assert "cannot be brought to it" in refused

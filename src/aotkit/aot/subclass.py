@@ -190,7 +190,23 @@ class _Rebuild(torch.autograd.Function):
         return (None, *_grad_parts(grad, layout))
 
 
+# Note [Gradients in another layout]
+# A subclass's gradient may have other metadata than the tensor it is the gradient of: the
+# gradient of a replicated DTensor weight multiplied by a sharded input is Partial (each rank
+# holds a summand), and an incoming gradient may come Replicate for a Partial output. The
+# graphs compute with plain parts, whose meaning depends on that metadata: rebuilt with the
+# input's (Replicate), a Partial gradient's summand was taken for the whole sum, silently, and
+# a Replicate gradient of a Shard(0) input failed on its parts' sizes. So a gradient whose type
+# can be brought to another's metadata (``__coerce_same_metadata_as_tangent__``, as PyTorch's
+# AOT autograd asks of tangents) is brought to the metadata of the tensor it is the gradient
+# of, both where the joint graph is traced (inputs: a DTensor redistribution, a collective, in
+# the backward graph) and where the compiled function runs (outputs: the incoming gradient).
+# Values are eager's; an input's gradient then comes in the input's placements, where eager may
+# leave it Partial (reduced later, when it is used). A gradient that cannot be brought so (a
+# Replicate one for a Partial output: DTensor keeps that redistribution for itself) is refused.
 def _grad_parts(grad: torch.Tensor, layout: Layout) -> list[torch.Tensor | None]:
+    if type(grad) is layout.cls and hasattr(grad, "__coerce_same_metadata_as_tangent__"):
+        grad = _coerced(grad, layout)
     if type(grad) is not layout.cls:
         name = layout.cls.__name__
         kind = "a plain tensor" if not is_subclass(grad) else f"a {type(grad).__name__}"
@@ -202,6 +218,22 @@ def _grad_parts(grad: torch.Tensor, layout: Layout) -> list[torch.Tensor | None]
             "made of as the arguments instead, or run this function eagerly."
         )
     return [g if carries else None for g, carries in zip(parts(grad, layout), layout.grads, strict=True)]
+
+
+def _coerced(grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``grad`` with the metadata of the tensor it is the gradient of (Note [Gradients in
+    another layout])."""
+    try:
+        coerced = grad.__coerce_same_metadata_as_tangent__(layout.ctx)
+    except RuntimeError as exc:  # DTensor: Replicate to Partial is for its internal use only
+        name = layout.cls.__name__
+        raise UnsupportedError(
+            f"a gradient of a {name} that aotkit compiled comes with other metadata than the "
+            f"{name} itself, and cannot be brought to it ({exc}); the compiled graphs compute "
+            f"with the {name}'s metadata.\nFix: return the {name} in the layout its gradient "
+            "comes in (for a Partial DTensor output, .redistribute(placements=[Replicate()]) "
+            "inside the function), or run this function eagerly.") from None
+    return grad if coerced is None else coerced
 
 
 class _Unwrap(torch.autograd.Function):
