@@ -205,8 +205,9 @@ def check_environment() -> None:
     if _unknown_variables:
         import warnings
 
-        warnings.warn("\n".join(_unknown_variables), stacklevel=_outside_aotkit())
-        _unknown_variables.clear()
+        told = "\n".join(_unknown_variables)
+        _unknown_variables.clear()  # first: under -W error the warning raises, once
+        warnings.warn(told, stacklevel=_outside_aotkit())
     if _environment_errors:
         raise ConfigError("\n".join(str(e) for e in _environment_errors.values()))
 

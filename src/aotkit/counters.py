@@ -173,7 +173,8 @@ class Explanation:
 
 
 def explain() -> Explanation:
-    """Every decision recorded since the last :func:`reset` (oldest first) and the counters.
+    """Every decision recorded since the last :func:`aotkit.counters.reset` (oldest first) and
+    the counters.
 
     Example::
 
@@ -188,7 +189,7 @@ def explain() -> Explanation:
 
 
 def _dynamo_breaks() -> dict[str, int]:
-    """Dynamo's graph-break and unsupported-code counts since the last :func:`reset` (Dynamo
+    """Dynamo's graph-break and unsupported-code counts since the last :func:`aotkit.counters.reset` (Dynamo
     keeps process-wide counters, which torch._dynamo.reset() does not clear)."""
     found = {}
     for reason, count in _dynamo_totals().items():

@@ -396,3 +396,16 @@ def test_captured_values_that_defy_inspection():
     _same(compiled, slotted.logits, x)
     slotted.t = 4.0
     _same(compiled, slotted.logits, x)
+
+
+def test_a_reason_names_a_bounded_number_of_bounded_changes():
+    """A changed tuple of 5000 numbers made a reason of 220 000 characters, a 100 KB string
+    one of 200 KB, in explain(), the logs and RecompileLimitError."""
+    compiled, x = aotkit.aot_function(lambda x, cfg: x * len(cfg[0]), compilers.nop), torch.ones(2)
+    compiled(x, tuple(map(str, range(5000))))
+    compiled(x, tuple(map(str, range(1, 5001))))
+    compiled(x, ("a" * 100_000,))
+    compiled(x, ("b" * 100_000,))
+    first, _, last = _reasons()
+    assert first.endswith("; and 4992 more") and first.count("; ") == 8
+    assert len(last) < 400 and "-> str 'bbbb" in last

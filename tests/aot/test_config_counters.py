@@ -295,6 +295,11 @@ def test_a_misspelled_env_variable_is_warned_about_once():
         "AOTKIT_RECOMPILE_LIMIT? (it is ignored)" in out.stderr
     assert "AOTKIT_HOME is set, but aotkit has no such option (it is ignored)" in out.stderr
     assert _python(code, AOTKIT_REPRO_DEVICE="cpu").stderr == ""  # not an option, but ours
+    # Under -W error the warning raises once; it raised at every later option read
+    code = ("import warnings, aotkit\nwarnings.simplefilter('error')\ntry:\n"
+            "    aotkit.config.recompile_limit\nexcept UserWarning:\n    print('warned')\n"
+            "print(aotkit.config.recompile_limit)")
+    assert _python(code, AOTKIT_HOME="/opt").stdout.split() == ["warned", "8"]
 
 
 # --- counters and explain -----------------------------------------------------------------

@@ -940,7 +940,7 @@ def check_outputs(out: Any, flat: list[Any], name: str) -> None:
             raise OutputTypeError(
                 f"{name} returned {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at "
                 f"{where}; compiled functions may "
-                "return tensors, Python scalars, None, and lists/tuples/dicts of them.\nFix: "
+                "return tensors, Python scalars and strings, None, and lists/tuples/dicts of them.\nFix: "
                 "return tensors (or convert the value), or register the type with "
                 f"torch.utils._pytree.register_pytree_node so it flattens to tensors{cache}."
             )

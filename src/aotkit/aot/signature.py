@@ -382,7 +382,14 @@ def describe_change(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[
         >>> describe_change(old, new, ["args[0]"])
         'shape of args[0] changed: (3,) -> (4,); grad mode changed: True -> False'
     """
-    return "; ".join(differences(old, new, names, skip)) or "the signature changed"
+    found = [_short(phrase, _PHRASE) for phrase in differences(old, new, names, skip)]
+    more = f"; and {len(found) - _PHRASES} more" if len(found) > _PHRASES else ""
+    return "; ".join(found[:_PHRASES]) + more or "the signature changed"
+
+
+# A reason names at most _PHRASES differences of at most _PHRASE characters each (a changed
+# tuple of 5000 numbers, a 100 KB string: a reason of 200 KB in explain() and the logs).
+_PHRASES, _PHRASE = 8, 300
 
 
 def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str],

@@ -361,9 +361,9 @@ def op_failed(what: str, op: Any, line: str, exc: Exception, symbolic: bool = Fa
               "ops' shape functions are more complete" if symbolic else "")
     return TraceError(
         f"{what}: {op} failed while tracing (on fake tensors): {exc}\n  at {line}\n"
-        "Fix: if eager raises the same there, fix the inputs of that line; if eager runs it, "
-        "the op's shape-only kernel is stricter than its real one (aten._grouped_mm's wants "
-        f"bfloat16 on every device): run that op outside the compiled function{static}.")
+        "Fix: if eager raises the same there (a shape mistake), fix the inputs of that line; "
+        "only if eager runs it is the op's shape-only kernel stricter than its real one (as "
+        f"aten._grouped_mm's, for example): run that op outside the compiled function{static}.")
 
 
 def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,

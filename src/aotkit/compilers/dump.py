@@ -532,7 +532,7 @@ def graph_dumper_aot(current_name: str, folder_name: str | os.PathLike[str],
     """Save the forward, backward and joint graph of every compiled entry (and inference graphs)
     to ``folder_name/current_name/current_name_{forward,backward,joint,inference}_N/``.
 
-    Each folder holds ``module.py`` (see :func:`load_graph`) and ``current_name_{kind}_N.input``
+    Each folder holds ``module.py`` (see :func:`aotkit.compilers.dump.load_graph`) and ``current_name_{kind}_N.input``
     (JSON, read by :func:`get_inputs`); with ``dump_example_input`` the inputs of each graph's
     first call go to ``current_name_{kind}_N.tensors``. ``N`` numbers the compiled entries.
     The returned object wraps a function or module (``dumper(fn)``, like ``aot_function``) or
