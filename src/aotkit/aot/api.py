@@ -966,6 +966,26 @@ def aot_function(
     buffers, tensors all (an ``ArgumentError`` otherwise); the forward and inference graphs
     carry it as ``gm.meta["num_params_buffers"]`` for compilers.
 
+    Args:
+        fn: the function (or callable object, bound method, module) to compile; the values
+            its code reads besides its arguments are keyed too (Note [Values a function
+            captures]).
+        fw_compiler: compiles the forward graph: ``(gm, example_inputs) -> callable`` (e.g.
+            ``aotkit.compilers.nop``, ``ts_compile``, ``aotkit.compilers.inductor.forward``).
+        bw_compiler: compiles the backward graph, on first use; ``None``: ``fw_compiler``.
+        partition_fn: splits the joint graph: ``(joint_gm, joint_inputs, *,
+            num_fwd_outputs) -> (forward_gm, backward_gm)``; ``default_partition`` saves what
+            eager saves, ``min_cut_rematerialization_partition`` recomputes cheap ops.
+        decompositions: ``{aten op: Python function}`` applied while tracing, on top of the
+            few aotkit always applies.
+        num_params_buffers: how many leading flattened arguments are parameters and buffers
+            (static sizes under ``dynamic=True``; compilers may treat them as static).
+        keep_inference_input_mutations: keep input mutations inside the inference graph
+            (``copy_`` into the input) instead of applying them after it.
+        inference_compiler: compiles the graph used when no output needs a gradient (under
+            ``torch.no_grad()``); ``None``: ``fw_compiler``.
+        dynamic: trace sizes symbolically (one entry for every size its guards allow).
+
     Example::
 
         >>> import torch, aotkit

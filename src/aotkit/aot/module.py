@@ -801,6 +801,8 @@ def aot_module(
 ) -> AotModule:
     """Compile an ``nn.Module`` like :func:`aot_function`; parameters and buffers become the
     leading graph inputs and buffer mutations (e.g. BatchNorm statistics) reach the module.
+    The other arguments are :func:`aot_function`'s (its ``num_params_buffers`` is set from the
+    module); the returned module holds ``mod`` as ``orig_module``.
 
     Example::
 
