@@ -1495,6 +1495,28 @@ def test_dropout_matches_eager_for_a_seed():
                         aot_kwargs={"dynamic": True})
 
 
+@pytest.mark.parametrize("p", [0.15, 0.45, 0.5])
+def test_dropout_values_and_gradients_are_eagers_bit_for_bit(p):
+    """native_dropout scales by float32(1 / (1 - p)) where eager's CPU dropout divides the mask
+    by 1 - p: one ulp apart at every kept element for p = 0.15 or 0.45 (PyTorch's AOT autograd
+    too), which the default tolerances did not see."""
+    def fn(x, w):
+        return F.dropout(x @ w, p, training=True)
+
+    results = []
+    for run in (fn, aotkit.aot_function(fn, compilers.nop),
+                aotkit.aot_function(fn, compilers.nop,
+                                    partition_fn=aotkit.min_cut_rematerialization_partition)):
+        torch.manual_seed(0)
+        x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+        torch.manual_seed(1)
+        out = run(x, w)
+        (out * out).sum().backward()
+        results.append((out.detach(), w.grad))
+    for out, grad in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(grad, results[0][1])
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_dropout_of_a_non_contiguous_tensor_matches_eager(grad):
     """A transposed input (an attention output) gets eager's mask: see aotkit.aot.ops.EagerOps."""

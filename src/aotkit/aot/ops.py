@@ -384,10 +384,11 @@ class EagerOps(torch.overrides.TorchFunctionMode):
     dropout, on a mask laid out like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would
     draw them with a functional ``bernoulli`` laid out contiguously: for a non-contiguous input
     (a transposed attention output) they would land on other elements than in eager. Eager's
-    CPU dropout multiplies the input by a noise tensor of the input's dtype (``1 / (1 - p)``
-    rounded to it) and its backward multiplies the gradient by that noise; native_dropout's
-    backward scales in float, which rounds differently in bfloat16 and float16, so there the
-    noise is traced as eager makes it. Eval mode and p in {0, 1} keep the composite (eager
+    CPU dropout multiplies the input by a noise tensor of the input's dtype (the mask divided
+    by ``1 - p`` in that dtype) and its backward multiplies the gradient by that noise;
+    native_dropout scales by ``1 / (1 - p)`` instead, which rounds differently (one float32
+    ulp off for p = 0.15, 0.45, ...; more in bfloat16 and float16), so on CPU the noise is
+    traced as eager makes it. Eval mode and p in {0, 1} keep the composite (eager
     returns the input itself).
     """
 
@@ -434,7 +435,7 @@ def requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, .
 def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """See :class:`EagerOps`."""
     out, mask = torch.ops.aten.native_dropout.default(x, p, True)
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+    if x.device.type == "cpu":
         return x * mask.to(x.dtype).div(1 - p)
     return out
 
