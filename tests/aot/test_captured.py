@@ -7,9 +7,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import types
 
 import pytest
 import torch
+from torch.nn.utils import prune
 
 import aotkit
 from aotkit import compilers, counters
@@ -390,7 +392,7 @@ def test_captured_values_that_defy_inspection():
         _same(compiled, f, x)
     finally:
         HUGE = (10 ** 5000,)
-    assert _reasons() == ["the global HUGE changed: a tuple of 1 item(s) -> a tuple of 1 item(s)"]
+    assert _reasons() == ["the global HUGE[0] changed: int of 16610 bits -> int of 16610 bits"]
     slotted = _Slotted(2.0)
     compiled = aotkit.aot_function(slotted.logits, compilers.nop)
     _same(compiled, slotted.logits, x)
@@ -409,3 +411,95 @@ def test_a_reason_names_a_bounded_number_of_bounded_changes():
     first, _, last = _reasons()
     assert first.endswith("; and 4992 more") and first.count("; ") == 8
     assert len(last) < 400 and "-> str 'bbbb" in last
+
+
+class _Base:
+    def __init__(self) -> None:
+        self.temperature = 1.0
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.temperature
+
+
+class _ThroughSuper(_Base):
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return super().logits(x) + 1
+
+
+class _ByName(_Base):
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        noted = types.SimpleNamespace()
+        noted.temperature = self.temperature  # stored on another object: still read
+        return x / self.temperature
+
+
+class _Late:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.temperature if hasattr(self, "temperature") else x
+
+
+def test_attributes_read_through_super_getattr_or_set_later_are_keyed():
+    """Names were taken from co_names: an attribute read in the parent's method (super()), by
+    getattr(self, "name"), stored on another object of the same name, or set after compiling
+    ran the old graph, silently."""
+    x = torch.ones(2)
+    for owner in (_ThroughSuper(), _ByName(), _Late()):
+        compiled = aotkit.aot_function(owner.logits, compilers.nop)
+        _same(compiled, owner.logits, x)
+        owner.temperature = 4.0
+        _same(compiled, owner.logits, x)
+
+
+class _Centered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = 0.0  # a statistic the loop updates; forward reads x.mean(), not it
+        self.stats = {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats["calls"] += 1  # bookkeeping, in a container
+        return x - x.mean()
+
+
+def test_a_module_called_as_the_function_compiles_once_for_state_it_does_not_compute_with():
+    """aot_function(model) keys only plain values its forward reads from self: a pruned weight
+    made anew by a pre-hook at every call, a dict it counts calls in and an attribute sharing its
+    name with x.mean() recompiled at every call, until RecompileLimitError."""
+    pruned = prune.l1_unstructured(torch.nn.Linear(4, 4), "weight", amount=0.5)
+    centered = _Centered()
+    for model in (pruned, centered):
+        compiled = aotkit.aot_function(model, compilers.nop)
+        with torch.no_grad():
+            for _ in range(12):
+                x = torch.randn(3, 4)
+                _same(compiled, model, x)
+                centered.mean += 0.5
+    assert counters.counters["aot"]["traces"] == 2
+
+
+class _Anything:
+    """Answers every attribute (``__wrapped__`` too) with a new object."""
+
+    def __getattr__(self, name: str) -> _Anything:
+        return _Anything()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class _NoDict:
+    @property
+    def __dict__(self):  # type: ignore[override]
+        raise RuntimeError("no dict")
+
+    k = 2.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+def test_odd_callables_compile():
+    """One answering every attribute looped forever looking for __wrapped__; one whose
+    __dict__ raises crashed with the user's error."""
+    for fn in (_Anything(), _NoDict()):
+        _same(aotkit.aot_function(fn, compilers.nop), fn, torch.ones(2))

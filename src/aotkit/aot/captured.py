@@ -18,11 +18,16 @@ tensor by identity):
   frozenset of such) or a tensor when it is compiled, or are not assigned yet, read again at
   every call; a decorator module's globals are named by module (``the global mylib.DEBUG``);
 * its default argument values, and a ``functools.partial``'s arguments;
-* the attributes its code names (``self.temperature``, and those named by the methods of the
-  object's class it names, ``self.helper()``; not those it assigns) of the object it is bound
-  to: a bound method's (``aot_function(sampler.logits)``, a classmethod's class), a callable
-  object's (``__call__``) and a module's (``forward``; ``model.eval()`` sets
-  ``self.training``).
+* the attributes its code reads from its first argument (``self.temperature``,
+  ``getattr(self, "temperature")``, also not set yet: ``hasattr``), with those the methods of
+  the object's class it calls on it read (every definition along the MRO: ``super()``), less
+  those it assigns on it (``self.calls += 1``), of the object it runs on: a bound method's
+  (``aot_function(sampler.logits)``, a classmethod's class), a callable object's
+  (``__call__``) and a module's (``forward``; ``model.eval()`` sets ``self.training``). Which
+  object an attribute is read from is told from the bytecode (``x.mean()`` reads no
+  ``self.mean``). Of a module only plain values count: its tensors are parameters and buffers
+  (their own watch) or made anew by its hooks at every call (a pruned weight), and containers
+  hold bookkeeping (``self.stats["calls"] += 1``).
 
 The function is looked into through every level of what wraps it: decorators
 (``__wrapped__``, through any object), ``functools.partial``, bound methods, callable objects
@@ -30,9 +35,10 @@ and another ``aot_function``.
 
 A change is a recompile naming it (``the global LR changed: float 1.0 -> float 0.1``,
 ``self.temperature changed: ...``). Not keyed: values read by the functions it calls (but its
-object's methods), attributes it does not name (a scheduler's step counter on the same object:
-keying every attribute recompiled at every call), and objects other than tensors held in
-globals or closed over (a config object, a logger): pass those as arguments. Modules have their
+object's methods; a submodule's attributes), attributes it does not read from its object (a
+scheduler's step counter on the same trainer: keying every attribute recompiled at every
+call) or reads through ``__getattr__``, and objects other than tensors held in globals or
+closed over (a config object, a logger): pass those as arguments. Modules have their
 own watch (Note [What a trace reads besides its inputs]). ``aot_module``'s forward is not
 looked into: a module's attributes are read while tracing (README).
 """
@@ -43,6 +49,7 @@ import dataclasses
 import dis
 import enum
 import functools
+import inspect
 import numbers
 import types
 from collections.abc import Callable, Iterator
@@ -134,7 +141,7 @@ def _levels(fn: Any) -> Iterator[tuple[Any, Any]]:
             yield fn, None
             if owner is not None:
                 yield fn, owner
-            todo.append((getattr(fn, "__wrapped__", None), None))
+            todo.append((_wrapped(fn), None))
         elif isinstance(fn, types.MethodType):
             todo.append((fn.__func__, fn.__self__))
         elif isinstance(fn, functools.partial):
@@ -145,7 +152,12 @@ def _levels(fn: Any) -> Iterator[tuple[Any, Any]]:
         else:  # a callable object (its __call__ runs), a class-based decorator, aot_function
             if (call := _python_call(fn)) is not None and not getattr(fn, "_aotkit_opaque", False):
                 todo.append((call, fn))
-            todo.append((getattr(fn, "__wrapped__", None), None))
+            todo.append((_wrapped(fn), None))
+
+
+def _wrapped(fn: Any) -> Any:
+    """``fn.__wrapped__`` where ``fn`` has one (not made up by a ``__getattr__``)."""
+    return inspect.getattr_static(fn, "__wrapped__", None)
 
 
 def _python_call(obj: Any) -> types.FunctionType | None:
@@ -237,49 +249,92 @@ _METHOD = _Method()
 
 
 def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured) -> None:
-    """Add the attributes of ``owner`` that ``fn`` (and the methods of its class it names)
-    names and does not assign."""
+    """Add the attributes of ``owner`` that ``fn`` (and the methods of its class it calls on
+    it) reads from it and does not assign; of a module, those holding plain values."""
     if _plain_object(owner):
         found.owners.append(owner)
+    module = isinstance(owner, torch.nn.Module)
     who = owner.__name__ if isinstance(owner, type) else "self"
-    for name in sorted(_named(type(owner) if not isinstance(owner, type) else owner, fn)):
-        if _attribute(owner, name) not in (_UNSET, _METHOD):
+    for name in sorted(_read_from_self(owner if isinstance(owner, type) else type(owner), fn)):
+        value = _attribute(owner, name)
+        if value is not _METHOD and not (module and value is not _UNSET
+                                         and (isinstance(value, torch.Tensor)
+                                              or not _capturable(value))):
             found.add(f"{who}.{name}", lambda name=name: _attribute(owner, name))
 
 
-def _named(cls: type, fn: types.FunctionType) -> set[str]:
-    """The attribute names ``fn``'s code and the methods of ``cls`` it names read, less those
-    they assign."""
+def _read_from_self(cls: type, fn: types.FunctionType) -> set[str]:
+    """The attribute names ``fn``'s code reads from its first argument (``self.scale``,
+    ``getattr(self, "scale")``), with those the methods of ``cls`` it calls read (all their
+    definitions: ``super().forward(x)``), less those it assigns on it (``self.calls += 1``)."""
     read: set[str] = set()
     assigned: set[str] = set()
-    todo, seen = [fn.__code__], set()
+    todo, seen = [fn], set()
     while todo:
-        code = todo.pop()
-        if code in seen:
+        code = todo.pop().__code__
+        if code in seen or not code.co_varnames[:code.co_argcount]:
             continue
         seen.add(code)
-        names = {n for inner in _nested(code) for n in inner.co_names}
-        read |= names
-        assigned |= _names(code, ("STORE_ATTR", "DELETE_ATTR"))
-        todo += [c for n in names if (c := _method_code(cls, n)) is not None]
+        this = code.co_varnames[0]
+        own_read, own_assigned = set(), set()
+        for inner in _nested(code):
+            _self_accesses(inner, this, own_read, own_assigned)
+        read |= own_read
+        assigned |= own_assigned
+        called = own_read | (set(code.co_names) if "super" in code.co_names else set())
+        todo += [f for name in called for f in _definitions(cls, name)]
     return read - assigned
 
 
-def _method_code(cls: type, name: str) -> types.CodeType | None:
+def _self_accesses(code: types.CodeType, this: str, read: set[str], assigned: set[str]) -> None:
+    """Add to ``read`` the attributes ``code`` loads from the variable ``this`` (its ``self``)
+    and to ``assigned`` those it stores on it, ``self.x = ...`` and ``self.x += ...``."""
+    instructions = list(dis.get_instructions(code))
+    augmented: set[str] = set()
+    for k, ins in enumerate(instructions[1:], start=1):
+        prev = instructions[k - 1]
+        on_self = _loads(prev, this)
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and on_self:
+            read.add(ins.argval)
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev.opname in ("COPY", "DUP_TOP") \
+                and k >= 2 and _loads(instructions[k - 2], this):  # self.x += ...
+            read.add(ins.argval)
+            augmented.add(ins.argval)
+        elif ins.opname == "LOAD_CONST" and on_self and isinstance(ins.argval, str) \
+                and ins.argval.isidentifier():  # getattr(self, "x"), hasattr(self, "x")
+            read.add(ins.argval)
+        elif ins.opname in ("STORE_ATTR", "DELETE_ATTR") and (
+                on_self or (prev.opname in ("SWAP", "ROT_TWO") and ins.argval in augmented)):
+            assigned.add(ins.argval)
+
+
+def _loads(instruction: dis.Instruction, name: str) -> bool:
+    """Whether ``instruction`` pushes the local or closed-over variable ``name`` last."""
+    value = instruction.argval
+    last = value[-1] if isinstance(value, tuple) and value else value  # LOAD_FAST_LOAD_FAST
+    return instruction.opname.startswith(("LOAD_FAST", "LOAD_DEREF")) and last == name
+
+
+def _definitions(cls: type, name: str) -> list[types.FunctionType]:
+    """Every definition of method (or property) ``name`` along ``cls``'s MRO."""
+    found = []
     for klass in cls.__mro__:
-        if name in vars(klass):
-            member = vars(klass)[name]
-            member = getattr(member, "fget", None) or getattr(member, "__func__", member)
-            code = getattr(member, "__code__", None)
-            return code if isinstance(code, types.CodeType) else None
-    return None
+        member = vars(klass).get(name)
+        member = getattr(member, "fget", None) or getattr(member, "__func__", member)
+        if isinstance(member, types.FunctionType):
+            found.append(member)
+    return found
 
 
 def _attribute(owner: Any, name: str) -> Any:
     """``owner.name`` as a read finds it, without running a property or ``__getattr__``:
     ``_UNSET`` where absent, ``_METHOD`` for a method or another descriptor."""
-    state = getattr(owner, "__dict__", None)
-    if not isinstance(owner, type) and state is not None and name in state:
+    try:
+        state = vars(owner)
+    except Exception:  # no __dict__ (slots only), or a __dict__ property raising
+        state = {}
+    state = state if isinstance(state, dict) else {}
+    if not isinstance(owner, type) and name in state:
         return state[name]
     if isinstance(owner, torch.nn.Module):
         for kind in ("_parameters", "_buffers", "_modules"):

@@ -122,7 +122,11 @@ def _plain_object(value: Any) -> bool:
     ``random.Random`` keep theirs elsewhere). The empty ``__slots__`` of ``abc.ABC``,
     ``typing.Generic`` and ``collections.abc`` bases hold nothing: their subclasses (a
     transformers cache layer, a ``UserDict``) are plain."""
-    if isinstance(value, _OPAQUE) or not hasattr(value, "__dict__") \
+    try:
+        state = getattr(value, "__dict__", None)
+    except Exception:  # a __dict__ property that raises: an object of its own making
+        return False
+    if isinstance(value, _OPAQUE) or not isinstance(state, dict) \
             or getattr(type(value), "_aotkit_opaque", False):  # an aot_function: its cache
         return False
     cls = type(value)
@@ -227,8 +231,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
         return walk.cut_at(path, value)
     if _plain_object(value):
         return _object_key(value, depth, walk, path)
-    if _state_unseen(value):
-        return walk.cut_at(path, value)
+    if walk.cut is not None and _state_unseen(value):  # keyed by identity either way: no
+        return walk.cut_at(path, value)  # hashing a frozen slotted object at every call
     return _contents_key(value) or _Identity(value)
 
 
@@ -474,6 +478,8 @@ def _leaf_change(name: str, a: Any, b: Any) -> str:
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
     if isinstance(a, _Object) and isinstance(b, _Object) and a[:2] == b[:2]:
         return "; ".join(_attribute_changes(name, a, b))
+    if _same_container(a, b) and (items := _item_changes(name, a, b)):  # a captured dict
+        return "; ".join(items)
     return f"{name} changed: {_show(a)} -> {_show(b)}"
 
 
@@ -724,7 +730,8 @@ def recompile_fix(why: str, dynamic: bool) -> str:
         return ("register module hooks once, before the first call (a hook added and removed at "
                 "every step, or a profiler's global hooks entered per step, compiles anew each "
                 "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
-    if why.startswith(("the global ", "the closed-over ")) or " of self changed" in why:
+    if why.startswith(("the global ", "the closed-over ", "self.", "keyword ", "argument ")) \
+            or " of self changed" in why or " of self." in why:
         return ("a value the function reads besides its arguments changes at every call "
                 "(Note [Values a function captures]): pass it as a tensor argument where the "
                 "graph computes with it (torch.tensor(lr)); move code that only logs it out of "
