@@ -438,42 +438,45 @@ class _Late:
         return x / self.temperature if hasattr(self, "temperature") else x
 
 
+class _Aliased(_Base):
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # decorated in its class
+        this = self
+        return x / (lambda m: m.temperature)(this) / vars(self)["temperature"]
+
+
 def test_attributes_read_through_super_getattr_or_set_later_are_keyed():
-    """Names were taken from co_names: an attribute read in the parent's method (super()), by
-    getattr(self, "name"), stored on another object of the same name, or set after compiling
-    ran the old graph, silently."""
+    """An attribute read in the parent's method (super()), by getattr(self, "name"), stored on
+    another object of the same name, set after compiling, or read through an alias, a lambda,
+    vars(self) or in a method decorated in its class ran the old graph, silently."""
     x = torch.ones(2)
-    for owner in (_ThroughSuper(), _ByName(), _Late()):
+    for owner in (_ThroughSuper(), _ByName(), _Late(), _Aliased()):
         compiled = aotkit.aot_function(owner.logits, compilers.nop)
         _same(compiled, owner.logits, x)
         owner.temperature = 4.0
         _same(compiled, owner.logits, x)
 
 
-class _Centered(torch.nn.Module):
+class _Counted(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.mean = 0.0  # a statistic the loop updates; forward reads x.mean(), not it
-        self.stats = {"calls": 0}
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.stats["calls"] += 1  # bookkeeping, in a container
+        self.calls += 1  # its own doing: not keyed
         return x - x.mean()
 
 
 def test_a_module_called_as_the_function_compiles_once_for_state_it_does_not_compute_with():
-    """aot_function(model) keys only plain values its forward reads from self: a pruned weight
-    made anew by a pre-hook at every call, a dict it counts calls in and an attribute sharing its
-    name with x.mean() recompiled at every call, until RecompileLimitError."""
+    """aot_function(model) does not key a module's tensors (parameters and buffers have their
+    own watch): a pruned weight, made anew by a pre-hook at every call, recompiled at every
+    call until RecompileLimitError; nor a counter forward assigns."""
     pruned = prune.l1_unstructured(torch.nn.Linear(4, 4), "weight", amount=0.5)
-    centered = _Centered()
-    for model in (pruned, centered):
+    for model in (pruned, _Counted()):
         compiled = aotkit.aot_function(model, compilers.nop)
         with torch.no_grad():
             for _ in range(12):
-                x = torch.randn(3, 4)
-                _same(compiled, model, x)
-                centered.mean += 0.5
+                _same(compiled, model, torch.randn(3, 4))
     assert counters.counters["aot"]["traces"] == 2
 
 

@@ -18,16 +18,18 @@ tensor by identity):
   frozenset of such) or a tensor when it is compiled, or are not assigned yet, read again at
   every call; a decorator module's globals are named by module (``the global mylib.DEBUG``);
 * its default argument values, and a ``functools.partial``'s arguments;
-* the attributes its code reads from its first argument (``self.temperature``,
-  ``getattr(self, "temperature")``, also not set yet: ``hasattr``), with those the methods of
-  the object's class it calls on it read (every definition along the MRO: ``super()``), less
-  those it assigns on it (``self.calls += 1``), of the object it runs on: a bound method's
-  (``aot_function(sampler.logits)``, a classmethod's class), a callable object's
-  (``__call__``) and a module's (``forward``; ``model.eval()`` sets ``self.training``). Which
-  object an attribute is read from is told from the bytecode (``x.mean()`` reads no
-  ``self.mean``). Of a module only plain values count: its tensors are parameters and buffers
-  (their own watch) or made anew by its hooks at every call (a pruned weight), and containers
-  hold bookkeeping (``self.stats["calls"] += 1``).
+* the attributes of the object it runs on that its code mentions (as an attribute, a name or
+  a string: ``self.temperature``, ``s = self; s.temperature``, ``vars(self)["temperature"]``,
+  also not set yet where it reads it from ``self``: ``hasattr``), with those the methods of
+  the object's class it mentions mention (every definition along the MRO: ``super()``; the
+  function a decorator in the class wraps), less those it assigns on it (``self.calls +=
+  1``), keyed as an object argument's: a bound method's object (``aot_function(sampler.
+  logits)``), a classmethod's class, a callable object (``__call__``) and a module
+  (``forward``; ``model.eval()`` sets ``self.training``; not its tensors: parameters and
+  buffers have their own watch, and a pruned weight is made anew by a pre-hook at every
+  call). A name another object's attribute shares (``x.mean()`` and ``self.mean``) counts
+  too: mentioned, not read, it can only cost a recompile, where a read missed would run a
+  stale graph.
 
 The function is looked into through every level of what wraps it: decorators
 (``__wrapped__``, through any object), ``functools.partial``, bound methods, callable objects
@@ -35,10 +37,10 @@ and another ``aot_function``.
 
 A change is a recompile naming it (``the global LR changed: float 1.0 -> float 0.1``,
 ``self.temperature changed: ...``). Not keyed: values read by the functions it calls (but its
-object's methods; a submodule's attributes), attributes it does not read from its object (a
+object's methods; a submodule's attributes), attributes its code does not mention (a
 scheduler's step counter on the same trainer: keying every attribute recompiled at every
-call) or reads through ``__getattr__``, and objects other than tensors held in globals or
-closed over (a config object, a logger): pass those as arguments. Modules have their
+call; ``getattr(self, name)`` of a variable name), and objects other than tensors held in
+globals or closed over (a config object, a logger): pass those as arguments. Modules have their
 own watch (Note [What a trace reads besides its inputs]). ``aot_module``'s forward is not
 looked into: a module's attributes are read while tracing (README).
 """
@@ -141,7 +143,7 @@ def _levels(fn: Any) -> Iterator[tuple[Any, Any]]:
             yield fn, None
             if owner is not None:
                 yield fn, owner
-            todo.append((_wrapped(fn), None))
+            todo.append((_wrapped(fn), owner))  # a method decorated in its class
         elif isinstance(fn, types.MethodType):
             todo.append((fn.__func__, fn.__self__))
         elif isinstance(fn, functools.partial):
@@ -249,41 +251,54 @@ _METHOD = _Method()
 
 
 def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured) -> None:
-    """Add the attributes of ``owner`` that ``fn`` (and the methods of its class it calls on
-    it) reads from it and does not assign; of a module, those holding plain values."""
+    """Add the attributes of ``owner`` that ``fn``'s code, or the code of the methods of
+    ``owner``'s class it names, names and does not assign on it; of a module, not tensors."""
     if _plain_object(owner):
         found.owners.append(owner)
     module = isinstance(owner, torch.nn.Module)
     who = owner.__name__ if isinstance(owner, type) else "self"
-    for name in sorted(_read_from_self(owner if isinstance(owner, type) else type(owner), fn)):
+    named, read, assigned = _named(owner if isinstance(owner, type) else type(owner), fn)
+    for name in sorted(named - assigned):
         value = _attribute(owner, name)
-        if value is not _METHOD and not (module and value is not _UNSET
-                                         and (isinstance(value, torch.Tensor)
-                                              or not _capturable(value))):
-            found.add(f"{who}.{name}", lambda name=name: _attribute(owner, name))
+        if value is _METHOD or (value is _UNSET and name not in read) \
+                or (module and isinstance(value, torch.Tensor)):
+            continue
+        found.add(f"{who}.{name}", lambda name=name: _attribute(owner, name))
 
 
-def _read_from_self(cls: type, fn: types.FunctionType) -> set[str]:
-    """The attribute names ``fn``'s code reads from its first argument (``self.scale``,
-    ``getattr(self, "scale")``), with those the methods of ``cls`` it calls read (all their
-    definitions: ``super().forward(x)``), less those it assigns on it (``self.calls += 1``)."""
+def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[str]]:
+    """The names ``fn``'s code and the methods of ``cls`` it names (every definition along the
+    MRO: ``super()``) mention (attributes, globals, strings: ``vars(self)["t"]``), those they
+    read from their first argument (``hasattr(self, "t")``: also keyed while unset) and those
+    they assign on it (``self.calls += 1``)."""
+    named: set[str] = set()
     read: set[str] = set()
     assigned: set[str] = set()
     todo, seen = [fn], set()
     while todo:
         code = todo.pop().__code__
-        if code in seen or not code.co_varnames[:code.co_argcount]:
+        if code in seen:
             continue
         seen.add(code)
-        this = code.co_varnames[0]
-        own_read, own_assigned = set(), set()
+        this = code.co_varnames[0] if code.co_argcount else None
+        mentioned = set()
         for inner in _nested(code):
-            _self_accesses(inner, this, own_read, own_assigned)
-        read |= own_read
-        assigned |= own_assigned
-        called = own_read | (set(code.co_names) if "super" in code.co_names else set())
-        todo += [f for name in called for f in _definitions(cls, name)]
-    return read - assigned
+            mentioned |= {*inner.co_names, *_strings(inner.co_consts)}
+            if this is not None:
+                _self_accesses(inner, this, read, assigned)
+        named |= mentioned
+        todo += [f for name in mentioned for f in _definitions(cls, name)]
+    return named | read, read, assigned
+
+
+def _strings(consts: tuple[Any, ...]) -> set[str]:
+    found = set()
+    for c in consts:
+        if isinstance(c, str) and c.isidentifier():
+            found.add(c)
+        elif isinstance(c, tuple):  # a match statement's keyword attributes
+            found |= _strings(c)
+    return found
 
 
 def _self_accesses(code: types.CodeType, this: str, read: set[str], assigned: set[str]) -> None:
@@ -316,13 +331,20 @@ def _loads(instruction: dis.Instruction, name: str) -> bool:
 
 
 def _definitions(cls: type, name: str) -> list[types.FunctionType]:
-    """Every definition of method (or property) ``name`` along ``cls``'s MRO."""
+    """Every definition of method (or property) ``name`` along ``cls``'s MRO, and the functions
+    its decorators wrap."""
     found = []
     for klass in cls.__mro__:
         member = vars(klass).get(name)
-        member = getattr(member, "fget", None) or getattr(member, "__func__", member)
-        if isinstance(member, types.FunctionType):
+        if isinstance(member, property):
+            member = member.fget
+        elif isinstance(member, (classmethod, staticmethod)):
+            member = member.__func__
+        elif isinstance(member, (functools.partialmethod, functools.cached_property)):
+            member = member.func
+        while isinstance(member, types.FunctionType) and member not in found:
             found.append(member)
+            member = _wrapped(member)
     return found
 
 
