@@ -3831,6 +3831,21 @@ def test_a_foreach_read_the_sizes_place_apart_is_not_refused_under_dynamic():
             assert torch.equal(u, u_eager) and torch.equal(w, w_eager)
 
 
+def test_a_foreach_read_apart_only_for_the_sizes_traced_is_guarded_not_refused():
+    """M[-1] read after M[0] is written: apart for every M of two rows or more, which the solver
+    does not prove (4n <= 4n(m - 1)); torch.compile failed from the second size on."""
+    def f(m, x):
+        torch._foreach_mul_([m[0], x], [x, m[-1]])
+        return m.sum() + x.sum()
+
+    compiled = torch.compile(f, backend="aotkit")
+    for rows, cols in ((3, 6), (4, 7), (5, 8)):
+        m, x = torch.arange(2.0, 2.0 + rows * cols).reshape(rows, cols), torch.arange(cols) + 100.0
+        m_eager, x_eager = m.clone(), x.clone()
+        assert torch.equal(compiled(m, x), f(m_eager, x_eager))
+        assert torch.equal(m, m_eager) and torch.equal(x, x_eager)
+
+
 def test_a_foreach_list_read_the_sizes_cannot_place_is_refused_under_dynamic():
     """u[2:3] read for w[:1] after u[-1:] is written: under symbolic sizes only an identical view
     was told, and the graph multiplied by the old u[2] (eager 20, the graph 4), silently."""

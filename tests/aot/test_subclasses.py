@@ -244,6 +244,24 @@ def mesh():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_a_partial_dtensor_output_on_one_rank_is_differentiated_as_in_eager(mesh, how) -> None:
+    """A Partial output's gradient comes Replicate, which DTensor cannot bring to Partial: on
+    one rank it is taken as it comes (every Partial output was refused)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def loss(x):
+        return (x * x).sum()
+
+    grads = []
+    for run in (loss, compiled(loss, how)):
+        x = DTensor.from_local(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        x.requires_grad_()
+        run(x).full_tensor().backward()
+        grads.append(x.grad.full_tensor())
+    assert torch.equal(grads[1], grads[0])
+
+
 @pytest.mark.parametrize("how", ["aot_module", "torch.compile"])
 def test_dtensor_module_trains_like_eager(mesh, how: str) -> None:
     # DTensor flattens its device mesh with its local tensor: the mesh is a constant of the

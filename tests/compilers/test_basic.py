@@ -416,6 +416,25 @@ def test_debug_nop_lets_batch_norms_known_dtype_difference_through_and_records_i
                    for d in known)
 
 
+@pytest.mark.parametrize("norm", [lambda: torch.nn.LayerNorm(8), lambda: torch.nn.GroupNorm(2, 8)])
+def test_debug_nop_knows_layer_and_group_norms_statistics_dtype_under_autocast(norm) -> None:
+    """A bfloat16 activation into LayerNorm (BERT's prediction head) or GroupNorm: the CPU
+    kernels give mean and rstd (and group norm's backward its gradients) in other dtypes than
+    their fake kernels, which failed the check although eager and the graph agree."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), norm())
+    x = torch.randn(4, 8)
+    results = []
+    for run in (model, torch.compile(model, backend="aotkit_debug")):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        out.float().sum().backward()
+        results.append((out, model[0].weight.grad.clone()))
+    torch.testing.assert_close(results[1], results[0])
+    assert aotkit.explain().of_kind("known_mismatch")
+
+
 def test_compiler_factories_and_compilers_misused_are_argument_errors() -> None:
     """draw_graph_compile(123) and debug_compile called as a wrapper raised Python's own
     TypeError and AttributeError."""

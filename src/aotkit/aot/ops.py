@@ -19,7 +19,11 @@ from torch._prims_common import (
     is_non_overlapping_and_dense_or_false,
     suggest_memory_format,
 )
-from torch.fx.experimental.symbolic_shapes import guard_or_true, statically_known_true
+from torch.fx.experimental.symbolic_shapes import (
+    guard_or_false,
+    guard_or_true,
+    statically_known_true,
+)
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -221,9 +225,12 @@ class _Written:
 
 
 def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of symbolic sizes provably span disjoint bytes (no guard added)."""
+    """Whether two tensors of symbolic sizes span disjoint bytes: provably, or else for the
+    sizes traced with, under a guard (``M[0]`` and ``M[-1]``: apart for every M of two rows or
+    more, which the solver does not prove)."""
     (a0, a1), (b0, b1) = _bytes_spanned(a), _bytes_spanned(b)
-    return statically_known_true(a1 <= b0) or statically_known_true(b1 <= a0)
+    return statically_known_true(a1 <= b0) or statically_known_true(b1 <= a0) \
+        or guard_or_false(a1 <= b0) or guard_or_false(b1 <= a0)
 
 
 def _static(*tensors: torch.Tensor) -> bool:

@@ -203,7 +203,9 @@ class _Rebuild(torch.autograd.Function):
 # the backward graph) and where the compiled function runs (outputs: the incoming gradient).
 # Values are eager's; an input's gradient then comes in the input's placements, where eager may
 # leave it Partial (reduced later, when it is used). A gradient that cannot be brought so (a
-# Replicate one for a Partial output: DTensor keeps that redistribution for itself) is refused.
+# Replicate one for a Partial output or input: DTensor keeps that redistribution for itself)
+# is refused on a mesh of several ranks; on one rank a Partial tensor is its own sum, and the
+# gradient is taken as it comes.
 def _grad_parts(grad: torch.Tensor, layout: Layout) -> list[torch.Tensor | None]:
     if type(grad) is layout.cls and hasattr(grad, "__coerce_same_metadata_as_tangent__"):
         grad = _coerced(grad, layout)
@@ -226,13 +228,17 @@ def _coerced(grad: torch.Tensor, layout: Layout) -> torch.Tensor:
     try:
         coerced = grad.__coerce_same_metadata_as_tangent__(layout.ctx)
     except RuntimeError as exc:  # DTensor: Replicate to Partial is for its internal use only
+        mesh = getattr(grad, "device_mesh", None)
+        if mesh is not None and mesh.size() == 1:  # one rank: a Partial is its own sum
+            return grad
         name = layout.cls.__name__
         raise UnsupportedError(
             f"a gradient of a {name} that aotkit compiled comes with other metadata than the "
             f"{name} itself, and cannot be brought to it ({exc}); the compiled graphs compute "
-            f"with the {name}'s metadata.\nFix: return the {name} in the layout its gradient "
-            "comes in (for a Partial DTensor output, .redistribute(placements=[Replicate()]) "
-            "inside the function), or run this function eagerly.") from None
+            f"with the {name}'s metadata.\nFix: make the {name}s the function takes and "
+            "returns Replicate or Shard, not Partial (.redistribute(placements=[Replicate()]) "
+            "of an output inside the function, of an input before the call), or run this "
+            "function eagerly.") from None
     return grad if coerced is None else coerced
 
 

@@ -198,20 +198,34 @@ _BATCH_NORMS = frozenset({
     torch.ops.aten._native_batch_norm_legit_functional.default,
     torch.ops.aten._native_batch_norm_legit.default,
     torch.ops.aten._native_batch_norm_legit.no_stats,
-    torch.ops.aten.native_batch_norm.default})
+    torch.ops.aten.native_batch_norm.default,
+    # Layer and group norm too: their CPU kernels give a bfloat16 input's mean and rstd in
+    # float32, their fake kernels in bfloat16 (autocast's LayerNorm after a bf16 Linear).
+    torch.ops.aten.native_layer_norm.default,
+    torch.ops.aten.native_group_norm.default})
+
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+# Group norm's backward, given float32 statistics for a bfloat16 input, returns its gradients
+# in bfloat16; the fake kernel, given the bfloat16 statistics it said, in float32.
+_NORM_BACKWARDS = frozenset({torch.ops.aten.native_group_norm_backward.default})
 
 
 def _known_to_pytorch(n: fx.Node, output: int, fake: Any, real: Any) -> bool:
     """See Note [Mismatches PyTorch is known to have]: dtype only, never the normalized output
     (also where a ``getitem`` takes one of the others out, or the backward graph gets one as
-    a saved value: its placeholder's ``computed_by``, set by aotkit's partitioners)."""
+    a saved value: its placeholder's ``computed_by``, set by aotkit's partitioners; and a
+    ``detach`` of one of those)."""
+    while n.target in _ALIASES and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
     target = n.target
     if n.op == "placeholder" and "computed_by" in n.meta:
         target, output = n.meta["computed_by"]
     elif target is operator.getitem and isinstance(n.args[0], fx.Node):
         target, output = n.args[0].target, n.args[1]
-    return (target in _BATCH_NORMS and isinstance(output, int) and output > 0
-            and isinstance(real, torch.Tensor) and fake.dtype != real.dtype)
+    return isinstance(output, int) and isinstance(real, torch.Tensor) \
+        and fake.dtype != real.dtype and ((target in _BATCH_NORMS and output > 0)
+                                          or target in _NORM_BACKWARDS)
 
 
 def _bind(fake: Any, real: Any, bindings: dict[sympy.Symbol, int]) -> None:
