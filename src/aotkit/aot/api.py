@@ -28,6 +28,9 @@ from aotkit.aot.arguments import (
     record_identity_keys,
     refuse_tensor_sets,
     refuse_torch_function_overrides,
+    stored_tensor,
+    subclass_dynamic,
+    under_transform,
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
@@ -552,24 +555,6 @@ def _log_graphs(name: str, **graphs: fx.GraphModule) -> None:
             f"{name} {kind} graph:\n{gm.print_readable(print_output=False)}"))
 
 
-def _under_transform(name: str) -> UnsupportedError:
-    if torch.compiler.is_compiling():  # Dynamo tracing the caller shows as a transform too
-        return UnsupportedError(
-            f"{name} was called while Dynamo traces its caller (torch.compile, or "
-            "torch.export with strict=True); Dynamo cannot trace aotkit's compiled functions. "
-            "torch.compile breaks its graph there and runs the call eagerly; with "
-            "fullgraph=True, and in strict export, it fails.\nFix: "
-            "export with strict=False (the default), which traces the original function, or "
-            "call the original function in the code Dynamo traces.")
-    return UnsupportedError(
-        f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...), where "
-        "aotkit's compiled functions cannot run, also on tensors the transform did not wrap: "
-        "its graphs were traced for plain tensors, without the transform.\nFix: call "
-        "the original function inside the transform, or compile a function that applies the "
-        "transform itself (aot_function(lambda x: vmap(f)(x), ...)), whose trace holds it."
-    )
-
-
 @dataclass
 class _Entry:
     graphs: CompiledGraphs
@@ -629,7 +614,7 @@ class AotFunction:
         if tracing_active():  # Note [Calls inside other traces] (a transform inside one too)
             return self.fn(*args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is not None:
-            raise _under_transform(self.name)
+            raise under_transform(self.name)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
@@ -743,7 +728,7 @@ class AotFunction:
         tensors = [leaves[i] for i in positions]
         subclasses = any(map(is_subclass, tensors))
         if subclasses and self.options.dynamic:
-            raise _subclass_dynamic(self.name, tensors)
+            raise subclass_dynamic(self.name, tensors)
         # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
         mode = _fake_mode(self.options.dynamic, symbols=subclasses)
         # Parameters and buffers keep static sizes (Note [Static parameters]).
@@ -768,7 +753,7 @@ class AotFunction:
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]
         if stored := put_back_containers(held):
-            raise _stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
+            raise stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
@@ -825,17 +810,6 @@ class AotFunction:
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
                 f"would compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic)}")
         counters.record("recompile", self.name, why, logger=log)
-
-
-def _subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedError:
-    kinds = sorted({type(t).__name__ for t in tensors if is_subclass(t)})
-    return UnsupportedError(
-        f"{name} was compiled with dynamic=True and called with tensor subclass arguments "
-        f"({', '.join(kinds)}); aotkit traces subclasses with static sizes only.\nFix: pass "
-        "dynamic=False (one graph then serves every subclass whose parts have the same shapes: "
-        "a jagged tensor's graph, every raggedness with the same batch, total, shortest and "
-        "longest length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
-    )
 
 
 def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
@@ -895,16 +869,8 @@ def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], name:
         return
     where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)
                  if id(a) not in passed and isinstance(a, torch.Tensor))
-    raise _stored_tensor(name, where, "aotkit rebuilds list and dict arguments from their "
+    raise stored_tensor(name, where, "aotkit rebuilds list and dict arguments from their "
                          "tensors for each trace, so the caller's would not see the store")
-
-
-def _stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
-    """A tensor the function stores into what it was passed (an object, list or dict)."""
-    return UnsupportedError(
-        f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
-        "\nFix: return the tensor and store it outside the compiled function, or use "
-        "torch.compile(fn, backend='aotkit'), which replays such stores.")
 
 
 # Note [Subclasses with __torch_function__]

@@ -15,7 +15,7 @@ import torch.autograd.forward_ad as fwAD
 from aotkit import counters
 from aotkit.aot.boxing import refused_call
 from aotkit.aot.signature import identity_keyed_parts
-from aotkit.aot.subclass import overrides_torch_function
+from aotkit.aot.subclass import is_subclass, overrides_torch_function
 from aotkit.aot.trace import NOT_AN_ARGUMENT
 from aotkit.errors import ArgumentError, UnsupportedError
 
@@ -152,3 +152,40 @@ def name_held_tensor(exc: BaseException, held: Mapping[int, str]) -> None:
         exc.args = (str(exc).replace(NOT_AN_ARGUMENT, (
             f"that it reads from {where}, inside an argument object (only tensors in lists, "
             "tuples, dicts and registered pytrees become graph inputs)"), 1),)
+
+
+def under_transform(name: str) -> UnsupportedError:
+    if torch.compiler.is_compiling():  # Dynamo tracing the caller shows as a transform too
+        return UnsupportedError(
+            f"{name} was called while Dynamo traces its caller (torch.compile, or "
+            "torch.export with strict=True); Dynamo cannot trace aotkit's compiled functions. "
+            "torch.compile breaks its graph there and runs the call eagerly; with "
+            "fullgraph=True, and in strict export, it fails.\nFix: "
+            "export with strict=False (the default), which traces the original function, or "
+            "call the original function in the code Dynamo traces.")
+    return UnsupportedError(
+        f"{name} was called inside a torch.func transform (grad, vmap, jacrev, ...), where "
+        "aotkit's compiled functions cannot run, also on tensors the transform did not wrap: "
+        "its graphs were traced for plain tensors, without the transform.\nFix: call "
+        "the original function inside the transform, or compile a function that applies the "
+        "transform itself (aot_function(lambda x: vmap(f)(x), ...)), whose trace holds it."
+    )
+
+
+def subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedError:
+    kinds = sorted({type(t).__name__ for t in tensors if is_subclass(t)})
+    return UnsupportedError(
+        f"{name} was compiled with dynamic=True and called with tensor subclass arguments "
+        f"({', '.join(kinds)}); aotkit traces subclasses with static sizes only.\nFix: pass "
+        "dynamic=False (one graph then serves every subclass whose parts have the same shapes: "
+        "a jagged tensor's graph, every raggedness with the same batch, total, shortest and "
+        "longest length), or use torch.compile(fn, backend='aotkit', dynamic=True)."
+    )
+
+
+def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
+    """A tensor the function stores into what it was passed (an object, list or dict)."""
+    return UnsupportedError(
+        f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
+        "\nFix: return the tensor and store it outside the compiled function, or use "
+        "torch.compile(fn, backend='aotkit'), which replays such stores.")
