@@ -601,3 +601,14 @@ def test_of_kind_of_a_kind_of_ones_own_whose_decisions_were_dropped_is_empty() -
     assert aotkit.explain().of_kind("mykind") == []
     with pytest.raises(ArgumentError, match="did you mean 'recompile'"):
         aotkit.explain().of_kind("recompil")
+
+
+def test_two_lambdas_decisions_are_told_apart() -> None:
+    """Both were aot_function(<lambda>), their counters merged."""
+    first = aotkit.aot_function(lambda x, n: x * n, compilers.nop)
+    second = aotkit.aot_function(lambda x, n: x + n, compilers.nop)
+    for fn in (first, second):
+        fn(torch.ones(2), 1)
+        fn(torch.ones(2), 2)
+    names = {d.what for d in aotkit.explain().of_kind("recompile")}
+    assert len(names) == 2 and all("<lambda> at test_config_counters.py:" in n for n in names)
