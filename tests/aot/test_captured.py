@@ -461,22 +461,27 @@ class _Counted(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.stats = {"calls": 0}
+        self.mean = 0.0  # a statistic the loop updates; forward reads x.mean(), not it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1  # its own doing: not keyed
+        self.stats["calls"] += 1  # bookkeeping in a container: not a setting
         return x - x.mean()
 
 
 def test_a_module_called_as_the_function_compiles_once_for_state_it_does_not_compute_with():
-    """aot_function(model) does not key a module's tensors (parameters and buffers have their
-    own watch): a pruned weight, made anew by a pre-hook at every call, recompiled at every
-    call until RecompileLimitError; nor a counter forward assigns."""
+    """aot_function(model) keys a module's settings (plain values) only: a pruned weight made
+    anew by a pre-hook at every call, a dict counting calls, a counter forward assigns and a
+    float sharing its name with x.mean() recompiled at every call, until RecompileLimitError."""
     pruned = prune.l1_unstructured(torch.nn.Linear(4, 4), "weight", amount=0.5)
-    for model in (pruned, _Counted()):
+    counted = _Counted()
+    for model in (pruned, counted):
         compiled = aotkit.aot_function(model, compilers.nop)
         with torch.no_grad():
             for _ in range(12):
                 _same(compiled, model, torch.randn(3, 4))
+                counted.mean += 0.5
     assert counters.counters["aot"]["traces"] == 2
 
 

@@ -23,13 +23,15 @@ tensor by identity):
   also not set yet where it reads it from ``self``: ``hasattr``), with those the methods of
   the object's class it mentions mention (every definition along the MRO: ``super()``; the
   function a decorator in the class wraps), less those it assigns on it (``self.calls +=
-  1``), keyed as an object argument's: a bound method's object (``aot_function(sampler.
-  logits)``), a classmethod's class, a callable object (``__call__``) and a module
-  (``forward``; ``model.eval()`` sets ``self.training``; not its tensors: parameters and
-  buffers have their own watch, and a pruned weight is made anew by a pre-hook at every
-  call). A name another object's attribute shares (``x.mean()`` and ``self.mean``) counts
-  too: mentioned, not read, it can only cost a recompile, where a read missed would run a
-  stale graph.
+  1``) and names of tensor attributes it does not read from ``self`` (``x.mean()`` mentions
+  no ``self.mean``). A bound method's object (``aot_function(sampler.logits)``, a
+  classmethod's class) has them keyed as an object argument's attributes; an object that is
+  the function itself (a callable object's ``__call__``, a class-based decorator) and a module
+  (``forward``; ``model.eval()`` sets ``self.training``) only those holding plain values, its
+  settings: their tensors are parameters and buffers with their own watch, or made anew by a
+  pre-hook at every call (a pruned weight), and their containers hold bookkeeping
+  (``self.stats["calls"] += 1``, a cache). A name mentioned but not read can only cost a
+  recompile, where a read missed would run a stale graph.
 
 The function is looked into through every level of what wraps it: decorators
 (``__wrapped__``, through any object), ``functools.partial``, bound methods, callable objects
@@ -122,8 +124,9 @@ def captured_values(fn: Callable[..., Any]) -> Captured:
     for level, owner in levels:
         if isinstance(level, functools.partial):
             _partial_arguments(level, found)
-        elif owner is not None:
-            _attributes_named(owner, level, found)
+        elif owner is not None:  # the object called itself, a module: its settings only
+            settings = isinstance(owner, torch.nn.Module) or level is _python_call(owner)
+            _attributes_named(owner, level, found, settings)
         else:
             _captured_by(level, home, found)
     return found
@@ -250,18 +253,20 @@ class _Method:
 _METHOD = _Method()
 
 
-def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured) -> None:
+def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured,
+                      settings: bool) -> None:
     """Add the attributes of ``owner`` that ``fn``'s code, or the code of the methods of
-    ``owner``'s class it names, names and does not assign on it; of a module, not tensors."""
+    ``owner``'s class it names, names and does not assign on it; with ``settings``, only those
+    holding plain values."""
     if _plain_object(owner):
         found.owners.append(owner)
-    module = isinstance(owner, torch.nn.Module)
     who = owner.__name__ if isinstance(owner, type) else "self"
     named, read, assigned = _named(owner if isinstance(owner, type) else type(owner), fn)
     for name in sorted(named - assigned):
         value = _attribute(owner, name)
-        if value is _METHOD or (value is _UNSET and name not in read) \
-                or (module and isinstance(value, torch.Tensor)):
+        if value is _METHOD or (value is _UNSET and name not in read) or (
+                settings and value is not _UNSET
+                and (isinstance(value, torch.Tensor) or not _capturable(value))):
             continue
         found.add(f"{who}.{name}", lambda name=name: _attribute(owner, name))
 
@@ -282,13 +287,16 @@ def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[s
         seen.add(code)
         this = code.co_varnames[0] if code.co_argcount else None
         mentioned = set()
-        for inner in _nested(code):
-            mentioned |= {*inner.co_names, *_strings(inner.co_consts)}
+        for inner in _nested(code):  # x.mean() mentions no self.mean; vars(self)["t"] does
+            mentioned |= {*(set(inner.co_names) - _TENSOR_NAMES), *_strings(inner.co_consts)}
             if this is not None:
                 _self_accesses(inner, this, read, assigned)
         named |= mentioned
         todo += [f for name in mentioned for f in _definitions(cls, name)]
     return named | read, read, assigned
+
+
+_TENSOR_NAMES = frozenset(dir(torch.Tensor))
 
 
 def _strings(consts: tuple[Any, ...]) -> set[str]:
