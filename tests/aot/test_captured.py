@@ -511,3 +511,44 @@ def test_odd_callables_compile():
     __dict__ raises crashed with the user's error."""
     for fn in (_Anything(), _NoDict()):
         _same(aotkit.aot_function(fn, compilers.nop), fn, torch.ones(2))
+
+
+class _Weighted:
+    """A callable object holding a tensor and a setting named like a tensor method."""
+
+    def __init__(self) -> None:
+        self.w = torch.full((3,), 2.0)
+        self.t = 2.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w * self.t
+
+    def aliased(self, x: torch.Tensor) -> torch.Tensor:
+        this = self
+        return x * this.t
+
+
+class _Activated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.dims = torch.relu, [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x.sum(self.dims))
+
+
+def test_settings_of_other_kinds_are_keyed_by_identity():
+    """A callable object's tensor, a module's function or list replaced, and a bound method's
+    attribute named like a tensor method read through an alias ran the old graph, silently
+    (73a82e2); a container changed in place is bookkeeping, not a setting."""
+    weighted, activated = _Weighted(), _Activated()
+    cases = [(weighted, lambda: setattr(weighted, "w", torch.full((3,), 3.0))),
+             (weighted.aliased, lambda: setattr(weighted, "t", 4.0)),
+             (activated, lambda: setattr(activated, "act", torch.sigmoid)),
+             (activated, lambda: setattr(activated, "dims", [0, 1]))]
+    for fn, change in cases:
+        x = -torch.ones(3) if fn is not activated else -torch.ones(3, 1)
+        compiled = aotkit.aot_function(fn, compilers.nop)
+        _same(compiled, fn, x)
+        change()
+        _same(compiled, fn, x)

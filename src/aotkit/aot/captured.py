@@ -23,15 +23,16 @@ tensor by identity):
   also not set yet where it reads it from ``self``: ``hasattr``), with those the methods of
   the object's class it mentions mention (every definition along the MRO: ``super()``; the
   function a decorator in the class wraps), less those it assigns on it (``self.calls +=
-  1``) and names of tensor attributes it does not read from ``self`` (``x.mean()`` mentions
-  no ``self.mean``). A bound method's object (``aot_function(sampler.logits)``, a
-  classmethod's class) has them keyed as an object argument's attributes; an object that is
-  the function itself (a callable object's ``__call__``, a class-based decorator) and a module
-  (``forward``; ``model.eval()`` sets ``self.training``) only those holding plain values, its
-  settings: their tensors are parameters and buffers with their own watch, or made anew by a
-  pre-hook at every call (a pruned weight), and their containers hold bookkeeping
-  (``self.stats["calls"] += 1``, a cache). A name mentioned but not read can only cost a
-  recompile, where a read missed would run a stale graph.
+  1``). A bound method's object (``aot_function(sampler.logits)``, a classmethod's class)
+  has them keyed as an object argument's attributes. An object that is the function itself (a
+  callable object's ``__call__``, a class-based decorator) and a module (``forward``;
+  ``model.eval()`` sets ``self.training``) have them keyed as settings: plain values and
+  tensors as such, anything else (a list, a dict, a function) by identity, since their
+  containers hold bookkeeping changed in place at every call (``self.stats["calls"] += 1``, a
+  cache); not a module's tensors (parameters and buffers have their own watch, and a pruned
+  weight is made anew by a pre-hook at every call), nor names of tensor attributes they do not
+  read from ``self`` (``x.mean()`` next to a running ``self.mean``). A name mentioned but not
+  read can only cost a recompile, where a read missed would run a stale graph.
 
 The function is looked into through every level of what wraps it: decorators
 (``__wrapped__``, through any object), ``functools.partial``, bound methods, callable objects
@@ -91,8 +92,8 @@ def _capturable(value: Any) -> bool:
 def key(value: Any) -> Keyed:
     """The key of a captured value now: as an object argument's attribute's (a value whose
     own ``__repr__`` or ``__eq__`` raises is keyed by identity)."""
-    if value is _UNSET:
-        return Keyed(_UNSET)
+    if value is _UNSET or isinstance(value, _Identity):
+        return Keyed(value)
     try:
         return Keyed(_attribute_key(value, 1, _Walk()))
     except Exception:  # a user's __repr__ raising: its identity still keys it
@@ -262,13 +263,24 @@ def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured,
         found.owners.append(owner)
     who = owner.__name__ if isinstance(owner, type) else "self"
     named, read, assigned = _named(owner if isinstance(owner, type) else type(owner), fn)
+    if settings:  # x.mean() would key a running self.mean: only reads from self count
+        named = {n for n in named if n not in _TENSOR_NAMES or n in read}
+    module = isinstance(owner, torch.nn.Module)
     for name in sorted(named - assigned):
         value = _attribute(owner, name)
-        if value is _METHOD or (value is _UNSET and name not in read) or (
-                settings and value is not _UNSET
-                and (isinstance(value, torch.Tensor) or not _capturable(value))):
+        if value is _METHOD or (value is _UNSET and name not in read) \
+                or (module and isinstance(value, torch.Tensor)):
             continue
-        found.add(f"{who}.{name}", lambda name=name: _attribute(owner, name))
+        found.add(f"{who}.{name}", lambda name=name: _setting(_attribute(owner, name))
+                  if settings else _attribute(owner, name))
+
+
+def _setting(value: Any) -> Any:
+    """A setting's value as keyed: a plain value or a tensor itself, anything else (a list, a
+    dict, a function) by identity (bookkeeping changes containers in place at every call)."""
+    if value is _UNSET or isinstance(value, torch.Tensor) or _capturable(value):
+        return value
+    return _Identity(value)
 
 
 def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[str]]:
@@ -287,8 +299,8 @@ def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[s
         seen.add(code)
         this = code.co_varnames[0] if code.co_argcount else None
         mentioned = set()
-        for inner in _nested(code):  # x.mean() mentions no self.mean; vars(self)["t"] does
-            mentioned |= {*(set(inner.co_names) - _TENSOR_NAMES), *_strings(inner.co_consts)}
+        for inner in _nested(code):
+            mentioned |= {*inner.co_names, *_strings(inner.co_consts)}
             if this is not None:
                 _self_accesses(inner, this, read, assigned)
         named |= mentioned
