@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from aotkit.aot.arguments import (
     record_identity_keys,
     refuse_tensor_sets,
     refuse_torch_function_overrides,
+    shown_name,
     stored_tensor,
     subclass_dynamic,
     under_transform,
@@ -600,7 +600,7 @@ class AotFunction:
         # Note [What a trace reads besides its inputs]: aot_module's layout has its own.
         self._own_modules = own_modules
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
-        self.name = name or f"aot_function({_shown_name(fn)})"
+        self.name = name or f"aot_function({shown_name(fn)})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
         self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
         self._told_forward_ad = False  # Note [Forward-mode AD runs eagerly]
@@ -811,15 +811,6 @@ class AotFunction:
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
                 f"would compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic)}")
         counters.record("recompile", self.name, why, logger=log)
-
-
-def _shown_name(fn: Any) -> str:
-    """``fn``'s qualified name; a lambda's with its place (two lambdas' decisions apart)."""
-    name = getattr(fn, "__qualname__", None) or repr(fn)
-    code = getattr(fn, "__code__", None)
-    if name.endswith("<lambda>") and isinstance(code, types.CodeType):
-        return f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
-    return name
 
 
 def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:

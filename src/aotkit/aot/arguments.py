@@ -6,6 +6,8 @@ which run eagerly."""
 from __future__ import annotations
 
 import logging
+import os
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -189,3 +191,12 @@ def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
         f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
         "\nFix: return the tensor and store it outside the compiled function, or use "
         "torch.compile(fn, backend='aotkit'), which replays such stores.")
+
+
+def shown_name(fn: Any) -> str:
+    """``fn``'s qualified name; a lambda's with its place (two lambdas' decisions apart)."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    code = getattr(fn, "__code__", None)
+    if name.endswith("<lambda>") and isinstance(code, types.CodeType):
+        return f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    return name
