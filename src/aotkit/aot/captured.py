@@ -62,11 +62,10 @@ from typing import Any
 
 import torch
 
-from aotkit.aot.signature import Keyed, _attribute_key, _Identity, _plain_object, _Walk
+from aotkit.aot.signature import _ITEMS, Keyed, _attribute_key, _Identity, _plain_object, _Walk
 
 _VALUES = (bool, str, bytes, type(None), numbers.Number, enum.Enum, torch.dtype, torch.device,
            torch.layout, torch.memory_format, slice, range, torch.Tensor)
-_ITEMS = 64
 
 
 class _Unset:

@@ -165,7 +165,7 @@ def read_after_written(func: torch._ops.OpOverload, written: Sequence[torch.Tens
         return None
     by_storage: dict[Any, _Written] = {}
     for i, w in enumerate(written):
-        by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), _Written()).add(i, w)
+        by_storage.setdefault(compat.StorageWeakRef(w.untyped_storage()), _Written()).tensors[i] = w
     # The one tensor a foreach op applies at every position is its ``other`` (addcmul_'s
     # ``scalars`` tensor is read into numbers first).
     names = [a.name for a in func._schema.arguments[1:]] if isinstance(args[0], (list, tuple)) \
@@ -192,9 +192,6 @@ class _Written:
         self._spans: list[tuple[int, int, int]] | None = None  # (start, end, position)
         self._reach: list[int] = []  # the furthest end of the spans up to each
         self._static: bool | None = None
-
-    def add(self, i: int, t: torch.Tensor) -> None:
-        self.tensors[i] = t
 
     def first_sharing(self, r: torch.Tensor, before: int) -> int | None:
         """The first position before ``before`` whose tensor shares an element with ``r``."""
