@@ -1526,6 +1526,25 @@ def test_dropout_of_a_non_contiguous_tensor_matches_eager(grad):
     check_against_eager(fn, rand(8, 16).t().requires_grad_(grad), seed=0)
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_dropout_inside_a_torch_func_transform_draws_eagers_mask(transform):
+    """Inside vmap or grad eager runs functorch's dropout (a contiguous bernoulli draw), not
+    native_dropout's draw in the input's layout: a non-contiguous input got another mask."""
+    from torch.func import grad, vmap
+
+    def fn(x):
+        if transform == "vmap":
+            return vmap(lambda r: F.dropout(r, 0.5), in_dims=1, randomness="different")(x)
+        return grad(lambda r: F.dropout(r.t(), 0.5).pow(2).sum())(x)
+
+    x = torch.randn(4, 3, 8) if transform == "vmap" else torch.randn(3, 8)
+    torch.manual_seed(0)
+    expected = fn(x)
+    for compiled in (aotkit.aot_function(fn, compilers.nop), torch.compile(fn, backend="aotkit")):
+        torch.manual_seed(0)
+        assert torch.equal(compiled(x), expected)
+
+
 def test_rand_like_and_randn_match_eager_for_a_seed():
     def fn(x):
         noise = torch.rand_like(x)

@@ -223,6 +223,36 @@ def test_a_closed_over_dual_tensor_is_refused():
             aotkit.aot_function(lambda x: x * w, compilers.nop)(x)
 
 
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_a_dual_tensor_made_inside_and_returned_is_refused(how):
+    """fwAD.make_dual at the caller's level inside the function: the graph returned the primal
+    without its tangent (None, silently; PyTorch's aot_function and aot_eager too)."""
+    def fn(x, t):
+        return fwAD.make_dual(x, t).sin()
+
+    compiled = (aotkit.aot_function(fn, compilers.nop) if how == "aot_function"
+                else torch.compile(fn, backend="aotkit"))
+    x, t = rand(3), rand(3)
+    with fwAD.dual_level():
+        assert fwAD.unpack_dual(fn(x, t)).tangent is not None  # eager's carries it
+        with pytest.raises(Exception, match=r"returns a forward-mode AD dual tensor it made(.|\n)*"
+                                            r"Fix: return the tangent itself") as info:
+            compiled(x, t)
+    assert isinstance(getattr(info.value, "inner_exception", info.value), UnsupportedError)
+
+
+def test_a_tangent_computed_inside_at_the_callers_level_is_returned():
+    def fn(x, t):
+        out = fwAD.unpack_dual(fwAD.make_dual(x, t).sin())
+        return out.primal, out.tangent
+
+    x, t = rand(3), rand(3)
+    with fwAD.dual_level():
+        expected = fn(x, t)
+        actual = aotkit.aot_function(fn, compilers.nop)(x, t)
+    torch.testing.assert_close(actual, expected)
+
+
 def _write_and_save(x, w):
     x.mul_(2)
     return x * w, x.view(-1)

@@ -26,6 +26,7 @@ from aotkit.aot.arguments import (
     name_held_tensor,
     note_forward_ad,
     record_identity_keys,
+    refuse_dual_outputs,
     refuse_tensor_sets,
     refuse_torch_function_overrides,
     shown_name,
@@ -853,6 +854,7 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
         flat, out_spec = pytree.tree_flatten(out)
         check_outputs(out, flat, name)
         refuse_kept_outputs(flat)
+        refuse_dual_outputs(flat, name)
         return flat, out_spec
 
     return flat_fn

@@ -133,6 +133,20 @@ def has_tangents(leaves: Sequence[Any]) -> bool:
         isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None for t in leaves)
 
 
+def refuse_dual_outputs(flat: Sequence[Any], name: str) -> None:
+    """An output that is a dual tensor of the caller's level, made inside the function
+    (``fwAD.make_dual(x, t).sin()``), would come back without its tangent: the graph returns
+    primals only (Note [Forward-mode AD runs eagerly])."""
+    if has_tangents(flat):
+        raise UnsupportedError(
+            f"{name} returns a forward-mode AD dual tensor it made at the caller's dual level "
+            "(fwAD.make_dual inside the function): the compiled graph returns plain tensors, "
+            "so the output would lose its tangent.\nFix: return the tangent itself "
+            "(fwAD.unpack_dual(out).tangent, with the primal), make the dual tensor before the "
+            "call and pass it in (the function then runs eagerly), or call the function "
+            "uncompiled.")
+
+
 def note_forward_ad(name: str, first: bool) -> None:
     counters.bump("aot", "forward_ad_eager_calls")
     if first:

@@ -393,7 +393,9 @@ class EagerOps(torch.overrides.TorchFunctionMode):
     native_dropout scales by ``1 / (1 - p)`` instead, which rounds differently (one float32
     ulp off for p = 0.15, 0.45, ...; more in bfloat16 and float16), so on CPU the noise is
     traced as eager makes it. Eval mode and p in {0, 1} keep the composite (eager
-    returns the input itself).
+    returns the input itself), and so does a call inside a torch.func transform (vmap, grad),
+    where eager runs functorch's own dropout, a contiguous ``bernoulli`` draw: native_dropout's
+    draws in the input's layout landed on other elements for a non-contiguous input.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -401,7 +403,8 @@ class EagerOps(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.dropout or func is torch.dropout:
             call = _DROPOUT_SIGNATURES[func].bind(*args, **kwargs).arguments
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
-            if train and not call.get("inplace") and 0 < p < 1:
+            if train and not call.get("inplace") and 0 < p < 1 \
+                    and torch._C._functorch.peek_interpreter_stack() is None:
                 return _dropout(x, p)
         elif func in _RNNS and not kwargs and (torch._C._dispatch_tls_is_dispatch_key_included(
                 torch._C.DispatchKey.PythonDispatcher) or torch.is_inference_mode_enabled()):

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.api import AotOptions, Partitioner, compile_graphs
-from aotkit.aot.arguments import has_tangents, note_forward_ad
+from aotkit.aot.arguments import has_tangents, note_forward_ad, refuse_dual_outputs
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
 from aotkit.aot.frames import region
@@ -79,7 +79,9 @@ def aot_module_simplified(
         params = dict(zip(names, flat[: len(names)], strict=True))
         with torch.nn.utils.stateless._reparametrize_module(mod, params):
             out = _run_keeping_node_meta(mod, flat[len(names):], name)
-        return pytree.tree_flatten(out)
+        outs, spec = pytree.tree_flatten(out)
+        refuse_dual_outputs(outs, name)
+        return outs, spec
 
     name = f"aot_module_simplified({region(mod)})"
     note_dynamo_recompile(name)
