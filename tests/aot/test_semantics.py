@@ -1651,6 +1651,30 @@ def test_double_backward_raises():
         torch.autograd.grad(g.sum(), x)
 
 
+def test_the_double_backward_fix_for_torch_compile_holds():
+    """The refusal's fix under torch.compile: the first gradient taken with torch.func.grad,
+    which Dynamo traces into the graph, so the compiled backward differentiates it."""
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.linspace(0, 1, 5).unsqueeze(1)
+
+    def residual(model, x):
+        du = torch.func.vmap(torch.func.grad(lambda xi: model(xi).squeeze()))(x)
+        return (du - torch.cos(x)).pow(2).mean()
+
+    eager = copy.deepcopy(net)
+    residual(eager, x).backward()
+    with pytest.raises(Exception, match=r"double backward(.|\n)*torch\.func\.grad"):
+        def pinn(x):
+            x = x.clone().requires_grad_()
+            (du,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+            return (du - torch.cos(x)).pow(2).mean()
+        torch.compile(pinn, backend="aotkit")(x).backward()
+    net.zero_grad()
+    torch.compile(lambda x: residual(net, x), backend="aotkit")(x).backward()
+    for p, q in zip(net.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_first_gradients_under_create_graph_are_plain_tensors():
     """They were views made by the double-backward guard: clipping one in place (clamp_, or a
     tensor hook) raised autograd's custom-Function view error, and a sparse gradient

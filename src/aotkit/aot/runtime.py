@@ -392,7 +392,8 @@ class _DoubleBackwardGuard(torch.autograd.Function):
             "is not itself differentiable.\nFix: compile the function that takes the first "
             "gradient too (aot_function(lambda x: penalty(torch.autograd.grad(f(x), x, "
             "create_graph=True)), ...) traces both into one graph; under torch.compile, Dynamo "
-            "splits its graph at torch.autograd.grad), compute higher-order gradients on the "
+            "splits its graph at torch.autograd.grad, so take the first gradient with "
+            "torch.func.grad, jacrev or vmap(grad), which it traces into one graph), compute higher-order gradients on the "
             "eager function, or run the first backward without create_graph=True."
         )
 
