@@ -852,6 +852,29 @@ def test_view_of_a_mutated_input_with_gaps_matches_eager(view, grad):
     assert_write_through(out, arg)
 
 
+@pytest.mark.parametrize("write", ["unsqueeze", "squeeze"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_view_of_an_input_with_gaps_written_through_a_view_matches_eager(write, grad, dynamic):
+    """Note [New values that are views]: the input's new value was a view of the functional
+    result, and so was the returned view: refused, after the input had been written."""
+    def fn(x):
+        if write == "unsqueeze":
+            x.unsqueeze(0).add_(1)
+            return x[0]
+        y = x.squeeze(1)
+        y.add_(1)
+        return y
+
+    def prepare(args, kwargs):  # strides (3, 1): gaps after each row
+        base = args[0] * 1 if grad else args[0]
+        return (base.reshape(4, 3)[:, :2] if write == "unsqueeze" else base.reshape(4, 3)[:, :1],), {}
+
+    result = check_against_eager(fn, rand(12, grad=grad), prepare=prepare, backward=grad,
+                                 aot_kwargs={"dynamic": dynamic})
+    assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+
+
 def test_view_of_a_mutated_input_with_gaps_through_inductor_runs_as_traced():
     """Inductor returns no view ops: the graph runs as traced (a fallback decision); it was
     refused at run time, after the input had been written."""

@@ -162,6 +162,12 @@ class AotMeta:
     def mutated_inputs(self) -> list[int]:
         return [i for i, info in enumerate(self.inputs) if info.mutated]
 
+    @property
+    def replayed_inputs(self) -> set[int]:
+        """Inputs whose returned views are placed by replaying their view ops (Note [Views of
+        inputs with gaps])."""
+        return {o.base for o in self.outputs if o.replay_only}
+
     def graph_user_outputs(self) -> list[int]:
         """Indices of the user outputs the graph returns (everything but constants)."""
         return [i for i, o in enumerate(self.outputs) if o.alias is not Alias.CONSTANT]

@@ -53,7 +53,12 @@ from aotkit.aot.signature import (
     recompile_fix,
     signature,
 )
-from aotkit.aot.simplify import drop_noop_views, pin_factory_dtypes, tensorify_float_inputs
+from aotkit.aot.simplify import (
+    detach_new_values,
+    drop_noop_views,
+    pin_factory_dtypes,
+    tensorify_float_inputs,
+)
 from aotkit.aot.state import StateWatch
 from aotkit.aot.subclass import Boundary, is_subclass
 from aotkit.aot.tangents import tangent_formats
@@ -316,6 +321,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     _record_partition(name, options.partition_fn, fw_gm, meta.num_fw_outputs)
     _log_graphs(name, joint=gm, forward=fw_gm, backward=bw_gm)
     _mark_static_inputs(fw_gm, options.num_params_buffers)
+    detach_new_values(fw_gm, meta.mutated_inputs, meta.replayed_inputs)
     fw = compile_boxed(compiler_for_views(options.fw_compiler, meta, args, name), fw_gm,
                        _graph_inputs(fw_gm), "forward")
     counters.bump("aot", "fw_compiles")
@@ -526,11 +532,12 @@ def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name:
     _mark_static_inputs(gm, options.num_params_buffers)
     compiler = compiler_for_views(options.inference_compiler or options.fw_compiler, meta, args,
                                   name)
-    fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
-    counters.bump("aot", "inference_compiles")
     returned = meta.mutated_inputs
     if options.keep_inference_input_mutations:
         returned = [i for i in returned if not meta.inputs[i].copied_in_graph]
+    detach_new_values(gm, returned, meta.replayed_inputs)
+    fw = compile_boxed(compiler, gm, _graph_inputs(gm), "inference")
+    counters.bump("aot", "inference_compiles")
     return CompiledGraphs(name=name, meta=meta, fw=fw, returned_mutations=returned,
                           num_inputs=len(args), absolute_offsets=absolute_offsets)
 

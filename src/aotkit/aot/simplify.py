@@ -193,3 +193,28 @@ def tensorify_float_inputs(gm: fx.GraphModule, mode: Any, name: str) -> None:
                         "float at every step, tensors or not: pass cycle_momentum=False.")
         raise
     gm.recompile()
+
+
+# Note [New values that are views]
+# A gapped input the function writes through a view of it (``x.unsqueeze(0).add_(1)``) gets as
+# its new value a view of the functional result (``squeeze(add)``), and a view the function
+# returns of it (``x[0]``) is a view of that same result: its base is ``add``, not the new
+# value, so its view ops could not be replayed on the caller's input (Note [Views of inputs
+# with gaps]) and the call was refused, after the input had been written. The new value of
+# such an input is detached where the graph makes it: the same memory, but a tensor of its own,
+# which every later view (the returned one included) is taken from.
+def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[int]) -> None:
+    """Make the graph's new value of each input in ``replayed`` (inputs whose returned views
+    are replayed) a tensor of its own where it is a view; ``new_values``: the inputs whose new
+    values lead the graph's outputs, in order. See Note [New values that are views]."""
+    outs = gm.graph.output_node().args[0]
+    views = {outs[k] for k, i in enumerate(new_values) if i in replayed
+             if isinstance(outs[k], fx.Node) and outs[k].op == "call_function"
+             and isinstance(outs[k].target, torch._ops.OpOverload) and outs[k].target.is_view}
+    for node in views:
+        with gm.graph.inserting_after(node):
+            detached = gm.graph.call_function(torch.ops.aten.detach.default, (node,))
+        detached.meta = dict(node.meta)
+        node.replace_all_uses_with(detached, delete_user_cb=detached.__ne__)
+    if views:
+        gm.recompile()
