@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import torch
@@ -215,6 +217,6 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
         with gm.graph.inserting_after(node):
             detached = gm.graph.call_function(torch.ops.aten.detach.default, (node,))
         detached.meta = dict(node.meta)
-        node.replace_all_uses_with(detached, delete_user_cb=detached.__ne__)
+        node.replace_all_uses_with(detached, delete_user_cb=functools.partial(operator.is_not, detached))
     if views:
         gm.recompile()
