@@ -552,3 +552,147 @@ def test_settings_of_other_kinds_are_keyed_by_identity():
         _same(compiled, fn, x)
         change()
         _same(compiled, fn, x)
+
+
+def test_a_method_replaced_on_the_instance_after_compiling_is_keyed():
+    """The mentioned name of a method was dropped for good: an override set on the instance
+    later (model.act = torch.sigmoid) ran the old graph."""
+    class Block(torch.nn.Module):
+        def act(self, x):
+            return torch.nn.functional.gelu(x)
+
+        def forward(self, x):
+            return self.act(x) * 2
+
+    m, x = Block(), torch.randn(4)
+    compiled = aotkit.aot_function(m, compilers.nop)
+    _same(compiled, m, x)
+    m.act = torch.sigmoid
+    _same(compiled, m, x)
+    assert compiled.num_entries == 2
+
+
+def test_an_attribute_a_descriptor_of_ones_own_reads_is_keyed():
+    class Doubled:
+        def __get__(self, obj, objtype=None):
+            return 2 * obj._scale
+
+    class Head(torch.nn.Module):
+        scale = Doubled()
+
+        def __init__(self):
+            super().__init__()
+            self._scale = 1.0
+
+        def forward(self, x):
+            return x * self.scale
+
+    m, x = Head(), torch.ones(2)
+    compiled = aotkit.aot_function(m, compilers.nop)
+    _same(compiled, m, x)
+    m._scale = 5.0
+    _same(compiled, m, x)
+
+
+BOUNDS = tuple(float(i) for i in range(65))
+
+
+def test_a_tuple_beyond_the_key_limits_is_keyed_by_identity():
+    """65 plain items: not keyed at all (README says parts past the limits go by identity)."""
+    global BOUNDS
+
+    def bucketize(x):
+        return torch.bucketize(x, torch.tensor(BOUNDS))
+
+    compiled, x = aotkit.aot_function(bucketize, compilers.nop), torch.tensor([3.5, 10.2, 40.7])
+    _same(compiled, bucketize, x)
+    BOUNDS = tuple(float(2 * i) for i in range(65))
+    _same(compiled, bucketize, x)
+
+
+@pytest.mark.parametrize("read", ["type(self)", "vars(self)"])
+def test_tensor_named_settings_read_through_the_class_or_the_dict_are_keyed(read):
+    """Names of tensor attributes (dim, T) counted for a module or callable object only when
+    read as self.<name>: type(self).dim and vars(self)['T'] ran the old graph."""
+    class Pool(torch.nn.Module):
+        dim = 0
+
+        def forward(self, x):
+            return x.sum(type(self).dim)
+
+    class Distill:
+        def __init__(self):
+            self.T = 1.0
+
+        def __call__(self, s):
+            return (s / vars(self)["T"]).softmax(-1)
+
+    owner, x = (Pool() if read == "type(self)" else Distill()), torch.randn(3, 4)
+    compiled = aotkit.aot_function(owner, compilers.nop)
+    _same(compiled, owner, x)
+    if read == "type(self)":
+        Pool.dim = 1
+    else:
+        owner.T = 4.0
+    _same(compiled, owner, x)
+
+
+def test_odd_values_are_keyed_without_crashing():
+    """An Enum with __eq__ but no __hash__ (TypeError at every call), a dead weakref.proxy
+    attribute (ReferenceError at aot_function()), a __getattr__ raising KeyError or answering
+    every name (the aot_function marker was looked up through it: a crash, or a callable's own
+    __call__ not looked into)."""
+    import enum
+    import gc
+    import weakref
+
+    class Mode(enum.Enum):
+        TRAIN = "train"
+
+        def __eq__(self, other):
+            return self.value == getattr(other, "value", other)
+
+    mode = Mode.TRAIN
+    f = aotkit.aot_function(lambda x: x * (2.0 if mode == "train" else 3.0), compilers.nop)
+    assert f(torch.ones(2)).tolist() == [2.0, 2.0]
+
+    class Parent:
+        k = 2.0
+
+    class Head(torch.nn.Module):
+        def __init__(self, parent):
+            super().__init__()
+            self.parent, self.scale = weakref.proxy(parent), 1.0
+
+        def forward(self, x):
+            return x * self.parent.k if self.scale < 0 else x * self.scale
+
+    parent = Parent()
+    head = Head(parent)
+    del parent
+    gc.collect()
+    assert aotkit.aot_function(head, compilers.nop)(torch.ones(2)).tolist() == [1.0, 1.0]
+
+    class Scaled:
+        def __init__(self, fn, scale):
+            self.fn, self.scale = fn, scale
+
+        def __getattr__(self, name):
+            return getattr(self.__dict__["fn"], name)
+
+        def __call__(self, x):
+            return self.fn(x) * self.scale
+
+    class Raising:
+        def __getattr__(self, name):
+            raise KeyError(name)
+
+        def __call__(self, x):
+            return x * 2
+
+    wrapper, x = Scaled(aotkit.aot_function(torch.sin, compilers.nop), 2.0), torch.ones(2)
+    compiled = aotkit.aot_function(wrapper, compilers.nop)
+    _same(compiled, wrapper, x)
+    wrapper.scale = 5.0
+    _same(compiled, wrapper, x)
+    assert aotkit.aot_function(functools.partial(Raising()), compilers.nop)(x).tolist() == [2.0, 2.0]

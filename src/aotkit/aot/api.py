@@ -778,7 +778,7 @@ class AotFunction:
         fn, skip = self._checked
         try:
             params = inspect.signature(fn)
-        except (TypeError, ValueError):
+        except Exception:  # no signature; a __getattr__ raising KeyError for __wrapped__
             return
         try:
             params.bind(*args[skip:], **kwargs)

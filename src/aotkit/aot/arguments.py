@@ -208,8 +208,14 @@ def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
 
 
 def shown_name(fn: Any) -> str:
-    """``fn``'s qualified name; a lambda's with its place (two lambdas' decisions apart)."""
-    name = getattr(fn, "__qualname__", None) or repr(fn)
+    """``fn``'s qualified name; a lambda's with its place (two lambdas' decisions apart); an
+    object's class name where its repr is long (a model's is its whole module tree)."""
+    try:
+        name = getattr(fn, "__qualname__", None)
+        shown = name if isinstance(name, str) else repr(fn)
+    except Exception:  # a __getattr__ or __repr__ raising
+        shown = ""
+    name = shown if shown and len(shown) <= 80 and "\n" not in shown else type(fn).__qualname__
     code = getattr(fn, "__code__", None)
     if name.endswith("<lambda>") and isinstance(code, types.CodeType):
         return f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"

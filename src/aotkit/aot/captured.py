@@ -15,15 +15,17 @@ tensor by identity):
   a function nested in it assigns, nor attribute names) and the variables it closes over (not
   those it assigns: a ``nonlocal`` counter), when they hold a plain value (a number, string,
   bool, None, enum, dtype, device, layout, memory format, slice, range, bytes, a tuple or
-  frozenset of such) or a tensor when it is compiled, or are not assigned yet, read again at
+  frozenset of such; a longer one, or one holding other objects, by identity) or a tensor
+  when it is compiled, or are not assigned yet, read again at
   every call; a decorator module's globals are named by module (``the global mylib.DEBUG``);
 * its default argument values, and a ``functools.partial``'s arguments;
 * the attributes of the object it runs on that its code mentions (as an attribute, a name or
   a string: ``self.temperature``, ``s = self; s.temperature``, ``vars(self)["temperature"]``,
   also not set yet where it reads it from ``self``: ``hasattr``), with those the methods of
   the object's class it mentions mention (every definition along the MRO: ``super()``; the
-  function a decorator in the class wraps), less those it assigns on it (``self.calls +=
-  1``). A bound method's object (``aot_function(sampler.logits)``, a classmethod's class)
+  function a decorator in the class wraps; a descriptor's ``__get__``), less those it assigns
+  on it (``self.calls += 1``); a method's name by what the instance itself holds under it (an
+  override set later, ``model.act = torch.sigmoid``). A bound method's object (``aot_function(sampler.logits)``, a classmethod's class)
   has them keyed as an object argument's attributes. An object that is the function itself (a
   callable object's ``__call__``, a class-based decorator) and a module (``forward``;
   ``model.eval()`` sets ``self.training``) have them keyed as settings: plain values and
@@ -31,7 +33,8 @@ tensor by identity):
   containers hold bookkeeping changed in place at every call (``self.stats["calls"] += 1``, a
   cache); not a module's tensors (parameters and buffers have their own watch, and a pruned
   weight is made anew by a pre-hook at every call), nor names of tensor attributes they do not
-  read from ``self`` (``x.mean()`` next to a running ``self.mean``). A name mentioned but not
+  read from ``self``, ``type(self)`` or ``vars(self)`` (``x.mean()`` next to a running
+  ``self.mean``). A name mentioned but not
   read can only cost a recompile, where a read missed would run a stale graph.
 
 The function is looked into through every level of what wraps it: decorators
@@ -79,23 +82,29 @@ _UNSET = _Unset()
 
 
 def _capturable(value: Any) -> bool:
-    try:
-        if isinstance(value, (tuple, frozenset)):
-            return len(value) <= _ITEMS and all(map(_capturable, value))
-        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ == "bool"
-        return isinstance(value, _VALUES) or numpy_bool  # np.bool_ is no numbers.Number
-    except Exception:  # a proxy whose __class__ raises: an object, not keyed
-        return False
+    kind = type(value)  # not value.__class__: a proxy's may raise, or run Python per call
+    if issubclass(kind, (tuple, frozenset)):
+        return len(value) <= _ITEMS and all(map(_capturable, value))
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ == "bool"
+    return issubclass(kind, _VALUES) or numpy_bool  # np.bool_ is no numbers.Number
+
+
+def _constant(value: Any) -> bool:
+    """A plain value, or a tuple or frozenset beyond them (too long, or holding an object):
+    immutable, so keyed by identity when not by value."""
+    return _capturable(value) or issubclass(type(value), (tuple, frozenset))
 
 
 def key(value: Any) -> Keyed:
     """The key of a captured value now: as an object argument's attribute's (a value whose
     own ``__repr__`` or ``__eq__`` raises is keyed by identity)."""
-    if value is _UNSET or isinstance(value, _Identity):
+    if value is _UNSET or type(value) is _Identity:
         return Keyed(value)
     try:
-        return Keyed(_attribute_key(value, 1, _Walk()))
-    except Exception:  # a user's __repr__ raising: its identity still keys it
+        keyed = _attribute_key(value, 1, _Walk())
+        hash(keyed)
+        return Keyed(keyed)
+    except Exception:  # a user's __repr__ raising, an Enum with __eq__ but no __hash__
         return Keyed(_Identity(value))
 
 
@@ -155,7 +164,8 @@ def _levels(fn: Any) -> Iterator[tuple[Any, Any]]:
         elif isinstance(fn, torch.nn.Module):
             todo.append((fn.forward, None))
         else:  # a callable object (its __call__ runs), a class-based decorator, aot_function
-            if (call := _python_call(fn)) is not None and not getattr(fn, "_aotkit_opaque", False):
+            if (call := _python_call(fn)) is not None and not inspect.getattr_static(
+                    fn, "_aotkit_opaque", False):
                 todo.append((call, fn))
             todo.append((_wrapped(fn), None))
 
@@ -216,13 +226,13 @@ def _captured_by(fn: types.FunctionType, home: dict[str, Any], found: Captured) 
         shown = f"the global {name}" if space is home else \
             f"the global {space.get('__name__', '?')}.{name}"
         # Plain now, or not defined yet (assigned after compiling); not a builtin's name.
-        if _capturable(space[name]) if name in space else name not in builtins:
-            found.add(shown, lambda name=name: space.get(name, _UNSET))
+        if _constant(space[name]) if name in space else name not in builtins:
+            found.add(shown, lambda name=name: _setting(space.get(name, _UNSET)))
     assigned = _names(code, ("STORE_DEREF", "DELETE_DEREF"))  # a nonlocal counter
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
         value = _contents(cell)
-        if name not in assigned and (value is _UNSET or _capturable(value)):
-            found.add(f"the closed-over {name}", lambda cell=cell: _contents(cell))
+        if name not in assigned and (value is _UNSET or _constant(value)):
+            found.add(f"the closed-over {name}", lambda cell=cell: _setting(_contents(cell)))
     positional = code.co_varnames[:code.co_argcount]
     count = min(len(fn.__defaults__ or ()), len(positional))  # Python takes longer tuples
     defaults = {name: i for i, name in enumerate(positional[len(positional) - count:])}
@@ -267,17 +277,31 @@ def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured,
     module = isinstance(owner, torch.nn.Module)
     for name in sorted(named - assigned):
         value = _attribute(owner, name)
+        if value is _METHOD and not isinstance(owner, type) and _has_state(owner):
+            # replaced on the instance later (``model.act = torch.sigmoid``): its entry there
+            found.add(f"{who}.{name}", functools.partial(_instance_entry, vars(owner), name))
         if value is _METHOD or (value is _UNSET and name not in read) \
-                or (module and isinstance(value, torch.Tensor)):
+                or (module and issubclass(type(value), torch.Tensor)):
             continue
         found.add(f"{who}.{name}", lambda name=name: _setting(_attribute(owner, name))
                   if settings else _attribute(owner, name))
 
 
+def _instance_entry(state: dict[str, Any], name: str) -> Any:
+    return _setting(state.get(name, _UNSET))
+
+
+def _has_state(owner: Any) -> bool:
+    try:
+        return type(vars(owner)) is dict
+    except Exception:  # slots only, or a __dict__ property raising
+        return False
+
+
 def _setting(value: Any) -> Any:
     """A setting's value as keyed: a plain value or a tensor itself, anything else (a list, a
     dict, a function) by identity (bookkeeping changes containers in place at every call)."""
-    if value is _UNSET or isinstance(value, torch.Tensor) or _capturable(value):
+    if value is _UNSET or issubclass(type(value), torch.Tensor) or _capturable(value):
         return value
     return _Identity(value)
 
@@ -321,13 +345,15 @@ def _strings(consts: tuple[Any, ...]) -> set[str]:
 
 
 def _self_accesses(code: types.CodeType, this: str, read: set[str], assigned: set[str]) -> None:
-    """Add to ``read`` the attributes ``code`` loads from the variable ``this`` (its ``self``)
-    and to ``assigned`` those it stores on it, ``self.x = ...`` and ``self.x += ...``."""
-    instructions = list(dis.get_instructions(code))
+    """Add to ``read`` the attributes ``code`` loads from the variable ``this`` (its ``self``,
+    or ``type(self)``, ``vars(self)``, ``self.__class__``, ``self.__dict__``) and to
+    ``assigned`` those it stores on it, ``self.x = ...`` and ``self.x += ...``."""
+    instructions = [i for i in dis.get_instructions(code) if i.opname not in _NO_VALUE]
+    of_self = _of_self(instructions, this)
     augmented: set[str] = set()
     for k, ins in enumerate(instructions[1:], start=1):
         prev = instructions[k - 1]
-        on_self = _loads(prev, this)
+        on_self = of_self[k - 1]
         if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and on_self:
             read.add(ins.argval)
         elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev.opname in ("COPY", "DUP_TOP") \
@@ -340,6 +366,23 @@ def _self_accesses(code: types.CodeType, this: str, read: set[str], assigned: se
         elif ins.opname in ("STORE_ATTR", "DELETE_ATTR") and (
                 on_self or (prev.opname in ("SWAP", "ROT_TWO") and ins.argval in augmented)):
             assigned.add(ins.argval)
+
+
+# Instructions that push nothing a read takes (3.11's PRECALL before each CALL).
+_NO_VALUE = frozenset({"PRECALL", "CACHE", "EXTENDED_ARG", "PUSH_NULL", "NOP"})
+
+
+def _of_self(instructions: list[dis.Instruction], this: str) -> list[bool]:
+    """Per instruction, whether it pushes ``this`` or its class or attribute dict."""
+    pushed = []
+    for k, ins in enumerate(instructions):
+        pushed.append(_loads(ins, this) or (k > 0 and pushed[k - 1] and ins.opname == "LOAD_ATTR"
+                                            and ins.argval in ("__class__", "__dict__"))
+            or (k > 1 and ins.opname in ("CALL", "CALL_FUNCTION") and ins.arg == 1
+                and _loads(instructions[k - 1], this)
+                and instructions[k - 2].opname == "LOAD_GLOBAL"
+                and instructions[k - 2].argval in ("type", "vars")))
+    return pushed
 
 
 def _loads(instruction: dis.Instruction, name: str) -> bool:
@@ -361,6 +404,8 @@ def _definitions(cls: type, name: str) -> list[types.FunctionType]:
             member = member.__func__
         elif isinstance(member, (functools.partialmethod, functools.cached_property)):
             member = member.func
+        elif not isinstance(member, types.FunctionType) and member is not None:
+            member = inspect.getattr_static(type(member), "__get__", None)  # a descriptor's
         while isinstance(member, types.FunctionType) and member not in found:
             found.append(member)
             member = _wrapped(member)
