@@ -3964,6 +3964,45 @@ def test_tensors_stored_into_list_or_dict_arguments_are_refused(arg, fn, where):
         aotkit.aot_function(lambda x, a: (fn(x, a), x * 2)[1], compilers.nop)(rand(2), arg)
 
 
+@pytest.mark.parametrize("holder", ["object", "dict", "list"])
+def test_a_plain_value_changed_in_an_argument_is_refused_and_put_back(holder):
+    """Note [Values changed in argument objects]: an optimizer-style ``state.step += 1`` ran
+    once per tracing pass on an object (0 -> 2, and the graph kept the last pass's bias
+    correction) and never on a dict or list (rebuilt per trace: every call read step 0): the
+    parameters were silently wrong from the first step."""
+    class State:
+        def __init__(self) -> None:
+            self.step = 0
+
+    def bump(state):
+        if holder == "object":
+            state.step += 1
+            return state.step
+        key = "step" if holder == "dict" else 0
+        state[key] += 1
+        return state[key]
+
+    def adam_like_step(p, g, state):
+        bias_correction = 1 - 0.9 ** bump(state)
+        with torch.no_grad():
+            p.sub_(g / bias_correction, alpha=0.1)
+
+    state = {"object": State(), "dict": {"step": 0}, "list": [0]}[holder]
+    where = {"object": "args[2].step", "dict": "args[2]['step']", "list": "args[2][0]"}[holder]
+    p = torch.ones(2)
+    with pytest.raises(aotkit.errors.UnsupportedError,
+                       match=re.escape(f"changes {where}, a plain value") + r"(.|\n)*Fix: pass"):
+        aotkit.aot_function(adam_like_step, compilers.nop)(p, torch.ones(2), state)
+    assert (state.step if holder == "object" else state["step" if holder == "dict" else 0]) == 0
+    assert torch.equal(p, torch.ones(2))
+    compiled = torch.compile(adam_like_step, backend="aotkit")  # the fix it names
+    eager_p, eager_state = torch.ones(2), copy.deepcopy(state)
+    for _ in range(3):
+        compiled(p, torch.ones(2), state)
+        adam_like_step(eager_p, torch.ones(2), eager_state)
+    assert torch.equal(p, eager_p)
+
+
 def test_other_changes_to_a_dict_argument_run_as_before():
     """``batch.pop("labels")``: nothing the function computed is lost, so it is let be."""
     def loss(batch):

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.arguments import (
+    changed_value,
     check_compiler_signature,
     check_decompositions,
     check_params_buffers,
@@ -40,7 +41,14 @@ from aotkit.aot.captured import Captured, captured_values, held_modules
 from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
-from aotkit.aot.reads import Reads, argument_containers, put_back_containers, recording
+from aotkit.aot.reads import (
+    Reads,
+    argument_containers,
+    changed_values,
+    put_back_containers,
+    recording,
+    same_value,
+)
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.saved import saved_for_backward
 from aotkit.aot.signature import (
@@ -748,20 +756,24 @@ class AotFunction:
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
-        held = argument_containers([*zip(names, leaves, strict=True), *captured,
-                                    *(("self", owner) for owner in self._captured.owners)],
-                                   held_tensors)
+        held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
+        held = [*held_args, *argument_containers(
+            [*captured, *(("self", owner) for owner in self._captured.owners)], held_tensors)]
         try:
             held_by_fn = held_modules(self.fn) if self._own_modules is None else []
             with dynamo_frames_off(), recording(self._own_modules, held_by_fn) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held)
+            changed_values(held_args)
             name_held_tensor(exc, held_tensors)
             raise
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]
-        if stored := put_back_containers(held):
+        stored = put_back_containers(held)
+        if changed := changed_values(held_args):
+            raise changed_value(self.name, ", ".join(changed))
+        if stored:
             raise stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
@@ -871,11 +883,16 @@ def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], name:
                                   namer: Callable[[Any, Any], list[str]]) -> None:
     """A list or dict argument is rebuilt from its leaves for each trace: a tensor the function
     stores into it (``batch["h"] = enc(x)``, ``outs.append(y)``) would not reach the caller's.
-    Other changes to such containers (``batch.pop("labels")``, a plain value stored) do not
-    reach the caller's either, but lose nothing the function computed: they are let be."""
+    A plain value changed in it is refused (Note [Values changed in argument objects]); keys
+    added or removed (``batch.pop("labels")``) do not reach the caller's either, but lose
+    nothing the function computed: they are let be."""
     after = pytree.tree_leaves((args, kwargs))
     passed = {id(x) for x in full}
     if all(id(a) in passed or not isinstance(a, torch.Tensor) for a in after):
+        if len(after) == len(full) and (changed := [
+                n for n, a, b in zip(namer(args, kwargs), after, full, strict=True)
+                if not same_value(b, a)]):
+            raise changed_value(name, changed[0])
         return
     where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)
                  if id(a) not in passed and isinstance(a, torch.Tensor))

@@ -207,6 +207,18 @@ def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
         "torch.compile(fn, backend='aotkit'), which replays such stores.")
 
 
+def changed_value(name: str, where: str) -> UnsupportedError:
+    """A plain value the function changes in what it was passed (Note [Values changed in
+    argument objects])."""
+    return UnsupportedError(
+        f"{name} changes {where}, a plain value it was passed inside an object, list or dict "
+        "(a step counter: state.step += 1): the compiled graph runs no Python, so the change "
+        "would not happen at each call, and tracing made it once per pass (it was put back "
+        "as it was).\nFix: pass the value as an argument and return the new one, keep it in "
+        "a tensor changed in place (state.step = torch.zeros(()); state.step.add_(1)), or use "
+        "torch.compile(fn, backend='aotkit'), which replays such changes.")
+
+
 def shown_name(fn: Any) -> str:
     """``fn``'s qualified name; a lambda's with its place (two lambdas' decisions apart); an
     object's class name where its repr is long (a model's is its whole module tree)."""

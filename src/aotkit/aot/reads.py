@@ -306,6 +306,15 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
             slot.table[slot.name] = slot.tensor
 
 
+# Note [Values changed in argument objects]
+# A function may also change a plain value its arguments hold (an optimizer step's
+# ``state.step += 1``, ``state["step"] += 1``). The graph does not make the change at each
+# call, and tracing made it once per pass on an object (step 0 -> 2 at the first call, the
+# graph holding the second pass's bias correction), or not at all on the caller's list or dict,
+# which is rebuilt from its leaves for each trace (so the next call read the old value and ran
+# the same graph): silently wrong from the first step. Such a change (of a number, string,
+# bool or None already there) is put back and the trace refused; keys added or removed
+# (``batch.pop("labels")``) are let be.
 # Note [Tracing tensors left in argument objects]
 # A function may store what it computes in an object it is handed (a key/value cache's
 # ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
@@ -346,7 +355,7 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
                 continue
             seen.add(id(v))
             if _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
-                held.append((where, v.__dict__, dict(v.__dict__)))
+                held.append((where, v.__dict__, _Attributes(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
             elif type(v) is list and len(v) > _MAX_ITEMS:
                 held.append((where, v, len(v)))
@@ -382,6 +391,43 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
                         "opt.state[p], finds its tracing stand-in, never the caller's tensor)"
                         if keys else where)
     return [w for w in left if not any(o.startswith((f"{w}.", f"{w}[")) for o in left)]
+
+
+def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
+    """Where a held object's attribute, or a held list's or dict's item, holds another plain
+    value than before the trace (``state.step += 1``), put back as it was (Note [Values
+    changed in argument objects])."""
+    changed = []
+    for where, container, before in held:
+        if isinstance(before, int):  # a long list: only its length was kept
+            continue
+        items = before.items() if isinstance(before, dict) else enumerate(before)
+        for k, old in items:
+            try:
+                new = container[k]
+            except (KeyError, IndexError):  # removed (batch.pop("labels")): not a value
+                continue
+            if not same_value(old, new):
+                changed.append(f"{where}.{k}" if isinstance(before, _Attributes)
+                               else f"{where}[{k!r}]")
+                container[k] = old
+    return changed
+
+
+def same_value(old: Any, new: Any) -> bool:
+    if old is new or isinstance(new, torch.Tensor) or isinstance(old, torch.Tensor):
+        return True  # tensors: Note [Tracing tensors left in argument objects]
+    try:
+        return type(old) is type(new) and type(old) in _PLAIN_VALUES and bool(old == new)
+    except Exception:
+        return False
+
+
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+
+
+class _Attributes(dict):  # type: ignore[type-arg]
+    """The copy of an object's ``__dict__`` (told from a dict's copy in messages)."""
 
 
 def _tracing(value: Any) -> bool:
