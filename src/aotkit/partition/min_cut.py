@@ -32,8 +32,10 @@ backward, expensive ones included: a node tagged MUST/PREFER_RECOMPUTE cannot be
 random ops (never recomputed: a second draw would differ) and the region's outputs (values read
 by forward code outside the region, or returned to the caller and read by the backward), which
 are never recomputed: eager holds them as ordinary tensors, and recomputing one would rerun its
-whole region for the next one, quadratic in the number of layers. A node tagged MUST/PREFER_SAVE (a selective-checkpointing policy) is never
-recomputed.
+whole region for the next one, quadratic in the number of layers. A node tagged MUST/PREFER_SAVE
+(a selective-checkpointing policy) is never recomputed, and belongs to its region: the values
+it reads there are recomputed from the region's inputs, as eager's selective checkpoint does
+(taken for region outputs, they were saved too: twice what eager saves).
 """
 
 from __future__ import annotations
@@ -311,13 +313,14 @@ def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
     read by forward code, not the backward's formulas, outside their region, or ``held`` by
     the caller), which are saved. Random ops and their outputs are neither. See Note
     [Activation checkpointing]."""
-    def region(node: fx.Node) -> Any:
-        return node.meta.get("ac_graph_id") if node.meta.get("recompute") in _RECOMPUTE else None
+    def region(node: fx.Node) -> Any:  # a node saved by policy is in its region too
+        return node.meta.get("ac_graph_id") if node.meta.get("recompute") is not None else None
 
     def random(node: fx.Node) -> bool:
         return node in pinned or (node.target is operator.getitem and node.args[0] in pinned)
 
-    tagged = [n for n in fw_tensors if region(n) is not None and not random(n)]
+    tagged = [n for n in fw_tensors if n.meta.get("recompute") in _RECOMPUTE
+              and region(n) is not None and not random(n)]
     outputs = {n for n in tagged if n in held
                or any(region(u) != region(n) for u in n.users if u in forward_code)}
     return set(tagged) - outputs, outputs
