@@ -79,6 +79,10 @@ _CONJ_VIEWS = {
     "conj_of_output": lambda x: ((y := x * 1).conj(), y),
     "conj_of_intermediate": lambda x: ((y := x * 2).conj(), y[0]),
     "conj_with_other_outputs": lambda x: (x.sin(), x.conj(), x.conj().imag, x),
+    # dot of two conjugates returns a root with its bit set: its views came back conjugated
+    "view_of_a_root_with_a_bit": lambda x: torch.dot(x.conj(), x.conj() * 2)[None],
+    "conj_of_a_root_with_a_bit": lambda x: torch.dot(x.conj(), x.conj() * 2).conj(),
+    "inner_of_conjugates": lambda x: torch.inner(x.conj(), (x * 2).conj()),
 }
 
 
@@ -1355,3 +1359,20 @@ def test_as_strided_in_place_after_a_write_is_refused():
     with pytest.raises(UnsupportedError, match=r"as_strided_ on input 0 .* after the function "
                        "wrote that input"):
         aotkit.aot_function(fn, compilers.nop)(torch.arange(10.0)[2:6])
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_wider_dtype_view_of_a_written_input_whose_storage_has_an_odd_tail(dtype, dynamic):
+    """The whole storage was reinterpreted in the wider dtype: 7 floats cannot be complex, a
+    raw RuntimeError after the input had been written."""
+    def fn(x):
+        x.add_(1)
+        return x.view(dtype)
+
+    def prepare(args, kwargs):
+        return (args[0][:6],), kwargs
+
+    result = check_against_eager(fn, rand(7), prepare=prepare, backward=False,
+                                 aot_kwargs={"dynamic": dynamic})
+    assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])

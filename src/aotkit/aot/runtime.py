@@ -822,9 +822,13 @@ def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
     view = base.as_strided(*_placement(source, base, out, info, name))
-    # An output or intermediate base is a root, without bits in eager; one the graph returns
-    # with a bit holds its values' conjugate (negation) in memory, so its views flip that bit.
+    # A view of memory the graph made (an output or intermediate base) shows its values as the
+    # graph's own output does: an op may return a root with a bit (dot of two conjugates holds
+    # the unconjugated product, its bit set, as in eager), or the graph a base eager had
+    # without one (its views then flip the bit).
     made_inside = source.input_index is None
+    if made_inside and _same_storage(out, source.base):
+        return _with_bits(view, out.is_conj(), out.is_neg())
     return _with_bits(view, info.is_conj != (made_inside and source.base.is_conj()),
                       info.is_neg != (made_inside and source.base.is_neg()))
 
@@ -933,8 +937,11 @@ def _view_of_new_value(source: _ViewSource, out: torch.Tensor, name: str) -> tup
 
 def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole storage of ``base`` as one flat tensor of ``dtype``, for views that change the
-    dtype (``view_as_real``, ``Tensor.view(dtype)``); as_strided alone cannot."""
-    flat = base.as_strided((base.untyped_storage().nbytes() // base.element_size(),), (1,), 0)
+    dtype (``view_as_real``, ``Tensor.view(dtype)``); as_strided alone cannot. A tail too
+    short for an element of the wider dtype is left out (a 7-float storage as complex)."""
+    unit = max(base.element_size(), dtype.itemsize)
+    size = base.untyped_storage().nbytes() // unit * unit // base.element_size()
+    flat = base.as_strided((size,), (1,), 0)
     if flat.is_complex() and not dtype.is_complex:
         flat = torch.view_as_real(flat).flatten()
     elif dtype.is_complex and not flat.is_complex():
