@@ -260,7 +260,9 @@ def _rebasing(flat_fn: FlatFn, options: AotOptions, name: str) -> Callable[
 def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], options: AotOptions,
                       name: str, compiled: int) -> tuple[CompiledGraphs, dict[int, int]]:
     why = (f"{layout.describe()} and the function mutates one of them in place: traced again "
-           "with each shared storage as one input (Note [Overlapping mutated inputs])")
+           "with each shared storage as one input (Note [Overlapping mutated inputs])"
+           + (", with static sizes: each new size or place of them compiles again"
+              if options.dynamic else ""))
     if compiled >= config.recompile_limit:
         raise RecompileLimitError(
             f"{name} has been compiled for {compiled} layout(s) of inputs that share memory "
