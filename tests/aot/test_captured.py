@@ -696,3 +696,47 @@ def test_odd_values_are_keyed_without_crashing():
     wrapper.scale = 5.0
     _same(compiled, wrapper, x)
     assert aotkit.aot_function(functools.partial(Raising()), compilers.nop)(x).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("how", ["module", "forward"])
+def test_a_tensor_a_module_stores_on_itself_is_put_back_and_refused(how):
+    """aot_function(model) left a FunctionalTensor in model.last_attn (unusable: "Attempting
+    to use FunctionalTensor on its own"); aot_module sets it after each call."""
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Identity()
+
+        def forward(self, q, k):
+            a = (q @ k.T).softmax(-1)
+            self.last_attn = a.detach()
+            self.inner.seen = a.detach()
+            return a @ k
+
+    m, q, k = Attn(), torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(aotkit.errors.UnsupportedError,
+                       match=r"stores a tensor into self(.|\n)*aot_module\(model\)"):
+        aotkit.aot_function(m if how == "module" else m.forward, compilers.nop)(q, k)
+    assert not hasattr(m, "last_attn") and not hasattr(m.inner, "seen")
+    compiled = aotkit.aot_module(m, compilers.nop)
+    out = compiled(q, k)
+    torch.testing.assert_close(m.last_attn, (q @ k.T).softmax(-1))
+    torch.testing.assert_close(out, m(q, k))
+
+
+def test_a_cached_property_read_in_forward_compiles_once():
+    """The instance entry of a method's name was keyed, and a cached_property's first read
+    fills it: "self.scale changed: unset -> float 2.0", one more compile per module."""
+    class Scaled(torch.nn.Module):
+        @functools.cached_property
+        def scale(self):
+            return 2.0
+
+        def forward(self, x):
+            return x * self.scale
+
+    m = Scaled()
+    compiled = aotkit.aot_function(m, compilers.nop)
+    for _ in range(3):
+        _same(compiled, m, torch.ones(2))
+    assert compiled.num_entries == 1

@@ -3965,7 +3965,7 @@ def test_tensors_stored_into_list_or_dict_arguments_are_refused(arg, fn, where):
 
 
 @pytest.mark.parametrize("holder", ["object", "dict", "list"])
-def test_a_plain_value_changed_in_an_argument_is_refused_and_put_back(holder):
+def test_a_number_changed_in_an_argument_is_refused_and_put_back(holder):
     """Note [Values changed in argument objects]: an optimizer-style ``state.step += 1`` ran
     once per tracing pass on an object (0 -> 2, and the graph kept the last pass's bias
     correction) and never on a dict or list (rebuilt per trace: every call read step 0): the
@@ -3991,7 +3991,7 @@ def test_a_plain_value_changed_in_an_argument_is_refused_and_put_back(holder):
     where = {"object": "args[2].step", "dict": "args[2]['step']", "list": "args[2][0]"}[holder]
     p = torch.ones(2)
     with pytest.raises(aotkit.errors.UnsupportedError,
-                       match=re.escape(f"changes {where}, a plain value") + r"(.|\n)*Fix: pass"):
+                       match=re.escape(f"changes {where}, a number") + r"(.|\n)*Fix: pass"):
         aotkit.aot_function(adam_like_step, compilers.nop)(p, torch.ones(2), state)
     assert (state.step if holder == "object" else state["step" if holder == "dict" else 0]) == 0
     assert torch.equal(p, torch.ones(2))
@@ -4001,6 +4001,53 @@ def test_a_plain_value_changed_in_an_argument_is_refused_and_put_back(holder):
         compiled(p, torch.ones(2), state)
         adam_like_step(eager_p, torch.ones(2), eager_state)
     assert torch.equal(p, eager_p)
+
+
+def test_other_changes_to_argument_objects_run_as_before():
+    """Note [Values changed in argument objects] refuses numbers changed only: equal values
+    stored again, flags set, options filled in, an int made float, keys reordered or renamed
+    and a defaultdict's pop ran before it and run still (the hunt on e3d1f1c)."""
+    import collections
+    import types
+
+    def objects(x, st):
+        st.last_shape, st.device, st.errors = x.shape, x.device, []
+        if st.scale is None:
+            st.scale = 2.0
+        st.initialized, st.lr = True, float(st.lr)
+        st.counts.pop("skipped", None)
+        return x * st.scale * st.lr
+
+    def dicts(x, d):
+        d["a"] = d.pop("a")
+        d["ids"] = d.pop("x")
+        if d["output_attentions"] is None:
+            d["output_attentions"] = False
+        return d["ids"] * d["b"]
+
+    def state():
+        return types.SimpleNamespace(last_shape=torch.Size([2, 3]), device=torch.device("cpu"),
+                                     errors=[], scale=None, initialized=False, lr=1,
+                                     counts=collections.defaultdict(int))
+
+    x = rand(2, 3)
+    torch.testing.assert_close(aotkit.aot_function(objects, compilers.nop)(x, state()),
+                               objects(x, state()))
+    d = {"a": 1, "b": 2, "x": x, "output_attentions": None}
+    torch.testing.assert_close(aotkit.aot_function(dicts, compilers.nop)(x, dict(d)),
+                               dicts(x, dict(d)))
+
+
+def test_a_list_whose_items_shifted_is_put_back_whole():
+    """changed_values put a list back item by item against the list as it had become: pop(0)
+    left [1] of [1, 2, 3]."""
+    import types
+
+    st = types.SimpleNamespace(schedule=[1, 2, 3])
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"changes args\[1\]\.schedule"):
+        aotkit.aot_function(lambda x, st: (st.schedule.pop(0), x + 1)[1], compilers.nop)(
+            rand(3), st)
+    assert st.schedule == [1, 2, 3]
 
 
 def test_other_changes_to_a_dict_argument_run_as_before():

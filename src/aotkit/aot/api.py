@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.arguments import (
+    changed_leaves,
     changed_value,
     check_compiler_signature,
     check_decompositions,
@@ -47,7 +48,6 @@ from aotkit.aot.reads import (
     changed_values,
     put_back_containers,
     recording,
-    same_value,
 )
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.saved import saved_for_backward
@@ -871,7 +871,7 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
             full[i] = t
         args, kwargs = pytree.tree_unflatten(full, spec)
         out = fn(*args, **kwargs)
-        _refuse_stores_into_arguments(args, kwargs, full, name, namer)
+        _refuse_stores_into_arguments(args, kwargs, full, spec, name, namer)
         flat, out_spec = pytree.tree_flatten(out)
         check_outputs(out, flat, name)
         refuse_kept_outputs(flat)
@@ -881,19 +881,17 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
     return flat_fn
 
 
-def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], name: str,
-                                  namer: Callable[[Any, Any], list[str]]) -> None:
+def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,
+                                  name: str, namer: Callable[[Any, Any], list[str]]) -> None:
     """A list or dict argument is rebuilt from its leaves for each trace: a tensor the function
     stores into it (``batch["h"] = enc(x)``, ``outs.append(y)``) would not reach the caller's.
-    A plain value changed in it is refused (Note [Values changed in argument objects]); keys
-    added or removed (``batch.pop("labels")``) do not reach the caller's either, but lose
-    nothing the function computed: they are let be."""
+    A number changed in it is refused (Note [Values changed in argument objects]); other
+    changes (``batch.pop("labels")``) do not reach the caller's either, but lose nothing the
+    function computed: they are let be."""
     after = pytree.tree_leaves((args, kwargs))
     passed = {id(x) for x in full}
     if all(id(a) in passed or not isinstance(a, torch.Tensor) for a in after):
-        if len(after) == len(full) and (changed := [
-                n for n, a, b in zip(namer(args, kwargs), after, full, strict=True)
-                if not same_value(b, a)]):
+        if changed := changed_leaves(args, kwargs, full, spec, namer):
             raise changed_value(name, changed[0])
         return
     where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)

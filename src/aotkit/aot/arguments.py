@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import refused_call
@@ -202,16 +203,29 @@ def subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedE
 def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
     """A tensor the function stores into what it was passed (an object, list or dict)."""
     return UnsupportedError(
-        f"{name} stores a tensor into {where} (an object, list or dict it was passed); {why}."
-        "\nFix: return the tensor and store it outside the compiled function, or use "
-        "torch.compile(fn, backend='aotkit'), which replays such stores.")
+        f"{name} stores a tensor into {where} (an object, list or dict it was passed, or the "
+        f"module it runs as); {why}.\nFix: return the tensor and store it outside the compiled "
+        "function, or use torch.compile(fn, backend='aotkit'), which replays such stores (a "
+        "module's own attributes: aot_module(model) sets them after each call too).")
+
+
+def changed_leaves(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,
+                   namer: Callable[[Any, Any], list[str]]) -> list[str]:
+    """The numbers the function changed in its list or dict arguments (Note [Values changed in
+    argument objects]), matched by their place in them (keys may have been reordered)."""
+    from aotkit.aot.reads import same_value
+
+    before = dict(pytree.tree_flatten_with_path(pytree.tree_unflatten(full, spec))[0])
+    after = pytree.tree_flatten_with_path((args, kwargs))[0]
+    return [name for name, (path, new) in zip(namer(args, kwargs), after, strict=True)
+            if path in before and not same_value(before[path], new)]
 
 
 def changed_value(name: str, where: str) -> UnsupportedError:
     """A plain value the function changes in what it was passed (Note [Values changed in
     argument objects])."""
     return UnsupportedError(
-        f"{name} changes {where}, a plain value it was passed inside an object, list or dict "
+        f"{name} changes {where}, a number it was passed inside an object, list or dict "
         "(a step counter: state.step += 1): the compiled graph runs no Python, so the change "
         "would not happen at each call, and tracing made it once per pass (it was put back "
         "as it was).\nFix: pass the value as an argument and return the new one, keep it in "
@@ -224,10 +238,11 @@ def shown_name(fn: Any) -> str:
     object's class name where its repr is long (a model's is its whole module tree)."""
     try:
         name = getattr(fn, "__qualname__", None)
-        shown = name if isinstance(name, str) else repr(fn)
+        if not isinstance(name, str):
+            shown = repr(fn)
+            name = shown if len(shown) <= 80 and "\n" not in shown else type(fn).__qualname__
     except Exception:  # a __getattr__ or __repr__ raising
-        shown = ""
-    name = shown if shown and len(shown) <= 80 and "\n" not in shown else type(fn).__qualname__
+        name = type(fn).__qualname__
     code = getattr(fn, "__code__", None)
     if name.endswith("<lambda>") and isinstance(code, types.CodeType):
         return f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"

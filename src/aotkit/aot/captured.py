@@ -268,7 +268,7 @@ def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured,
     """Add the attributes of ``owner`` that ``fn``'s code, or the code of the methods of
     ``owner``'s class it names, names and does not assign on it; with ``settings``, only those
     holding plain values."""
-    if _plain_object(owner):
+    if _plain_object(owner) or isinstance(owner, torch.nn.Module):
         found.owners.append(owner)
     who = owner.__name__ if isinstance(owner, type) else "self"
     named, read, assigned = _named(owner if isinstance(owner, type) else type(owner), fn)
@@ -277,7 +277,9 @@ def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured,
     module = isinstance(owner, torch.nn.Module)
     for name in sorted(named - assigned):
         value = _attribute(owner, name)
-        if value is _METHOD and not isinstance(owner, type) and _has_state(owner):
+        if value is _METHOD and not isinstance(owner, type) and _has_state(owner) \
+                and not isinstance(inspect.getattr_static(type(owner), name, None),
+                                   functools.cached_property):  # its cache fills that entry
             # replaced on the instance later (``model.act = torch.sigmoid``): its entry there
             found.add(f"{who}.{name}", functools.partial(_instance_entry, vars(owner), name))
         if value is _METHOD or (value is _UNSET and name not in read) \

@@ -307,21 +307,25 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 
 
 # Note [Values changed in argument objects]
-# A function may also change a plain value its arguments hold (an optimizer step's
-# ``state.step += 1``, ``state["step"] += 1``). The graph does not make the change at each
-# call, and tracing made it once per pass on an object (step 0 -> 2 at the first call, the
-# graph holding the second pass's bias correction), or not at all on the caller's list or dict,
-# which is rebuilt from its leaves for each trace (so the next call read the old value and ran
-# the same graph): silently wrong from the first step. Such a change (of a number, string,
-# bool or None already there) is put back and the trace refused; keys added or removed
-# (``batch.pop("labels")``) are let be.
+# A function may also change a number its arguments hold (an optimizer step's ``state.step +=
+# 1``, ``state["step"] += 1``). The graph does not make the change at each call, and tracing
+# made it once per pass on an object (step 0 -> 2 at the first call, the graph holding the
+# second pass's bias correction), or not at all on the caller's list or dict, which is rebuilt
+# from its leaves for each trace (so the next call read the old value and ran the same graph):
+# silently wrong from the first step. Such a change (a number, not a bool, into another
+# number) is put back and the trace refused. Other changes are let be: flags and options set
+# (``st.initialized = True``, ``opts["output_attentions"] = False``, ``st.lr = float(st.lr)``),
+# values replaced, keys added, removed or reordered (``batch.pop("labels")``): the first
+# trace's object keys what the function computes from them.
 # Note [Tracing tensors left in argument objects]
 # A function may store what it computes in an object it is handed (a key/value cache's
 # ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
 # trace leaves the object holding a tracing tensor, unusable afterwards ("FunctionalTensor on
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
 # objects, lists and dicts reachable from the arguments (three levels, as Note [Objects as
-# arguments] keys them; at most 256) are copied shallowly before tracing; one left holding a
+# arguments] keys them; at most 256), and the attributes and buffers of a module the function
+# runs as or is passed (``self.last_attn = a.detach()`` in an ``aot_function(model)``), are
+# copied shallowly before tracing; one left holding a
 # tracing tensor is put back as it was, and a trace that otherwise succeeded is refused, naming
 # where the tensor went. A list of more than 1024 items (a dataset held in an argument) is not
 # copied, which would cost every compile, but its length is kept: what the trace appended is
@@ -354,7 +358,11 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
             if depth == 3 or id(v) in seen or len(held) >= _MAX_HELD:
                 continue
             seen.add(id(v))
-            if _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
+            if isinstance(v, torch.nn.Module):  # a module and its submodules' own attributes
+                for sub, m in v.named_modules(prefix=where):
+                    held += [(sub, m.__dict__, _Attributes(m.__dict__, recomputed(m))),
+                             (sub, m._buffers, dict(m._buffers))]
+            elif _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _Attributes(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
             elif type(v) is list and len(v) > _MAX_ITEMS:
@@ -380,13 +388,15 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
                 left.append(where)
             continue
         keys = isinstance(container, dict) and any(map(_tracing, container))
-        now = container.values() if isinstance(container, dict) else container
-        if keys or any(_tracing(x) for x in now):
+        now = container.items() if isinstance(container, dict) else enumerate(container)
+        if keys or (stored := [k for k, x in now if _tracing(x)]):
             if isinstance(container, dict):
                 container.clear()
                 container.update(before)
             else:
                 container[:] = before
+            if not keys and set(stored) <= getattr(before, "recomputed", frozenset()):
+                continue
             left.append(f"{where} as a key (a dict looked up by a tensor argument, such as "
                         "opt.state[p], finds its tracing stand-in, never the caller's tensor)"
                         if keys else where)
@@ -394,46 +404,69 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
 
 
 def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
-    """Where a held object's attribute, or a held list's or dict's item, holds another plain
-    value than before the trace (``state.step += 1``), put back as it was (Note [Values
-    changed in argument objects])."""
+    """Where a held object's attribute, or a held list's or dict's item, holds a number other
+    than before the trace (``state.step += 1``); the container is put back as it was (Note
+    [Values changed in argument objects])."""
     changed = []
     for where, container, before in held:
         if isinstance(before, int):  # a long list: only its length was kept
             continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
-        for k, old in items:
-            try:
-                new = container[k]
-            except (KeyError, IndexError):  # removed (batch.pop("labels")): not a value
-                continue
-            if not same_value(old, new):
-                changed.append(f"{where}.{k}" if isinstance(before, _Attributes)
-                               else f"{where}[{k!r}]")
-                container[k] = old
+        found = [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
+                 for k, old in items if _in(container, k) and not same_value(old, container[k])]
+        if found:
+            if isinstance(container, dict):
+                container.clear()
+                container.update(before)
+            else:
+                container[:] = before
+        changed += found
     return changed
 
 
+def _in(container: Any, key: Any) -> bool:
+    """Whether ``key`` is still there (not popped), without a defaultdict making it."""
+    return key in container if isinstance(container, dict) else key < len(container)
+
+
 def same_value(old: Any, new: Any) -> bool:
-    if old is new or isinstance(new, torch.Tensor) or isinstance(old, torch.Tensor):
-        return True  # tensors: Note [Tracing tensors left in argument objects]
+    """Whether ``new`` keeps ``old`` as far as Note [Values changed in argument objects] goes:
+    only a number (not a bool) changed into another number counts (a counter, a step), not a
+    flag set, an option filled in, ``int`` made ``float``, nor any other value replaced."""
+    numbers = (int, float, complex)
+    if old is new or type(old) not in numbers or type(new) not in numbers:
+        return True
     try:
-        return type(old) is type(new) and type(old) in _PLAIN_VALUES and bool(old == new)
+        return bool(old == new) or (old != old and new != new)  # NaN stays NaN
     except Exception:
         return False
 
 
-_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
-
-
 class _Attributes(dict):  # type: ignore[type-arg]
-    """The copy of an object's ``__dict__`` (told from a dict's copy in messages)."""
+    """The copy of an object's ``__dict__`` (told from a dict's copy in messages), and the
+    attributes a PyTorch pre-hook recomputes from the module's tensors at every call (a pruned
+    ``weight``): put back without a refusal, the graph computing them itself."""
+
+    def __init__(self, attributes: dict[str, Any], recomputed: frozenset[str] = frozenset()):
+        super().__init__(attributes)
+        self.recomputed = recomputed
+
+
+def recomputed(module: torch.nn.Module) -> frozenset[str]:
+    """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return frozenset(h._tensor_name if isinstance(h, BasePruningMethod) else h.name
+                     for h in module._forward_pre_hooks.values()
+                     if isinstance(h, (BasePruningMethod, SpectralNorm, WeightNorm)))
 
 
 def _tracing(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(x, (FakeTensor, FunctionalTensor)) for x in value)
-    return isinstance(value, (FakeTensor, FunctionalTensor))
+    if type(value) in (list, tuple):  # type(): a dead weakref.proxy's __class__ raises
+        return any(issubclass(type(x), (FakeTensor, FunctionalTensor)) for x in value)
+    return issubclass(type(value), (FakeTensor, FunctionalTensor))
 
 
 def global_hook_tables() -> tuple[dict[int, Any], ...]:
