@@ -563,9 +563,12 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # (Found by comparing real and fake strides over every OpInfo sample in transposed, reversed
 # and channels_last layouts, and by a fuzzer of random programs on such layouts.) These ops get
 # their inputs made contiguous first (not expanded ones, which a copy would blow up), in the
-# graph, in the memory format their real kernel returns (batch norm: the input's suggested
-# one; the others: contiguous): fake and real results are then laid out alike. A copy, which
-# most of these kernels make inside anyway. This happens in the tracing guard's dispatch
+# graph, in the memory format their real kernel returns (contiguous): fake and real results are
+# then laid out alike. A copy, which most of these kernels make inside anyway. Batch norm's
+# kernels reduce in an order that depends on the input's layout (a copy changed the last bits
+# of its results and running statistics), so batch norm runs on its inputs as they are and its
+# result is made contiguous in the input's suggested memory format after, where the fake
+# kernel laid it out otherwise (``_LAID_OUT_AFTER``). This happens in the tracing guard's dispatch
 # (aotkit.aot.trace), so the metadata pass, which runs no decompositions, sees the layouts the
 # graph will have, and in compiled autograd's lowering of backward formulas (``EagerLayouts``).
 # The elementwise ones among them (_ONE_LAYOUT_AGREES) differ only for inputs of mixed layouts:
@@ -607,14 +610,6 @@ _ONE_LAYOUT_AGREES = _DENSE_ONLY | frozenset([
 #: Ops whose fake strides differ from the real kernel's, with the argument whose suggested
 #: memory format the real kernel returns (None: contiguous). See the Note above.
 _RELAID_OPS: dict[Any, int | None] = {
-    **dict.fromkeys([_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
-                     _aten._native_batch_norm_legit.no_stats,
-                     _aten._native_batch_norm_legit_functional.default,
-                     _aten._native_batch_norm_legit_no_training.default,
-                     _aten._batch_norm_with_update.default,
-                     _aten._batch_norm_with_update_functional.default], 0),
-    **dict.fromkeys([_aten.native_batch_norm_backward.default,  # (grad_out, input, ...)
-                     _aten.batch_norm_backward.default], 1),
     **dict.fromkeys([
         _aten.native_layer_norm_backward.default, _aten._log_softmax_backward_data.default,
         _aten.log_sigmoid_forward.default, _aten.pow.Scalar, _aten.normal.Tensor_Tensor,
@@ -637,12 +632,44 @@ _RELAID_OPS: dict[Any, int | None] = {
 }
 
 
+#: Batch norm's kernels reduce in an order that depends on the input's layout: a copy made
+#: contiguous first changed the result's last bits (and the running statistics'). They run on
+#: the inputs as they are, and their result is laid out afterwards as the real kernel lays it
+#: out (the suggested memory format of the argument given here), where the fake one differs.
+_LAID_OUT_AFTER: dict[Any, int] = {
+    **dict.fromkeys([_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+                     _aten._native_batch_norm_legit.no_stats,
+                     _aten._native_batch_norm_legit_functional.default,
+                     _aten._native_batch_norm_legit_no_training.default,
+                     _aten._batch_norm_with_update.default,
+                     _aten._batch_norm_with_update_functional.default], 0),
+    **dict.fromkeys([_aten.native_batch_norm_backward.default,  # (grad_out, input, ...)
+                     _aten.batch_norm_backward.default], 1),
+}
+
+
+def out_in_eager_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """``func``'s result with its first tensor laid out as the real kernel lays it out, for the
+    ops of ``_LAID_OUT_AFTER`` (Note [Kernels whose fake strides differ])."""
+    by = _LAID_OUT_AFTER.get(func)
+    if by is None or not isinstance(out, tuple) or not isinstance(out[0], torch.Tensor):
+        return out
+    first, result = args[by], out[0]
+    if not _relaid(first, True) or first.dim() != result.dim():
+        return out
+    layout = suggest_memory_format(first)
+    if is_contiguous_for_memory_format_or_false(result, memory_format=layout):
+        return out
+    return (result.contiguous(memory_format=layout), *out[1:])
+
+
 class EagerLayouts(TorchDispatchMode):
     """Runs the ops of Note [Kernels whose fake strides differ] on inputs in their real kernels'
     layouts, for traces outside AOT's tracing guard (compiled autograd's lowering)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*in_eager_layout(func, args), **(kwargs or {}))
+        return out_in_eager_layout(func, args, func(*in_eager_layout(func, args),
+                                                    **(kwargs or {})))
 
 
 def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -42,6 +42,7 @@ from aotkit.aot.ops import (
     in_eager_layout,
     may_not_cast_in_place,
     note_unfold,
+    out_in_eager_layout,
     overlaps_itself,
     through_unfold_gaps,
     writes_out_argument,
@@ -429,7 +430,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
         args = in_eager_indices(func, args)
         kwargs = in_eager_devices(kwargs)
-        out = self._run(func, args, kwargs)
+        out = out_in_eager_layout(func, args, self._run(func, args, kwargs))
         for t in _tensors(out):
             if isinstance(t, FunctionalTensor):
                 t._aotkit_pass = self.pass_id
