@@ -1111,3 +1111,22 @@ def test_a_report_counts_each_recomputed_op_once() -> None:
     report = PartitionReport("min_cut", 1, 4, 0, 0, ("aten.exp.default", "aten.mul.Tensor",
                                                    "aten.exp.default", "aten.exp.default"))
     assert str(report).endswith("recomputed 4 op(s): aten.exp.default x3, aten.mul.Tensor")
+
+
+def test_a_selective_checkpoint_under_aot_function_is_not_reported_as_recomputed() -> None:
+    """aot_function traces a selective checkpoint's policy tags without Dynamo's region ids:
+    nothing is recomputed (README), but the default partitioner handed the graph to min-cut
+    and the report said "checkpointed regions are recomputed"."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    recompute_all = functools.partial(create_selective_checkpoint_contexts,
+                                      lambda ctx, op, *a, **k: CheckpointPolicy.MUST_RECOMPUTE)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda x, w: torch.mm(x, w).tanh().sin(), x, w,
+                                                 use_reentrant=False, context_fn=recompute_all)
+
+    x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    aotkit.aot_function(fn, aotkit.compilers.nop)(x, w).sum().backward()
+    [decision] = aotkit.explain().of_kind("partition")
+    assert decision.why.startswith("default_partition: ") and "recomputed" not in decision.why

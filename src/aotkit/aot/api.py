@@ -104,7 +104,6 @@ from aotkit.errors import (
     UnsupportedError,
 )
 from aotkit.partition.default import default_partition
-from aotkit.partition.min_cut import has_checkpointed_regions
 from aotkit.partition.report import PartitionReport, report
 
 log = logging.getLogger("aotkit.aot")
@@ -436,7 +435,8 @@ def _trace_joint_or_defer_error(flat_fn: FlatFn, primals: list[Any], meta: AotMe
             raise
         gm = trace_joint(flat_fn, primals, meta, fw_out_fakes, decompositions,
                          grad_mode=grad_mode, take_grads=False)
-        return gm, str(exc) + (_CHECKPOINT_HINT if has_checkpointed_regions(gm) else "")
+        tagged = any(n.meta.get("recompute") is not None for n in gm.graph.nodes)
+        return gm, str(exc) + (_CHECKPOINT_HINT if tagged else "")
 
 
 _CHECKPOINT_HINT = (

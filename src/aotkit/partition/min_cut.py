@@ -302,8 +302,11 @@ def _dropout_outputs_from_masks(joint: fx.GraphModule) -> None:
 
 
 def has_checkpointed_regions(joint: fx.GraphModule) -> bool:
-    """Whether ``joint`` holds values ``torch.utils.checkpoint`` asks to recompute."""
-    return any(n.meta.get("recompute") in _RECOMPUTE for n in joint.graph.nodes)
+    """Whether ``joint`` holds values ``torch.utils.checkpoint`` asks to recompute, in a region
+    Dynamo numbered (``aot_function`` traces a selective checkpoint's policy tags without one:
+    nothing is recomputed there, and the report said regions were)."""
+    return any(n.meta.get("recompute") in _RECOMPUTE and n.meta.get("ac_graph_id") is not None
+               for n in joint.graph.nodes)
 
 
 def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
