@@ -1376,3 +1376,15 @@ def test_a_wider_dtype_view_of_a_written_input_whose_storage_has_an_odd_tail(dty
     result = check_against_eager(fn, rand(7), prepare=prepare, backward=False,
                                  aot_kwargs={"dynamic": dynamic})
     assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bfloat16])
+def test_a_written_input_of_a_non_float_dtype_returned_as_a_complex_view(dtype):
+    """view_as_complex takes half, float and double parts only: an int32, uint8 or bfloat16
+    input seen as complex64 raised a raw RuntimeError, after the write."""
+    def fn(x):
+        x.add_(1)
+        return x.view(torch.complex64)
+
+    result = check_against_eager(fn, torch.zeros(16, dtype=dtype), backward=False)
+    assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])

@@ -942,11 +942,16 @@ def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     unit = max(base.element_size(), dtype.itemsize)
     size = base.untyped_storage().nbytes() // unit * unit // base.element_size()
     flat = base.as_strided((size,), (1,), 0)
-    if flat.is_complex() and not dtype.is_complex:
+    # view_as_real / view_as_complex where autograd differentiates them (half, float, double
+    # parts); a plain dtype view otherwise (an int32 input seen as complex64, as eager allows)
+    if flat.is_complex() and not dtype.is_complex and dtype in _COMPLEX_PARTS:
         flat = torch.view_as_real(flat).flatten()
-    elif dtype.is_complex and not flat.is_complex():
+    elif dtype.is_complex and flat.dtype in _COMPLEX_PARTS:
         flat = torch.view_as_complex(flat.view(-1, 2))
     return flat if flat.dtype == dtype else flat.view(dtype)
+
+
+_COMPLEX_PARTS = (torch.float16, torch.float32, torch.float64)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
