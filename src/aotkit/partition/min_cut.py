@@ -30,10 +30,12 @@ Note [Activation checkpointing]
 (``ac_graph_id``). As eager's checkpoint does, a region's values are recomputed by the
 backward, expensive ones included: a node tagged MUST/PREFER_RECOMPUTE cannot be saved, except
 random ops (never recomputed: a second draw would differ) and the region's outputs (values read
-by forward code outside the region, or returned to the caller and read by the backward), which
-are never recomputed: eager holds them as ordinary tensors, and recomputing one would rerun its
-whole region for the next one, quadratic in the number of layers. A node tagged MUST/PREFER_SAVE
-(a selective-checkpointing policy) is never recomputed, and belongs to its region: the values
+by forward code outside the region), which are never recomputed: eager holds them as ordinary
+tensors, and recomputing one would rerun its whole region for the next one, quadratic in the
+number of layers. A value the region only returns to the caller is recomputed, even where the
+backward reads it (exp's result): eager's checkpoint saves the region's inputs, not its
+outputs, so the caller may change it in place (or through ``.data``) before backward(). A node
+tagged MUST/PREFER_SAVE (a selective-checkpointing policy) is never recomputed, and belongs to its region: the values
 it reads there are recomputed from the region's inputs, as eager's selective checkpoint does
 (taken for region outputs, they were saved too: twice what eager saves).
 """
@@ -169,7 +171,7 @@ class _Network:
         # See Note [Activation checkpointing].
         forward_code = ancestors([*self.parts.fw_outputs, *self.fw_effects])
         self.checkpointed, region_outputs = _checkpointed_regions(
-            self.fw_tensors, pinned, forward_code, self.held)
+            self.fw_tensors, pinned, forward_code)
         self.read_by_bw = self._read_by_backward(tangent_side)
         # What eager's backward formulas read: besides what the backward graph reads, the
         # inputs of values only the backward needs (sin's backward computes cos(y) from y).
@@ -181,7 +183,7 @@ class _Network:
         self.last_resort = sum(nbytes(n) for n in self.fw_tensors) + 2  # bytes, see _capacity
         self.must_save = [n for n in self.fw_tensors if n not in self.unsaveable and (
             n.meta.get("recompute") in _SAVE or n in region_outputs
-            or (n in self.held and n in read_whole))]
+            or (n in self.held and n in read_whole and n not in self.checkpointed))]
         # Values only the backward needs (a custom Function's backward reading x @ x.T) are
         # computed there, whatever they cost.
         self.expensive = [n for n in self.fw_tensors if n in forward_code
@@ -310,12 +312,10 @@ def has_checkpointed_regions(joint: fx.GraphModule) -> bool:
 
 
 def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
-                          forward_code: set[fx.Node], held: set[fx.Node],
-                          ) -> tuple[set[fx.Node], set[fx.Node]]:
+                          forward_code: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
     """The forward values checkpointed regions recompute, and the regions' outputs (values
-    read by forward code, not the backward's formulas, outside their region, or ``held`` by
-    the caller), which are saved. Random ops and their outputs are neither. See Note
-    [Activation checkpointing]."""
+    read by forward code, not the backward's formulas, outside their region), which are saved.
+    Random ops and their outputs are neither. See Note [Activation checkpointing]."""
     def region(node: fx.Node) -> Any:  # a node saved by policy is in its region too
         return node.meta.get("ac_graph_id") if node.meta.get("recompute") is not None else None
 
@@ -324,8 +324,8 @@ def _checkpointed_regions(fw_tensors: Sequence[fx.Node], pinned: set[fx.Node],
 
     tagged = [n for n in fw_tensors if n.meta.get("recompute") in _RECOMPUTE
               and region(n) is not None and not random(n)]
-    outputs = {n for n in tagged if n in held
-               or any(region(u) != region(n) for u in n.users if u in forward_code)}
+    outputs = {n for n in tagged
+               if any(region(u) != region(n) for u in n.users if u in forward_code)}
     return set(tagged) - outputs, outputs
 
 
