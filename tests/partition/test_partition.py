@@ -1130,3 +1130,27 @@ def test_a_selective_checkpoint_under_aot_function_is_not_reported_as_recomputed
     aotkit.aot_function(fn, aotkit.compilers.nop)(x, w).sum().backward()
     [decision] = aotkit.explain().of_kind("partition")
     assert decision.why.startswith("default_partition: ") and "recomputed" not in decision.why
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+@pytest.mark.parametrize("change", ["data", "in_place"])
+def test_a_value_a_region_returns_is_recomputed_as_eager_does(partition: str, change: str) -> None:
+    """Note [Activation checkpointing]: eager's checkpoint saves the region's inputs, not the
+    exp it returns; saved, the output's in-place change raised in backward() where eager runs,
+    and a .data change gave the gradient of the changed value, silently."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda x: (x * 2).exp(), x, use_reentrant=False)
+
+    grads = []
+    for run in (fn, torch.compile(fn, backend="aotkit",
+                                  options={"partition": partition})):
+        x = torch.zeros(3, requires_grad=True)
+        y = run(x)
+        if change == "data":
+            y.data.mul_(10)
+        else:
+            with torch.no_grad():
+                y.mul_(2)
+        y.sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
