@@ -1388,3 +1388,21 @@ def test_a_written_input_of_a_non_float_dtype_returned_as_a_complex_view(dtype):
 
     result = check_against_eager(fn, torch.zeros(16, dtype=dtype), backward=False)
     assert_write_through(tensors(result.aot_out)[0], result.aot_args[0][0])
+
+
+@pytest.mark.parametrize("returned", ["expand", "detach", "dtype"])
+def test_an_unplaceable_view_of_an_input_with_gaps_is_refused_before_the_write(returned):
+    """Written through a view, an input with gaps returned as an expand, a detached or a dtype
+    view was refused after the write had reached the caller's tensor, with a message blaming
+    Inductor under the nop compiler."""
+    take = {"expand": lambda x: x.unsqueeze(0).expand(2, 4, 3), "detach": lambda x: x.detach()[0],
+            "dtype": lambda x: x.view(torch.int32)[0]}[returned]
+
+    def fn(x):
+        x.unsqueeze(0).add_(1)
+        return take(x)
+
+    base = torch.zeros(4, 6)
+    with pytest.raises(UnsupportedError, match=r"nothing was written(.|\n)*Fix: pass a contig"):
+        aotkit.aot_function(fn, compilers.nop)(base[:, ::2])
+    assert not base.any()

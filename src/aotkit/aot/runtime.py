@@ -105,6 +105,7 @@ class CompiledGraphs:
         self.symbolic_tangents = any(spec is not None and spec[0] is None
                                      for spec in self.tangent_specs)
         self._reached: list[int] | None = None  # Note [Outputs backward does not reach]
+        self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
         self.watched = [_Watch.of(self, i, where) for i, where
                         in self.meta.saved_after_write.items()] if self.training else []
 
@@ -636,10 +637,12 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
     new_values = dict(zip(graphs.returned_mutations, fw_outs, strict=False))
     _refuse_views_of_restrided_inputs(graphs, args, new_values)
     _refuse_growth_beyond_memory(graphs, args, new_values)
-    for i, new in new_values.items():
-        apply_mutation(args[i], new, meta.inputs[i])
     start = len(graphs.returned_mutations)
     graph_outs = fw_outs[start : start + len(graphs.graph_output_position)]
+    if graphs.replayed_outputs:
+        _refuse_unplaceable_views(graphs, args, new_values, graph_outs)
+    for i, new in new_values.items():
+        apply_mutation(args[i], new, meta.inputs[i])
     bases = fw_outs[start + len(graph_outs) :]
     position = graphs.graph_output_position
     results: list[Any] = []
@@ -817,7 +820,7 @@ def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str
     if _replayable(out, source, info):
         return out._view_func_unsafe(source.base)
     if info.replay_only:
-        return _replayed_on_input(source, out, info, name)
+        return _replayed_on_input(source, out, info)
     base = _plain(source.base)
     if out.dtype != base.dtype:
         base = _reinterpret(base, out.dtype)
@@ -856,29 +859,42 @@ def _replayable(out: torch.Tensor, source: _ViewSource, info: OutputInfo) -> boo
             and not (info.is_neg or info.is_conj or base.is_conj() or base.is_neg()))
 
 
-def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo,
-                       name: str) -> torch.Tensor:
-    """See Note [Views of inputs with gaps]."""
+def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo) -> torch.Tensor:
+    """See Note [Views of inputs with gaps]; ``_refuse_unplaceable_views`` checked it can."""
     new = source.new_value
-    if new is not None and out._is_view() and out._base is new:
+    if out._is_view() and out._base is new:
         return out._view_func_unsafe(source.base)
-    if new is not None and _same_storage(out, new) and (out.shape, out.stride(), out.storage_offset()) \
-            == (new.shape, new.stride(), new.storage_offset()):
-        # the whole input (``x[...]``, ``x.detach()`` after writing x): a view of its own, in
-        # the output's dtype (``x.view(torch.int32)``), not the caller's tensor itself
-        base = _plain(source.base)
-        view = base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
-        return _with_bits(view, info.is_conj, info.is_neg)  # Note [Conjugate and negative views]
-    raise UnsupportedError(
-        f"{name}: the function mutates input {source.input_index} (strides "
-        f"{tuple(source.base.stride())}, with gaps between elements) in place and returns a "
-        "view of it, which the compiled graph returned without the view ops that made it (a "
-        "tensor of its own, or a detached view), so aotkit cannot place it in the input's "
-        "memory as eager does (Inductor's code returns no views).\nFix: pass a contiguous "
-        "input (x.contiguous()), or return a clone of the view; a compiler of your own that "
-        "wraps one returning no views can say so with a returns_views = False attribute, and "
-        "aotkit then runs such graphs as traced."
-    )
+    # the whole input (``x[...]``, ``x.detach()`` after writing x): a view of its own, in the
+    # output's dtype (``x.view(torch.int32)``), not the caller's tensor itself
+    base = _plain(source.base)
+    view = base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
+    return _with_bits(view, info.is_conj, info.is_neg)  # Note [Conjugate and negative views]
+
+
+def _replayable_on_input(new: Any, out: torch.Tensor) -> bool:
+    return new is not None and ((out._is_view() and out._base is new) or (
+        _same_storage(out, new) and (out.shape, out.stride(), out.storage_offset())
+        == (new.shape, new.stride(), new.storage_offset())))
+
+
+def _refuse_unplaceable_views(graphs: CompiledGraphs, args: Sequence[Any],
+                              new_values: Mapping[int, Any], graph_outs: Sequence[Any]) -> None:
+    """Before anything is written: a view of an input with gaps the graph did not make with
+    view ops from the input's new value cannot be placed (Note [Views of inputs with gaps])."""
+    for flat in graphs.replayed_outputs:
+        i = graphs.meta.outputs[flat].base
+        if not _replayable_on_input(new_values.get(i), graph_outs[graphs.graph_output_position[flat]]):
+            raise UnsupportedError(
+                f"{graphs.name}: the function mutates input {i} (strides "
+                f"{tuple(args[i].stride())}, with gaps between elements) in place and returns "
+                "a view of it that the compiled graph did not make with view ops from the "
+                "input's new value (a tensor of its own, an expand or a dtype view of a view it "
+                "wrote through, or a compiler's own kernels), so aotkit cannot place it in the "
+                "input's memory as eager does; nothing was written.\nFix: pass a contiguous "
+                "input (x.contiguous()), write the input itself (x.add_(1), not "
+                "x.unsqueeze(0).add_(1)), or return a clone of the view; a compiler of your own "
+                "that wraps one returning no views can say so with a returns_views = False "
+                "attribute, and aotkit then runs such graphs as traced.")
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
