@@ -740,3 +740,39 @@ def test_a_cached_property_read_in_forward_compiles_once():
     for _ in range(3):
         _same(compiled, m, torch.ones(2))
     assert compiled.num_entries == 1
+
+
+def test_a_descriptor_keeping_its_attribute_name_and_a_class_alias_are_keyed():
+    """A descriptor reading obj.__dict__[self.key] (the name __set_name__ gave it) and a
+    tensor-named class setting read through cls = type(self) ran the old graph."""
+    class Stored:
+        def __set_name__(self, owner, name):
+            self.key = "_" + name
+
+        def __get__(self, obj, objtype=None):
+            return obj.__dict__[self.key]
+
+    class Temperature(torch.nn.Module):
+        temperature = Stored()
+
+        def __init__(self):
+            super().__init__()
+            self._temperature = 1.0
+
+        def forward(self, x):
+            return x / self.temperature
+
+    class Centered(torch.nn.Module):
+        mean = 1.0
+
+        def forward(self, x):
+            cls = type(self)
+            return x - cls.mean
+
+    x = torch.ones(3)
+    for m, change in ((Temperature(), lambda m: setattr(m, "_temperature", 4.0)),
+                      (Centered(), lambda m: setattr(Centered, "mean", 3.0))):
+        compiled = aotkit.aot_function(m, compilers.nop)
+        _same(compiled, m, x)
+        change(m)
+        _same(compiled, m, x)

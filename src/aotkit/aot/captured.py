@@ -23,7 +23,8 @@ tensor by identity):
   a string: ``self.temperature``, ``s = self; s.temperature``, ``vars(self)["temperature"]``,
   also not set yet where it reads it from ``self``: ``hasattr``), with those the methods of
   the object's class it mentions mention (every definition along the MRO: ``super()``; the
-  function a decorator in the class wraps; a descriptor's ``__get__``), less those it assigns
+  function a decorator in the class wraps; a descriptor's ``__get__``, and the names it holds
+  as strings: ``obj.__dict__[self.key]``), less those it assigns
   on it (``self.calls += 1``); a method's name by what the instance itself holds under it (an
   override set later, ``model.act = torch.sigmoid``). A bound method's object (``aot_function(sampler.logits)``, a classmethod's class)
   has them keyed as an object argument's attributes. An object that is the function itself (a
@@ -33,8 +34,8 @@ tensor by identity):
   containers hold bookkeeping changed in place at every call (``self.stats["calls"] += 1``, a
   cache); not a module's tensors (parameters and buffers have their own watch, and a pruned
   weight is made anew by a pre-hook at every call), nor names of tensor attributes they do not
-  read from ``self``, ``type(self)`` or ``vars(self)`` (``x.mean()`` next to a running
-  ``self.mean``). A name mentioned but not
+  read from ``self``, ``type(self)`` or ``vars(self)``, or a local holding one of them
+  (``x.mean()`` next to a running ``self.mean``). A name mentioned but not
   read can only cost a recompile, where a read missed would run a stale graph.
 
 The function is looked into through every level of what wraps it: decorators
@@ -330,6 +331,7 @@ def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[s
                 _self_accesses(inner, this, read, assigned)
         named |= mentioned
         todo += [f for name in mentioned for f in _definitions(cls, name)]
+        named |= {n for name in mentioned for n in _descriptor_names(cls, name)}
     return named | read, read, assigned
 
 
@@ -375,16 +377,32 @@ _NO_VALUE = frozenset({"PRECALL", "CACHE", "EXTENDED_ARG", "PUSH_NULL", "NOP"})
 
 
 def _of_self(instructions: list[dis.Instruction], this: str) -> list[bool]:
-    """Per instruction, whether it pushes ``this`` or its class or attribute dict."""
-    pushed = []
+    """Per instruction, whether it pushes ``this`` or its class or attribute dict, or a local
+    holding one of them (``cls = type(self)``)."""
+    pushed: list[bool] = []
+    aliases = {this}
     for k, ins in enumerate(instructions):
-        pushed.append(_loads(ins, this) or (k > 0 and pushed[k - 1] and ins.opname == "LOAD_ATTR"
-                                            and ins.argval in ("__class__", "__dict__"))
-            or (k > 1 and ins.opname in ("CALL", "CALL_FUNCTION") and ins.arg == 1
-                and _loads(instructions[k - 1], this)
-                and instructions[k - 2].opname == "LOAD_GLOBAL"
-                and instructions[k - 2].argval in ("type", "vars")))
+        if ins.opname == "STORE_FAST" and k > 0 and pushed[k - 1]:
+            aliases.add(ins.argval)
+        pushed.append(any(_loads(ins, a) for a in aliases)
+                      or (k > 0 and pushed[k - 1] and ins.opname == "LOAD_ATTR"
+                          and ins.argval in ("__class__", "__dict__"))
+                      or (k > 1 and ins.opname in ("CALL", "CALL_FUNCTION") and ins.arg == 1
+                          and pushed[k - 1] and instructions[k - 2].opname == "LOAD_GLOBAL"
+                          and instructions[k - 2].argval in ("type", "vars")))
     return pushed
+
+
+def _descriptor_names(cls: type, name: str) -> set[str]:
+    """Identifier strings a descriptor object of ``cls`` holds (the attribute ``__set_name__``
+    gave it: ``obj.__dict__[self.key]``), which its ``__get__``'s code reads by variable."""
+    member = inspect.getattr_static(cls, name, None)
+    if isinstance(member, (types.FunctionType, property, classmethod, staticmethod, type)):
+        return set()
+    try:
+        return {v for v in vars(member).values() if type(v) is str and v.isidentifier()}
+    except Exception:  # no __dict__ of its own, or an odd one
+        return set()
 
 
 def _loads(instruction: dis.Instruction, name: str) -> bool:
