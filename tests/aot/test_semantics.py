@@ -2172,6 +2172,11 @@ def test_python_code_refusing_a_symbolic_size_is_a_trace_error_naming_the_line()
     f = aotkit.aot_function(lambda x: x * divmod(x.shape[0], 3)[1], compilers.nop, dynamic=True)
     with pytest.raises(TraceError, match=r"divmod(.|\n)*test_semantics.py(.|\n)*// and %"):
         f(torch.ones(4, 3))
+    import numpy as np  # a numpy function's TypeError says "of type SymInt": it was raw
+
+    g = aotkit.aot_function(lambda x: x / np.sqrt(x.shape[0]), compilers.nop, dynamic=True)
+    with pytest.raises(TraceError, match=r"type SymInt(.|\n)*test_semantics.py(.|\n)*int\(size\)"):
+        g(torch.ones(4, 3))
 
 
 def test_a_symbolic_bool_passed_to_a_cpp_argument_is_a_trace_error_naming_the_line():

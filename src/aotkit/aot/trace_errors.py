@@ -87,7 +87,7 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
 
 # "unsupported operand type(s) for divmod(): 'SymInt' and 'int'"; "argument 'is_causal' must be
 # bool, not SymBool" (a C++ argument).
-_SYMBOLIC_REFUSED = re.compile(r"'Sym(Int|Float|Bool)'|\bnot Sym(Int|Float|Bool)\b")
+_SYMBOLIC_REFUSED = re.compile(r"'Sym(Int|Float|Bool)'|\b(not|type) Sym(Int|Float|Bool)\b")
 
 
 def _symbolic_python(what: str, exc: TypeError | IndexError) -> TraceError | None:
@@ -96,7 +96,8 @@ def _symbolic_python(what: str, exc: TypeError | IndexError) -> TraceError | Non
         return TraceError(
             f"{what}: {exc}, at {user_frame(exc)}: under dynamic=True sizes, and what is "
             "computed from them (q.size(-2) == k.size(-2)), are symbolic (torch.SymInt, "
-            "SymBool), which this Python operation or argument does not take.\nFix: use "
+            "SymBool), which this Python operation or argument (a numpy function's) does not "
+            "take.\nFix: use "
             "operators on the size instead (// and % for divmod), int(size) or bool(...), "
             "which fix that value, or torch.compile(fn, backend='aotkit'), whose Dynamo "
             "handles such code.")
