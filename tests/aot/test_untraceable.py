@@ -505,6 +505,18 @@ def test_a_dynamically_quantized_layer_names_torch_compile():
     torch.testing.assert_close(torch.compile(model, backend="aotkit")(x), model(x))
 
 
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell, nn.LSTM])
+def test_dynamically_quantized_recurrent_layers_name_torch_compile(cell):
+    """Cells' packed weights were graph constants: load_state_dict's new ones never reached
+    the graph (stale outputs, silently); an LSTM's raised a raw NotImplementedError."""
+    model = torch.ao.quantization.quantize_dynamic(nn.Sequential(cell(8, 16)).eval(), {cell},
+                                                   dtype=torch.qint8)
+    x = rand(2, 5, 8) if cell is nn.LSTM else rand(5, 8)
+    with torch.no_grad(), pytest.raises(UnsupportedError, match=r"quantized kernels(.|\n)*"
+                                                                r"Fix: use torch.compile"):
+        aotkit.aot_module(model, compilers.nop)(x)
+
+
 def test_cond_inside_a_checkpoint_under_torch_compile_names_aot_function():
     def fn(x, w):
         def body(t, w):

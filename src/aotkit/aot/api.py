@@ -86,6 +86,7 @@ from aotkit.aot.trace import (
     tracing,
     tracing_active,
 )
+from aotkit.aot.trace_errors import refuse_packed_constants
 from aotkit.compat import (
     FakeTensorMode,
     dynamo_frames_off,
@@ -318,6 +319,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
 
     (meta, fw_out_fakes, gm, generators), fallback, absolute_offsets = traced_for_offsets(
         lambda: trace_with_fallback(trace, mode, name), mode)
+    if not from_dynamo:  # Dynamo guards on them
+        refuse_packed_constants(gm, name)
 
     simplify = functools.partial(_simplify, mode=mode, name=name, from_dynamo=from_dynamo,
                                  keep_outputs=meta.num_fw_outputs if training else None)

@@ -158,7 +158,7 @@ def _not_implemented(what: str, exc: NotImplementedError) -> BaseException:
 
 # "'__eq__' is not implemented for __torch__.torch.classes.quantized.LinearPackedParamsBase";
 # "quantized nyi in meta tensors"
-_QUANTIZED = re.compile(r"torch\.classes\.quantized\.|quantized nyi")
+_QUANTIZED = re.compile(r"torch\.classes\.(quantized|rnn)\.|quantized nyi")
 
 # "the derivative for 'igamma: input' is not implemented." (a formula's missing part);
 # "derivative for aten::_scaled_mm is not implemented" (an op without a formula)
@@ -488,3 +488,17 @@ def _data_dependent_result(op: Any) -> str:
 
 def first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def refuse_packed_constants(gm: Any, what: str) -> None:
+    """A graph holding a TorchScript object as a constant (a dynamically quantized RNN cell's
+    packed weights): ``load_state_dict`` swaps in new objects the graph never sees (it ran the
+    old weights, silently), so such a trace is refused as quantized kernels are."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if isinstance(getattr(gm, node.target, None), torch.ScriptObject):
+            raise UnsupportedError(
+                f"{what} runs quantized kernels with packed weights (TorchScript objects: a "
+                "dynamically quantized LSTMCell's or GRUCell's), which the graph would hold as "
+                "constants: load_state_dict's new weights would never reach it.\nFix: use "
+                "torch.compile(model, backend='aotkit'), which guards on them, or keep the "
+                "quantized part outside the compiled function.")
