@@ -19,16 +19,17 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.analysis import Alias, AotMeta, SubclassOutputs, analyze
 from aotkit.aot.arguments import (
-    changed_leaves,
     changed_value,
     check_compiler_signature,
     check_decompositions,
+    check_outputs,
     check_params_buffers,
     has_tangents,
     name_held_tensor,
     note_forward_ad,
     record_identity_keys,
     refuse_dual_outputs,
+    refuse_stores_into_arguments,
     refuse_tensor_sets,
     refuse_torch_function_overrides,
     shown_name,
@@ -99,7 +100,6 @@ from aotkit.errors import (
     AotkitError,
     ArgumentError,
     CompilerError,
-    OutputTypeError,
     RecompileLimitError,
     TraceError,
     UnsupportedError,
@@ -112,10 +112,6 @@ _partition_log = logging.getLogger("aotkit.partition")
 
 Partitioner = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
-_OUTPUT_LEAVES = (
-    torch.Tensor, int, float, bool, complex, str, type(None), torch.SymInt, torch.SymFloat,
-    torch.SymBool, torch.dtype, torch.device, torch.layout, torch.memory_format,
-)
 
 
 @dataclass(frozen=True)
@@ -319,8 +315,6 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
 
     (meta, fw_out_fakes, gm, generators), fallback, absolute_offsets = traced_for_offsets(
         lambda: trace_with_fallback(trace, mode, name), mode)
-    if not from_dynamo:  # Dynamo guards on them
-        refuse_packed_constants(gm, name)
 
     simplify = functools.partial(_simplify, mode=mode, name=name, from_dynamo=from_dynamo,
                                  keep_outputs=meta.num_fw_outputs if training else None)
@@ -417,6 +411,7 @@ def _simplify(gm: fx.GraphModule, mode: FakeTensorMode, name: str, from_dynamo: 
     drop_noop_views(gm, keep_outputs=keep_outputs)
     if not from_dynamo:  # Dynamo may call its backend in the default dtype its trace left
         pin_factory_dtypes(gm)
+        refuse_packed_constants(gm, name)  # Dynamo guards on them
     return gm
 
 
@@ -874,7 +869,7 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
             full[i] = t
         args, kwargs = pytree.tree_unflatten(full, spec)
         out = fn(*args, **kwargs)
-        _refuse_stores_into_arguments(args, kwargs, full, spec, name, namer)
+        refuse_stores_into_arguments(args, kwargs, full, spec, name, namer)
         flat, out_spec = pytree.tree_flatten(out)
         check_outputs(out, flat, name)
         refuse_kept_outputs(flat)
@@ -882,25 +877,6 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
         return flat, out_spec
 
     return flat_fn
-
-
-def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,
-                                  name: str, namer: Callable[[Any, Any], list[str]]) -> None:
-    """A list or dict argument is rebuilt from its leaves for each trace: a tensor the function
-    stores into it (``batch["h"] = enc(x)``, ``outs.append(y)``) would not reach the caller's.
-    A number changed in it is refused (Note [Values changed in argument objects]); other
-    changes (``batch.pop("labels")``) do not reach the caller's either, but lose nothing the
-    function computed: they are let be."""
-    after = pytree.tree_leaves((args, kwargs))
-    passed = {id(x) for x in full}
-    if all(id(a) in passed or not isinstance(a, torch.Tensor) for a in after):
-        if changed := changed_leaves(args, kwargs, full, spec, namer):
-            raise changed_value(name, changed[0])
-        return
-    where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)
-                 if id(a) not in passed and isinstance(a, torch.Tensor))
-    raise stored_tensor(name, where, "aotkit rebuilds list and dict arguments from their "
-                         "tensors for each trace, so the caller's would not see the store")
 
 
 # Note [Subclasses with __torch_function__]
@@ -914,34 +890,6 @@ def _refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], spec:
 # Dynamo traces the override into its graph, so Dynamo's graphs run with subclass
 # __torch_function__ off (Dynamo gives outputs their subclass itself). Subclasses made of plain
 # tensors (Note [Tensor subclasses]) and nn.Parameter / nn.Buffer are traced as before.
-def check_outputs(out: Any, flat: list[Any], name: str) -> None:
-    """Raise OutputTypeError naming the first output that is not a tensor or simple value."""
-    if all(isinstance(x, _OUTPUT_LEAVES) for x in flat):
-        return
-    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
-        if not isinstance(leaf, _OUTPUT_LEAVES):
-            where = "output" + "".join(str(k) for k in path)
-            if inspect.isgenerator(leaf) or inspect.iscoroutine(leaf) or inspect.isasyncgen(leaf):
-                raise OutputTypeError(
-                    f"{name} returned a {type(leaf).__name__} at {where}: a generator or async "
-                    "function runs its body only when iterated or awaited, after the compiled "
-                    "call.\nFix: compile a plain function that returns tensors, and call it from "
-                    "the generator (or coroutine)."
-                )
-            kind = type(leaf).__name__
-            cache = (" (a transformers model returns its KV cache with use_cache=True: pass "
-                     "use_cache=False where no cache is needed, as in training)"
-                     if type(leaf).__module__.startswith("transformers") and "Cache" in kind
-                     else "")
-            raise OutputTypeError(
-                f"{name} returned {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at "
-                f"{where}; compiled functions may "
-                "return tensors, Python scalars and strings, None, and lists/tuples/dicts of them.\nFix: "
-                "return tensors (or convert the value), or register the type with "
-                f"torch.utils._pytree.register_pytree_node so it flattens to tensors{cache}."
-            )
-
-
 def aot_function(
     fn: Callable[..., Any],
     fw_compiler: Compiler,

@@ -5,6 +5,7 @@ which run eagerly."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import types
@@ -20,7 +21,7 @@ from aotkit.aot.boxing import refused_call
 from aotkit.aot.signature import identity_keyed_parts
 from aotkit.aot.subclass import is_subclass, overrides_torch_function
 from aotkit.aot.trace import NOT_AN_ARGUMENT
-from aotkit.errors import ArgumentError, UnsupportedError
+from aotkit.errors import ArgumentError, OutputTypeError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
 
@@ -247,3 +248,56 @@ def shown_name(fn: Any) -> str:
     if name.endswith("<lambda>") and isinstance(code, types.CodeType):
         return f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
     return name
+
+
+_OUTPUT_LEAVES = (
+    torch.Tensor, int, float, bool, complex, str, type(None), torch.SymInt, torch.SymFloat,
+    torch.SymBool, torch.dtype, torch.device, torch.layout, torch.memory_format,
+)
+
+
+def refuse_stores_into_arguments(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,
+                                  name: str, namer: Callable[[Any, Any], list[str]]) -> None:
+    """A list or dict argument is rebuilt from its leaves for each trace: a tensor the function
+    stores into it (``batch["h"] = enc(x)``, ``outs.append(y)``) would not reach the caller's.
+    A number changed in it is refused (Note [Values changed in argument objects]); other
+    changes (``batch.pop("labels")``) do not reach the caller's either, but lose nothing the
+    function computed: they are let be."""
+    after = pytree.tree_leaves((args, kwargs))
+    passed = {id(x) for x in full}
+    if all(id(a) in passed or not isinstance(a, torch.Tensor) for a in after):
+        if changed := changed_leaves(args, kwargs, full, spec, namer):
+            raise changed_value(name, changed[0])
+        return
+    where = next(n for n, a in zip(namer(args, kwargs), after, strict=True)
+                 if id(a) not in passed and isinstance(a, torch.Tensor))
+    raise stored_tensor(name, where, "aotkit rebuilds list and dict arguments from their "
+                         "tensors for each trace, so the caller's would not see the store")
+
+
+def check_outputs(out: Any, flat: list[Any], name: str) -> None:
+    """Raise OutputTypeError naming the first output that is not a tensor or simple value."""
+    if all(isinstance(x, _OUTPUT_LEAVES) for x in flat):
+        return
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _OUTPUT_LEAVES):
+            where = "output" + "".join(str(k) for k in path)
+            if inspect.isgenerator(leaf) or inspect.iscoroutine(leaf) or inspect.isasyncgen(leaf):
+                raise OutputTypeError(
+                    f"{name} returned a {type(leaf).__name__} at {where}: a generator or async "
+                    "function runs its body only when iterated or awaited, after the compiled "
+                    "call.\nFix: compile a plain function that returns tensors, and call it from "
+                    "the generator (or coroutine)."
+                )
+            kind = type(leaf).__name__
+            cache = (" (a transformers model returns its KV cache with use_cache=True: pass "
+                     "use_cache=False where no cache is needed, as in training)"
+                     if type(leaf).__module__.startswith("transformers") and "Cache" in kind
+                     else "")
+            raise OutputTypeError(
+                f"{name} returned {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind} at "
+                f"{where}; compiled functions may "
+                "return tensors, Python scalars and strings, None, and lists/tuples/dicts of them.\nFix: "
+                "return tensors (or convert the value), or register the type with "
+                f"torch.utils._pytree.register_pytree_node so it flattens to tensors{cache}."
+            )
