@@ -134,7 +134,7 @@ def test_batch_norm_of_a_non_contiguous_input_is_eagers_bit_for_bit(layout: str,
     """Batch norm's input made contiguous first reduced in another order than eager's kernel on
     it: outputs, gradients and running statistics a few ulps off (BatchNorm1d of a transposed
     (batch, time, channels) tensor; PyTorch's aot_function is exact). It now runs on the input
-    as it is, its result laid out afterwards (_LAID_OUT_AFTER)."""
+    as it is, its result laid out afterwards (LAID_OUT_AFTER)."""
     import copy
 
     torch.manual_seed(0)

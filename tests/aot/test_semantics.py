@@ -4043,6 +4043,45 @@ def test_other_changes_to_argument_objects_run_as_before():
                                dicts(x, dict(d)))
 
 
+def test_counters_of_other_number_types_are_refused_too():
+    """Only int, float and complex counted: a numpy counter ran once per tracing pass, a
+    rebuilt dict's counter starting at None ((d["step"] or 0) + 1) read 1 forever, and a
+    symbolic size stored under dynamic=True was left in the caller's object. A module passed
+    as an argument may count its calls (as aot_function(model) may)."""
+    import types
+
+    import numpy as np
+
+    def step(x, st):
+        st.step = st.step + 1
+        return x * float(st.step)
+
+    def lazy(x, d):
+        d["step"] = (d["step"] or 0) + 1
+        return x * d["step"]
+
+    def size(x, st):
+        st.n = x.shape[0]
+        return x * 2
+
+    for fn, state, kwargs in ((step, types.SimpleNamespace(step=np.int64(0)), {}),
+                              (lazy, {"step": None}, {}),
+                              (size, types.SimpleNamespace(n=0), {"dynamic": True})):
+        with pytest.raises(aotkit.errors.UnsupportedError, match="a number it was passed"):
+            aotkit.aot_function(fn, compilers.nop, **kwargs)(torch.ones(2), state)
+
+    class Counted(nn.Linear):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x)
+
+    m, x = Counted(2, 2), torch.ones(1, 2)
+    m.calls = 0
+    with torch.no_grad():
+        torch.testing.assert_close(aotkit.aot_function(lambda mod, x: mod(x), compilers.nop)(m, x),
+                                   m(x))
+
+
 def test_a_list_whose_items_shifted_is_put_back_whole():
     """changed_values put a list back item by item against the list as it had become: pop(0)
     left [1] of [1, 2, 3]."""

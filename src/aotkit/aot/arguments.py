@@ -219,7 +219,7 @@ def changed_leaves(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpe
     before = dict(pytree.tree_flatten_with_path(pytree.tree_unflatten(full, spec))[0])
     after = pytree.tree_flatten_with_path((args, kwargs))[0]
     return [name for name, (path, new) in zip(namer(args, kwargs), after, strict=True)
-            if path in before and not same_value(before[path], new)]
+            if path in before and not same_value(before[path], new, unset_counts=True)]
 
 
 def changed_value(name: str, where: str) -> UnsupportedError:

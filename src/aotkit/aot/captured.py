@@ -278,9 +278,7 @@ def _attributes_named(owner: Any, fn: types.FunctionType, found: Captured,
     module = isinstance(owner, torch.nn.Module)
     for name in sorted(named - assigned):
         value = _attribute(owner, name)
-        if value is _METHOD and not isinstance(owner, type) and _has_state(owner) \
-                and not isinstance(inspect.getattr_static(type(owner), name, None),
-                                   functools.cached_property):  # its cache fills that entry
+        if value is _METHOD and not isinstance(owner, type) and _has_state(owner):
             # replaced on the instance later (``model.act = torch.sigmoid``): its entry there
             found.add(f"{who}.{name}", functools.partial(_instance_entry, vars(owner), name))
         if value is _METHOD or (value is _UNSET and name not in read) \

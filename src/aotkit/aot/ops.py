@@ -568,7 +568,7 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # kernels reduce in an order that depends on the input's layout (a copy changed the last bits
 # of its results and running statistics), so batch norm runs on its inputs as they are and its
 # result is made contiguous in the input's suggested memory format after, where the fake
-# kernel laid it out otherwise (``_LAID_OUT_AFTER``). This happens in the tracing guard's dispatch
+# kernel laid it out otherwise (``LAID_OUT_AFTER``). This happens in the tracing guard's dispatch
 # (aotkit.aot.trace), so the metadata pass, which runs no decompositions, sees the layouts the
 # graph will have, and in compiled autograd's lowering of backward formulas (``EagerLayouts``).
 # The elementwise ones among them (_ONE_LAYOUT_AGREES) differ only for inputs of mixed layouts:
@@ -636,7 +636,7 @@ _RELAID_OPS: dict[Any, int | None] = {
 #: contiguous first changed the result's last bits (and the running statistics'). They run on
 #: the inputs as they are, and their result is laid out afterwards as the real kernel lays it
 #: out (the suggested memory format of the argument given here), where the fake one differs.
-_LAID_OUT_AFTER: dict[Any, int] = {
+LAID_OUT_AFTER: dict[Any, int] = {
     **dict.fromkeys([_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
                      _aten._native_batch_norm_legit.no_stats,
                      _aten._native_batch_norm_legit_functional.default,
@@ -650,8 +650,8 @@ _LAID_OUT_AFTER: dict[Any, int] = {
 
 def out_in_eager_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     """``func``'s result with its first tensor laid out as the real kernel lays it out, for the
-    ops of ``_LAID_OUT_AFTER`` (Note [Kernels whose fake strides differ])."""
-    by = _LAID_OUT_AFTER.get(func)
+    ops of ``LAID_OUT_AFTER`` (Note [Kernels whose fake strides differ])."""
+    by = LAID_OUT_AFTER.get(func)
     if by is None or not isinstance(out, tuple) or not isinstance(out[0], torch.Tensor):
         return out
     first, result = args[by], out[0]

@@ -41,6 +41,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import logging
+import numbers
 import threading
 import types
 import weakref
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
+from aotkit import counters
 from aotkit.compat import FakeTensor, FunctionalTensor
 
 
@@ -360,8 +363,8 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
             seen.add(id(v))
             if isinstance(v, torch.nn.Module):  # a module and its submodules' own attributes
                 for sub, m in v.named_modules(prefix=where):
-                    held += [(sub, m.__dict__, _Attributes(m.__dict__, recomputed(m))),
-                             (sub, m._buffers, dict(m._buffers))]
+                    held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
+                             (sub, m._buffers, _ModuleAttributes(m._buffers))]
             elif _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _Attributes(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
@@ -395,7 +398,8 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
                 container.update(before)
             else:
                 container[:] = before
-            if not keys and set(stored) <= getattr(before, "recomputed", frozenset()):
+            if not keys and isinstance(before, _ModuleAttributes):
+                _note_module_stores(where, [k for k in stored if k not in before.recomputed])
                 continue
             left.append(f"{where} as a key (a dict looked up by a tensor argument, such as "
                         "opt.state[p], finds its tracing stand-in, never the caller's tensor)"
@@ -413,7 +417,8 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
             continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
         found = [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
-                 for k, old in items if _in(container, k) and not same_value(old, container[k])]
+                 for k, old in items if _in(container, k) and not same_value(old, container[k])
+                 and not isinstance(before, _ModuleAttributes)]
         if found:
             if isinstance(container, dict):
                 container.clear()
@@ -429,17 +434,27 @@ def _in(container: Any, key: Any) -> bool:
     return key in container if isinstance(container, dict) else key < len(container)
 
 
-def same_value(old: Any, new: Any) -> bool:
+def same_value(old: Any, new: Any, unset_counts: bool = False) -> bool:
     """Whether ``new`` keeps ``old`` as far as Note [Values changed in argument objects] goes:
-    only a number (not a bool) changed into another number counts (a counter, a step), not a
-    flag set, an option filled in, ``int`` made ``float``, nor any other value replaced."""
-    numbers = (int, float, complex)
-    if old is new or type(old) not in numbers or type(new) not in numbers:
+    a number (numpy's too; not a bool) made from a number or a bool, or from None where
+    ``unset_counts`` (a rebuilt dict's ``(d["step"] or 0) + 1``), and not equal to it, is a
+    change (a counter, a step); a flag set, an option filled in, ``int`` made ``float``, any
+    other value replaced are not. A symbolic size left there (``st.n = x.shape[0]``) is."""
+    if old is new:
+        return True
+    if isinstance(new, (torch.SymInt, torch.SymFloat)):
+        return False
+    if not _number(new) or not (_number(old) or isinstance(old, bool)
+                                or (unset_counts and old is None)):
         return True
     try:
         return bool(old == new) or (old != old and new != new)  # NaN stays NaN
     except Exception:
         return False
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Number) and not isinstance(value, bool)
 
 
 class _Attributes(dict):  # type: ignore[type-arg]
@@ -450,6 +465,22 @@ class _Attributes(dict):  # type: ignore[type-arg]
     def __init__(self, attributes: dict[str, Any], recomputed: frozenset[str] = frozenset()):
         super().__init__(attributes)
         self.recomputed = recomputed
+
+
+class _ModuleAttributes(_Attributes):
+    """The copy of a module's ``__dict__`` or buffers: put back without a refusal (Note
+    [Tracing tensors left in argument objects])."""
+
+
+def _note_module_stores(where: str, names: list[str]) -> None:
+    if names:
+        counters.record("fallback", where, (
+            f"forward stores a tensor into {', '.join(names)} on the module (a cache, an "
+            "attention map kept for plotting, a reassigned buffer): the compiled graph cannot "
+            "store it at each call, so the module keeps what it held before the call. Fix: "
+            "compile the module with aot_module(model), which sets such tensors after each "
+            "call, or torch.compile(model, backend='aotkit')."),
+            logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
 
 
 def recomputed(module: torch.nn.Module) -> frozenset[str]:

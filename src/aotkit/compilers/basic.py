@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import make_boxed_func, run_boxed
+from aotkit.aot.ops import LAID_OUT_AFTER
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import ArgumentError, MetadataMismatchError
 from aotkit.partition.draw import draw_graph
@@ -166,7 +167,7 @@ class _CheckingInterpreter(fx.Interpreter):
                     inherited or problem is None) and not _same_strides(f, r, self.bindings):
                 self.ambiguous.add(n)
                 problem = None
-            if problem and _known_to_pytorch(n, i, f, r):
+            if problem and _known_to_pytorch(n, i, f, r, problem):
                 self._record_known(n, f"output {i}: {problem}")
             elif problem:
                 self._fail(n, problem if len(fakes) == 1 else f"output {i}: {problem}")
@@ -192,7 +193,10 @@ class _CheckingInterpreter(fx.Interpreter):
 # PyTorch's own: under reduced precision, batch norm's CPU kernels return the saved mean and
 # inverse standard deviation (and running statistics) in another dtype than their fake kernels
 # say (2.13), so every AMP CNN failed the check although eager and the graph agree. Those are
-# recorded once per node as a ``known_mismatch`` decision instead of raised.
+# recorded once per node as a ``known_mismatch`` decision instead of raised. So are the strides
+# of batch norm's result where its fake kernel lays it out otherwise than the real one: aotkit
+# runs it on its input as it is (eager's reduction order) and lays the result out in the next
+# node (Note [Kernels whose fake strides differ]).
 _BATCH_NORMS = frozenset({
     torch.ops.aten._native_batch_norm_legit_no_training.default,
     torch.ops.aten._native_batch_norm_legit_functional.default,
@@ -211,7 +215,7 @@ _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 _NORM_BACKWARDS = frozenset({torch.ops.aten.native_group_norm_backward.default})
 
 
-def _known_to_pytorch(n: fx.Node, output: int, fake: Any, real: Any) -> bool:
+def _known_to_pytorch(n: fx.Node, output: int, fake: Any, real: Any, problem: str) -> bool:
     """See Note [Mismatches PyTorch is known to have]: dtype only, never the normalized output
     (also where a ``getitem`` takes one of the others out, or the backward graph gets one as
     a saved value: its placeholder's ``computed_by``, set by aotkit's partitioners; and a
@@ -223,6 +227,8 @@ def _known_to_pytorch(n: fx.Node, output: int, fake: Any, real: Any) -> bool:
         target, output = n.meta["computed_by"]
     elif target is operator.getitem and isinstance(n.args[0], fx.Node):
         target, output = n.args[0].target, n.args[1]
+    if target in LAID_OUT_AFTER and output == 0 and problem.startswith("strides"):
+        return True  # batch norm's result, laid out by the next node (aotkit.aot.ops)
     return isinstance(output, int) and isinstance(real, torch.Tensor) \
         and fake.dtype != real.dtype and ((target in _BATCH_NORMS and output > 0)
                                           or target in _NORM_BACKWARDS)
