@@ -1526,6 +1526,29 @@ def test_dropout_of_a_non_contiguous_tensor_matches_eager(grad):
     check_against_eager(fn, rand(8, 16).t().requires_grad_(grad), seed=0)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_dropout_of_one_matches_eager_and_draws_nothing(dynamic):
+    """At p = 1 eager multiplies by zero and draws nothing: under dynamic=True native_dropout
+    drew (every later random op differed), and an RNN's dropout between layers divided by
+    1 - p: NaN outputs and gradients."""
+    def fn(x):
+        return F.dropout(x, 1.0, training=True) + 1
+
+    x = torch.randn(4, 3, requires_grad=True)
+    torch.manual_seed(0)
+    expected, after = fn(x), torch.rand(3)
+    torch.manual_seed(0)
+    out = aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)(x)
+    assert torch.equal(out, expected) and torch.equal(torch.rand(3), after)
+    gru = nn.GRU(4, 6, num_layers=2, dropout=1.0)
+    h = torch.randn(5, 2, 4)
+    torch.manual_seed(1)
+    expected = gru(h)[0]
+    torch.manual_seed(1)
+    torch.testing.assert_close(aotkit.aot_module(gru, compilers.nop, dynamic=dynamic)(h)[0],
+                               expected)
+
+
 @pytest.mark.parametrize("transform", ["vmap", "grad"])
 def test_dropout_inside_a_torch_func_transform_draws_eagers_mask(transform):
     """Inside vmap or grad eager runs functorch's dropout (a contiguous bernoulli draw), not

@@ -392,8 +392,8 @@ class EagerOps(torch.overrides.TorchFunctionMode):
     by ``1 - p`` in that dtype) and its backward multiplies the gradient by that noise;
     native_dropout scales by ``1 / (1 - p)`` instead, which rounds differently (one float32
     ulp off for p = 0.15, 0.45, ...; more in bfloat16 and float16), so on CPU the noise is
-    traced as eager makes it. Eval mode and p in {0, 1} keep the composite (eager
-    returns the input itself), and so does a call inside a torch.func transform (vmap, grad),
+    traced as eager makes it; at p = 1 eager multiplies by zero and draws nothing. Eval mode
+    and p = 0 keep the composite (eager returns the input itself), and so does a call inside a torch.func transform (vmap, grad),
     where eager runs functorch's own dropout, a contiguous ``bernoulli`` draw: native_dropout's
     draws in the input's layout landed on other elements for a non-contiguous input.
     """
@@ -403,7 +403,7 @@ class EagerOps(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.dropout or func is torch.dropout:
             call = _DROPOUT_SIGNATURES[func].bind(*args, **kwargs).arguments
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
-            if train and not call.get("inplace") and 0 < p < 1 \
+            if train and not call.get("inplace") and 0 < p <= 1 \
                     and torch._C._functorch.peek_interpreter_stack() is None:
                 return _dropout(x, p)
         elif func in _RNNS and not kwargs and (torch._C._dispatch_tls_is_dispatch_key_included(
@@ -440,7 +440,10 @@ def requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, .
 
 
 def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """See :class:`EagerOps`."""
+    """See :class:`EagerOps`. At p = 1 eager multiplies by zero and draws nothing (native
+    dropout would draw, moving the generator; its mask divided by 1 - p made NaNs)."""
+    if p >= 1:
+        return x * torch.zeros((), dtype=x.dtype, device=x.device)
     out, mask = torch.ops.aten.native_dropout.default(x, p, True)
     if x.device.type == "cpu":
         return x * mask.to(x.dtype).div(1 - p)
