@@ -572,28 +572,6 @@ def test_a_method_replaced_on_the_instance_after_compiling_is_keyed():
     assert compiled.num_entries == 2
 
 
-def test_an_attribute_a_descriptor_of_ones_own_reads_is_keyed():
-    class Doubled:
-        def __get__(self, obj, objtype=None):
-            return 2 * obj._scale
-
-    class Head(torch.nn.Module):
-        scale = Doubled()
-
-        def __init__(self):
-            super().__init__()
-            self._scale = 1.0
-
-        def forward(self, x):
-            return x * self.scale
-
-    m, x = Head(), torch.ones(2)
-    compiled = aotkit.aot_function(m, compilers.nop)
-    _same(compiled, m, x)
-    m._scale = 5.0
-    _same(compiled, m, x)
-
-
 BOUNDS = tuple(float(i) for i in range(65))
 
 
@@ -748,9 +726,24 @@ def test_a_cached_property_overridden_on_the_instance_is_keyed():
     assert compiled.num_entries == 3
 
 
-def test_a_descriptor_keeping_its_attribute_name_and_a_class_alias_are_keyed():
-    """A descriptor reading obj.__dict__[self.key] (the name __set_name__ gave it) and a
-    tensor-named class setting read through cls = type(self) ran the old graph."""
+def test_descriptors_of_ones_own_and_a_class_alias_are_keyed():
+    """A descriptor reading obj._scale, one reading obj.__dict__[self.key] (the name
+    __set_name__ gave it) and a tensor-named class setting read through cls = type(self) ran
+    the old graph."""
+    class Doubled:
+        def __get__(self, obj, objtype=None):
+            return 2 * obj._scale
+
+    class Head(torch.nn.Module):
+        scale = Doubled()
+
+        def __init__(self):
+            super().__init__()
+            self._scale = 1.0
+
+        def forward(self, x):
+            return x * self.scale
+
     class Stored:
         def __set_name__(self, owner, name):
             self.key = "_" + name
@@ -776,7 +769,8 @@ def test_a_descriptor_keeping_its_attribute_name_and_a_class_alias_are_keyed():
             return x - cls.mean
 
     x = torch.ones(3)
-    for m, change in ((Temperature(), lambda m: setattr(m, "_temperature", 4.0)),
+    for m, change in ((Head(), lambda m: setattr(m, "_scale", 5.0)),
+                      (Temperature(), lambda m: setattr(m, "_temperature", 4.0)),
                       (Centered(), lambda m: setattr(Centered, "mean", 3.0))):
         compiled = aotkit.aot_function(m, compilers.nop)
         _same(compiled, m, x)

@@ -393,9 +393,10 @@ class EagerOps(torch.overrides.TorchFunctionMode):
     native_dropout scales by ``1 / (1 - p)`` instead, which rounds differently (one float32
     ulp off for p = 0.15, 0.45, ...; more in bfloat16 and float16), so on CPU the noise is
     traced as eager makes it; at p = 1 eager multiplies by zero and draws nothing. Eval mode
-    and p = 0 keep the composite (eager returns the input itself), and so does a call inside a torch.func transform (vmap, grad),
-    where eager runs functorch's own dropout, a contiguous ``bernoulli`` draw: native_dropout's
-    draws in the input's layout landed on other elements for a non-contiguous input.
+    and p = 0 keep the composite (eager returns the input itself), and so does a call inside
+    a torch.func transform (vmap, grad), where eager runs functorch's own dropout, a
+    contiguous ``bernoulli`` draw: native_dropout's draws in the input's layout landed on
+    other elements for a non-contiguous input.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -315,11 +315,14 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # made it once per pass on an object (step 0 -> 2 at the first call, the graph holding the
 # second pass's bias correction), or not at all on the caller's list or dict, which is rebuilt
 # from its leaves for each trace (so the next call read the old value and ran the same graph):
-# silently wrong from the first step. Such a change (a number, not a bool, into another
-# number) is put back and the trace refused. Other changes are let be: flags and options set
-# (``st.initialized = True``, ``opts["output_attentions"] = False``, ``st.lr = float(st.lr)``),
-# values replaced, keys added, removed or reordered (``batch.pop("labels")``): the first
-# trace's object keys what the function computes from them.
+# silently wrong from the first step. Such a change (a number of any type but bool, numpy's
+# too, made from a number or a bool, or from None in a rebuilt dict: ``(d["step"] or 0) + 1``;
+# or a symbolic size left there) is put back and the trace refused. Other changes are let be:
+# flags and options set (``st.initialized = True``, ``opts["output_attentions"] = False``,
+# ``st.lr = float(st.lr)``), values replaced, keys added, removed or reordered
+# (``batch.pop("labels")``), and a module's own counters (``self.calls += 1``, as
+# ``aot_function(model)`` lets them be): the first trace's object keys what the function
+# computes from them.
 # Note [Tracing tensors left in argument objects]
 # A function may store what it computes in an object it is handed (a key/value cache's
 # ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
@@ -327,10 +330,11 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
 # objects, lists and dicts reachable from the arguments (three levels, as Note [Objects as
 # arguments] keys them; at most 256), and the attributes and buffers of a module the function
-# runs as or is passed (``self.last_attn = a.detach()`` in an ``aot_function(model)``), are
-# copied shallowly before tracing; one left holding a
-# tracing tensor is put back as it was, and a trace that otherwise succeeded is refused, naming
-# where the tensor went. A list of more than 1024 items (a dataset held in an argument) is not
+# runs as or is passed, are copied shallowly before tracing; one left holding a tracing tensor
+# is put back as it was, and a trace that otherwise succeeded is refused, naming where the
+# tensor went; a module's (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
+# LSTM's WeightDrop setting its module's weight at every call) gets a "fallback" decision
+# instead, naming aot_module, which sets such tensors after each call. A list of more than 1024 items (a dataset held in an argument) is not
 # copied, which would cost every compile, but its length is kept: what the trace appended is
 # taken off again; a bigger dict or object is not looked into.
 _MAX_HELD = 256
@@ -393,11 +397,7 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
         keys = isinstance(container, dict) and any(map(_tracing, container))
         now = container.items() if isinstance(container, dict) else enumerate(container)
         if keys or (stored := [k for k, x in now if _tracing(x)]):
-            if isinstance(container, dict):
-                container.clear()
-                container.update(before)
-            else:
-                container[:] = before
+            _restore(container, before)
             if not keys and isinstance(before, _ModuleAttributes):
                 _note_module_stores(where, [k for k in stored if k not in before.recomputed])
                 continue
@@ -413,20 +413,25 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
     [Values changed in argument objects])."""
     changed = []
     for where, container, before in held:
-        if isinstance(before, int):  # a long list: only its length was kept
+        # a long list (only its length was kept); a module's own counters (self.calls += 1)
+        if isinstance(before, (int, _ModuleAttributes)):
             continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
         found = [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
-                 for k, old in items if _in(container, k) and not same_value(old, container[k])
-                 and not isinstance(before, _ModuleAttributes)]
+                 for k, old in items if _in(container, k) and not same_value(old, container[k])]
         if found:
-            if isinstance(container, dict):
-                container.clear()
-                container.update(before)
-            else:
-                container[:] = before
+            _restore(container, before)
         changed += found
     return changed
+
+
+def _restore(container: Any, before: Any) -> None:
+    """Put a held dict or list back as its copy ``before`` has it."""
+    if isinstance(container, dict):
+        container.clear()
+        container.update(before)
+    else:
+        container[:] = before
 
 
 def _in(container: Any, key: Any) -> bool:
@@ -458,18 +463,18 @@ def _number(value: Any) -> bool:
 
 
 class _Attributes(dict):  # type: ignore[type-arg]
-    """The copy of an object's ``__dict__`` (told from a dict's copy in messages), and the
-    attributes a PyTorch pre-hook recomputes from the module's tensors at every call (a pruned
-    ``weight``): put back without a refusal, the graph computing them itself."""
+    """The copy of an object's ``__dict__`` (told from a dict's copy in messages)."""
+
+
+class _ModuleAttributes(_Attributes):
+    """The copy of a module's ``__dict__`` or buffers: put back with a decision, not a refusal
+    (Note [Tracing tensors left in argument objects]), and without one for the attributes a
+    PyTorch pre-hook recomputes from the module's tensors at every call (a pruned ``weight``),
+    which the graph computes itself."""
 
     def __init__(self, attributes: dict[str, Any], recomputed: frozenset[str] = frozenset()):
         super().__init__(attributes)
         self.recomputed = recomputed
-
-
-class _ModuleAttributes(_Attributes):
-    """The copy of a module's ``__dict__`` or buffers: put back without a refusal (Note
-    [Tracing tensors left in argument objects])."""
 
 
 def _note_module_stores(where: str, names: list[str]) -> None:
