@@ -203,6 +203,38 @@ def test_a_module_called_with_one_tensor_twice_then_two():
         torch.testing.assert_close(compiled(*args), model(*args))
 
 
+def test_the_function_sees_one_tensor_passed_twice_as_one():
+    """Note [One tensor passed twice]: each position was traced as its own tensor, so
+    ``a is b`` was False (a silently other branch; PyTorch's aot_function too)."""
+
+    def fn(a, b):
+        return a * 2 if a is b else a * 3
+
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    s, t = rand(3, grad=True), rand(3, grad=True)
+    for args in [(s, s), (s, t), (s, s)]:
+        torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
+    compiled(s, s).sum().backward()
+    torch.testing.assert_close(s.grad, torch.full((3,), 2.0))
+
+
+def test_self_attention_called_with_one_tensor_is_eagers_bit_for_bit():
+    """MultiheadAttention projects ``q is k is v`` with one packed matmul (and ``k is v`` with
+    two): traced as separate tensors, three matmuls rounded otherwise (outputs and gradients
+    about 1e-7 off)."""
+    torch.manual_seed(0)
+    model = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    compiled = aotkit.aot_module(model, compilers.nop)
+    q = torch.randn(2, 5, 16, requires_grad=True)
+    k = q.detach().clone()
+    for args in [(q, q, q), (q, k, k)]:
+        expected, got = model(*args)[0], compiled(*args)[0]
+        assert torch.equal(got, expected)
+        wrt = [q, model.in_proj_weight]
+        grads = torch.autograd.grad(got.sum(), wrt), torch.autograd.grad(expected.sum(), wrt)
+        assert all(map(torch.equal, *grads))
+
+
 class _WriteBothInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, b):

@@ -61,6 +61,7 @@ from aotkit.aot.signature import (
     leaf_names,
     recompile_fix,
     signature,
+    tensor_positions,
 )
 from aotkit.aot.simplify import (
     detach_new_values,
@@ -732,7 +733,7 @@ class AotFunction:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if self.num_entries:
             self._record_recompile(key, args, kwargs)
-        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        positions, copies = tensor_positions(leaves)
         names = self._leaf_names(args, kwargs)
         captured = list(zip(self._captured.names, [get() for get in self._captured.getters],
                             strict=True))
@@ -752,7 +753,8 @@ class AotFunction:
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])
                  for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
-        flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names)
+        flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names,
+                                copies)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
@@ -855,18 +857,23 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
 
 def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
                   spec: pytree.TreeSpec, name: str,
-                  namer: Callable[[Any, Any], list[str]] = leaf_names) -> FlatFn:
-    """``fn`` as a function of its tensor leaves; non-tensor leaves are baked in as constants.
-    The call's tensors are not kept: a lazy backward trace would otherwise hold a first batch
-    alive as long as the compiled function."""
+                  namer: Callable[[Any, Any], list[str]] = leaf_names,
+                  copies: Mapping[int, int] | None = None) -> FlatFn:
+    """``fn`` as a function of its tensor leaves at ``positions``; non-tensor leaves are baked
+    in as constants, and the leaf at each key of ``copies`` is the one at its value (Note [One
+    tensor passed twice]). The call's tensors are not kept: a lazy backward trace would
+    otherwise hold a first batch alive as long as the compiled function."""
+    copies = copies or {}
     template = list(leaves)
-    for i in positions:
+    for i in [*positions, *copies]:
         template[i] = None
 
     def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
         full = list(template)
         for i, t in zip(positions, tensors, strict=True):
             full[i] = t
+        for i, first in copies.items():
+            full[i] = full[first]
         args, kwargs = pytree.tree_unflatten(full, spec)
         out = fn(*args, **kwargs)
         refuse_stores_into_arguments(args, kwargs, full, spec, name, namer)

@@ -332,12 +332,29 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
 
 
 # Note [One tensor passed twice]
-# Fake tensors are made once per tensor object, so a call passing one tensor at two positions
-# (``f(x, x)``, or a subclass made of it twice, ``TwoTensor(x, x)``) is traced with one fake for
-# both, and the graph reads the last of its placeholders at every use: ``a * 2 + b`` became
-# ``b * 2 + b``. Such a graph is right for calls that repeat the tensor at the same positions
-# only, so which positions (and subclass parts) hold one tensor object is part of the key
-# (tensors that merely share memory are separate inputs: Note [Overlapping mutated inputs]).
+# A call passing one tensor object at two positions (``f(x, x)``; ``mha(q, q, q)``) is traced
+# as a function of that tensor once: the later positions read the first one's input, so the
+# function sees one tensor there as eager does (``query is key`` picks self-attention's packed
+# projection: separate ones round differently and, in eval, lay the output out otherwise), and
+# the graph has one input for it, whose gradient is the sum eager accumulates. A subclass made
+# of one tensor twice (``TwoTensor(x, x)``) is traced with one fake for both parts. Such a
+# graph is right for calls that repeat a tensor at the same positions only, so which positions
+# (and subclass parts) hold one tensor object is part of the key (tensors that merely share
+# memory are separate inputs: Note [Overlapping mutated inputs]).
+def tensor_positions(leaves: Sequence[Any]) -> tuple[list[int], dict[int, int]]:
+    """The positions of the tensor leaves, each tensor object's first only, and for each
+    later position of one, its first (Note [One tensor passed twice])."""
+    first: dict[int, int] = {}
+    copies: dict[int, int] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            if id(x) in first:
+                copies[i] = first[id(x)]
+            else:
+                first[id(x)] = i
+    return list(first.values()), copies
+
+
 def repeated_tensors(leaves: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
     """The positions of each tensor passed more than once, grouped (a subclass's part as
     ``(position, part)``); empty when none is."""
