@@ -100,6 +100,42 @@ def test_closed_over_tensor_that_requires_grad_matches_eager_where_no_grad_flows
     assert c.grad is None
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_writes_to_values_computed_from_closed_over_tensors_match_eager(dynamic):
+    """Note [Values computed from constants]: a result of ops on closed-over tensors alone
+    written with a value the function computed raised PyTorch's internal assert ("mutating a
+    non-functional tensor with a functional tensor")."""
+    table = torch.arange(6.0)
+
+    def add(x):
+        c = table * 2
+        c.add_(x)
+        return c
+
+    def through_view(x):
+        c = table[1:4] * 2
+        c[:2] = x[:2] * 3
+        return c.sum() * x
+
+    def running_stats(x):  # what InstanceNorm's update does with a repeated running mean
+        mean = table[:4].repeat(2)
+        torch.ops.aten.native_batch_norm(x, None, None, mean, mean.clone(), True, 0.1, 1e-5)
+        return mean * x.sum()
+
+    check_against_eager(add, rand(6, grad=True), aot_kwargs={"dynamic": dynamic})
+    check_against_eager(through_view, rand(3, grad=True), aot_kwargs={"dynamic": dynamic})
+    check_against_eager(running_stats, rand(2, 8, 3, grad=True), aot_kwargs={"dynamic": dynamic})
+    assert torch.equal(table, torch.arange(6.0))
+
+
+def test_an_instance_norm_tracking_stats_under_aot_function_is_refused_clearly():
+    model = nn.InstanceNorm1d(4, track_running_stats=True)
+    with pytest.raises(UnsupportedError, match="mutates in place") as info:
+        aotkit.aot_function(model, compilers.nop)(torch.randn(2, 4, 8))
+    assert "aot_module" in str(info.value)
+    assert torch.equal(model.running_mean, torch.zeros(4))
+
+
 def test_read_only_closed_over_tensor_is_a_live_constant():
     mask = torch.tensor([1.0, 0.0, 1.0])
     table = torch.arange(6.0).reshape(2, 3)

@@ -25,7 +25,11 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _detect_infra_mode,
+    _disable_current_modes,
+)
 
 from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, laid_out_alike, to_fun
@@ -431,6 +435,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         args = in_eager_indices(func, args)
         kwargs = in_eager_devices(kwargs)
         out = out_in_eager_layout(func, args, self._run(func, args, kwargs))
+        if not func.is_view and self._constants_only(args, kwargs):
+            out = _functional_values(out)
         for t in _tensors(out):
             if isinstance(t, FunctionalTensor):
                 t._aotkit_pass = self.pass_id
@@ -440,6 +446,12 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if func is torch.ops.aten.unfold.default:
                 note_unfold(args, self.unfold_lengths)
         return out
+
+    def _constants_only(self, args: Any, kwargs: Any) -> bool:
+        """Whether every tensor argument is an outside tensor or a view of one, and there is
+        one (Note [Values computed from constants])."""
+        tensors = _tensors((args, kwargs))
+        return bool(tensors) and all(self._outside(t) is not None for t in tensors)
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
         bases = [b for b in map(self._outside, _tensors((args, kwargs))) if b is not None]
@@ -619,6 +631,23 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 "Fix: use dynamic=False for this function, or draw with the default generator "
                 "(seeded by torch.manual_seed) instead of a torch.Generator."
             ) from exc
+
+
+# Note [Values computed from constants]
+# Functionalization leaves an op whose tensor arguments are all outside tensors (Note
+# [Closed-over tensors]) alone: its result (``c = TABLE * 2``, ``TABLE.clone()``) is a plain fake
+# tensor, and an in-place write to it with a value the function computed (``c.add_(x)``; an
+# InstanceNorm's running-stat update writing ``running_mean.repeat(n)``) mixed the two worlds:
+# PyTorch's internal assert "mutating a non-functional tensor with a functional tensor". Such
+# results are made functional tensors as they appear, as a factory's are, so their writes are
+# functional ones like any other's. Views of outside tensors stay outside (writes to them are
+# refused).
+def _functional_values(out: Any) -> Any:
+    """``out``, its plain fake tensors made functional if functionalization is on (Note
+    [Values computed from constants])."""
+    if _detect_infra_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None:
+        return out
+    return pytree.tree_map_only(FakeTensor, FunctionalTensor.to_functional, out)
 
 
 _PASS_IDS = itertools.count()
