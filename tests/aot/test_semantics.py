@@ -4477,3 +4477,26 @@ def test_a_called_compiled_function_pickles_and_compiles_anew():
 def test_aot_module_simplified_checks_its_arguments(mod, args):
     with pytest.raises(ArgumentError, match=r"takes an nn.Module(.|\n)*Fix: pass \[x\]"):
         aotkit.aot_module_simplified(mod, args, compilers.nop)
+
+
+_SELECTIONS = {
+    "max_sqrt": lambda x: x.max().sqrt(),  # an infinite gradient where the max is 0
+    "min_inf": lambda x: torch.min(x) * float("inf"),
+    "median_nan": lambda x: x.median() * float("nan"),
+    "nanmedian_log": lambda x: torch.nanmedian(x).log(),
+    "tied_max": lambda x: torch.max(x.abs()) * 3,
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("fn", _SELECTIONS.values(), ids=_SELECTIONS.keys())
+def test_a_selected_elements_gradient_is_eagers_for_any_value(fn, dynamic):
+    """Note [Gradients of a selected element]: the traced formula multiplied a mask by the
+    gradient, so an infinite one made NaN of every element's (PyTorch's aot_eager too)."""
+    grads = []
+    for run in (fn, aotkit.aot_function(fn, compilers.nop, dynamic=dynamic),
+                torch.compile(fn, backend="aotkit", dynamic=dynamic)):
+        x = torch.tensor([-1.0, 0.0, -2.0, 0.0], requires_grad=True)
+        grads.append(torch.autograd.grad(run(x), x)[0])
+    for g in grads[1:]:
+        assert torch.equal(g.nan_to_num(7.0), grads[0].nan_to_num(7.0)), (g, grads[0])

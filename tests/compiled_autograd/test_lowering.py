@@ -437,3 +437,30 @@ def test_a_hook_on_a_channels_last_activation_gets_eagers_layout(act: Callable[.
     (want_stride, want), (got_stride, got) = step(False), step(True)
     assert got_stride == want_stride
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _selections(x: torch.Tensor, a: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """Gradients reaching whole-tensor selections are infinite or NaN; ormqr's gradient is
+    laid out column-major."""
+    q = torch.ormqr(a, tau, torch.ones(4, 4, dtype=torch.float64), left=True, transpose=True)
+    return x.max().sqrt() + x.min().mul(float("inf")) + x.median() * float("nan") \
+        + x.nanmedian().sqrt() + q.sum()
+
+
+def test_formulas_taking_another_path_for_traced_tensors_stay_calls() -> None:
+    """Note [Gradients of a selected element]: lowered, max/min/median gave NaN to every
+    element for a non-finite gradient; ormqr's gradient was laid out row-major."""
+    a, tau = torch.geqrf(torch.randn(4, 4, dtype=torch.float64,
+                                     generator=torch.Generator().manual_seed(0)))
+    results = []
+    compiler = Keep()
+    for context in (contextlib.nullcontext, lambda: aotkit.compiled_autograd.enable(compiler)):
+        x = torch.tensor([-1.0, 0.0, -2.0, 3.0], requires_grad=True)
+        leaf = a.clone().requires_grad_()
+        with context():
+            results.append(torch.autograd.grad(_selections(x, leaf, tau), (x, leaf)))
+    (x_eager, a_eager), (x_grad, a_grad) = results
+    assert torch.equal(x_grad.nan_to_num(7.0), x_eager.nan_to_num(7.0))
+    assert torch.equal(a_grad, a_eager) and a_grad.stride() == a_eager.stride()
+    assert {"MaxBackward1", "MinBackward1", "MedianBackward0", "NanmedianBackward0",
+            "OrmqrBackward0"} <= set(_formula_calls(compiler.graphs[-1]))

@@ -413,11 +413,44 @@ class EagerOps(torch.overrides.TorchFunctionMode):
                 return _rnn_by_layer(func, args)
             out, *states = func(*args)  # torch 2.11's decomposition: (layers, directions, ...)
             return (out, *(s.flatten(0, -3) if s.dim() == 4 else s for s in states))
+        elif func in _SELECTING and len(args) == 1 and not kwargs and args[0].requires_grad \
+                and args[0].device.type == "cpu" and torch.is_grad_enabled() \
+                and torch._C._functorch.peek_interpreter_stack() is None:
+            return _Selected.apply(args[0], func)
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
                 and not args[0].requires_grad \
                 and tuple(args[0].shape) == requested_size(func, args, kwargs):
             return args[0]
         return func(*args, **kwargs)
+
+
+# Note [Gradients of a selected element]
+# The gradient of a whole-tensor max, min, median or nanmedian goes to the selected elements.
+# Eager's CPU kernel fills zeros with it there; for tensor subclasses (the trace's functional
+# tensors) and on CUDA the formula multiplies a mask by it instead, and 0 * inf is NaN: a
+# non-finite gradient (``x.max().sqrt()`` at 0) made every element's gradient NaN where eager
+# has one inf among zeros (PyTorch's aot_eager too). On CPU such calls are traced through
+# _Selected, whose backward is eager's CPU formula (ties share the gradient; a NaN result
+# selects the NaNs).
+_SELECTING = frozenset({torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, torch.median,
+                        torch.Tensor.median, torch.nanmedian, torch.Tensor.nanmedian})
+
+
+class _Selected(torch.autograd.Function):
+    """``func(x)``, a whole-tensor selection, with eager's CPU gradient (Note [Gradients of a
+    selected element])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, func: Any) -> torch.Tensor:  # type: ignore[override]
+        out = func(x)
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        x, out = ctx.saved_tensors
+        selected = torch.where(out.isnan(), x.isnan(), x == out)
+        return torch.where(selected, grad / selected.sum(), torch.zeros((), dtype=x.dtype)), None
 
 
 def requested_size(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:

@@ -145,11 +145,15 @@ class _Opaque:
 #: ``scripts/opinfo_sweep.py --compiled-autograd``; they stay calls. Most take another path for
 #: traced tensors (which they must treat as tensor subclasses): ``prod``'s gradient through
 #: cumulative products instead of ``result / input``, ``masked_fill``'s value gradient through
-#: ``where`` instead of ``masked_select``, ``cumprod``'s on torch < 2.13; the gradient of
+#: ``where`` instead of ``masked_select``, ``cumprod``'s on torch < 2.13, a whole-tensor
+#: ``max``/``min``/``median``'s through a mask multiplied by the gradient instead of zeros
+#: filled with it (NaN everywhere for an infinite gradient: Note [Gradients of a selected
+#: element]), ``ormqr``'s laid out row-major; the gradient of
 #: ``torch.sparse.mm(..., reduce)`` traces to other ops than its fused kernel.
 _EAGER_PATH_FORMULAS = frozenset({
     "ProdBackward0", "ProdBackward1", "MaskedFillBackward1", "CumprodBackward0",
-    "SparseMmReduceImplBackward0",
+    "SparseMmReduceImplBackward0", "MaxBackward1", "MinBackward1", "MedianBackward0",
+    "NanmedianBackward0", "OrmqrBackward0",
 })
 
 #: Python-level calls of the captured graph that are plain tensor code, safe to trace.
