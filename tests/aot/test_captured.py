@@ -705,6 +705,52 @@ def test_a_tensor_a_module_stores_on_itself_is_put_back_with_a_decision(how):
     torch.testing.assert_close(out, m(q, k))
 
 
+def test_lists_and_dicts_a_module_holds_are_put_back_too():
+    """Only a module's attributes were put back: tensors it appended to its own list or
+    stored in its dict, and the LSTM's _flat_weights WeightDrop's assignment updates, stayed
+    FunctionalTensors (a raw "FunctionalTensor on its own" at the next eager use)."""
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.maps, self.stats = [], {}
+            self.lstm = torch.nn.LSTM(4, 4)
+            self.raw = torch.nn.Parameter(self.lstm.weight_hh_l0.detach().clone())
+            del self.lstm._parameters["weight_hh_l0"]
+
+        def forward(self, x):
+            self.lstm.weight_hh_l0 = self.raw * 0.5  # WeightDrop's pattern
+            a = self.lstm(x)[0]
+            self.maps.append(a.detach())
+            self.stats["last"] = a.detach()
+            return a
+
+    m, x = Keeps(), torch.randn(5, 2, 4)
+    m.lstm.weight_hh_l0 = m.raw.detach() * 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(aotkit.aot_function(m, compilers.nop)(x), m(x))
+    assert len(m.maps) == 1 and type(m.maps[0]) is torch.Tensor  # eager's call's only
+    assert type(m.stats["last"]) is torch.Tensor
+    assert all(type(w) in (torch.Tensor, torch.nn.Parameter) for w in m.lstm._flat_weights)
+    m.lstm(x)  # usable eagerly
+    whats = [d.why for d in aotkit.explain().of_kind("fallback")]
+    assert any("maps[0]" in w for w in whats) and any("_flat_weights[1]" in w for w in whats)
+
+
+def test_a_refused_trace_records_no_fallback_for_what_it_put_back():
+    class Carry(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = torch.zeros(3)
+
+        def forward(self, x):
+            self.h = torch.tanh(x + self.h)  # a hidden state carried to the next call
+            return self.h * 2
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match="earlier"):
+        aotkit.aot_function(Carry(), compilers.nop)(torch.randn(3))
+    assert not aotkit.explain().of_kind("fallback")
+
+
 def test_a_cached_property_overridden_on_the_instance_is_keyed():
     """The cached value lives in the instance's entry, which the first trace fills (one more
     compile), and which the user may override (m.scale = 10.0: skipping that entry ran the

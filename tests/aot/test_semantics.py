@@ -4112,7 +4112,8 @@ def test_counters_of_other_number_types_are_refused_too():
     """Only int, float and complex counted: a numpy counter ran once per tracing pass, a
     rebuilt dict's counter starting at None ((d["step"] or 0) + 1) read 1 forever, and a
     symbolic size stored under dynamic=True was left in the caller's object. A module passed
-    as an argument may count its calls (as aot_function(model) may)."""
+    as an argument counts too: a warm-up counter it read made every call run the second tracing
+    pass's graph."""
     import types
 
     import numpy as np
@@ -4142,9 +4143,34 @@ def test_counters_of_other_number_types_are_refused_too():
 
     m, x = Counted(2, 2), torch.ones(1, 2)
     m.calls = 0
-    with torch.no_grad():
-        torch.testing.assert_close(aotkit.aot_function(lambda mod, x: mod(x), compilers.nop)(m, x),
-                                   m(x))
+    with torch.no_grad(), pytest.raises(aotkit.errors.UnsupportedError,
+                                        match=r"changes args\[0\]\.calls"):
+        aotkit.aot_function(lambda mod, x: mod(x), compilers.nop)(m, x)
+    assert m.calls == 0
+
+
+def test_modes_options_and_exact_numbers_made_floats_are_not_counters():
+    """An enum mode, a flag made a number, a Fraction made its float: options, not counters."""
+    import enum
+    import fractions
+    import types
+
+    class Phase(enum.IntEnum):
+        WARMUP = 0
+        TRAIN = 1
+
+    def fn(x, st, opts):
+        st.phase = Phase.TRAIN
+        st.ratio = float(st.ratio)
+        opts["label_smoothing"] = 0.1 if opts["label_smoothing"] is True else 0.0
+        return x * st.ratio * (1 - opts["label_smoothing"])
+
+    def args():
+        return torch.ones(3), types.SimpleNamespace(phase=Phase.WARMUP,
+                                                    ratio=fractions.Fraction(1, 4)), \
+            {"label_smoothing": True}
+
+    torch.testing.assert_close(aotkit.aot_function(fn, compilers.nop)(*args()), fn(*args()))
 
 
 def test_a_list_whose_items_shifted_is_put_back_whole():

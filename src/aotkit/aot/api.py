@@ -766,7 +766,7 @@ class AotFunction:
             with dynamo_frames_off(), recording(self._own_modules, held_by_fn) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
-            put_back_containers(held)
+            put_back_containers(held, decide=False)
             changed_values(held_args)
             name_held_tensor(exc, held_tensors)
             raise

@@ -226,7 +226,7 @@ def changed_value(name: str, where: str) -> UnsupportedError:
     """A plain value the function changes in what it was passed (Note [Values changed in
     argument objects])."""
     return UnsupportedError(
-        f"{name} changes {where}, a number it was passed inside an object, list or dict "
+        f"{name} changes {where}, a number it was passed inside an object, module, list or dict "
         "(a step counter: state.step += 1): the compiled graph runs no Python, so the change "
         "would not happen at each call, and tracing made it once per pass (it was put back "
         "as it was).\nFix: pass the value as an argument and return the new one, keep it in "

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import enum
 import logging
 import numbers
 import threading
@@ -315,14 +316,16 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # made it once per pass on an object (step 0 -> 2 at the first call, the graph holding the
 # second pass's bias correction), or not at all on the caller's list or dict, which is rebuilt
 # from its leaves for each trace (so the next call read the old value and ran the same graph):
-# silently wrong from the first step. Such a change (a number of any type but bool, numpy's
-# too, made from a number or a bool, or from None in a rebuilt dict: ``(d["step"] or 0) + 1``;
-# or a symbolic size left there) is put back and the trace refused. Other changes are let be:
-# flags and options set (``st.initialized = True``, ``opts["output_attentions"] = False``,
+# silently wrong from the first step. Such a change (a number of any type but bool or enum,
+# numpy's too, made from another number, or from None in a rebuilt dict: ``(d["step"] or 0) +
+# 1``; or a symbolic size left there) is put back and the trace refused, also on a module
+# passed as an argument (a warm-up counter it reads: every call ran the second pass's
+# graph). Other changes are let be: flags, modes and options set (``st.initialized = True``,
+# ``opts["output_attentions"] = False``, ``st.label_smoothing = 0.1`` where it was True,
 # ``st.lr = float(st.lr)``), values replaced, keys added, removed or reordered
-# (``batch.pop("labels")``), and a module's own counters (``self.calls += 1``, as
-# ``aot_function(model)`` lets them be): the first trace's object keys what the function
-# computes from them.
+# (``batch.pop("labels")``): the first trace's object keys what the function computes from
+# them. The function's own object (``self.calls += 1`` in ``aot_function(model)``) is not
+# an argument: README, known gaps.
 # Note [Tracing tensors left in argument objects]
 # A function may store what it computes in an object it is handed (a key/value cache's
 # ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
@@ -334,7 +337,9 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # is put back as it was, and a trace that otherwise succeeded is refused, naming where the
 # tensor went; a module's (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
 # LSTM's WeightDrop setting its module's weight at every call) gets a "fallback" decision
-# instead, naming aot_module, which sets such tensors after each call. A list of more than 1024 items (a dataset held in an argument) is not
+# instead, naming aot_module, which sets such tensors after each call; so do the lists and
+# dicts a module holds (an LSTM's _flat_weights, which WeightDrop's assignment updates; a list
+# of kept attention maps). A list of more than 1024 items (a dataset held in an argument) is not
 # copied, which would cost every compile, but its length is kept: what the trace appended is
 # taken off again; a bigger dict or object is not looked into.
 _MAX_HELD = 256
@@ -368,7 +373,8 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
             if isinstance(v, torch.nn.Module):  # a module and its submodules' own attributes
                 for sub, m in v.named_modules(prefix=where):
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
-                             (sub, m._buffers, _ModuleAttributes(m._buffers))]
+                             (sub, m._buffers, _ModuleAttributes(m._buffers)),
+                             *_module_containers(sub, m)]
             elif _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _Attributes(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
@@ -384,9 +390,23 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
     return held
 
 
-def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
+#: What every module holds in its __dict__ (parameters, buffers, submodules, hooks).
+_MODULE_OWN = frozenset(torch.nn.Module().__dict__)
+
+
+def _module_containers(where: str, m: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+    """The lists and dicts a module holds besides nn.Module's own (an LSTM's _flat_weights, a
+    list of kept attention maps), with their copies."""
+    return [(f"{where}.{k}", v, _ModuleItems(v, k) if isinstance(v, list)
+             else _ModuleAttributes(v, held_in=k))
+            for k, v in m.__dict__.items()
+            if k not in _MODULE_OWN and type(v) in _COPIED and len(v) <= _MAX_ITEMS]
+
+
+def put_back_containers(held: Iterable[tuple[str, Any, Any]], decide: bool = True) -> list[str]:
     """Put back every container left holding a tracing tensor; where each was (the innermost:
-    an object whose list was put back is not named too)."""
+    an object whose list was put back is not named too). A module's are put back with a
+    decision where ``decide`` (the trace is not refused)."""
     left = []
     for where, container, before in held:
         if isinstance(before, int):  # a long list: its length only
@@ -397,9 +417,12 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
         keys = isinstance(container, dict) and any(map(_tracing, container))
         now = container.items() if isinstance(container, dict) else enumerate(container)
         if keys or (stored := [k for k, x in now if _tracing(x)]):
+            module = not keys and isinstance(before, (_ModuleAttributes, _ModuleItems))
+            names = before.stored(stored, container) if module else []
             _restore(container, before)
-            if not keys and isinstance(before, _ModuleAttributes):
-                _note_module_stores(where, [k for k in stored if k not in before.recomputed])
+            if module:
+                if decide and names:
+                    _note_module_stores(where.removesuffix(f".{before.held_in}"), names)
                 continue
             left.append(f"{where} as a key (a dict looked up by a tensor argument, such as "
                         "opt.state[p], finds its tracing stand-in, never the caller's tensor)"
@@ -413,8 +436,7 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
     [Values changed in argument objects])."""
     changed = []
     for where, container, before in held:
-        # a long list (only its length was kept); a module's own counters (self.calls += 1)
-        if isinstance(before, (int, _ModuleAttributes)):
+        if isinstance(before, int):  # a long list: only its length was kept
             continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
         found = [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
@@ -441,7 +463,7 @@ def _in(container: Any, key: Any) -> bool:
 
 def same_value(old: Any, new: Any, unset_counts: bool = False) -> bool:
     """Whether ``new`` keeps ``old`` as far as Note [Values changed in argument objects] goes:
-    a number (numpy's too; not a bool) made from a number or a bool, or from None where
+    a number (numpy's too; not a bool or an enum) made from another number, or from None where
     ``unset_counts`` (a rebuilt dict's ``(d["step"] or 0) + 1``), and not equal to it, is a
     change (a counter, a step); a flag set, an option filled in, ``int`` made ``float``, any
     other value replaced are not. A symbolic size left there (``st.n = x.shape[0]``) is."""
@@ -449,17 +471,18 @@ def same_value(old: Any, new: Any, unset_counts: bool = False) -> bool:
         return True
     if isinstance(new, (torch.SymInt, torch.SymFloat)):
         return False
-    if not _number(new) or not (_number(old) or isinstance(old, bool)
-                                or (unset_counts and old is None)):
+    if not _number(new) or not (_number(old) or (unset_counts and old is None)):
         return True
     try:
-        return bool(old == new) or (old != old and new != new)  # NaN stays NaN
+        return bool(old == new) or (old != old and new != new) \
+            or float(old) == float(new)  # NaN stays NaN; Fraction(1, 2) made 0.5
     except Exception:
         return False
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, numbers.Number) and not isinstance(value, bool)
+    """A number that may count (not a flag, not an enum member: a mode)."""
+    return isinstance(value, numbers.Number) and not isinstance(value, (bool, enum.Enum))
 
 
 class _Attributes(dict):  # type: ignore[type-arg]
@@ -467,14 +490,34 @@ class _Attributes(dict):  # type: ignore[type-arg]
 
 
 class _ModuleAttributes(_Attributes):
-    """The copy of a module's ``__dict__`` or buffers: put back with a decision, not a refusal
-    (Note [Tracing tensors left in argument objects]), and without one for the attributes a
-    PyTorch pre-hook recomputes from the module's tensors at every call (a pruned ``weight``),
-    which the graph computes itself."""
+    """The copy of a module's ``__dict__`` or buffers, or of a dict it holds under
+    ``held_in``: put back with a decision, not a refusal (Note [Tracing tensors left in
+    argument objects]), and without one for the attributes a PyTorch pre-hook recomputes from
+    the module's tensors at every call (a pruned ``weight``), which the graph computes itself."""
 
-    def __init__(self, attributes: dict[str, Any], recomputed: frozenset[str] = frozenset()):
+    def __init__(self, attributes: dict[str, Any], recomputed: frozenset[str] = frozenset(),
+                 held_in: str = "") -> None:
         super().__init__(attributes)
         self.recomputed = recomputed
+        self.held_in = held_in
+
+    def stored(self, keys: Iterable[Any], now: dict[str, Any]) -> list[str]:
+        """The names of what was stored under ``keys`` (``now`` holds it), for the decision;
+        not a list or dict, whose own copy names what went into it."""
+        if self.held_in:
+            return [f"{self.held_in}[{k!r}]" for k in keys]
+        return [k for k in keys if k not in self.recomputed and type(now[k]) not in _COPIED]
+
+
+class _ModuleItems(list):  # type: ignore[type-arg]
+    """The copy of a list a module holds under ``held_in``: as :class:`_ModuleAttributes`."""
+
+    def __init__(self, items: list[Any], held_in: str) -> None:
+        super().__init__(items)
+        self.held_in = held_in
+
+    def stored(self, keys: Iterable[Any], now: list[Any]) -> list[str]:
+        return [f"{self.held_in}[{k}]" for k in keys]
 
 
 def _note_module_stores(where: str, names: list[str]) -> None:
