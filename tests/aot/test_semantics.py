@@ -237,6 +237,32 @@ def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():
     assert w.grad is not None and x.grad is not None
 
 
+def test_a_tensor_hook_registered_inside_on_an_input_or_parameter_is_refused():
+    """Note [Tensor hooks registered inside]: eager leaves the hook on the caller's tensor,
+    changing its whole gradient at every later backward; traced, it changed the part inside
+    the graph, once (a parameter's lazily installed clipping was lost from the second call)."""
+    class LazyClip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            self.lin.weight.register_hook(lambda g: g.clamp(-0.1, 0.1))
+            return self.lin(x)
+
+    def scaled(x, w):
+        x.register_hook(lambda g: g * 10)
+        return x @ w
+
+    for compiled, args in ((aotkit.aot_module(LazyClip(), compilers.nop), (rand(3, 4),)),
+                           (aotkit.aot_function(scaled, compilers.nop),
+                            (rand(3, 4, grad=True), rand(4, 2, grad=True)))):
+        with pytest.raises(UnsupportedError, match="tensor hook on input") as info:
+            compiled(*args)
+        assert "Fix: register the hook once outside" in str(info.value)
+    assert not args[0]._backward_hooks
+
+
 def test_hooks_behind_an_eager_op_the_loss_does_not_reach_see_a_tensor():
     """The None would reach ``v``'s hook through ``v * 1``'s backward: zeros go there."""
     v = rand(3, grad=True)

@@ -76,7 +76,10 @@ def _tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
 # ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
 # [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
 # is in the graph, and its other Python side effects (appending the gradient to a list) happen
-# once, with tracing tensors. A ``hook`` decision, logged as a warning, names it; Dynamo, which
+# once, with tracing tensors. One on an input (a parameter's lazily installed gradient
+# clipping, ``x.register_hook`` on an argument) stays on the caller's tensor in eager, changing
+# its whole gradient at every later backward: refused. A ``hook`` decision, logged as a
+# warning, names the others; Dynamo, which
 # runs such hooks at every backward, traces its graphs before we see them, so the decision is
 # for aotkit's own traces (aot_function, aot_module).
 def _registered_by_torch() -> bool:
@@ -110,6 +113,17 @@ def _record_tensor_hook(hook: Any) -> None:
         logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
 
 
+def _hook_on_input(index: int) -> UnsupportedError:
+    """A tensor hook registered inside on an input (Note [Tensor hooks registered inside])."""
+    return UnsupportedError(
+        f"the compiled function registers a tensor hook on input {index} (a parameter, or a "
+        f"tensor it is passed; at {current_user_line()}): eager installs it on the caller's "
+        "tensor for good, where it changes the whole gradient (what the tensor gets outside "
+        "the call too) at every later backward; the compiled graph could only apply it to "
+        "the gradient inside, once traced.\nFix: register the hook once outside the compiled "
+        f"function, {_USE_TORCH_COMPILE}.")
+
+
 class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     """See Note [Autograd state inside the function] and Note [Sparse tensors made inside];
     ``f_args`` are the traced inputs."""
@@ -140,6 +154,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
             raise _sparse_refusal(func)
         elif func is torch.Tensor.register_hook and not _registered_by_torch():
+            if id(args[0]) in self.inputs:
+                raise _hook_on_input(self.inputs[id(args[0])])
             _record_tensor_hook(args[1] if len(args) > 1 else (kwargs or {}).get("hook"))
         elif func in _BACKWARD:
             raise UnsupportedError(
