@@ -4552,3 +4552,19 @@ def test_a_selected_elements_gradient_is_eagers_for_any_value(fn, dynamic):
         grads.append(torch.autograd.grad(run(x), x)[0])
     for g in grads[1:]:
         assert torch.equal(g.nan_to_num(7.0), grads[0].nan_to_num(7.0)), (g, grads[0])
+
+
+@torch.library.custom_op("aotkit_test::add_and_scale_", mutates_args=("a", "b"))
+def _add_and_scale_(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    a.add_(c)
+    b.mul_(c)
+
+
+def test_a_custom_op_writing_two_arguments_that_share_memory_names_a_custom_op_fix():
+    """The refusal's fix spoke of optimizers' parameters and foreach=False."""
+    x = rand(4, 3)
+    fn = aotkit.aot_function(lambda a, c: _add_and_scale_(a, a[:], c), compilers.nop)
+    with pytest.raises(UnsupportedError, match="share memory") as info:
+        fn(x, rand(4, 3))
+    assert "Fix: pass tensors that do not share memory" in str(info.value)
+    assert "foreach" not in str(info.value).split("Fix:")[1]

@@ -149,8 +149,10 @@ def check_foreach_writes(func: torch._ops.OpOverload, args: Sequence[Any],
             f"{pair[0]} and {pair[1]} of those it writes: one tensor listed twice, a tied "
             "weight, or overlapping views): eager applies each update in turn, the functional "
             f"graph only the last.\n  at {current_user_line()}\n"
-            "Fix: list each tensor once (deduplicate an optimizer's parameters), or use "
-            "foreach=False.")
+            + ("Fix: list each tensor once (deduplicate an optimizer's parameters), or use "
+               "foreach=False." if "_foreach_" in func.__name__ else
+               "Fix: pass tensors that do not share memory (a .clone() of one), and copy the "
+               "result back after the call if the caller needs it there."))
 
 
 def read_after_written(func: torch._ops.OpOverload, written: Sequence[torch.Tensor],
