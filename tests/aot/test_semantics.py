@@ -3053,6 +3053,26 @@ def test_autocast_regions_inside_the_function_survive_the_callers_autocast():
     assert "CPU autocast changed: torch.bfloat16 -> torch.float16" in str(aotkit.explain())
 
 
+def test_the_autocast_dtype_set_while_autocast_is_off_is_keyed():
+    """``torch.autocast("cpu")`` without a dtype inside takes the one set by
+    ``torch.set_autocast_dtype``, keyed only while autocast was on: the bfloat16 graph ran."""
+
+    def f(x):
+        with torch.autocast("cpu"):
+            return x @ x
+
+    g, x = aotkit.aot_function(f, compilers.nop), torch.randn(4, 4)
+    before = torch.get_autocast_dtype("cpu")
+    try:
+        assert g(x).dtype == torch.bfloat16
+        torch.set_autocast_dtype("cpu", torch.float16)
+        assert g(x).dtype == f(x).dtype == torch.float16
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+    [reason] = aotkit.explain().of_kind("recompile")
+    assert "CPU autocast dtype changed: torch.bfloat16 -> torch.float16" in reason.why
+
+
 def test_compilers_run_outside_the_callers_autocast():
     """A compiler that runs the graph while compiling (Inductor propagates fake tensors through
     it) sees the traced dtypes: the caller's autocast is not applied on top of the casts the

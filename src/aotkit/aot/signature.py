@@ -322,6 +322,8 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         *autocast_state(),  # CPU, CUDA
+        # Read inside even while off: ``torch.autocast("cpu")`` without a dtype takes it.
+        *map(torch.get_autocast_dtype, AUTOCAST_DEVICES),
         # Backend switches decide which kernels a composite op traces to (e.g. LSTM on CPU).
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
@@ -386,6 +388,7 @@ def autocast_state() -> AutocastState:
 _FIELDS = ("dtype", "device", "layout", "requires_grad", "is_leaf", "shape", "stride",
            "conjugate bit", "negative bit", "type")
 _MODES = ("grad mode", "inference mode", "CPU autocast", "CUDA autocast",
+          "CPU autocast dtype", "CUDA autocast dtype",
           "torch.backends.mkldnn.enabled", "torch.backends.cudnn.enabled",
           "deterministic algorithms", "the default dtype")
 
@@ -441,8 +444,10 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
     if old[2] != new[2] and all(old[1][i] == new[1][i] for i in grouped):  # else said above
         found.append(f"the tensors passed more than once changed: {_repeated(old[2], names)} "
                      f"-> {_repeated(new[2], names)}")
-    found += [f"{mode} changed: {x} -> {y}"
-              for mode, x, y in zip(_MODES, old[3:-1], new[3:-1], strict=True) if x != y]
+    modes = {mode: (x, y) for mode, x, y in zip(_MODES, old[3:-1], new[3:-1], strict=True)
+             if x != y}
+    found += [f"{mode} changed: {x} -> {y}" for mode, (x, y) in modes.items()
+              if not (mode.endswith("autocast dtype") and mode[:-6] in modes)]  # said there
     return found + config_changes(old[-1], new[-1])
 
 
