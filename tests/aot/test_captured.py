@@ -736,6 +736,24 @@ def test_lists_and_dicts_a_module_holds_are_put_back_too():
     assert any("maps[0]" in w for w in whats) and any("_flat_weights[1]" in w for w in whats)
 
 
+def test_a_tensor_stored_on_a_module_the_function_calls_is_put_back():
+    """A forward hook keeping an activation on a module the function closes over (called
+    directly or through functional_call), and old-style weight_norm's weight, stayed
+    FunctionalTensors or fake tensors on the module (raw errors at the next eager use)."""
+    from torch.func import functional_call
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    m[0].register_forward_hook(lambda mod, i, o: setattr(mod, "feat", o.detach()))
+    frozen = torch.nn.utils.weight_norm(torch.nn.Linear(4, 3)).requires_grad_(False)
+    aotkit.aot_function(lambda p, x: functional_call(m, p, (x,)), compilers.nop)(
+        dict(m.named_parameters()), torch.randn(3, 4))
+    aotkit.aot_function(lambda x: frozen(x), compilers.nop)(torch.randn(5, 4))
+    assert not hasattr(m[0], "feat")
+    assert type(frozen.__dict__["weight"]) is torch.Tensor
+    frozen.weight.sum()  # usable eagerly
+    assert [d.what for d in aotkit.explain().of_kind("fallback")] == ["Sequential.0"]
+
+
 def test_a_refused_trace_records_no_fallback_for_what_it_put_back():
     class Carry(torch.nn.Module):
         def __init__(self):

@@ -759,10 +759,11 @@ class AotFunction:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
         held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
+        held_by_fn = held_modules(self.fn) if self._own_modules is None else []
         held = [*held_args, *argument_containers(
-            [*captured, *(("self", owner) for owner in self._captured.owners)], held_tensors)]
+            [*captured, *(("self", owner) for owner in self._captured.owners),
+             *((type(m).__name__, m) for m in held_by_fn)], held_tensors)]
         try:
-            held_by_fn = held_modules(self.fn) if self._own_modules is None else []
             with dynamo_frames_off(), recording(self._own_modules, held_by_fn) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
