@@ -4195,6 +4195,25 @@ def test_counters_of_other_number_types_are_refused_too():
     assert m.calls == 0
 
 
+def test_symbolic_sizes_stored_anew_in_an_argument_object_are_refused():
+    """Only numbers already there were compared: a new attribute, an appended item or a
+    comparison of sizes was left holding the dead trace's symbols (``torch.zeros(st.n)``
+    then raised a raw error, ``sum(st.sizes)`` gave ``2*s0``)."""
+    import types
+
+    def fn(x, st):
+        st.n = x.shape[0]
+        st.sizes.append(x.shape[0])
+        st.big = x.shape[0] > 2
+        return x * 2
+
+    st = types.SimpleNamespace(sizes=[])
+    with pytest.raises(aotkit.errors.UnsupportedError, match="symbolic size") as info:
+        aotkit.aot_function(fn, compilers.nop, dynamic=True)(torch.randn(4, 3), st)
+    assert "args[1].n" in str(info.value) and "args[1].sizes[0]" in str(info.value)
+    assert vars(st) == {"sizes": []}
+
+
 def test_modes_options_and_exact_numbers_made_floats_are_not_counters():
     """An enum mode, a flag made a number, a Fraction made its float: options, not counters."""
     import enum

@@ -227,11 +227,13 @@ def changed_value(name: str, where: str) -> UnsupportedError:
     argument objects])."""
     return UnsupportedError(
         f"{name} changes {where}, a number it was passed inside an object, module, list or dict "
-        "(a step counter: state.step += 1): the compiled graph runs no Python, so the change "
-        "would not happen at each call, and tracing made it once per pass (it was put back "
-        "as it was).\nFix: pass the value as an argument and return the new one, keep it in "
-        "a tensor changed in place (state.step = torch.zeros(()); state.step.add_(1)), or use "
-        "torch.compile(fn, backend='aotkit'), which replays such changes.")
+        "(a step counter: state.step += 1), or stores a symbolic size there (st.n = "
+        "x.shape[0] under dynamic=True): the compiled graph runs no Python, so the change "
+        "would not happen at each call, and tracing made it once per pass, with the trace's "
+        "symbols (it was put back as it was).\nFix: pass the value as an argument and return "
+        "the new one (a size: return it, or read it from the output after the call), keep it "
+        "in a tensor changed in place (state.step = torch.zeros(()); state.step.add_(1)), or "
+        "use torch.compile(fn, backend='aotkit'), which replays such changes.")
 
 
 def shown_name(fn: Any) -> str:

@@ -439,12 +439,26 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
         if isinstance(before, int):  # a long list: only its length was kept
             continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
-        found = [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
-                 for k, old in items if _in(container, k) and not same_value(old, container[k])]
+        now = container.items() if isinstance(container, dict) else enumerate(container)
+        found = [k for k, old in items if _in(container, k) and not same_value(old, container[k])]
+        found += [k for k, x in now if _symbolic(x) and k not in found and (
+            not _in(before, k) or before[k] is not x)]  # a size stored anew, appended
         if found:
             _restore(container, before)
-        changed += found
+        changed += [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
+                    for k in found]
     return changed
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _symbolic(value: Any) -> bool:
+    """A symbolic size or a comparison of one (``x.shape[0] > 2``), alone or in a list or
+    tuple: a dead trace's symbol, useless to the caller."""
+    if type(value) in (list, tuple):
+        return any(isinstance(x, _SYMBOLIC) for x in value)
+    return isinstance(value, _SYMBOLIC)
 
 
 def _restore(container: Any, before: Any) -> None:
