@@ -722,6 +722,7 @@ def test_lists_and_dicts_a_module_holds_are_put_back_too():
             a = self.lstm(x)[0]
             self.maps.append(a.detach())
             self.stats["last"] = a.detach()
+            self.kept, self.cache = [a.detach()], {"last": [a.detach()]}  # replaced anew
             return a
 
     m, x = Keeps(), torch.randn(5, 2, 4)
@@ -731,9 +732,11 @@ def test_lists_and_dicts_a_module_holds_are_put_back_too():
     assert len(m.maps) == 1 and type(m.maps[0]) is torch.Tensor  # eager's call's only
     assert type(m.stats["last"]) is torch.Tensor
     assert all(type(w) in (torch.Tensor, torch.nn.Parameter) for w in m.lstm._flat_weights)
+    assert type(m.kept[0]) is torch.Tensor and type(m.cache["last"][0]) is torch.Tensor
     m.lstm(x)  # usable eagerly
     whats = [d.why for d in aotkit.explain().of_kind("fallback")]
     assert any("maps[0]" in w for w in whats) and any("_flat_weights[1]" in w for w in whats)
+    assert any("into kept, cache" in w for w in whats)
 
 
 def test_a_tensor_stored_on_a_module_the_function_calls_is_put_back():

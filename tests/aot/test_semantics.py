@@ -4593,6 +4593,33 @@ def test_a_selected_elements_gradient_is_eagers_for_any_value(fn, dynamic):
         assert torch.equal(g.nan_to_num(7.0), grads[0].nan_to_num(7.0)), (g, grads[0])
 
 
+def test_a_selection_under_forward_ad_or_of_a_subclass_keeps_pytorchs_formula():
+    """_Selected has no forward-mode formula (a raw NotImplementedError, and the dual level
+    left open); a subclass's eager gradient is the mask's (NaN for an infinite gradient)."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def dual(x):
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(fwAD.make_dual(x, torch.ones_like(x)).max() * 2)
+        return primal + tangent * x.sum()
+
+    x = torch.tensor([[0.0, 1.0, 3.0], [0.5, 2.0, 1.0]], requires_grad=True)
+    for run in (aotkit.aot_function(dual, compilers.nop), torch.compile(dual, backend="aotkit")):
+        assert torch.equal(run(x), dual(x))
+
+    def sqrt_max(t):
+        return t.max().sqrt() * 2
+
+    grads = []
+    for run in (sqrt_max, aotkit.aot_function(sqrt_max, compilers.nop)):
+        t = TwoTensor(torch.tensor([0.0, 0.0, -1.0]), torch.tensor([1.0, 0.0, 2.0]))
+        t.requires_grad_()
+        run(t).sum().backward()
+        grads.append(t.grad.a)
+    assert torch.equal(grads[1].nan_to_num(7.0), grads[0].nan_to_num(7.0))
+
+
 @torch.library.custom_op("aotkit_test::add_and_scale_", mutates_args=("a", "b"))
 def _add_and_scale_(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     a.add_(c)

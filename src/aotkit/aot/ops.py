@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from aotkit import compat
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.simplify import known_equal
+from aotkit.aot.subclass import is_subclass
 from aotkit.errors import UnsupportedError
 
 
@@ -415,9 +416,7 @@ class EagerOps(torch.overrides.TorchFunctionMode):
                 return _rnn_by_layer(func, args)
             out, *states = func(*args)  # torch 2.11's decomposition: (layers, directions, ...)
             return (out, *(s.flatten(0, -3) if s.dim() == 4 else s for s in states))
-        elif func in _SELECTING and len(args) == 1 and not kwargs and args[0].requires_grad \
-                and args[0].device.type == "cpu" and torch.is_grad_enabled() \
-                and torch._C._functorch.peek_interpreter_stack() is None:
+        elif func in _SELECTING and len(args) == 1 and not kwargs and _eager_cpu_select(args[0]):
             return _Selected.apply(args[0], func)
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
                 and not args[0].requires_grad \
@@ -436,6 +435,15 @@ class EagerOps(torch.overrides.TorchFunctionMode):
 # selects the NaNs).
 _SELECTING = frozenset({torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, torch.median,
                         torch.Tensor.median, torch.nanmedian, torch.Tensor.nanmedian})
+
+
+def _eager_cpu_select(x: torch.Tensor) -> bool:
+    """Whether eager's CPU formula differentiates a selection of ``x`` (Note [Gradients of a
+    selected element]): reverse mode only (_Selected has no forward-mode formula), outside
+    torch.func transforms, not a subclass of the user's (whose eager formula is the mask's)."""
+    return x.requires_grad and x.device.type == "cpu" and torch.is_grad_enabled() \
+        and torch._VF._unpack_dual(x, 0).tangent is None and not is_subclass(x) \
+        and torch._C._functorch.peek_interpreter_stack() is None
 
 
 class _Selected(torch.autograd.Function):

@@ -520,7 +520,8 @@ class _ModuleAttributes(_Attributes):
         not a list or dict, whose own copy names what went into it."""
         if self.held_in:
             return [f"{self.held_in}[{k!r}]" for k in keys]
-        return [k for k in keys if k not in self.recomputed and type(now[k]) not in _COPIED]
+        return [k for k in keys if k not in self.recomputed
+                and (type(now[k]) not in _COPIED or self.get(k) is not now[k])]
 
 
 class _ModuleItems(list):  # type: ignore[type-arg]
@@ -556,9 +557,11 @@ def recomputed(module: torch.nn.Module) -> frozenset[str]:
                      if isinstance(h, (BasePruningMethod, SpectralNorm, WeightNorm)))
 
 
-def _tracing(value: Any) -> bool:
-    if type(value) in (list, tuple):  # type(): a dead weakref.proxy's __class__ raises
-        return any(issubclass(type(x), (FakeTensor, FunctionalTensor)) for x in value)
+def _tracing(value: Any, depth: int = 2) -> bool:
+    """A tracing tensor, or a list, tuple or dict holding one (two levels: ``{"l": [t]}``)."""
+    if depth and type(value) in (list, tuple, dict):  # type(): a dead weakref.proxy's
+        items = value.values() if type(value) is dict else value  # __class__ raises
+        return any(_tracing(x, depth - 1) for x in items)
     return issubclass(type(value), (FakeTensor, FunctionalTensor))
 
 
