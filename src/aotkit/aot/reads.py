@@ -445,8 +445,8 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
             not _in(before, k) or before[k] is not x)]  # a size stored anew, appended
         if found:
             _restore(container, before)
-        changed += [f"{where}.{k}" if isinstance(before, _Attributes) else f"{where}[{k!r}]"
-                    for k in found]
+        attributes = isinstance(before, _Attributes) and not getattr(before, "held_in", "")
+        changed += [f"{where}.{k}" if attributes else f"{where}[{k!r}]" for k in found]
     return changed
 
 
