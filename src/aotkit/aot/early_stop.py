@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
+from aotkit.aot.ops import tensors_in
 from aotkit.aot.untraceable import nodes_below
 from aotkit.compat import StorageWeakRef
 
@@ -136,10 +136,10 @@ class SaveWatch(TorchFunctionMode):
         if torch.compiler.is_dynamo_compiling():  # eager torch.cond's branches: Dynamo's trace
             return out
         with torch._C.DisableTorchFunction():  # reading grad_fn is a torch function too
-            for t in pytree.tree_leaves((args, kwargs)):
+            for t in tensors_in((args, kwargs)):
                 if type(t) is torch.Tensor and t.dim() == 0:  # a constant, not a number
                     self.order.given[id(t)] = t
-            self.order.saw(n for t in pytree.tree_leaves(out) if (n := _grad_fn(t)) is not None)
+            self.order.saw(n for t in tensors_in(out) if (n := _grad_fn(t)) is not None)
         return out
 
 

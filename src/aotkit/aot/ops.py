@@ -317,13 +317,32 @@ def written_by(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torc
     in training writes its running statistics without saying so."""
     if func is torch.ops.aten.native_batch_norm.default and args[5]:
         return [t for t in args[3:5] if isinstance(t, torch.Tensor)]
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        written += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return written
+    return tensors_in([args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+                       for i, name, kwarg_only in _written_arguments(func)])
+
+
+@functools.cache
+def _written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    """Position, name and keyword-onliness of each argument ``func`` writes (read once: a
+    schema's argument list is made anew at every access)."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (tuples, lists and dicts of them), in
+    order; per traced op, where pytree's general flattening took a tenth of a trace."""
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(x.values()))
+    return found
 
 
 # Note [Dtypes of out= arguments]

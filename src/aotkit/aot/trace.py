@@ -48,6 +48,7 @@ from aotkit.aot.ops import (
     note_unfold,
     out_in_eager_layout,
     overlaps_itself,
+    tensors_in,
     through_unfold_gaps,
     writes_out_argument,
     written_by,
@@ -430,14 +431,14 @@ class _OutsideTensorGuard(TorchDispatchMode):
         if func.namespace not in ("aten", "prims", "prim"):  # PyTorch's own: never without
             note_no_autograd_kernel(func, args, kwargs, self.what, self.without_autograd_kernel)
         self._check_generators(func, args, kwargs)
-        self.check_kept(f"{func} reads it", _tensors((args, kwargs)))
+        self.check_kept(f"{func} reads it", tensors_in((args, kwargs)))
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
         args = in_eager_indices(func, args)
         kwargs = in_eager_devices(kwargs)
         out = out_in_eager_layout(func, args, self._run(func, args, kwargs))
         if not func.is_view and self._constants_only(args, kwargs):
             out = _functional_values(out)
-        for t in _tensors(out):
+        for t in tensors_in(out):
             if isinstance(t, FunctionalTensor):
                 t._aotkit_pass = self.pass_id
         self._check_grad_reads(func, args, kwargs, out)
@@ -450,13 +451,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _constants_only(self, args: Any, kwargs: Any) -> bool:
         """Whether every tensor argument is an outside tensor or a view of one, and there is
         one (Note [Values computed from constants])."""
-        tensors = _tensors((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         return bool(tensors) and all(self._outside(t) is not None for t in tensors)
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
-        bases = [b for b in map(self._outside, _tensors((args, kwargs))) if b is not None]
+        bases = [b for b in map(self._outside, tensors_in((args, kwargs))) if b is not None]
         if bases:
-            self.views.update((id(t), (t, bases[0])) for t in _tensors(out)
+            self.views.update((id(t), (t, bases[0])) for t in tensors_in(out)
                               if not isinstance(t, FunctionalTensor))
 
     def _outside(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -513,13 +514,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
         """After a read (reads have no effects): a gradient could flow back to an outside tensor
         that requires grad only through floating outputs of an op that is differentiable. Every
         outside tensor read is noted (Note [What a trace reads besides its inputs])."""
-        outside = [(t, base) for t in _tensors((args, kwargs))
+        outside = [(t, base) for t in tensors_in((args, kwargs))
                    if (base := self._outside(t)) is not None]
         if not outside:
             return
         # comparisons, indices, .item(): no gradient to lose
         grad = torch.is_grad_enabled() and func not in _GRADLESS_READS and any(
-            t.is_floating_point() or t.is_complex() for t in _tensors(out))
+            t.is_floating_point() or t.is_complex() for t in tensors_in(out))
         for t, base in outside:
             if grad and t.requires_grad and self._wholly_outside(t):
                 raise self._refusal(t, f"requires grad ({func} reads it)",
@@ -590,7 +591,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         the one made while tracing and carry its state from call to call, where eager starts
         each call from the seed. Also: the default generator reseeded inside (Note [Global
         state the function leaves changed]), which tracing never advances."""
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves = pytree.tree_leaves((args, kwargs)) if _takes_generator(func) else ()
         if torch.Tag.nondeterministic_seeded in func.tags and self.seeds is not None \
                 and not any(isinstance(g, torch.Generator) for g in leaves):
             if self.seeds.reseeded():
@@ -650,6 +651,11 @@ def _functional_values(out: Any) -> Any:
     return pytree.tree_map_only(FakeTensor, FunctionalTensor.to_functional, out)
 
 
+@functools.cache
+def _takes_generator(func: torch._ops.OpOverload) -> bool:
+    return any("Generator" in str(a.type) for a in func._schema.arguments)
+
+
 _PASS_IDS = itertools.count()
 
 _GUARD: contextvars.ContextVar[_OutsideTensorGuard | None] = contextvars.ContextVar(
@@ -685,10 +691,6 @@ def _has_tangent(t: torch.Tensor) -> bool:
                                            torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
     with _disable_current_modes(), keys:
         return fwAD.unpack_dual(t).tangent is not None
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def trace_joint(

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
-from aotkit.aot.ops import written_by
+from aotkit.aot.ops import tensors_in, written_by
 from aotkit.compat import StorageWeakRef
 from aotkit.errors import UnsupportedError
 
@@ -395,7 +394,7 @@ def note_no_autograd_kernel(func: torch._ops.OpOverload, args: Any, kwargs: Any,
             torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
             for key in ("Autograd", "AutogradCPU", "AutogradCUDA")):
         return
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = tensors_in((args, kwargs))
     if any(t.requires_grad for t in tensors):
         seen.add(func.name())
         if any(t.requires_grad for t in written_by(func, args, kwargs)):
