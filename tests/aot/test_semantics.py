@@ -262,6 +262,23 @@ def test_a_tensor_hook_registered_inside_on_an_input_or_parameter_is_refused():
         assert "Fix: register the hook once outside" in str(info.value)
     assert not args[0]._backward_hooks
 
+    def removed(x):  # never reaches the caller's tensor
+        handle = x.register_hook(lambda g: g * 10)
+        handle.remove()
+        return x.sin()
+
+    def made_by_the_caller(h):  # scales what the function sends back, as eager
+        h.register_hook(lambda g: g * 0.5)
+        return h.sin()
+
+    for fn in (removed, made_by_the_caller):
+        grads = []
+        for run in (fn, aotkit.aot_function(fn, compilers.nop)):
+            x = torch.linspace(-1, 1, 3, requires_grad=True)
+            run(x if fn is removed else x * 2).sum().backward()
+            grads.append(x.grad)
+        assert torch.equal(grads[1], grads[0])
+
 
 def test_hooks_behind_an_eager_op_the_loss_does_not_reach_see_a_tensor():
     """The None would reach ``v``'s hook through ``v * 1``'s backward: zeros go there."""

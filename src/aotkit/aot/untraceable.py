@@ -75,19 +75,23 @@ def _tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
 # ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
 # [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
 # is in the graph, and its other Python side effects (appending the gradient to a list) happen
-# once, with tracing tensors. One on an input (a parameter's lazily installed gradient
-# clipping, ``x.register_hook`` on an argument) stays on the caller's tensor in eager, changing
-# its whole gradient at every later backward: refused. A ``hook`` decision, logged as a
-# warning, names the others; Dynamo, which
+# once, with tracing tensors. One left on a leaf input (a parameter's lazily installed
+# gradient clipping, ``x.register_hook`` on a leaf argument) stays on the caller's tensor in
+# eager, changing its whole gradient at every later backward: refused (one removed before the
+# function returns is not). On an input the caller computed, it is traced as on any other
+# tensor: it changes the gradient the function sends that input, not what the input gets from
+# elsewhere. A ``hook`` decision, logged as a warning, names these; Dynamo, which
 # runs such hooks at every backward, traces its graphs before we see them, so the decision is
 # for aotkit's own traces (aot_function, aot_module).
 def _registered_by_torch() -> bool:
     """Whether PyTorch's own code registers the hook (a module's full backward hooks, Note
     [Module hooks], checkpointing), not the user's."""
-    frame = sys._getframe()
-    while frame is not None and frame.f_code is not _REGISTER_HOOK_CODE:
+    frame, outermost = sys._getframe(), None
+    while frame is not None:  # the outermost call: our own modes call it again
+        if frame.f_code is _REGISTER_HOOK_CODE:
+            outermost = frame
         frame = frame.f_back
-    caller = frame.f_back if frame is not None else None
+    caller = outermost.f_back if outermost is not None else None
     return caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(TORCH_DIR)
 
 
@@ -116,11 +120,11 @@ def _hook_on_input(index: int) -> UnsupportedError:
     """A tensor hook registered inside on an input (Note [Tensor hooks registered inside])."""
     return UnsupportedError(
         f"the compiled function registers a tensor hook on input {index} (a parameter, or a "
-        f"tensor it is passed; at {current_user_line()}): eager installs it on the caller's "
-        "tensor for good, where it changes the whole gradient (what the tensor gets outside "
-        "the call too) at every later backward; the compiled graph could only apply it to "
-        "the gradient inside, once traced.\nFix: register the hook once outside the compiled "
-        f"function, {_USE_TORCH_COMPILE}.")
+        f"leaf tensor it is passed; at {current_user_line()}) and leaves it there: eager "
+        "installs it on the caller's tensor for good, where it changes the whole gradient "
+        "(what the tensor gets outside the call too) at every later backward; the compiled "
+        "graph could only apply it to the gradient inside, once traced.\nFix: register the "
+        f"hook once outside the compiled function, {_USE_TORCH_COMPILE}.")
 
 
 class RefuseUntraceable(torch.overrides.TorchFunctionMode):
@@ -133,6 +137,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         self.leaves = {id(f): _is_leaf(a) for a, f in zip(args, f_args, strict=True)
                        if isinstance(a, torch.Tensor)}
         self.hooks = _top_hooks()
+        self.leaf_hooks: list[tuple[int, torch.Tensor, Any]] = []  # Note [Tensor hooks ...]
         self.sparse_from_grads: dict[int, torch.Tensor] = {}  # held: ids stay unique
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -153,8 +158,10 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
             raise _sparse_refusal(func)
         elif func is torch.Tensor.register_hook and not _registered_by_torch():
-            if id(args[0]) in self.inputs:
-                raise _hook_on_input(self.inputs[id(args[0])])
+            if self.leaves.get(id(args[0])):  # refused if still there at the end
+                handle = func(*args, **(kwargs or {}))
+                self.leaf_hooks.append((self.inputs[id(args[0])], args[0], handle))
+                return handle
             _record_tensor_hook(args[1] if len(args) > 1 else (kwargs or {}).get("hook"))
         elif func in _BACKWARD:
             raise UnsupportedError(
@@ -167,6 +174,12 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         if isinstance(out, torch.Tensor):
             self._follow_sparse(func, out, _tensors(args, kwargs or {}))
         return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for index, t, handle in self.leaf_hooks:
+            if exc[0] is None and handle.id in (t._backward_hooks or {}):
+                raise _hook_on_input(index)
 
     def _follow_sparse(self, func: Any, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """A sparse tensor made from tensors requiring grad may be returned, not computed with:
