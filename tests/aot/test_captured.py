@@ -4,6 +4,7 @@ change recompiles (naming it), and values the function changes itself do not."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -723,6 +724,7 @@ def test_lists_and_dicts_a_module_holds_are_put_back_too():
             self.maps.append(a.detach())
             self.stats["last"] = a.detach()
             self.kept, self.cache = [a.detach()], {"last": [a.detach()]}  # replaced anew
+            self.state = collections.OrderedDict(h=a.detach())
             return a
 
     m, x = Keeps(), torch.randn(5, 2, 4)
@@ -733,6 +735,7 @@ def test_lists_and_dicts_a_module_holds_are_put_back_too():
     assert type(m.stats["last"]) is torch.Tensor
     assert all(type(w) in (torch.Tensor, torch.nn.Parameter) for w in m.lstm._flat_weights)
     assert type(m.kept[0]) is torch.Tensor and type(m.cache["last"][0]) is torch.Tensor
+    assert type(m.state["h"]) is torch.Tensor
     m.lstm(x)  # usable eagerly
     whats = [d.why for d in aotkit.explain().of_kind("fallback")]
     assert any("maps[0]" in w for w in whats) and any("_flat_weights[1]" in w for w in whats)

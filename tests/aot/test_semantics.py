@@ -4230,6 +4230,23 @@ def test_symbolic_sizes_stored_anew_in_an_argument_object_are_refused():
     assert "args[1].n" in str(info.value) and "args[1].sizes[0]" in str(info.value)
     assert vars(st) == {"sizes": []}
 
+    def sizes(x, st):  # a torch.Size, a size in a dict
+        st.shape, st.info = x.shape, {"rows": x.shape[0]}
+        return x * 2
+
+    class Keeps(nn.Module):  # the function's own module
+        def forward(self, x):
+            self.seq_len = x.shape[0]
+            return x * 2
+
+    st, model = types.SimpleNamespace(), Keeps()
+    for call in (lambda: aotkit.aot_function(sizes, compilers.nop, dynamic=True)(
+                     torch.randn(4, 3), st),
+                 lambda: aotkit.aot_function(model, compilers.nop, dynamic=True)(torch.randn(4))):
+        with pytest.raises(aotkit.errors.UnsupportedError, match="symbolic size"):
+            call()
+    assert vars(st) == {} and not hasattr(model, "seq_len")
+
 
 def test_modes_options_and_exact_numbers_made_floats_are_not_counters():
     """An enum mode, a flag made a number, a Fraction made its float: options, not counters."""

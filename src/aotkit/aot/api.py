@@ -49,6 +49,7 @@ from aotkit.aot.reads import (
     changed_values,
     put_back_containers,
     recording,
+    symbolic_values,
 )
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.saved import saved_for_backward
@@ -769,12 +770,13 @@ class AotFunction:
         except BaseException as exc:
             put_back_containers(held, decide=False)
             changed_values(held_args)
+            symbolic_values(held[len(held_args):])
             name_held_tensor(exc, held_tensors)
             raise
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]
         stored = put_back_containers(held)
-        if changed := changed_values(held_args):
+        if changed := changed_values(held_args) + symbolic_values(held[len(held_args):]):
             raise changed_value(self.name, ", ".join(changed))
         if stored:
             raise stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "

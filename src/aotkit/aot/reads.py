@@ -430,7 +430,13 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]], decide: bool = Tru
     return [w for w in left if not any(o.startswith((f"{w}.", f"{w}[")) for o in left)]
 
 
-def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
+def symbolic_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
+    """Where a held container (of the function's own objects and the modules it calls too)
+    was left holding a symbolic size; put back as it was."""
+    return changed_values(held, numbers=False)
+
+
+def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True) -> list[str]:
     """Where a held object's attribute, or a held list's or dict's item, holds a number other
     than before the trace (``state.step += 1``); the container is put back as it was (Note
     [Values changed in argument objects])."""
@@ -440,7 +446,8 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
             continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
         now = container.items() if isinstance(container, dict) else enumerate(container)
-        found = [k for k, old in items if _in(container, k) and not same_value(old, container[k])]
+        found = [k for k, old in items
+                 if _in(container, k) and not same_value(old, container[k])] if numbers else []
         found += [k for k, x in now if _symbolic(x) and k not in found and (
             not _in(before, k) or before[k] is not x)]  # a size stored anew, appended
         if found:
@@ -453,12 +460,14 @@ def changed_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _symbolic(value: Any) -> bool:
-    """A symbolic size or a comparison of one (``x.shape[0] > 2``), alone or in a list or
-    tuple: a dead trace's symbol, useless to the caller."""
-    if type(value) in (list, tuple):
-        return any(isinstance(x, _SYMBOLIC) for x in value)
-    return isinstance(value, _SYMBOLIC)
+def _symbolic(value: Any, depth: int = 2) -> bool:
+    """A symbolic size or a comparison of one (``x.shape[0] > 2``), alone or in a list, tuple
+    (a ``torch.Size``) or dict, two levels: a dead trace's symbol, useless to the caller."""
+    kind = type(value)  # not __class__: a dead weakref.proxy's raises
+    if depth and issubclass(kind, (list, tuple, dict)):
+        items = value.values() if issubclass(kind, dict) else value
+        return any(_symbolic(x, depth - 1) for x in items)
+    return issubclass(kind, _SYMBOLIC)
 
 
 def _restore(container: Any, before: Any) -> None:
@@ -558,11 +567,13 @@ def recomputed(module: torch.nn.Module) -> frozenset[str]:
 
 
 def _tracing(value: Any, depth: int = 2) -> bool:
-    """A tracing tensor, or a list, tuple or dict holding one (two levels: ``{"l": [t]}``)."""
-    if depth and type(value) in (list, tuple, dict):  # type(): a dead weakref.proxy's
-        items = value.values() if type(value) is dict else value  # __class__ raises
+    """A tracing tensor, or a list, tuple or dict (a namedtuple, an OrderedDict, a model
+    output) holding one, two levels: ``{"l": [t]}``."""
+    kind = type(value)  # not __class__: a dead weakref.proxy's raises
+    if depth and issubclass(kind, (list, tuple, dict)):
+        items = value.values() if issubclass(kind, dict) else value
         return any(_tracing(x, depth - 1) for x in items)
-    return issubclass(type(value), (FakeTensor, FunctionalTensor))
+    return issubclass(kind, (FakeTensor, FunctionalTensor))
 
 
 def global_hook_tables() -> tuple[dict[int, Any], ...]:
