@@ -757,7 +757,18 @@ def test_a_tensor_stored_on_a_module_the_function_calls_is_put_back():
     assert not hasattr(m[0], "feat")
     assert type(frozen.__dict__["weight"]) is torch.Tensor
     frozen.weight.sum()  # usable eagerly
-    assert [d.what for d in aotkit.explain().of_kind("fallback")] == ["Sequential.0"]
+    assert [d.what for d in aotkit.explain().of_kind("fallback")] == ["the closed-over m.0"]
+
+    log = []
+
+    def logs(x):  # a closed-over list the function appends a tensor to
+        y = x * 2
+        log.append(y.detach())
+        return y
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match="closed-over log"):
+        aotkit.aot_function(logs, compilers.nop)(torch.ones(2))
+    assert log == []
 
 
 def test_a_refused_trace_records_no_fallback_for_what_it_put_back():

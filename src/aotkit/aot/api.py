@@ -39,7 +39,7 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
-from aotkit.aot.captured import Captured, captured_values, held_modules
+from aotkit.aot.captured import Captured, captured_values, held_values
 from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
@@ -760,12 +760,13 @@ class AotFunction:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
         held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
-        held_by_fn = held_modules(self.fn) if self._own_modules is None else []
+        held_by_fn = held_values(self.fn) if self._own_modules is None else []
         held = [*held_args, *argument_containers(
-            [*captured, *(("self", owner) for owner in self._captured.owners),
-             *((type(m).__name__, m) for m in held_by_fn)], held_tensors)]
+            [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
+            held_tensors)]
         try:
-            with dynamo_frames_off(), recording(self._own_modules, held_by_fn) as reads:
+            with dynamo_frames_off(), recording(self._own_modules, [
+                    v for _, v in held_by_fn if issubclass(type(v), nn.Module)]) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held, decide=False)

@@ -456,12 +456,16 @@ def _attribute(owner: Any, name: str) -> Any:
     return _UNSET
 
 
-def held_modules(fn: Callable[..., Any]) -> list[torch.nn.Module]:
-    """The modules ``fn``'s code loads from its globals or closes over, as they are now (a
-    ModuleList it loops over: Note [What a trace reads besides its inputs])."""
+def held_values(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """The values ``fn``'s code loads from its globals or closes over, as they are now, named
+    (``the global activations``, ``the closed-over trainer``)."""
     values = []
     for level, owner in _levels(fn):
         if isinstance(level, types.FunctionType) and owner is None:
-            values += [level.__globals__.get(name) for name in _global_loads(level.__code__)]
-            values += [_contents(cell) for cell in level.__closure__ or ()]
-    return [v for v in values if issubclass(type(v), torch.nn.Module)]  # not v.__class__
+            values += [(f"the global {name}", level.__globals__.get(name))
+                       for name in sorted(_global_loads(level.__code__))]
+            values += [(f"the closed-over {name}", _contents(cell))
+                       for name, cell in zip(level.__code__.co_freevars, level.__closure__ or (),
+                                             strict=True)]
+    return values
+

@@ -355,27 +355,27 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
     dicts reachable from the named ``values``, ``(where, list, length)`` for long lists (Note
     [Tracing tensors left in argument objects]); ``tensors`` gets where each tensor held in
     them is, by id."""
-    from aotkit.aot.signature import _plain_object
-
     held: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
-    level = [(name, v) for name, v in values if not isinstance(v, torch.Tensor)]
+    # type(), not isinstance: a global or closed-over proxy's __class__ may raise
+    level = [(name, v) for name, v in values if not issubclass(type(v), torch.Tensor)]
     for depth in range(4):  # three levels of containers, and the tensors in the last
         below: list[tuple[str, Any]] = []
         for where, v in level:
-            if isinstance(v, torch.Tensor):
+            module = issubclass(type(v), torch.nn.Module)
+            if issubclass(type(v), torch.Tensor):
                 if tensors is not None:
                     tensors.setdefault(id(v), where)
                 continue
-            if depth == 3 or id(v) in seen or len(held) >= _MAX_HELD:
-                continue
+            if depth == 3 or id(v) in seen or (len(held) >= _MAX_HELD and not module):
+                continue  # modules always: a big one first left the next one unheld
             seen.add(id(v))
-            if isinstance(v, torch.nn.Module):  # a module and its submodules' own attributes
+            if module:  # a module and its submodules' own attributes
                 for sub, m in v.named_modules(prefix=where):
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers)),
                              *_module_containers(sub, m)]
-            elif _plain_object(v) and len(v.__dict__) <= _MAX_ITEMS:
+            elif _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _Attributes(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
             elif type(v) is list and len(v) > _MAX_ITEMS:
@@ -388,6 +388,17 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
                 below += [(f"{where}[{k}]", x) for k, x in enumerate(v)]
         level = below
     return held
+
+
+def _safely_plain(value: Any) -> bool:
+    """:func:`aotkit.aot.signature._plain_object`, False for an object that raises when
+    looked at (a proxy whose ``__class__`` raises)."""
+    from aotkit.aot.signature import _plain_object
+
+    try:
+        return _plain_object(value)
+    except Exception:
+        return False
 
 
 #: What every module holds in its __dict__ (parameters, buffers, submodules, hooks).
