@@ -25,7 +25,11 @@ from torch.fx.experimental.symbolic_shapes import (
     statically_known_true,
 )
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _detect_infra_mode,
+    _disable_current_modes,
+)
 
 from aotkit import compat
 from aotkit.aot.frames import current_user_line
@@ -803,3 +807,26 @@ def in_eager_indices(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 PRINTABLE_DECOMPOSITIONS = {getattr(_aten.random, "from"): _random_from}
+
+
+# Note [Values computed from constants]
+# Functionalization leaves an op whose tensor arguments are all outside tensors (Note
+# [Closed-over tensors]) alone: its result (``c = TABLE * 2``, ``TABLE.clone()``) is a plain fake
+# tensor, and an in-place write to it with a value the function computed (``c.add_(x)``; an
+# InstanceNorm's running-stat update writing ``running_mean.repeat(n)``) mixed the two worlds:
+# PyTorch's internal assert "mutating a non-functional tensor with a functional tensor". Such
+# results are made functional tensors as they appear, as a factory's are, so their writes are
+# functional ones like any other's. Views of outside tensors stay outside (writes to them are
+# refused).
+def functional_values(out: Any) -> Any:
+    """``out``, its plain fake tensors made functional if functionalization is on (Note
+    [Values computed from constants])."""
+    if _detect_infra_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None:
+        return out
+    return pytree.tree_map_only(compat.FakeTensor, compat.FunctionalTensor.to_functional, out)
+
+
+@functools.cache
+def takes_generator(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` takes a torch.Generator (read once per op)."""
+    return any("Generator" in str(a.type) for a in func._schema.arguments)

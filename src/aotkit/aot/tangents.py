@@ -1,4 +1,4 @@
-"""Tangents: what the traced backward's gradient inputs look like."""
+"""Tangents: what the traced backward's gradient inputs look like, and where they enter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from torch._prims_common import make_channels_last_strides_for, make_contiguous_
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from aotkit.aot.analysis import Alias, AotMeta
+from aotkit.aot.ops import overlaps_itself
 from aotkit.aot.simplify import known_equal
+from aotkit.compat import FunctionalTensor
 
 
 def tangent_like(out: Any, memory_format: torch.memory_format | None) -> Any:
@@ -88,3 +90,60 @@ def tangent_format(out: torch.Tensor) -> torch.memory_format:
             strides, make_contiguous_strides_for(out.shape)):
         return channels_last
     return torch.contiguous_format
+
+
+# Note [Gradients entering through a view]
+# A view of an intermediate the function returns is made again from the intermediate after
+# the graph (Note [Replaying views]); the graph returns the intermediate, whose tangent
+# the engine seeds before any gradient the graph's own ops send it. Eager's engine adds the
+# view's gradient where the view was taken: after those of every later use of the
+# intermediate. ``logits = linear(x)`` returned and also fed to two losses summed
+# ``(g_view + g_a) + g_b`` against eager's ``(g_b + g_a) + g_view``: gradients one or two
+# float32 ulps off, and far more in bfloat16. Where one output alone views an intermediate,
+# every element of it once (a reshape, a transpose, a complex number's real view; not a slice,
+# an expand), the graph takes that view of the intermediate's tangent and lets the gradient
+# enter through the output itself, at eager's place. Such a view maps elements one to one,
+# so the view of the tangent is the output's gradient exactly, plus what the caller sent
+# through ``out._base``, which the view's backward in the graph maps back as it came. (A
+# slice would drop that: its tangent still enters at the intermediate.)
+def through_lone_views(fw_outs: list[Any], tangents: list[Any], differentiable: list[bool],
+                        meta: AotMeta) -> tuple[list[Any], list[Any]]:
+    """The differentiable outputs and their tangents, a base with one output viewing it
+    replaced by that output and the view of its tangent (Note [Gradients entering through a
+    view])."""
+    outs = [o for o, d in zip(fw_outs, differentiable, strict=True) if d]
+    tangents = list(tangents)
+    first_base = len(outs) - sum(meta.intermediate_bases_requires_grad)
+    graph_outs = fw_outs[len(meta.mutated_inputs):len(meta.mutated_inputs)
+                         + len(meta.graph_user_outputs())]
+    views: dict[int, list[Any]] = {}
+    for out, i in zip(graph_outs, meta.graph_user_outputs(), strict=True):
+        info = meta.outputs[i]
+        if info.alias is Alias.OF_INTERMEDIATE:
+            views.setdefault(info.base, []).append(out)  # type: ignore[arg-type]
+    k = first_base
+    for base, needs_grad in enumerate(meta.intermediate_bases_requires_grad):
+        if not needs_grad:
+            continue
+        [view, *more] = views[base]
+        if not more and _replayable_on(view, outs[k], tangents[k]):
+            outs[k] = view
+            tangents[k] = torch._C._functionalization.apply_view_meta_sequence(
+                tangents[k], _view_ops(view))
+        k += 1
+    return outs, tangents
+
+
+def _view_ops(view: FunctionalTensor) -> list[Any]:
+    return torch._C._functionalization.get_view_meta_sequence(view.elem)
+
+
+def _replayable_on(view: Any, base: Any, tangent: Any) -> bool:
+    """Whether ``base``'s tangent viewed as ``view`` views ``base`` is ``view``'s gradient: a
+    differentiable view of every element once, of a base laid out as its tangent (which the
+    runtime lays out as traced), through view ops that do not name strides."""
+    return view.requires_grad and view.grad_fn is not None and not overlaps_itself(view) \
+        and statically_known_true(view.numel() * view.element_size()
+                                  == base.numel() * base.element_size()) \
+        and known_equal(base.stride(), tangent.stride()) \
+        and not any("as_strided" in type(m).__name__ for m in _view_ops(view))

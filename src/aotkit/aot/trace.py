@@ -23,11 +23,10 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
-    _detect_infra_mode,
     _disable_current_modes,
 )
 
@@ -41,6 +40,7 @@ from aotkit.aot.ops import (
     UnfoldLengths,
     check_foreach_writes,
     check_out_dtype,
+    functional_values,
     in_eager_devices,
     in_eager_indices,
     in_eager_layout,
@@ -48,6 +48,7 @@ from aotkit.aot.ops import (
     note_unfold,
     out_in_eager_layout,
     overlaps_itself,
+    takes_generator,
     tensors_in,
     through_unfold_gaps,
     writes_out_argument,
@@ -58,7 +59,7 @@ from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
-from aotkit.aot.tangents import tangent_formats, tangent_like
+from aotkit.aot.tangents import tangent_formats, tangent_like, through_lone_views
 from aotkit.aot.trace_errors import first_line, op_failed, traced_error
 from aotkit.aot.untraceable import (
     no_autograd_kernel,
@@ -437,7 +438,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         kwargs = in_eager_devices(kwargs)
         out = out_in_eager_layout(func, args, self._run(func, args, kwargs))
         if not func.is_view and self._constants_only(args, kwargs):
-            out = _functional_values(out)
+            out = functional_values(out)
         for t in tensors_in(out):
             if isinstance(t, FunctionalTensor):
                 t._aotkit_pass = self.pass_id
@@ -451,8 +452,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
     def _constants_only(self, args: Any, kwargs: Any) -> bool:
         """Whether every tensor argument is an outside tensor or a view of one, and there is
         one (Note [Values computed from constants])."""
-        tensors = tensors_in((args, kwargs))
-        return bool(tensors) and all(self._outside(t) is not None for t in tensors)
+        return bool(ts := tensors_in((args, kwargs))) and all(self._outside(t) is not None for t in ts)
 
     def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
         bases = [b for b in map(self._outside, tensors_in((args, kwargs))) if b is not None]
@@ -591,7 +591,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         the one made while tracing and carry its state from call to call, where eager starts
         each call from the seed. Also: the default generator reseeded inside (Note [Global
         state the function leaves changed]), which tracing never advances."""
-        leaves = pytree.tree_leaves((args, kwargs)) if _takes_generator(func) else ()
+        leaves = pytree.tree_leaves((args, kwargs)) if takes_generator(func) else ()
         if torch.Tag.nondeterministic_seeded in func.tags and self.seeds is not None \
                 and not any(isinstance(g, torch.Generator) for g in leaves):
             if self.seeds.reseeded():
@@ -632,28 +632,6 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 "Fix: use dynamic=False for this function, or draw with the default generator "
                 "(seeded by torch.manual_seed) instead of a torch.Generator."
             ) from exc
-
-
-# Note [Values computed from constants]
-# Functionalization leaves an op whose tensor arguments are all outside tensors (Note
-# [Closed-over tensors]) alone: its result (``c = TABLE * 2``, ``TABLE.clone()``) is a plain fake
-# tensor, and an in-place write to it with a value the function computed (``c.add_(x)``; an
-# InstanceNorm's running-stat update writing ``running_mean.repeat(n)``) mixed the two worlds:
-# PyTorch's internal assert "mutating a non-functional tensor with a functional tensor". Such
-# results are made functional tensors as they appear, as a factory's are, so their writes are
-# functional ones like any other's. Views of outside tensors stay outside (writes to them are
-# refused).
-def _functional_values(out: Any) -> Any:
-    """``out``, its plain fake tensors made functional if functionalization is on (Note
-    [Values computed from constants])."""
-    if _detect_infra_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None:
-        return out
-    return pytree.tree_map_only(FakeTensor, FunctionalTensor.to_functional, out)
-
-
-@functools.cache
-def _takes_generator(func: torch._ops.OpOverload) -> bool:
-    return any("Generator" in str(a.type) for a in func._schema.arguments)
 
 
 _PASS_IDS = itertools.count()
@@ -734,7 +712,7 @@ def trace_joint(
             writes = list(map(_writes, f_primals))
             before = _traced_nodes()
             with autocast_as(backward_autocast):
-                grads = _grads(*_through_lone_views(fw_outs, f_tangents, differentiable, meta),
+                grads = _grads(*through_lone_views(fw_outs, f_tangents, differentiable, meta),
                                f_primals, wrt)
             written = {i: from_fun(p) for i, p in enumerate(f_primals) if _writes(p) != writes[i]}
             outs = [*fw_values, *map(from_fun, grads)]
@@ -980,63 +958,6 @@ def _intermediate_base_owners(outs: list[Any], meta: AotMeta) -> list[torch.Tens
         if info.alias is Alias.OF_INTERMEDIATE and info.base not in owners:
             owners[info.base] = out  # type: ignore[index]
     return [owners[i] for i in range(len(meta.intermediate_bases_requires_grad))]
-
-
-# Note [Gradients entering through a view]
-# A view of an intermediate the function returns is made again from the intermediate after
-# the graph (Note [Replaying views]); the graph returns the intermediate, whose tangent
-# the engine seeds before any gradient the graph's own ops send it. Eager's engine adds the
-# view's gradient where the view was taken: after those of every later use of the
-# intermediate. ``logits = linear(x)`` returned and also fed to two losses summed
-# ``(g_view + g_a) + g_b`` against eager's ``(g_b + g_a) + g_view``: gradients one or two
-# float32 ulps off, and far more in bfloat16. Where one output alone views an intermediate,
-# every element of it once (a reshape, a transpose, a complex number's real view; not a slice,
-# an expand), the graph takes that view of the intermediate's tangent and lets the gradient
-# enter through the output itself, at eager's place. Such a view maps elements one to one,
-# so the view of the tangent is the output's gradient exactly, plus what the caller sent
-# through ``out._base``, which the view's backward in the graph maps back as it came. (A
-# slice would drop that: its tangent still enters at the intermediate.)
-def _through_lone_views(fw_outs: list[Any], tangents: list[Any], differentiable: list[bool],
-                        meta: AotMeta) -> tuple[list[Any], list[Any]]:
-    """The differentiable outputs and their tangents, a base with one output viewing it
-    replaced by that output and the view of its tangent (Note [Gradients entering through a
-    view])."""
-    outs = [o for o, d in zip(fw_outs, differentiable, strict=True) if d]
-    tangents = list(tangents)
-    first_base = len(outs) - sum(meta.intermediate_bases_requires_grad)
-    graph_outs = fw_outs[len(meta.mutated_inputs):len(meta.mutated_inputs)
-                         + len(meta.graph_user_outputs())]
-    views: dict[int, list[Any]] = {}
-    for out, i in zip(graph_outs, meta.graph_user_outputs(), strict=True):
-        info = meta.outputs[i]
-        if info.alias is Alias.OF_INTERMEDIATE:
-            views.setdefault(info.base, []).append(out)  # type: ignore[arg-type]
-    k = first_base
-    for base, needs_grad in enumerate(meta.intermediate_bases_requires_grad):
-        if not needs_grad:
-            continue
-        [view, *more] = views[base]
-        if not more and _replayable_on(view, outs[k], tangents[k]):
-            outs[k] = view
-            tangents[k] = torch._C._functionalization.apply_view_meta_sequence(
-                tangents[k], _view_ops(view))
-        k += 1
-    return outs, tangents
-
-
-def _view_ops(view: FunctionalTensor) -> list[Any]:
-    return torch._C._functionalization.get_view_meta_sequence(view.elem)
-
-
-def _replayable_on(view: Any, base: Any, tangent: Any) -> bool:
-    """Whether ``base``'s tangent viewed as ``view`` views ``base`` is ``view``'s gradient: a
-    differentiable view of every element once, of a base laid out as its tangent (which the
-    runtime lays out as traced), through view ops that do not name strides."""
-    return view.requires_grad and view.grad_fn is not None and not overlaps_itself(view) \
-        and statically_known_true(view.numel() * view.element_size()
-                                  == base.numel() * base.element_size()) \
-        and known_equal(base.stride(), tangent.stride()) \
-        and not any("as_strided" in type(m).__name__ for m in _view_ops(view))
 
 
 def _grads(outs: list[Any], f_tangents: list[Any], f_primals: list[Any], wrt: list[int]
