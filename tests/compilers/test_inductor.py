@@ -182,6 +182,42 @@ def test_compiled_autograd_gives_leaves_sharing_a_gradient_their_own_grad() -> N
     torch.testing.assert_close(steps(True), steps(False))
 
 
+def test_two_leaves_one_gradient_reaches_get_grads_of_their_own() -> None:
+    """Note [Outputs Inductor merges]: the backward returns one node for both biases (min-cut,
+    after CSE); Inductor gave two tensors over one buffer, which autograd took as both
+    ``.grad``s: the next accumulation added twice (PyTorch's inductor backend is right)."""
+
+    def f(x, b1, b2):
+        return (x + b1 + b2).relu()
+
+    x = torch.tensor([[1.0, -1.0, 2.0], [3.0, 1.0, -2.0]])
+    results = []
+    for run in (f, torch.compile(f, backend="aotkit_inductor")):
+        b1, b2 = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+        for _ in range(2):
+            run(x, b1, b2).sum().backward()
+        assert b1.grad.data_ptr() != b2.grad.data_ptr()
+        results.append((b1.grad, b2.grad))
+    torch.testing.assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_output_inductor_makes_the_input_itself_comes_back_apart(grad: bool) -> None:
+    """Inductor drops ``x + zeros``: the output came back as the input's memory, so a
+    caller's in-place change to the output changed the input (PyTorch's inductor too)."""
+
+    def f(x):
+        return x + torch.zeros_like(x), x * torch.ones(3)
+
+    compiled = torch.compile(f, backend="aotkit_inductor")
+    for _ in range(2):
+        x = torch.arange(3.0, requires_grad=grad)
+        with torch.no_grad():
+            for y in compiled(x):
+                y.add_(100)
+        torch.testing.assert_close(x.detach(), torch.arange(3.0))
+
+
 def test_saved_activations_keep_traced_strides_under_layout_optimization() -> None:
     """On CPU Inductor computes convolutions channels-last; the backward was traced for the
     saved activations' traced (contiguous) strides, so the forward must return them so."""

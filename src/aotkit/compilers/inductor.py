@@ -50,10 +50,15 @@ _graph_ids = itertools.count()
 # return y.clone(), y.clone()`` both clones go, and the two outputs come back as one tensor
 # (PyTorch's backend="inductor" does the same), so an in-place change to one changes the other.
 # Compiled autograd meets it whenever one gradient reaches two leaves (``W + dW``): both
-# ``.grad``s were one tensor. The first call compares the outputs' memory with the traced
-# graph's; outputs sharing memory that the graph gave memory of their own are copied from then
-# on (the sharing comes from Inductor's buffer plan, the same at every call). An empty output
-# (a dynamic size of 0 at the first call) shows no memory: calls compare until one shows all.
+# ``.grad``s were one tensor. It also drops ``x * ones``, ``x + zeros``: the output came back as
+# the input's memory (a caller's in-place change to it changed the input). The first call
+# compares the outputs' memory with the inputs' and the traced graph's; outputs sharing memory
+# that the graph gave memory of their own are copied from then on (the sharing comes from
+# Inductor's buffer plan, the same at every call). An empty output (a dynamic size of 0 at the
+# first call) shows no memory: calls compare until one shows all. One node returned at two
+# places (a gradient reaching two leaves, after CSE) comes back as two tensors over one buffer,
+# which autograd took as two ``.grad``s of one memory: both places get the first one's tensor,
+# as the graph run as traced gives them.
 
 
 class Inductor:
@@ -178,6 +183,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
         return nop(gm, example_inputs)
     _refuse_undecomposed(gm)
     storages = _output_storages(gm)  # before Inductor's passes change them
+    repeated = _repeated_outputs(gm)
     gm = copy_graph_module(gm)
     lifted = _lift_closed_over_tensors(gm)
     gm = _joint_graph_passes(gm, example_inputs)
@@ -202,19 +208,22 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
         nonlocal copies
         args.extend(tensors)
         written = _resolve_signs(args, signed) if signed else None
+        inputs = _input_memory(args) if copies is None else None  # compiled() clears args
         out = compiled(args)
         if written:
             for caller, resolved in written:
                 caller.copy_(resolved)
         merged = copies
         if merged is None:
-            merged, shown = _merged_outputs(out, storages)
+            merged, shown = _merged_outputs(out, storages, inputs)
             if shown:
                 copies = merged
-        if merged:
+        if merged or repeated:
             out = list(out)
             for i in merged:
                 out[i] = out[i].clone()
+            for i, first in repeated:
+                out[i] = out[first]
         return out
 
     run._boxed_call = True  # type: ignore[attr-defined]
@@ -251,12 +260,25 @@ def _resolve_signs(args: list[Any], signed: list[tuple[int, bool]]) -> list[tupl
     return written
 
 
+def _repeated_outputs(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """(position, earlier position) of each output that is the same node as an earlier one:
+    returned as the same tensor (Note [Outputs Inductor merges])."""
+    first: dict[fx.Node, int] = {}
+    return [(i, first[n]) for i, n in enumerate(gm.graph.output_node().args[0])
+            if isinstance(n, fx.Node) and first.setdefault(n, i) != i]
+
+
 def _output_storages(gm: fx.GraphModule) -> list[Any]:
-    """Per output of ``gm``: which of the traced outputs' memories it is in (None for a
-    non-tensor). See Note [Outputs Inductor merges]."""
+    """Per output of ``gm``: which of the traced memories it is in, an input's (by its
+    position, negative: ``-1 - k``) or the outputs' (None for a non-tensor). See Note [Outputs
+    Inductor merges]."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     index: dict[Any, int] = {}
+    for k, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.layout == torch.strided:
+            index.setdefault(StorageWeakRef(val.untyped_storage()), -1 - k)
     found = []
     for node in gm.graph.output_node().args[0]:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -264,15 +286,26 @@ def _output_storages(gm: fx.GraphModule) -> list[Any]:
                 or (isinstance(val.numel(), int) and val.numel() == 0):  # no memory, ever
             found.append(None)
             continue
-        found.append(index.setdefault(StorageWeakRef(val.untyped_storage()), len(index)))
+        found.append(index.setdefault(StorageWeakRef(val.untyped_storage()), len(found)))
     return found
 
 
-def _merged_outputs(out: Sequence[Any], storages: list[Any]) -> tuple[list[int], bool]:
-    """The outputs that came back in memory an earlier output has, where the traced graph gave
-    them their own (Note [Outputs Inductor merges]), and whether this call showed every output's
-    memory (an empty output has none to compare: a later call must look again)."""
-    owner: dict[int, Any] = {}  # data pointer -> the traced memory of the output holding it
+def _input_memory(args: Sequence[Any]) -> dict[int, int]:
+    """Data pointer -> ``-1 - k`` for the memory of each input ``k`` (the first holding it)."""
+    memory: dict[int, int] = {}
+    for k, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.layout == torch.strided and a.numel():
+            memory.setdefault(a.untyped_storage().data_ptr(), -1 - k)
+    return memory
+
+
+def _merged_outputs(out: Sequence[Any], storages: list[Any], inputs: dict[int, int]
+                    ) -> tuple[list[int], bool]:
+    """The outputs that came back in memory an input or an earlier output has, where the
+    traced graph gave them their own (Note [Outputs Inductor merges]), and whether this call
+    showed every output's memory (an empty output has none to compare: a later call must look
+    again)."""
+    owner: dict[int, Any] = dict(inputs)  # data pointer -> the traced memory holding it
     merged = []
     shown = True
     for i, (t, traced) in enumerate(zip(out, storages, strict=False)):
