@@ -771,6 +771,36 @@ def test_a_tensor_stored_on_a_module_the_function_calls_is_put_back():
     assert log == []
 
 
+_SPECS = {"scale": 2.0}
+
+
+def test_what_a_function_only_reads_from_its_globals_and_closures_is_left_alone():
+    """A TorchScript module held by a closed-over object (its buffers are no dict: a raw
+    TypeError), a fake tensor a global held before the call (taken for a store), and the
+    refusal of a global's tensor requiring grad naming an "argument object"."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Config:
+        def __init__(self):
+            self.scale = 2.0
+            self.exported = torch.jit.script(torch.nn.Linear(4, 4))
+
+    cfg, x = Config(), torch.randn(3, 4)
+    _SPECS["example"] = FakeTensorMode().from_tensor(torch.randn(2, 4))
+    try:
+        _same(aotkit.aot_function(lambda x: x * cfg.scale + _SPECS["example"].shape[1],
+                                  compilers.nop), lambda x: x * cfg.scale + 4, x)
+    finally:
+        del _SPECS["example"]
+    _SPECS["w"] = torch.randn(4, 4, requires_grad=True)
+    try:
+        with pytest.raises(aotkit.errors.UnsupportedError) as info:
+            aotkit.aot_function(lambda x: x @ _SPECS["w"], compilers.nop)(x)
+    finally:
+        del _SPECS["w"]
+    assert "reads from the global _SPECS['w'] and" in str(info.value)
+
+
 def test_a_refused_trace_records_no_fallback_for_what_it_put_back():
     class Carry(torch.nn.Module):
         def __init__(self):

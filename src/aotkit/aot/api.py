@@ -777,7 +777,8 @@ class AotFunction:
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]
         stored = put_back_containers(held)
-        if changed := changed_values(held_args) + symbolic_values(held[len(held_args):]):
+        others = held[len(held_args):] if self.options.dynamic else []  # symbols only then
+        if changed := changed_values(held_args) + symbolic_values(others):
             raise changed_value(self.name, ", ".join(changed))
         if stored:
             raise stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "

@@ -166,7 +166,11 @@ def name_held_tensor(exc: BaseException, held: Mapping[int, str]) -> None:
     flattened only through lists, tuples, dicts and registered pytrees, and a tensor held
     elsewhere is read as a constant. ``held``: where each such tensor is, by id."""
     where = held.get(id(getattr(exc, "outside_tensor", None)))
-    if where is not None and isinstance(exc, UnsupportedError):
+    if where is None or not isinstance(exc, UnsupportedError):
+        return
+    if where.startswith(("the global ", "the closed-over ")):
+        exc.args = (str(exc).replace(NOT_AN_ARGUMENT, f"that it reads from {where}", 1),)
+    else:
         exc.args = (str(exc).replace(NOT_AN_ARGUMENT, (
             f"that it reads from {where}, inside an argument object (only tensors in lists, "
             "tuples, dicts and registered pytrees become graph inputs)"), 1),)
@@ -204,8 +208,8 @@ def subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedE
 def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
     """A tensor the function stores into what it was passed (an object, list or dict)."""
     return UnsupportedError(
-        f"{name} stores a tensor into {where} (an object, list or dict it was passed, or the "
-        f"module it runs as); {why}.\nFix: return the tensor and store it outside the compiled "
+        f"{name} stores a tensor into {where} (an object, list or dict it was passed or reads, "
+        f"or the module it runs as); {why}.\nFix: return the tensor and store it outside the compiled "
         "function, or use torch.compile(fn, backend='aotkit'), which replays such stores (a "
         "module's own attributes: aot_module(model) sets them after each call too).")
 

@@ -370,8 +370,10 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
             if depth == 3 or id(v) in seen or (len(held) >= _MAX_HELD and not module):
                 continue  # modules always: a big one first left the next one unheld
             seen.add(id(v))
-            if module:  # a module and its submodules' own attributes
+            if module:  # a module and its submodules' own attributes (not TorchScript's)
                 for sub, m in v.named_modules(prefix=where):
+                    if issubclass(type(m), torch.jit.ScriptModule):
+                        continue
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers)),
                              *_module_containers(sub, m)]
@@ -427,7 +429,8 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]], decide: bool = Tru
             continue
         keys = isinstance(container, dict) and any(map(_tracing, container))
         now = container.items() if isinstance(container, dict) else enumerate(container)
-        if keys or (stored := [k for k, x in now if _tracing(x)]):
+        if keys or (stored := [k for k, x in now if _tracing(x)  # not one there before
+                               and not (_in(before, k) and before[k] is x)]):
             module = not keys and isinstance(before, (_ModuleAttributes, _ModuleItems))
             names = before.stored(stored, container) if module else []
             _restore(container, before)
@@ -475,7 +478,7 @@ def _symbolic(value: Any, depth: int = 2) -> bool:
     """A symbolic size or a comparison of one (``x.shape[0] > 2``), alone or in a list, tuple
     (a ``torch.Size``) or dict, two levels: a dead trace's symbol, useless to the caller."""
     kind = type(value)  # not __class__: a dead weakref.proxy's raises
-    if depth and issubclass(kind, (list, tuple, dict)):
+    if depth and issubclass(kind, (list, tuple, dict)) and len(value) <= _MAX_ITEMS:
         items = value.values() if issubclass(kind, dict) else value
         return any(_symbolic(x, depth - 1) for x in items)
     return issubclass(kind, _SYMBOLIC)
@@ -581,7 +584,7 @@ def _tracing(value: Any, depth: int = 2) -> bool:
     """A tracing tensor, or a list, tuple or dict (a namedtuple, an OrderedDict, a model
     output) holding one, two levels: ``{"l": [t]}``."""
     kind = type(value)  # not __class__: a dead weakref.proxy's raises
-    if depth and issubclass(kind, (list, tuple, dict)):
+    if depth and issubclass(kind, (list, tuple, dict)) and len(value) <= _MAX_ITEMS:
         items = value.values() if issubclass(kind, dict) else value
         return any(_tracing(x, depth - 1) for x in items)
     return issubclass(kind, (FakeTensor, FunctionalTensor))
