@@ -408,7 +408,8 @@ def check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device:
 
 
 class EagerOps(torch.overrides.TorchFunctionMode):
-    """Ops traced to give eager's values: dropout, and resize_ (Note [resize_ to the same size]).
+    """Ops traced to give eager's values: dropout, resize_ (Note [resize_ to the same size]),
+    and the gradient of a whole-tensor max/min/median (Note [Gradients of a selected element]).
 
     Training-mode dropout: ``aten.native_dropout`` draws the same random numbers as eager's
     dropout, on a mask laid out like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would

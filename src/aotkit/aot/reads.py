@@ -331,11 +331,12 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
 # trace leaves the object holding a tracing tensor, unusable afterwards ("FunctionalTensor on
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
-# objects, lists and dicts reachable from the arguments (three levels, as Note [Objects as
-# arguments] keys them; at most 256), and the attributes and buffers of a module the function
-# runs as or is passed, are copied shallowly before tracing; one left holding a tracing tensor
-# is put back as it was, and a trace that otherwise succeeded is refused, naming where the
-# tensor went; a module's (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
+# objects, lists and dicts reachable from the arguments, and from the globals and closed-over
+# values the function's code reads (three levels, as Note [Objects as arguments] keys them; at
+# most 256 besides modules), and the attributes and buffers of a module the function runs as,
+# is passed or reaches (not a TorchScript module's), are copied shallowly before tracing; one
+# left holding a tracing tensor it did not hold before is put back as it was, and a trace that
+# otherwise succeeded is refused, naming where the tensor went; a module's (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
 # LSTM's WeightDrop setting its module's weight at every call) gets a "fallback" decision
 # instead, naming aot_module, which sets such tensors after each call; so do the lists and
 # dicts a module holds (an LSTM's _flat_weights, which WeightDrop's assignment updates; a list
