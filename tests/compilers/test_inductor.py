@@ -381,6 +381,13 @@ def test_inputs_with_a_sign_bit_read_and_write_as_in_eager(make, fn, keep) -> No
                                expected_input.resolve_conj().resolve_neg())
 
 
+def test_an_expanded_input_with_a_negative_bit_reads_as_in_eager() -> None:
+    """Its resolved copy was made in its own (overlapping) layout: a raw RuntimeError."""
+    n = torch.tensor([1 + 2j, 3 - 4j, 5 + 6j]).conj().imag.unsqueeze(0).expand(2, 3)
+    compiled = torch.compile(lambda n: n * 2 + 1, backend="aotkit_inductor")
+    torch.testing.assert_close(compiled(n), n * 2 + 1)
+
+
 def test_real_and_imag_of_a_conjugate_input_match_eager() -> None:
     """The graph resolves a conjugate input's bit itself: a resolved copy was conjugated twice
     (view_as_real refused it)."""

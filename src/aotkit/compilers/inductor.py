@@ -253,6 +253,12 @@ def _resolve_signs(args: list[Any], signed: list[tuple[int, bool]]) -> list[tupl
     written = []
     for i, writes in signed:
         caller = args[i]  # resolved in the layout the graph was compiled for
+        if 0 in caller.stride():  # an expanded one: resolve the memory it spans, view as it
+            span = 1 + sum((n - 1) * s for n, s in zip(caller.shape, caller.stride(),
+                                                       strict=True))
+            memory = caller.as_strided((span,), (1,)).resolve_neg()
+            args[i] = memory.as_strided(caller.shape, caller.stride())
+            continue  # never written: writes to expanded inputs are refused
         args[i] = torch.empty_strided(caller.shape, caller.stride(), dtype=caller.dtype,
                                       device=caller.device).copy_(caller)
         if writes:
