@@ -801,6 +801,29 @@ def test_what_a_function_only_reads_from_its_globals_and_closures_is_left_alone(
     assert "reads from the global _SPECS['w'] and" in str(info.value)
 
 
+def test_aot_module_puts_back_what_forward_appends_to_its_lists():
+    """aot_module sets tensors forward assigns to attributes after each call, not ones it puts
+    into a list or dict the module holds: those stayed FunctionalTensors."""
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.feats, self.last = torch.nn.Linear(2, 2), [], {}
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.feats.append(y.detach())
+            self.last["y"] = y.detach()
+            return y
+
+    model = Keeps()
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.ones(2)
+    torch.testing.assert_close(compiled(x), model.lin(x))
+    assert model.feats == [] and model.last == {}
+    [feats, last] = aotkit.explain().of_kind("fallback")
+    assert "feats[0]" in feats.why and "last['y']" in last.why
+    assert "aot_module" not in feats.why and "torch.compile" in feats.why
+
+
 def test_a_refused_trace_records_no_fallback_for_what_it_put_back():
     class Carry(torch.nn.Module):
         def __init__(self):

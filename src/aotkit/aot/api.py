@@ -47,6 +47,7 @@ from aotkit.aot.reads import (
     Reads,
     argument_containers,
     changed_values,
+    module_containers,
     put_back_containers,
     recording,
     symbolic_values,
@@ -763,7 +764,8 @@ class AotFunction:
         held_by_fn = held_values(self.fn) if self._own_modules is None else []
         held = [*held_args, *argument_containers(
             [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
-            held_tensors)]
+            held_tensors), *(c for m in (self._own_modules() if self._own_modules else ())
+                             for c in module_containers(type(m).__name__, m))]
         try:
             with dynamo_frames_off(), recording(self._own_modules, [
                     v for _, v in held_by_fn if issubclass(type(v), nn.Module)]) as reads:

@@ -377,7 +377,7 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
                         continue
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers)),
-                             *_module_containers(sub, m)]
+                             *module_containers(sub, m)]
             elif _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _Attributes(v.__dict__)))
                 below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
@@ -408,7 +408,7 @@ def _safely_plain(value: Any) -> bool:
 _MODULE_OWN = frozenset(torch.nn.Module().__dict__)
 
 
-def _module_containers(where: str, m: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+def module_containers(where: str, m: torch.nn.Module) -> list[tuple[str, Any, Any]]:
     """The lists and dicts a module holds besides nn.Module's own (an LSTM's _flat_weights, a
     list of kept attention maps), with their copies."""
     return [(f"{where}.{k}", v, _ModuleItems(v, k) if isinstance(v, list)
@@ -561,12 +561,14 @@ class _ModuleItems(list):  # type: ignore[type-arg]
 
 def _note_module_stores(where: str, names: list[str]) -> None:
     if names:
+        items = any("[" in name for name in names)  # into a list or dict: aot_module neither
         counters.record("fallback", where, (
             f"forward stores a tensor into {', '.join(names)} on the module (a cache, an "
             "attention map kept for plotting, a reassigned buffer): the compiled graph cannot "
             "store it at each call, so the module keeps what it held before the call. Fix: "
-            "compile the module with aot_module(model), which sets such tensors after each "
-            "call, or torch.compile(model, backend='aotkit')."),
+            + ("" if items else "compile the module with aot_module(model), which sets such "
+               "tensors after each call, or ")
+            + "torch.compile(model, backend='aotkit'), which replays such stores."),
             logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
 
 
