@@ -475,14 +475,10 @@ def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True) -
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _symbolic(value: Any, depth: int = 2) -> bool:
+def _symbolic(value: Any) -> bool:
     """A symbolic size or a comparison of one (``x.shape[0] > 2``), alone or in a list, tuple
     (a ``torch.Size``) or dict, two levels: a dead trace's symbol, useless to the caller."""
-    kind = type(value)  # not __class__: a dead weakref.proxy's raises
-    if depth and issubclass(kind, (list, tuple, dict)) and len(value) <= _MAX_ITEMS:
-        items = value.values() if issubclass(kind, dict) else value
-        return any(_symbolic(x, depth - 1) for x in items)
-    return issubclass(kind, _SYMBOLIC)
+    return _holds(value, _SYMBOLIC)
 
 
 def _restore(container: Any, before: Any) -> None:
@@ -583,14 +579,20 @@ def recomputed(module: torch.nn.Module) -> frozenset[str]:
                      if isinstance(h, (BasePruningMethod, SpectralNorm, WeightNorm)))
 
 
-def _tracing(value: Any, depth: int = 2) -> bool:
+def _tracing(value: Any) -> bool:
     """A tracing tensor, or a list, tuple or dict (a namedtuple, an OrderedDict, a model
     output) holding one, two levels: ``{"l": [t]}``."""
+    return _holds(value, (FakeTensor, FunctionalTensor))
+
+
+def _holds(value: Any, kinds: tuple[type, ...], depth: int = 2) -> bool:
+    """Whether ``value`` is of ``kinds``, or a list, tuple or dict of at most 1024 items holds
+    one, ``depth`` levels down."""
     kind = type(value)  # not __class__: a dead weakref.proxy's raises
     if depth and issubclass(kind, (list, tuple, dict)) and len(value) <= _MAX_ITEMS:
         items = value.values() if issubclass(kind, dict) else value
-        return any(_tracing(x, depth - 1) for x in items)
-    return issubclass(kind, (FakeTensor, FunctionalTensor))
+        return any(_holds(x, kinds, depth - 1) for x in items)
+    return issubclass(kind, kinds)
 
 
 def global_hook_tables() -> tuple[dict[int, Any], ...]:

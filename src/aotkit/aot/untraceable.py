@@ -65,12 +65,6 @@ def _is_leaf(t: torch.Tensor) -> bool:
         return False
 
 
-def _tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple))
-                                                          else (a,))
-            if isinstance(t, torch.Tensor)]
-
-
 # Note [Tensor hooks registered inside]
 # ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
 # [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
@@ -172,7 +166,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         self._refuse_saved_tensor_hooks()
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
-            self._follow_sparse(func, out, _tensors(args, kwargs or {}))
+            self._follow_sparse(func, out, tensors_in((args, kwargs)))
         return out
 
     def __exit__(self, *exc: Any) -> None:
@@ -197,7 +191,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         """See Note [Sparse tensors made inside]."""
         if not torch.is_grad_enabled():
             return False
-        tensors = _tensors(args, kwargs)
+        tensors = tensors_in((args, kwargs))
         compressed = func is torch.Tensor.to_sparse and kwargs.get("layout") not in (
             None, torch.sparse_coo)
         return (compressed or func in _SPARSE_MAKERS) and any(t.requires_grad for t in tensors)
