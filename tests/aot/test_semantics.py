@@ -26,6 +26,7 @@ from eager_check import (
     storage,
 )
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
 import aotkit
 from aotkit import compilers, counters
@@ -250,17 +251,21 @@ def test_a_tensor_hook_registered_inside_on_an_input_or_parameter_is_refused():
             self.lin.weight.register_hook(lambda g: g.clamp(-0.1, 0.1))
             return self.lin(x)
 
-    def scaled(x, w):
-        x.register_hook(lambda g: g * 10)
+    def scaled(x, y, w):
+        y.register_hook(lambda g: g * 10)
         return x @ w
 
-    for compiled, args in ((aotkit.aot_module(LazyClip(), compilers.nop), (rand(3, 4),)),
-                           (aotkit.aot_function(scaled, compilers.nop),
-                            (rand(3, 4, grad=True), rand(4, 2, grad=True)))):
-        with pytest.raises(UnsupportedError, match="tensor hook on input") as info:
+    x = rand(3, 4, grad=True)
+    for compiled, args, where in (
+            (aotkit.aot_module(LazyClip(), compilers.nop), (rand(3, 4),), "lin.weight"),
+            (aotkit.aot_function(scaled, compilers.nop), (x, x, rand(4, 2, grad=True)),
+             "args[0]")):
+        with pytest.raises(UnsupportedError, match=re.escape(
+                f"registers a tensor hook on {where} (")) as info:
             compiled(*args)
         assert "Fix: register the hook once outside" in str(info.value)
-    assert not args[0]._backward_hooks
+        assert "register_hook(lambda g:" in str(info.value)  # the line registering it
+    assert not x._backward_hooks
 
     def removed(x):  # never reaches the caller's tensor
         handle = x.register_hook(lambda g: g * 10)
@@ -278,6 +283,31 @@ def test_a_tensor_hook_registered_inside_on_an_input_or_parameter_is_refused():
             run(x if fn is removed else x * 2).sum().backward()
             grads.append(x.grad)
         assert torch.equal(grads[1], grads[0])
+
+
+def test_a_multi_grad_hook_registered_inside_is_the_users():
+    """register_multi_grad_hook registers through torch's own code: the user's call counts.
+    On leaf inputs it is refused (it raised a raw RuntimeError, or ran once silently); on
+    intermediates it is traced with one ``hook`` decision."""
+    for mode in ("all", "any"):
+        def on_leaves(a, b, mode=mode):
+            register_multi_grad_hook((a, b), lambda grads: None, mode=mode)
+            return (a * b).sum()
+
+        a, b = rand(3, grad=True), rand(3, grad=True)
+        with pytest.raises(UnsupportedError, match=re.escape("tensor hook on args[0] (")):
+            aotkit.aot_function(on_leaves, compilers.nop)(a, b)
+        assert not a._backward_hooks and not b._backward_hooks
+
+    def on_intermediates(a, b):
+        h1, h2 = a * 2, b * 3
+        register_multi_grad_hook((h1, h2), lambda grads: None)
+        return (h1 * h2).sum()
+
+    aotkit.aot_function(on_intermediates, compilers.nop)(a, b).backward()
+    hooks = aotkit.explain().of_kind("hook")
+    assert len(hooks) == 1 and "through torch.autograd.graph.register_multi_grad_hook" in \
+        hooks[0].why
 
 
 def test_hooks_behind_an_eager_op_the_loss_does_not_reach_see_a_tensor():

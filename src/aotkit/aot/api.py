@@ -26,6 +26,7 @@ from aotkit.aot.arguments import (
     check_params_buffers,
     has_tangents,
     name_held_tensor,
+    name_refused_input,
     note_forward_ad,
     record_identity_keys,
     refuse_dual_outputs,
@@ -775,6 +776,7 @@ class AotFunction:
             changed_values(held_args)
             symbolic_values(held[len(held_args):])
             name_held_tensor(exc, held_tensors)
+            name_refused_input(exc, self.name, [names[i] for i in positions])
             raise
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]

@@ -176,6 +176,16 @@ def name_held_tensor(exc: BaseException, held: Mapping[int, str]) -> None:
             "tuples, dicts and registered pytrees become graph inputs)"), 1),)
 
 
+def name_refused_input(exc: BaseException, name: str, names: Sequence[str]) -> None:
+    """A refusal raised while tracing names "the compiled function" and a traced input by its
+    position (its ``input_index``): name them as the caller knows them (``args[2]``,
+    ``opts['w']``, a parameter's name)."""
+    k = getattr(exc, "input_index", None)
+    if isinstance(exc, UnsupportedError) and k is not None and k < len(names):
+        exc.args = (str(exc).replace("the compiled function", name, 1)
+                    .replace(f"input {k} (", f"{names[k]} (", 1),)
+
+
 def under_transform(name: str) -> UnsupportedError:
     if torch.compiler.is_compiling():  # Dynamo tracing the caller shows as a transform too
         return UnsupportedError(

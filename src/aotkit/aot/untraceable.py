@@ -77,32 +77,38 @@ def _is_leaf(t: torch.Tensor) -> bool:
 # elsewhere. A ``hook`` decision, logged as a warning, names these; Dynamo, which
 # runs such hooks at every backward, traces its graphs before we see them, so the decision is
 # for aotkit's own traces (aot_function, aot_module).
-def _registered_by_torch() -> bool:
+def _hook_registrar() -> tuple[bool, str | None]:
     """Whether PyTorch's own code registers the hook (a module's full backward hooks, Note
-    [Module hooks], checkpointing), not the user's."""
+    [Module hooks], checkpointing), not the user's; and the autograd helper the registration
+    came through (``register_multi_grad_hook``), whose caller is the one that counts."""
     frame, outermost = sys._getframe(), None
     while frame is not None:  # the outermost call: our own modes call it again
         if frame.f_code is _REGISTER_HOOK_CODE:
             outermost = frame
         frame = frame.f_back
-    caller = outermost.f_back if outermost is not None else None
-    return caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(TORCH_DIR)
+    caller, helper = outermost.f_back if outermost is not None else None, None
+    while caller is not None and os.path.abspath(caller.f_code.co_filename) == _GRAPH_FILE:
+        helper, caller = caller.f_code.co_name, caller.f_back
+    torchs = caller is not None and os.path.abspath(caller.f_code.co_filename).startswith(TORCH_DIR)
+    return torchs, helper
 
 
 _REGISTER_HOOK_CODE = torch.Tensor.register_hook.__code__
+_GRAPH_FILE = os.path.abspath(torch.autograd.graph.__file__)
 
 
-def _record_tensor_hook(hook: Any) -> None:
+def _record_tensor_hook(hook: Any, helper: str | None, where: str) -> None:
     from aotkit import counters
     from aotkit.aot.trace import traced_function
 
     what = traced_function()
     if what is None:
         return
+    shown = f"registered through torch.autograd.graph.{helper}" if helper else \
+        f"{getattr(hook, '__qualname__', repr(hook))} registered"
     counters.record(
         "hook", what,
-        f"tensor hook {getattr(hook, '__qualname__', repr(hook))} registered at "
-        f"{current_user_line()}: traced with the backward, so what it computes on the gradient "
+        f"tensor hook {shown} at {where}: traced with the backward, so what it computes on the gradient "
         "is in the graph, but its other Python side effects (storing the gradient, counting "
         "calls) happen only while tracing, with tracing tensors, never when the compiled "
         "function runs. Fix: torch.compile(fn, backend='aotkit') runs such hooks as eager "
@@ -110,15 +116,18 @@ def _record_tensor_hook(hook: Any) -> None:
         logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
 
 
-def _hook_on_input(index: int) -> UnsupportedError:
-    """A tensor hook registered inside on an input (Note [Tensor hooks registered inside])."""
-    return UnsupportedError(
+def _hook_on_input(index: int, where: str) -> UnsupportedError:
+    """A tensor hook registered inside on an input (Note [Tensor hooks registered inside]);
+    ``where`` it was registered. The input is named by the caller (``input_index``)."""
+    exc = UnsupportedError(
         f"the compiled function registers a tensor hook on input {index} (a parameter, or a "
-        f"leaf tensor it is passed; at {current_user_line()}) and leaves it there: eager "
+        f"leaf tensor it is passed; at {where}) and leaves it there: eager "
         "installs it on the caller's tensor for good, where it changes the whole gradient "
         "(what the tensor gets outside the call too) at every later backward; the compiled "
         "graph could only apply it to the gradient inside, once traced.\nFix: register the "
         f"hook once outside the compiled function, {_USE_TORCH_COMPILE}.")
+    exc.input_index = index  # type: ignore[attr-defined]
+    return exc
 
 
 class RefuseUntraceable(torch.overrides.TorchFunctionMode):
@@ -131,7 +140,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
         self.leaves = {id(f): _is_leaf(a) for a, f in zip(args, f_args, strict=True)
                        if isinstance(a, torch.Tensor)}
         self.hooks = _top_hooks()
-        self.leaf_hooks: list[tuple[int, torch.Tensor, Any]] = []  # Note [Tensor hooks ...]
+        self.leaf_hooks: list[tuple[int, torch.Tensor, Any, str]] = []  # Note [Tensor hooks ...]
+        self.hook_lines: set[str] = set()  # one decision per line: a multi-grad hook makes many
         self.sparse_from_grads: dict[int, torch.Tensor] = {}  # held: ids stay unique
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -151,12 +161,16 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
                 f"(return the tensor if it is made inside), {_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
             raise _sparse_refusal(func)
-        elif func is torch.Tensor.register_hook and not _registered_by_torch():
+        elif func is torch.Tensor.register_hook and not (registrar := _hook_registrar())[0]:
+            where = current_user_line()
             if self.leaves.get(id(args[0])):  # refused if still there at the end
                 handle = func(*args, **(kwargs or {}))
-                self.leaf_hooks.append((self.inputs[id(args[0])], args[0], handle))
+                self.leaf_hooks.append((self.inputs[id(args[0])], args[0], handle, where))
                 return handle
-            _record_tensor_hook(args[1] if len(args) > 1 else (kwargs or {}).get("hook"))
+            if where not in self.hook_lines:
+                self.hook_lines.add(where)
+                _record_tensor_hook(args[1] if len(args) > 1 else (kwargs or {}).get("hook"),
+                                    registrar[1], where)
         elif func in _BACKWARD:
             raise UnsupportedError(
                 f"the compiled function calls backward() (at {current_user_line()}); aotkit "
@@ -171,9 +185,9 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        for index, t, handle in self.leaf_hooks:
+        for index, t, handle, where in self.leaf_hooks:
             if exc[0] is None and handle.id in (t._backward_hooks or {}):
-                raise _hook_on_input(index)
+                raise _hook_on_input(index, where)
 
     def _follow_sparse(self, func: Any, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """A sparse tensor made from tensors requiring grad may be returned, not computed with:
