@@ -218,6 +218,23 @@ def test_an_output_inductor_makes_the_input_itself_comes_back_apart(grad: bool) 
         torch.testing.assert_close(x.detach(), torch.arange(3.0))
 
 
+def test_views_of_a_closed_over_tensor_stay_views_of_it() -> None:
+    """Its views' traced memory was not the lifted input's (the constant's value is faked
+    anew), and a view of the same memory through another tensor was taken for other memory:
+    both came back as copies, so a write through them missed the closed-over tensor."""
+    table = torch.arange(6.0).view(2, 3)
+
+    def f(x):
+        return x * 2, table[0], table.t()
+
+    compiled = aotkit.aot_function(f, aotkit.compilers.inductor,
+                                   decompositions=aotkit.compilers.inductor.decompositions)
+    _, row, transposed = compiled(torch.ones(3))
+    assert row._base is not None and transposed._base is not None
+    row.add_(100)
+    assert table[0].tolist() == [100.0, 101.0, 102.0] and transposed[1, 0] == 101.0
+
+
 def test_saved_activations_keep_traced_strides_under_layout_optimization() -> None:
     """On CPU Inductor computes convolutions channels-last; the backward was traced for the
     saved activations' traced (contiguous) strides, so the forward must return them so."""
@@ -386,6 +403,26 @@ def test_an_expanded_input_with_a_negative_bit_reads_as_in_eager() -> None:
     n = torch.tensor([1 + 2j, 3 - 4j, 5 + 6j]).conj().imag.unsqueeze(0).expand(2, 3)
     compiled = torch.compile(lambda n: n * 2 + 1, backend="aotkit_inductor")
     torch.testing.assert_close(compiled(n), n * 2 + 1)
+
+
+def test_negative_inputs_with_a_stride_0_dimension_of_size_1_or_0_are_no_expansions() -> None:
+    """A size-1 dimension with stride 0 shares no memory: its write was lost (taken for an
+    expanded input, whose writes are refused); an empty one's span was negative (a raw
+    RuntimeError)."""
+    def make():
+        return torch.tensor([1 + 2j, 3 - 4j, 5 + 6j]).conj().imag.expand(2, 3)
+
+    def incremented(n):
+        n.add_(1)
+        return n * 2
+
+    expected_input, actual_input = make()[:1], make()[:1]
+    expected = incremented(expected_input)
+    actual = torch.compile(incremented, backend="aotkit_inductor")(actual_input)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(actual_input, expected_input)
+    empty = make()[:, :0]
+    assert torch.compile(lambda n: n * 2 + 1, backend="aotkit_inductor")(empty).shape == (2, 0)
 
 
 def test_real_and_imag_of_a_conjugate_input_match_eager() -> None:

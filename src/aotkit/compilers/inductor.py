@@ -182,10 +182,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
                         f"{why}; it runs as traced (aotkit.compilers.nop) instead")
         return nop(gm, example_inputs)
     _refuse_undecomposed(gm)
-    storages = _output_storages(gm)  # before Inductor's passes change them
     repeated = _repeated_outputs(gm)
     gm = copy_graph_module(gm)
     lifted = _lift_closed_over_tensors(gm)
+    storages = _output_storages(gm)  # before Inductor's passes change them
     gm = _joint_graph_passes(gm, example_inputs)
     _keep_output_strides(gm)
     static = _static_input_idxs(gm, kind)
@@ -253,7 +253,7 @@ def _resolve_signs(args: list[Any], signed: list[tuple[int, bool]]) -> list[tupl
     written = []
     for i, writes in signed:
         caller = args[i]  # resolved in the layout the graph was compiled for
-        if 0 in caller.stride():  # an expanded one: resolve the memory it spans, view as it
+        if _overlaps(caller):  # an expanded one: resolve the memory it spans, view as it
             span = 1 + sum((n - 1) * s for n, s in zip(caller.shape, caller.stride(),
                                                        strict=True))
             memory = caller.as_strided((span,), (1,)).resolve_neg()
@@ -264,6 +264,13 @@ def _resolve_signs(args: list[Any], signed: list[tuple[int, bool]]) -> list[tupl
         if writes:
             written.append((caller, args[i]))
     return written
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (a size-1 or empty dimension with stride 0 is
+    no expansion: its own resolved copy can be made, and written back)."""
+    return t.numel() > 0 and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(),
+                                                                   strict=True))
 
 
 def _repeated_outputs(gm: fx.GraphModule) -> list[tuple[int, int]]:
@@ -292,16 +299,31 @@ def _output_storages(gm: fx.GraphModule) -> list[Any]:
                 or (isinstance(val.numel(), int) and val.numel() == 0):  # no memory, ever
             found.append(None)
             continue
+        root = _viewed(node)  # a lifted closed-over tensor's value is not its views' base's
+        if root.op == "placeholder" and isinstance(root.meta.get("val"), torch.Tensor):
+            val = root.meta["val"]
         found.append(index.setdefault(StorageWeakRef(val.untyped_storage()), len(found)))
     return found
 
 
+def _viewed(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` views (itself if it is no view)."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False) \
+            and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _input_memory(args: Sequence[Any]) -> dict[int, int]:
-    """Data pointer -> ``-1 - k`` for the memory of each input ``k`` (the first holding it)."""
+    """Data pointer -> ``-1 - k`` for the memory of each input ``k`` (the first holding it),
+    and ``-1 - k`` -> that first one's for each later input holding it too (closed-over
+    tensors sharing memory are lifted as inputs of their own)."""
     memory: dict[int, int] = {}
     for k, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.layout == torch.strided and a.numel():
-            memory.setdefault(a.untyped_storage().data_ptr(), -1 - k)
+            first = memory.setdefault(a.untyped_storage().data_ptr(), -1 - k)
+            if first != -1 - k:
+                memory[-1 - k] = first  # no data pointer is negative
     return memory
 
 
@@ -321,7 +343,7 @@ def _merged_outputs(out: Sequence[Any], storages: list[Any], inputs: dict[int, i
         if t.numel() == 0 or not ptr:
             shown = False
             continue
-        if owner.setdefault(ptr, traced) != traced:
+        if owner.setdefault(ptr, traced) != inputs.get(traced, traced):
             merged.append(i)
     return merged, shown
 
