@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import functools
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -910,3 +911,100 @@ def test_descriptors_of_ones_own_and_a_class_alias_are_keyed():
         _same(compiled, m, x)
         change(m)
         _same(compiled, m, x)
+
+
+def test_what_forward_puts_deeper_into_a_module_is_put_back_and_counters_there_refused():
+    """Containers one level inside what a module holds (a cache per layer, a dict of lists),
+    a list of over 1024 items, and a refused trace: FunctionalTensors stayed there (a raw
+    error at the next eager use), with no decision; a warm-up counter in an object the module
+    holds ran the second tracing pass's graph at every call."""
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.cache, self.by_name = [[], []], {"k": []}
+            self.bank = [torch.zeros(4) for _ in range(2000)]
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.cache[0].append(y.detach())
+            self.by_name["k"].append(y.detach())
+            self.bank.append(y[0].detach())
+            return y
+
+    model, x = Cached(), torch.randn(2, 4)
+    torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x), model.lin(x))
+    assert model.cache == [[], []] and model.by_name == {"k": []} and len(model.bank) == 2000
+    whys = " ".join(d.why for d in aotkit.explain().of_kind("fallback"))
+    assert "cache[0][0]" in whys and "by_name['k'][0]" in whys and "bank[2000]" in whys
+
+    class Reads(Cached):
+        def forward(self, x):
+            self.cache[0].append(self.lin(x).detach())
+            return torch.cat(self.cache[0]).sum(0)
+
+    model = Reads()
+    with pytest.raises(aotkit.errors.UnsupportedError):
+        aotkit.aot_module(model, compilers.nop)(x)
+    assert model.cache == [[], []]
+    model(x)  # eager use works
+
+    class Warm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.schedule = types.SimpleNamespace(step=0)
+
+        def forward(self, x):
+            self.schedule.step += 1
+            return x * min(1.0, self.schedule.step / 10)
+
+    warm = Warm()
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"changes args\[0\]\.schedule\.step"):
+        aotkit.aot_function(lambda m, x: m(x), compilers.nop)(warm, torch.ones(2))
+    assert warm.schedule.step == 0
+
+
+def test_held_values_are_looked_at_without_running_their_code():
+    """A dict subclass whose values() raises or imports (a lazy registry), a key whose repr
+    raises, a list holding itself given to an op, and a module's list holding one: compiles
+    ran them (raw errors, seconds of imports) or looped forever."""
+    class Lazy(dict):
+        def values(self):
+            raise RuntimeError("not loaded")
+
+    class Key:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    registry = {"models": Lazy(a=1), Key(): 1, "scale": 2.0}
+    loop: list[Any] = [1.0]
+    loop.append(loop)
+
+    def f(x):
+        return x * registry["scale"] if (x == loop) is False else x
+
+    class Holds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.sources = torch.nn.Linear(2, 2), [Lazy(), loop]
+
+        def forward(self, x):
+            return self.lin(x)
+
+    x = torch.randn(3)
+    _same(aotkit.aot_function(f, compilers.nop), f, x)
+    model = Holds()
+    _same(aotkit.aot_module(model, compilers.nop), model, torch.randn(2))
+
+
+def test_aot_module_refuses_torchscript_submodules_naming_them():
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.jit.script(torch.nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"\['inner'\] are TorchScript"):
+        aotkit.aot_module(Holder(), compilers.nop)

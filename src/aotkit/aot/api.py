@@ -49,6 +49,7 @@ from aotkit.aot.reads import (
     argument_containers,
     changed_values,
     module_containers,
+    note_module_stores,
     put_back_containers,
     recording,
     symbolic_values,
@@ -605,7 +606,7 @@ class AotFunction:
     def __init__(self, fn: Callable[..., Any], options: AotOptions, name: str | None = None,
                  leaf_namer: Callable[[tuple[Any, ...], dict[str, Any]], list[str]] = leaf_names,
                  checked: tuple[Callable[..., Any], int] | None = None,
-                 own_modules: Callable[[], Iterable[nn.Module]] | None = None,
+                 own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None = None,
                  static_sizes: Iterable[int] | None = None) -> None:
         if not callable(fn):
             raise ArgumentError(f"aot_function compiles a callable, got {type(fn).__name__} "
@@ -765,14 +766,14 @@ class AotFunction:
         held_by_fn = held_values(self.fn) if self._own_modules is None else []
         held = [*held_args, *argument_containers(
             [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
-            held_tensors), *(c for m in (self._own_modules() if self._own_modules else ())
-                             for c in module_containers(type(m).__name__, m))]
+            held_tensors), *(c for sub, m in (self._own_modules() if self._own_modules else ())
+                             for c in module_containers(sub or type(m).__name__, m))]
         try:
             with dynamo_frames_off(), recording(self._own_modules, [
                     v for _, v in held_by_fn if issubclass(type(v), nn.Module)]) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
-            put_back_containers(held, decide=False)
+            put_back_containers(held)
             changed_values(held_args)
             symbolic_values(held[len(held_args):])
             name_held_tensor(exc, held_tensors)
@@ -780,7 +781,8 @@ class AotFunction:
             raise
         finally:
             forget_real_tensors(mode)  # Note [Fake modes forget the real tensors]
-        stored = put_back_containers(held)
+        decisions: list[tuple[str, list[str]]] = []
+        stored = put_back_containers(held, decisions)
         others = held[len(held_args):] if self.options.dynamic else []  # symbols only then
         if changed := changed_values(held_args) + symbolic_values(others):
             raise changed_value(self.name, ", ".join(changed))
@@ -788,6 +790,7 @@ class AotFunction:
             raise stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
+        note_module_stores(decisions)
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         offsets = storage_offsets(tensors) if graphs.absolute_offsets else None
         written = tuple(k for k, info in enumerate(graphs.meta.inputs)

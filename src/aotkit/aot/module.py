@@ -124,6 +124,7 @@ class AotModule(nn.Module):
 
     def __init__(self, module: nn.Module, options: AotOptions) -> None:
         super().__init__()
+        _refuse_scripted(module)
         self.orig_module = module
         self._options = options
         self._compiled: dict[Hashable, _Compiled] = {}
@@ -333,7 +334,7 @@ class AotModule(nn.Module):
                   if not s.is_attribute and (id(s.table), s.key) not in self._reassigned_buffers}
         compiled = _Compiled(AotFunction(call, options, name, leaf_namer,
                                          checked=(module.forward, len(names)),
-                                         own_modules=module.modules, static_sizes=static),
+                                         own_modules=module.named_modules, static_sizes=static),
                              layout, registered=registered)
         self._compiled[key] = compiled
         # The key names submodules by id, which Python reuses once a module is freed: an entry
@@ -704,6 +705,18 @@ def _assign(root: nn.Module, name: str, value: Any) -> tuple[nn.Module, str]:
     module = root.get_submodule(prefix)
     (module._buffers if key in module._buffers else module.__dict__)[key] = value
     return module, key
+
+
+def _refuse_scripted(root: nn.Module) -> None:
+    scripted = [n or type(root).__name__ for n, m in root.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise UnsupportedError(
+            f"aot_module({type(root).__name__}): {scripted} are TorchScript modules "
+            "(torch.jit.script or torch.jit.trace), whose parameters and buffers live in C++, "
+            "where aot_module cannot put the tensors it traces with.\nFix: compile the eager "
+            "module (the one before scripting), or call the scripted one from a function "
+            "compiled with aot_function, which reads its weights as constants.")
 
 
 def _refuse_uninitialized(root: nn.Module) -> None:

@@ -338,14 +338,13 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     order; per traced op, where pytree's general flattening took a tenth of a trace."""
     found: list[torch.Tensor] = []
     stack = [tree]
+    containers = 0  # bounded: a list holding itself reaches an op (``x == L``), unread by it
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
             found.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
-        elif isinstance(x, dict):
-            stack.extend(reversed(x.values()))
+        elif isinstance(x, (list, tuple, dict)) and (containers := containers + 1) < 65536:
+            stack.extend(reversed(x.values() if isinstance(x, dict) else x))
     return found
 
 

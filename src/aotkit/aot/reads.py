@@ -42,8 +42,10 @@ import collections
 import contextlib
 import contextvars
 import enum
+import functools
 import logging
 import numbers
+import operator
 import threading
 import types
 import weakref
@@ -216,13 +218,13 @@ def note_constant(t: torch.Tensor, grad: bool, after_write: bool) -> None:
 
 
 @contextlib.contextmanager
-def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None,
+def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None = None,
               roots: Iterable[nn.Module] = ()) -> Iterator[Reads]:
     """Record what the traces inside the block read (Note [What a trace reads besides its
     inputs]); ``own_modules``: the compiled module's own submodules, which are inputs;
     ``roots``: modules the function holds (a ModuleList it loops over)."""
     reads = Reads()
-    own = {id(m) for m in own_modules()} if own_modules is not None else set()
+    own = {id(m) for _, m in own_modules()} if own_modules is not None else set()
     thread = threading.get_ident()
     called: dict[int, nn.Module] = {}  # by id, in call order
     switched: set[int] = set()
@@ -237,7 +239,7 @@ def recording(own_modules: Callable[[], Iterable[nn.Module]] | None = None,
         # inside our trace) and cannot trace get_ident: the modules such a branch calls stay
         # unrecorded.
         if torch.compiler.is_compiling() or threading.get_ident() != thread \
-                or id(module) in own or id(module) in called:
+                or id(module) in own or id(module) in called or _scripted(module):
             return
         called[id(module)] = module
         held.extend(_slots(module))
@@ -295,7 +297,7 @@ def _with_containers(called: dict[int, nn.Module],
     for m in called.values():
         leads_to_called(m)
     for m in roots:
-        if id(m) not in found and leads_to_called(m):
+        if id(m) not in found and not _scripted(m) and leads_to_called(m):
             found[id(m)] = m
     return list(found.items())
 
@@ -333,18 +335,24 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
 # objects, lists and dicts reachable from the arguments, and from the globals and closed-over
 # values the function's code reads (three levels, as Note [Objects as arguments] keys them; at
-# most 256 besides modules), and the attributes and buffers of a module the function runs as,
-# is passed or reaches (not a TorchScript module's), are copied shallowly before tracing; one
-# left holding a tracing tensor it did not hold before is put back as it was, and a trace that
-# otherwise succeeded is refused, naming where the tensor went; a module's (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
-# LSTM's WeightDrop setting its module's weight at every call) gets a "fallback" decision
-# instead, naming aot_module, which sets such tensors after each call; so do the lists and
-# dicts a module holds (an LSTM's _flat_weights, which WeightDrop's assignment updates; a list
-# of kept attention maps). A list of more than 1024 items (a dataset held in an argument) is not
-# copied, which would cost every compile, but its length is kept: what the trace appended is
-# taken off again; a bigger dict or object is not looked into.
-_MAX_HELD = 256
+# most 1024 besides modules), and the attributes and buffers of a module the function runs as,
+# is passed or reaches, with what it holds two levels down (a cache per layer; not a
+# TorchScript module's), are copied shallowly before tracing; one left holding a tracing tensor
+# it did not hold before is put back as it was, and a trace that otherwise succeeded is
+# refused, naming where the tensor went. What a module holds (``self.last_attn =
+# a.detach()`` in an ``aot_function(model)``, AWD-LSTM's WeightDrop setting its module's
+# weight at every call, an LSTM's _flat_weights, a list of kept attention maps) gets a
+# "fallback" decision instead, once the trace is not refused, naming aot_module where it sets
+# such tensors after each call (attributes). Each copy is compared with what it was copied from
+# in C, and only what changed is looked into: a compile must not pay for the tables, datasets
+# and models a function can reach but leaves alone. So a list or dict of up to 65536 items is
+# copied, but only one of up to 1024 is looked into (of a bigger one, only the modules it holds:
+# a list of experts); a longer list keeps its length (what the trace appended is taken off
+# again); a bigger dict is not held. Lists and dicts of the user's own classes, whose length
+# or items run the user's code (a lazy registry importing what it maps), are not looked into.
+_MAX_HELD = 1024
 _MAX_ITEMS = 1024
+_MAX_COPIED = 65536  # copied and compared at C speed, but not looked into
 # Copied with .copy(); a dict's keys are looked at too (reading ``opt.state[p]``, a defaultdict,
 # inserts the tracing stand-in of p as a key).
 _COPIED = (list, dict, collections.defaultdict, collections.OrderedDict)
@@ -356,41 +364,114 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
     dicts reachable from the named ``values``, ``(where, list, length)`` for long lists (Note
     [Tracing tensors left in argument objects]); ``tensors`` gets where each tensor held in
     them is, by id."""
+    # type(), not isinstance: a global or closed-over proxy's __class__ may raise
+    return _walk([(name, v, "") for name, v in values
+                  if not issubclass(type(v), torch.Tensor)], 0, tensors)
+
+
+def module_containers(where: str, m: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+    """The lists, dicts and plain objects a module holds besides nn.Module's own (an LSTM's
+    _flat_weights, a list of kept attention maps, a cache per layer), two levels, with their
+    copies (put back with a decision, not a refusal)."""
+    return [] if _scripted(m) else _walk(_module_items(where, m), 1, None)
+
+
+def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
+    return [(f"{where}.{k}", v, where) for k, v in m.__dict__.items()
+            if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)]
+
+
+def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None
+          ) -> list[tuple[str, Any, Any]]:
+    """The containers reachable from ``level`` (where, value, and the module holding it: ""
+    for none), from depth ``first`` to three, and the tensors in the last."""
     held: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
-    # type(), not isinstance: a global or closed-over proxy's __class__ may raise
-    level = [(name, v) for name, v in values if not issubclass(type(v), torch.Tensor)]
-    for depth in range(4):  # three levels of containers, and the tensors in the last
-        below: list[tuple[str, Any]] = []
-        for where, v in level:
-            module = issubclass(type(v), torch.nn.Module)
-            if issubclass(type(v), torch.Tensor):
+    plain = 0  # containers held besides modules' own: modules always (a big one first left
+    for depth in range(first, 4):  # the next one unheld)
+        below: list[tuple[str, Any, str]] = []
+        for where, v, owner in level:
+            kind = type(v)
+            if issubclass(kind, torch.Tensor):
                 if tensors is not None:
                     tensors.setdefault(id(v), where)
                 continue
-            if depth == 3 or id(v) in seen or (len(held) >= _MAX_HELD and not module):
-                continue  # modules always: a big one first left the next one unheld
+            module = issubclass(kind, torch.nn.Module)
+            if depth == 3 or id(v) in seen or (plain >= _MAX_HELD and not module):
+                continue
             seen.add(id(v))
             if module:  # a module and its submodules' own attributes (not TorchScript's)
                 for sub, m in v.named_modules(prefix=where):
-                    if issubclass(type(m), torch.jit.ScriptModule):
+                    if _scripted(m) or (m is not v and id(m) in seen):
                         continue
+                    seen.add(id(m))
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
-                             (sub, m._buffers, _ModuleAttributes(m._buffers)),
-                             *module_containers(sub, m)]
-            elif _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
-                held.append((where, v.__dict__, _Attributes(v.__dict__)))
-                below += [(f"{where}.{k}", x) for k, x in v.__dict__.items()]
-            elif type(v) is list and len(v) > _MAX_ITEMS:
-                held.append((where, v, len(v)))
-            elif type(v) in _COPIED and len(v) <= _MAX_ITEMS:
-                held.append((where, v, v.copy()))
-                items = v.items() if isinstance(v, dict) else enumerate(v)
-                below += [(f"{where}[{k!r}]", x) for k, x in items]
-            elif type(v) is tuple and len(v) <= _MAX_ITEMS:
-                below += [(f"{where}[{k}]", x) for k, x in enumerate(v)]
+                             (sub, m._buffers, _ModuleAttributes(m._buffers))]
+                    below += _module_items(sub, m)
+                continue
+            plain += 1
+            if _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
+                held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
+                below += [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
+            elif kind is list and len(v) > _MAX_COPIED:
+                held.append((where, v, _Length(len(v), where, owner)))
+                below += _items_below(where, v, owner)
+            elif kind in _COPIED and len(v) <= _MAX_COPIED:
+                held.append((where, v, _copy(v, where, owner, "[")))
+                below += _items_below(where, v, owner)
+            elif kind is tuple:
+                below += _items_below(where, v, owner)
         level = below
     return held
+
+
+def _items_below(where: str, container: Any, owner: str) -> list[tuple[str, Any, str]]:
+    """A held list, tuple or dict's items to look into: not numbers or strings (a table of
+    them is passed over in C); of a big one (a dataset), its modules only (a list of
+    experts), which are always held."""
+    values = container.values() if isinstance(container, dict) else container
+    if _SCALARS.issuperset(map(type, values)):
+        return []
+    items = container.items() if isinstance(container, dict) else enumerate(container)
+    if len(container) > _MAX_ITEMS:
+        return [(f"{where}[{_shown_key(k)}]", x, owner) for k, x in items
+                if issubclass(type(x), torch.nn.Module)]
+    return [(f"{where}[{_shown_key(k)}]", x, owner) for k, x in items
+            if type(x) not in _SCALARS]
+
+
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _shown_key(key: Any) -> str:
+    """A dict key as a message shows it: by repr where that is plain (a parameter's repr
+    prints its values, a user's may raise)."""
+    return repr(key) if type(key) in (str, int, float, bool, type(None)) \
+        else f"<{type(key).__name__}>"
+
+
+def _copy(container: Any, where: str, owner: str, joiner: str) -> Any:
+    """The copy of a held ``__dict__`` (``joiner`` ".") or list or dict ("["): a module's
+    ``owner`` makes it one put back with a decision."""
+    if owner:
+        held_in = where[len(owner) + 1:]
+        return _ModuleItems(container, held_in) if isinstance(container, list) else \
+            _ModuleAttributes(container, held_in=held_in, joiner=joiner)
+    return _Attributes(container) if joiner == "." else container.copy()
+
+
+def _scripted(m: Any) -> bool:
+    """A TorchScript module, whose attributes live in C++ (its ``__dict__`` is no module's)."""
+    return issubclass(type(m), torch.jit.ScriptModule)
+
+
+class _Length(int):
+    """The length of a held list too long to copy; what the trace appended is taken off."""
+
+    def __new__(cls, n: int, where: str, owner: str) -> _Length:
+        length = super().__new__(cls, n)
+        length.held_in = where[len(owner) + 1:] if owner else ""  # type: ignore[attr-defined]
+        return length
 
 
 def _safely_plain(value: Any) -> bool:
@@ -408,41 +489,52 @@ def _safely_plain(value: Any) -> bool:
 _MODULE_OWN = frozenset(torch.nn.Module().__dict__)
 
 
-def module_containers(where: str, m: torch.nn.Module) -> list[tuple[str, Any, Any]]:
-    """The lists and dicts a module holds besides nn.Module's own (an LSTM's _flat_weights, a
-    list of kept attention maps), with their copies."""
-    return [(f"{where}.{k}", v, _ModuleItems(v, k) if isinstance(v, list)
-             else _ModuleAttributes(v, held_in=k))
-            for k, v in m.__dict__.items()
-            if k not in _MODULE_OWN and type(v) in _COPIED and len(v) <= _MAX_ITEMS]
-
-
-def put_back_containers(held: Iterable[tuple[str, Any, Any]], decide: bool = True) -> list[str]:
+def put_back_containers(held: Iterable[tuple[str, Any, Any]],
+                        decisions: list[tuple[str, list[str]]] | None = None) -> list[str]:
     """Put back every container left holding a tracing tensor; where each was (the innermost:
-    an object whose list was put back is not named too). A module's are put back with a
-    decision where ``decide`` (the trace is not refused)."""
+    an object whose list was put back is not named too). A module's are put back quietly, with
+    ``(module, what was stored)`` added to ``decisions`` (:func:`note_module_stores`, once the
+    trace is not refused)."""
     left = []
     for where, container, before in held:
+        module = isinstance(before, (_ModuleAttributes, _ModuleItems)) or \
+            getattr(before, "held_in", "")
         if isinstance(before, int):  # a long list: its length only
             if any(_tracing(x) for x in container[before:]):
                 del container[before:]
-                left.append(where)
+                if module and decisions is not None:
+                    decisions.append((where.removesuffix(f".{before.held_in}"),
+                                      [f"{before.held_in}[{before}:]"]))
+                elif not module:
+                    left.append(where)
+            continue
+        if _unchanged(container, before):
             continue
         keys = isinstance(container, dict) and any(map(_tracing, container))
         now = container.items() if isinstance(container, dict) else enumerate(container)
-        if keys or (stored := [k for k, x in now if _tracing(x)  # not one there before
-                               and not (_in(before, k) and before[k] is x)]):
-            module = not keys and isinstance(before, (_ModuleAttributes, _ModuleItems))
-            names = before.stored(stored, container) if module else []
+        if keys or (stored := [k for k, x in now  # not one there before
+                               if not (_in(before, k) and before[k] is x) and _tracing(x)]):
+            names = before.stored(stored, container) if module and not keys else []
             _restore(container, before)
-            if module:
-                if decide and names:
-                    _note_module_stores(where.removesuffix(f".{before.held_in}"), names)
+            if module and not keys:
+                if decisions is not None and names:
+                    decisions.append((where.removesuffix(f".{before.held_in}")
+                                      if before.held_in else where, names))
                 continue
             left.append(f"{where} as a key (a dict looked up by a tensor argument, such as "
                         "opt.state[p], finds its tracing stand-in, never the caller's tensor)"
                         if keys else where)
     return [w for w in left if not any(o.startswith((f"{w}.", f"{w}[")) for o in left)]
+
+
+def _unchanged(container: Any, before: Any) -> bool:
+    """Whether a held list or dict holds what its copy does, the same objects in the same
+    order (looked at in C: a held table of 60,000 entries costs a compile ~1 ms)."""
+    if isinstance(container, dict):
+        return len(container) == len(before) and \
+            all(map(operator.is_, container, before)) and \
+            all(map(operator.is_, container.values(), before.values()))
+    return len(container) == len(before) and all(map(operator.is_, container, before))
 
 
 def symbolic_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
@@ -459,16 +551,18 @@ def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True) -
     for where, container, before in held:
         if isinstance(before, int):  # a long list: only its length was kept
             continue
+        if _unchanged(container, before):
+            continue
         items = before.items() if isinstance(before, dict) else enumerate(before)
         now = container.items() if isinstance(container, dict) else enumerate(container)
         found = [k for k, old in items
                  if _in(container, k) and not same_value(old, container[k])] if numbers else []
-        found += [k for k, x in now if _symbolic(x) and k not in found and (
-            not _in(before, k) or before[k] is not x)]  # a size stored anew, appended
+        found += [k for k, x in now if (not _in(before, k) or before[k] is not x)
+                  and k not in found and _symbolic(x)]  # a size stored anew, appended
         if found:
             _restore(container, before)
-        attributes = isinstance(before, _Attributes) and not getattr(before, "held_in", "")
-        changed += [f"{where}.{k}" if attributes else f"{where}[{k!r}]" for k in found]
+        attributes = isinstance(before, _Attributes) and getattr(before, "joiner", ".") == "."
+        changed += [f"{where}.{k}" if attributes else f"{where}[{_shown_key(k)}]" for k in found]
     return changed
 
 
@@ -530,16 +624,18 @@ class _ModuleAttributes(_Attributes):
     the module's tensors at every call (a pruned ``weight``), which the graph computes itself."""
 
     def __init__(self, attributes: dict[str, Any], recomputed: frozenset[str] = frozenset(),
-                 held_in: str = "") -> None:
+                 held_in: str = "", joiner: str = "[") -> None:
         super().__init__(attributes)
         self.recomputed = recomputed
         self.held_in = held_in
+        self.joiner = joiner if held_in else "."  # "[": a dict's items, ".": an object's
 
     def stored(self, keys: Iterable[Any], now: dict[str, Any]) -> list[str]:
         """The names of what was stored under ``keys`` (``now`` holds it), for the decision;
         not a list or dict, whose own copy names what went into it."""
         if self.held_in:
-            return [f"{self.held_in}[{k!r}]" for k in keys]
+            return [f"{self.held_in}.{k}" if self.joiner == "." else
+                    f"{self.held_in}[{_shown_key(k)}]" for k in keys]
         return [k for k in keys if k not in self.recomputed
                 and (type(now[k]) not in _COPIED or self.get(k) is not now[k])]
 
@@ -555,9 +651,10 @@ class _ModuleItems(list):  # type: ignore[type-arg]
         return [f"{self.held_in}[{k}]" for k in keys]
 
 
-def _note_module_stores(where: str, names: list[str]) -> None:
-    if names:
-        items = any("[" in name for name in names)  # into a list or dict: aot_module neither
+def note_module_stores(decisions: Iterable[tuple[str, list[str]]]) -> None:
+    """The decisions :func:`put_back_containers` left, for a trace not refused."""
+    for where, names in decisions:
+        items = any("[" in name or "." in name for name in names)  # aot_module sets neither
         counters.record("fallback", where, (
             f"forward stores a tensor into {', '.join(names)} on the module (a cache, an "
             "attention map kept for plotting, a reassigned buffer): the compiled graph cannot "
@@ -570,6 +667,8 @@ def _note_module_stores(where: str, names: list[str]) -> None:
 
 def recomputed(module: torch.nn.Module) -> frozenset[str]:
     """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``."""
+    if not module._forward_pre_hooks:
+        return frozenset()
     from torch.nn.utils.prune import BasePruningMethod
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
@@ -589,10 +688,21 @@ def _holds(value: Any, kinds: tuple[type, ...], depth: int = 2) -> bool:
     """Whether ``value`` is of ``kinds``, or a list, tuple or dict of at most 1024 items holds
     one, ``depth`` levels down."""
     kind = type(value)  # not __class__: a dead weakref.proxy's raises
-    if depth and issubclass(kind, (list, tuple, dict)) and len(value) <= _MAX_ITEMS:
+    if depth and _builtin_items(kind) and len(value) <= _MAX_ITEMS:
         items = value.values() if issubclass(kind, dict) else value
         return any(_holds(x, kinds, depth - 1) for x in items)
     return issubclass(kind, kinds)
+
+
+@functools.cache
+def _builtin_items(kind: type) -> bool:
+    """A list, tuple or dict (a namedtuple, an OrderedDict, a model output) whose length and
+    items are the built-in ones: a subclass's own (a lazy mapping importing what it maps, a
+    registry that raises) would run user code eager never ran."""
+    base = next((b for b in kind.__mro__ if b in (collections.OrderedDict, dict, list, tuple)),
+                None)
+    return base is not None and all(getattr(kind, name, None) is getattr(base, name, None)
+                                    for name in ("__len__", "__iter__", "values"))
 
 
 def global_hook_tables() -> tuple[dict[int, Any], ...]:
