@@ -1641,6 +1641,21 @@ def test_dropout_of_a_non_contiguous_tensor_matches_eager(grad):
     check_against_eager(fn, rand(8, 16).t().requires_grad_(grad), seed=0)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("make", [lambda: rand(8, 16).t(),
+                                  lambda: rand(2, 3, 4, 5).to(memory_format=torch.channels_last)],
+                         ids=["transposed", "channels_last"])
+def test_in_place_bernoulli_draws_of_a_non_contiguous_tensor_match_eager(make, grad):
+    """Note [In-place Bernoulli draws]: in-place dropout and alpha dropout draw into
+    ``empty_like(x)`` in memory order; the functional bernoulli drew in logical order (the
+    mask on other elements; PyTorch's aot_eager too)."""
+    def fn(x):
+        noise = torch.empty_like(x).bernoulli_(0.4)
+        return F.dropout(x * 2, 0.3, True, inplace=True) + F.alpha_dropout(x, 0.2, True) + noise
+
+    check_against_eager(fn, make().requires_grad_(grad), seed=0)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_dropout_of_one_matches_eager_and_draws_nothing(dynamic):
     """At p = 1 eager multiplies by zero and draws nothing: under dynamic=True native_dropout

@@ -771,6 +771,30 @@ def _one_dense_layout(args: tuple[Any, ...]) -> bool:
         for t in tensors[1:])
 
 
+# Note [In-place Bernoulli draws]
+# Eager's CPU ``x.bernoulli_(p)`` with a float ``p`` draws in the order x's elements lie in
+# memory; functionalization makes it ``bernoulli.p``, whose kernel draws in logical order: on a
+# transposed or channels_last tensor (``nn.Dropout(inplace=True)``, ``nn.AlphaDropout``, whose
+# composites draw into ``empty_like(x)``) the mask landed on other elements than in eager, for
+# the same seed (PyTorch's aot_function and aot_eager too). The tracing guard draws on x's
+# view in memory order instead, a contiguous one, where the two orders are the same. Only on
+# CPU, where it was compared with eager, and for concrete strides.
+def bernoulli_in_memory_order(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.bernoulli_(p)`` drawn as eager draws it (Note [In-place Bernoulli draws]), or None
+    where the op is another or needs nothing."""
+    if func is not _aten.bernoulli_.float:
+        return None
+    x = args[0]
+    if x.device.type != "cpu" or not all(type(s) is int for s in (*x.shape, *x.stride())) \
+            or x.is_contiguous():
+        return None
+    in_memory = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    if not in_memory.is_contiguous():  # gaps or overlaps: no one order to follow
+        return None
+    in_memory.bernoulli_(*args[1:], **kwargs)
+    return x
+
+
 # Note [CPU device indices]
 # Eager gives every CPU tensor the device ``cpu``, without an index, whatever a factory or
 # ``.to()`` was asked for (``torch.zeros(3, device="cpu:0")``); fake tensors keep ``cpu:0``,
