@@ -10,7 +10,7 @@ import inspect
 import itertools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -779,7 +779,15 @@ def _one_dense_layout(args: tuple[Any, ...]) -> bool:
 # the same seed (PyTorch's aot_function and aot_eager too). The tracing guard draws on x's
 # view in memory order instead, a contiguous one, where the two orders are the same. Only on
 # CPU, where it was compared with eager, and for concrete strides.
-def bernoulli_in_memory_order(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_as_eager(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 run: Callable[[Any, Any, Any], Any]) -> Any:
+    """``run(func, args, kwargs)``, its result laid out and drawn as eager's kernel does (Note
+    [Kernels whose fake strides differ], Note [In-place Bernoulli draws])."""
+    drawn = _bernoulli_in_memory_order(func, args, kwargs)
+    return drawn if drawn is not None else out_in_eager_layout(func, args, run(func, args, kwargs))
+
+
+def _bernoulli_in_memory_order(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``x.bernoulli_(p)`` drawn as eager draws it (Note [In-place Bernoulli draws]), or None
     where the op is another or needs nothing."""
     if func is not _aten.bernoulli_.float:

@@ -38,7 +38,6 @@ from aotkit.aot.ops import (
     PRINTABLE_DECOMPOSITIONS,
     EagerOps,
     UnfoldLengths,
-    bernoulli_in_memory_order,
     check_foreach_writes,
     check_out_dtype,
     functional_values,
@@ -47,8 +46,8 @@ from aotkit.aot.ops import (
     in_eager_layout,
     may_not_cast_in_place,
     note_unfold,
-    out_in_eager_layout,
     overlaps_itself,
+    run_as_eager,
     takes_generator,
     tensors_in,
     through_unfold_gaps,
@@ -437,9 +436,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
         args = in_eager_indices(func, args)
         kwargs = in_eager_devices(kwargs)
-        out = bernoulli_in_memory_order(func, args, kwargs)
-        if out is None:
-            out = out_in_eager_layout(func, args, self._run(func, args, kwargs))
+        out = run_as_eager(func, args, kwargs, self._run)
         if not func.is_view and self._constants_only(args, kwargs):
             out = functional_values(out)
         for t in tensors_in(out):
