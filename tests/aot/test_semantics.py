@@ -310,6 +310,40 @@ def test_a_multi_grad_hook_registered_inside_is_the_users():
         hooks[0].why
 
 
+def test_hooks_on_closed_over_tensors_and_multi_grad_hooks_on_computed_inputs_are_refused():
+    """A hook on a closed-over leaf was installed on it once per tracing pass (eager: at each
+    call); a multi-grad hook in mode "all" on an input the caller computed raised autograd's
+    raw RuntimeError (PyTorch's aot_function too)."""
+    w = rand(3, grad=True)
+
+    def closed_over(x):
+        w.register_hook(lambda g: g * 10)
+        with torch.no_grad():
+            return x * w
+
+    with pytest.raises(UnsupportedError, match="a tensor it does not take as an argument"):
+        aotkit.aot_function(closed_over, compilers.nop)(rand(3))
+    assert not w._backward_hooks
+
+    def on_inputs(a, b):
+        register_multi_grad_hook((a, b), lambda grads: None)
+        return (a * b).sum()
+
+    with pytest.raises(UnsupportedError, match="mode='any'"):
+        aotkit.aot_function(on_inputs, compilers.nop)(w * 2, w * 3)
+
+
+def test_a_closed_over_tensor_requiring_grad_read_detached_is_traced_once():
+    """``x * w.detach()``: w was noted as read where a gradient could flow, and since it
+    requires grad every call traced again ("now requires grad")."""
+    w = rand(3, grad=True)
+    compiled = aotkit.aot_function(lambda x: x * w.detach() + w.detach()[0], compilers.nop)
+    for _ in range(3):
+        x = rand(3)
+        torch.testing.assert_close(compiled(x), x * w.detach() + w.detach()[0], rtol=0, atol=0)
+    assert compiled.num_entries == 1
+
+
 def test_hooks_behind_an_eager_op_the_loss_does_not_reach_see_a_tensor():
     """The None would reach ``v``'s hook through ``v * 1``'s backward: zeros go there."""
     v = rand(3, grad=True)

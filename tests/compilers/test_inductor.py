@@ -235,6 +235,29 @@ def test_views_of_a_closed_over_tensor_stay_views_of_it() -> None:
     assert table[0].tolist() == [100.0, 101.0, 102.0] and transposed[1, 0] == 101.0
 
 
+def test_closed_over_tensors_are_read_as_they_are_at_each_call() -> None:
+    """A closed-over tensor with a negative bit was read without its sign; one given another
+    dtype or layout through ``.data`` was read as the old one (garbage, or Inductor's raw
+    AssertionError): that call runs as traced, with a decision."""
+    signed = torch.tensor([1 - 1j, 2 - 2j, 3 - 3j]).conj().imag
+    table = torch.arange(6.0).view(2, 3).clone()
+
+    def f(x):
+        return x * signed + x * table
+
+    compiled = aotkit.aot_function(f, aotkit.compilers.inductor,
+                                   decompositions=aotkit.compilers.inductor.decompositions)
+    x = torch.ones(3)
+    torch.testing.assert_close(compiled(x), f(x))
+    for data in (torch.arange(6, dtype=torch.float64).view(2, 3),
+                 torch.arange(6.0).view(3, 2).t()):
+        table.data = data
+        expected = f(x)
+        torch.testing.assert_close(compiled(x), expected)
+    [decision] = aotkit.explain().of_kind("fallback")
+    assert "t.data = ..." in decision.why
+
+
 def test_saved_activations_keep_traced_strides_under_layout_optimization() -> None:
     """On CPU Inductor computes convolutions channels-last; the backward was traced for the
     saved activations' traced (contiguous) strides, so the forward must return them so."""

@@ -60,7 +60,13 @@ from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.aot.tangents import tangent_formats, tangent_like, through_lone_views
-from aotkit.aot.trace_errors import first_line, op_failed, traced_error
+from aotkit.aot.trace_errors import (
+    first_line,
+    op_failed,
+    traced_error,
+    write_through_unfold_gaps,
+    write_to_overlapping_memory,
+)
 from aotkit.aot.untraceable import (
     no_autograd_kernel,
     note_no_autograd_kernel,
@@ -406,6 +412,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         # Fake views of outside tensors by id, with the outside tensor they view; held so that
         # an id is not reused while tracing.
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.detached: set[int] = set()  # of those views, the ones detach() made (or views of)
         self.generators: list[torch.Generator] = []
         self.first_pass_generators: list[torch.Generator] | None = None
         self.pass_id = next(_PASS_IDS)
@@ -444,7 +451,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 t._aotkit_pass = self.pass_id
         self._check_grad_reads(func, args, kwargs, out)
         if func.is_view:
-            self._track_views(args, kwargs, out)
+            self._track_views(func, args, kwargs, out)
             if func is torch.ops.aten.unfold.default:
                 note_unfold(args, self.unfold_lengths)
         return out
@@ -454,11 +461,18 @@ class _OutsideTensorGuard(TorchDispatchMode):
         one (Note [Values computed from constants])."""
         return bool(ts := tensors_in((args, kwargs))) and all(self._outside(t) is not None for t in ts)
 
-    def _track_views(self, args: Any, kwargs: Any, out: Any) -> None:
-        bases = [b for b in map(self._outside, tensors_in((args, kwargs))) if b is not None]
+    def _track_views(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Fake views of outside tensors, with the ones no gradient flows through
+        (``w.detach()``: its base requiring grad later changes nothing)."""
+        read = tensors_in((args, kwargs))
+        bases = [b for b in map(self._outside, read) if b is not None]
         if bases:
-            self.views.update((id(t), (t, bases[0])) for t in tensors_in(out)
-                              if not isinstance(t, FunctionalTensor))
+            detached = func is torch.ops.aten.detach.default or id(read[0]) in self.detached
+            for t in tensors_in(out):
+                if not isinstance(t, FunctionalTensor):
+                    self.views[id(t)] = (t, bases[0])
+                    if detached:
+                        self.detached.add(id(t))
 
     def _outside(self, t: torch.Tensor) -> torch.Tensor | None:
         """The outside tensor ``t`` is or views, if any."""
@@ -489,25 +503,9 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 raise self._refusal(base, f"it mutates in place ({func})", "tracing would "
                                     "mutate it too, on top of each call")
             if isinstance(t, FunctionalTensor) and through_unfold_gaps(t, self.unfold_lengths):
-                raise UnsupportedError(
-                    f"{self.what} writes in place ({func}) through windows of unfold() that "
-                    "leave elements of the unfolded tensor uncovered (a step longer than the "
-                    "windows, a last window short of the end): the functional graph puts such "
-                    "writes back with zeros in every element no window reaches.\n"
-                    f"  at {current_user_line()}\n"
-                    "Fix: clone() the windows before writing to them, or write to the "
-                    "unfolded tensor itself (through indexing or as_strided).")
+                raise write_through_unfold_gaps(self.what, func, current_user_line())
             if torch.Tag.inplace_view not in func.tags and overlaps_itself(t):
-                raise UnsupportedError(
-                    f"{self.what} writes in place ({func}) to a tensor of shape "
-                    f"{tuple(t.shape)} and stride {tuple(t.stride())} whose elements share "
-                    "memory (an expand()ed view, or a sliding window such as unfold()). Eager "
-                    "writes such memory element by element, later writes landing on earlier "
-                    "ones (it refuses most writes to an expanded view); aotkit's functional "
-                    "graph cannot reproduce that, so it refuses them all.\n"
-                    f"  at {current_user_line()}\n"
-                    "Fix: clone() the tensor before writing to it in place."
-                )
+                raise write_to_overlapping_memory(self.what, func, t, current_user_line())
 
     def _check_grad_reads(self, func: torch._ops.OpOverload, args: Any, kwargs: Any,
                           out: Any) -> None:
@@ -528,7 +526,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if fwAD._current_level >= 0 and _has_tangent(t):
                 raise self._refusal(t, f"is a forward-mode AD dual tensor ({func} reads it)",
                                     "its tangent would be lost")
-            note_constant(base, grad, self.wrote)
+            note_constant(base, grad and id(t) not in self.detached, self.wrote)
 
     def _wholly_outside(self, t: torch.Tensor) -> bool:
         """Not made inside: a subclass computed in the trace from an outside one shares some

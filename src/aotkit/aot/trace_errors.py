@@ -314,6 +314,15 @@ def _autograd_refusal(what: str, exc: RuntimeError) -> UnsupportedError | None:
             "with torch.autograd.grad.\nFix: pass use_reentrant=False (PyTorch's recommended "
             "setting)."
         )
+    if "passed to _will_engine_execute_node" in str(exc):  # a multi-grad hook, mode "all"
+        return UnsupportedError(
+            f"{what} registers a gradient hook on several tensors at once "
+            "(torch.autograd.graph.register_multi_grad_hook, also through a module tracker, "
+            "ModTracker or debug_grad_log) on an input it is passed; aotkit takes the "
+            "backward with torch.autograd.grad, where such a hook cannot ask which inputs get "
+            f"a gradient ({first_line(exc)}).\nFix: register it outside the compiled "
+            "function, pass mode='any', or use torch.compile(fn, backend='aotkit'), whose "
+            "Dynamo runs it at every backward.")
     if "might be aliasing the input or the output" in str(exc) and _raised_in_torch(exc):
         return UnsupportedError(
             f"{what} calls a higher-order op whose body returns a tensor that is also one of "
@@ -502,3 +511,22 @@ def refuse_packed_constants(gm: Any, what: str) -> None:
                 "constants: load_state_dict's new weights would never reach it.\nFix: use "
                 "torch.compile(model, backend='aotkit'), which guards on them, or keep the "
                 "quantized part outside the compiled function.")
+
+
+def write_through_unfold_gaps(what: str, func: Any, line: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what} writes in place ({func}) through windows of unfold() that leave elements of "
+        "the unfolded tensor uncovered (a step longer than the windows, a last window short "
+        "of the end): the functional graph puts such writes back with zeros in every element "
+        f"no window reaches.\n  at {line}\nFix: clone() the windows before writing to them, "
+        "or write to the unfolded tensor itself (through indexing or as_strided).")
+
+
+def write_to_overlapping_memory(what: str, func: Any, t: Any, line: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what} writes in place ({func}) to a tensor of shape {tuple(t.shape)} and stride "
+        f"{tuple(t.stride())} whose elements share memory (an expand()ed view, or a sliding "
+        "window such as unfold()). Eager writes such memory element by element, later writes "
+        "landing on earlier ones (it refuses most writes to an expanded view); aotkit's "
+        f"functional graph cannot reproduce that, so it refuses them all.\n  at {line}\n"
+        "Fix: clone() the tensor before writing to it in place.")

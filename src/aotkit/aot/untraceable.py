@@ -17,7 +17,7 @@ import torch
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.aot.ops import tensors_in, written_by
-from aotkit.compat import StorageWeakRef
+from aotkit.compat import FakeTensor, FunctionalTensor, StorageWeakRef
 from aotkit.errors import UnsupportedError
 
 # Note [Autograd state inside the function]
@@ -163,6 +163,13 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
             raise _sparse_refusal(func)
         elif func is torch.Tensor.register_hook and not (registrar := _hook_registrar())[0]:
             where = current_user_line()
+            if not isinstance(args[0], (FakeTensor, FunctionalTensor)):  # the caller's own
+                raise UnsupportedError(
+                    f"the compiled function registers a tensor hook on a tensor it does not "
+                    f"take as an argument (a closed-over variable, a global or an attribute; "
+                    f"at {where}): eager installs it on that tensor at every call; tracing "
+                    "would install it once per tracing pass.\nFix: register the hook once "
+                    f"outside the compiled function, {_USE_TORCH_COMPILE}.")
             if self.leaves.get(id(args[0])):  # refused if still there at the end
                 handle = func(*args, **(kwargs or {}))
                 self.leaf_hooks.append((self.inputs[id(args[0])], args[0], handle, where))
