@@ -4747,3 +4747,23 @@ def test_a_custom_op_writing_two_arguments_that_share_memory_names_a_custom_op_f
         fn(x, rand(4, 3))
     assert "Fix: pass tensors that do not share memory" in str(info.value)
     assert "foreach" not in str(info.value).split("Fix:")[1]
+
+
+def test_errors_name_the_fix_for_vjp_functions_ctc_loss_and_distributions():
+    """A vjp_fn returned through torch.compile raised "Cannot access storage of TensorWrapper";
+    ctc_loss's data-dependent result was told dynamic=True would trace it (it refuses there
+    too); a distribution's argument check showed neither its line nor validate_args=False."""
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="vjp_fn"):
+        torch.compile(lambda w: torch.func.vjp(torch.sin, w), backend="aotkit")(rand(3))
+
+    def ctc(log_probs, targets):
+        return F.ctc_loss(log_probs, targets, [6, 6], [3, 2])
+
+    log_probs, targets = rand(6, 2, 5).log_softmax(-1), torch.tensor([[1, 2, 3], [1, 2, 0]])
+    with pytest.raises(TraceError) as info:
+        aotkit.aot_function(ctc, compilers.nop)(log_probs, targets)
+    assert "dynamic=True" not in str(info.value).split("Fix:")[1]
+    with pytest.raises(TraceError, match=r"distribution\.py(.|\n)*validate_args=False"):
+        aotkit.aot_function(
+            lambda mu, s: torch.distributions.Normal(mu, s, validate_args=True).rsample(),
+            compilers.nop)(rand(3, grad=True), rand(3) + 2)

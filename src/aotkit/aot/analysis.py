@@ -740,6 +740,12 @@ def _storages_shared_by_outputs(f_outs: list[Any]) -> set[StorageWeakRef]:
     seen: dict[StorageWeakRef, int] = {}
     for out in f_outs:
         if isinstance(out, torch.Tensor):
+            if torch._C._functorch.is_functorch_wrapped_tensor(from_fun(out)):
+                raise UnsupportedError(
+                    "the compiled function returns a tensor of a torch.func transform that has "
+                    "ended (what torch.func.vjp's vjp_fn holds, returned with it): it has no "
+                    "memory of its own outside the transform.\nFix: call vjp_fn inside the "
+                    "compiled function and return its gradients, or return the primal only.")
             ref = StorageWeakRef(out.untyped_storage())
             seen[ref] = seen.get(ref, 0) + 1
     return {ref for ref, count in seen.items() if count > 1}

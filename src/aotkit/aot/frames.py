@@ -22,7 +22,8 @@ _CONTEXTLIB = os.path.abspath(contextlib.__file__)
 # Library code whose line is worth showing beside the user's (the check that read data): torch.nn,
 # torch.ao (quantization modules and observers) and torch.functional, but not nn.Module's call
 # wrapper, which every module call passes through.
-_LIBRARY = tuple(TORCH_DIR + p for p in ("nn" + os.sep, "ao" + os.sep, "functional.py"))
+_LIBRARY = tuple(TORCH_DIR + p for p in ("nn" + os.sep, "ao" + os.sep, "distributions" + os.sep,
+                                           "functional.py"))
 _MODULE_CALL = TORCH_DIR + os.path.join("nn", "modules", "module.py")
 
 

@@ -434,6 +434,7 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "padding_idx) there, or use torch.compile(model, backend=\"aotkit\"), which runs "
             "such a graph eagerly.")
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
+        dynamic = dynamic if _sized_by_symbols(exc.func) else ""
         return TraceError(
             f"{what} could not be traced: {exc.func} returns {_data_dependent_result(exc.func)} "
             "depends on tensor data"
@@ -450,7 +451,7 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "Fix: a Python branch on it (if x.sum() > 0:) cannot be traced: express it with "
             "torch.where or torch.cond; a value used in computation (x * n.item()) is traced "
             "as a symbol with dynamic=True; or move the read out of the compiled function "
-            "(torch.compile splits the graph there for you)."
+            f"(torch.compile splits the graph there for you){_hint(where)}."
         )
     if from_dynamo and _captures_data():
         return TraceError(
@@ -468,11 +469,33 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
         f"  at {user_frame(exc)}\n"
         "Fix: express the branch with tensor ops (torch.where, torch.cond) or move the "
         "data-dependent part out of the compiled function"
-        f"{'' if from_dynamo else '; torch.compile splits the graph there for you'}."
+        f"{'' if from_dynamo else '; torch.compile splits the graph there for you'}"
+        f"{_hint(where)}."
     )
 
 
+def _hint(where: str) -> str:
+    """What to add to the fix where the data is read in a known library line."""
+    if os.path.join("torch", "distributions", "") in where:
+        return ("; a torch.distributions object checks its arguments' values unless made "
+                "with validate_args=False (torch.distributions.Distribution."
+                "set_default_validate_args(False) for all)")
+    return ""
+
+
 _TRACE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace.py")
+
+
+def _sized_by_symbols(op: Any) -> bool:
+    """Whether fake tensors give ``op``'s data-dependent result a symbolic size under
+    dynamic=True (nonzero, masked_select, unique), not refusing it there too (ctc_loss), and
+    its consumers take that (an RNN does not take pack_padded_sequence's)."""
+    from torch._subclasses import fake_impls
+
+    impl = next((impl for check, impl in fake_impls.op_implementations_checks if check(op)),
+                None)
+    return impl is not None and impl is not fake_impls.dyn_shape \
+        and op is not torch.ops.aten._pack_padded_sequence.default
 
 
 def _in_backward(frames: traceback.StackSummary) -> bool:

@@ -212,7 +212,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
         args.extend(tensors)
         written = _resolve_signs(args, signed) if signed else None
         inputs = _input_memory(args) if copies is None else None  # compiled() clears args
-        out = compiled(args)
+        try:
+            out = compiled(args)
+        except AssertionError as exc:  # Inductor's check of its inputs' sizes and strides
+            if not str(exc).startswith("expected size"):
+                raise
+            raise _unexpected_layout(exc) from exc
         if written:
             for caller, resolved in written:
                 caller.copy_(resolved)
@@ -349,6 +354,15 @@ def _merged_outputs(out: Sequence[Any], storages: list[Any], inputs: dict[int, i
         if owner.setdefault(ptr, traced) != inputs.get(traced, traced):
             merged.append(i)
     return merged, shown
+
+
+def _unexpected_layout(exc: AssertionError) -> CompilerError:
+    return CompilerError(
+        f"inductor: the compiled code got a tensor of other sizes or strides than traced "
+        f"({exc}): an op's fake kernel, which tracing ran, gave other sizes than its real kernel "
+        "(a quantization observer growing its per-channel buffers in place).\nFix: find the "
+        "op with aotkit.compilers.debug_nop (its MetadataMismatchError names it), or use "
+        "torch.compile(model, backend='aotkit_inductor') (a QAT model trains there).")
 
 
 def _layout_of(t: torch.Tensor) -> tuple[Any, ...]:
