@@ -4767,3 +4767,13 @@ def test_errors_name_the_fix_for_vjp_functions_ctc_loss_and_distributions():
         aotkit.aot_function(
             lambda mu, s: torch.distributions.Normal(mu, s, validate_args=True).rsample(),
             compilers.nop)(rand(3, grad=True), rand(3) + 2)
+
+
+def test_an_integer_exponent_read_from_data_is_refused_naming_the_fix():
+    """pow's derivative compares its exponent: a symbolic one raised PyTorch's internal
+    assert "NYI SymInt equality" (aot_eager the same)."""
+    def f(x, k):
+        return x.abs().pow(k.item()).sum()
+
+    with pytest.raises(TraceError, match=r"x\.pow\(k\), not x\.pow\(k\.item\(\)\)"):
+        aotkit.aot_function(f, compilers.nop, dynamic=True)(rand(4, grad=True), torch.tensor(2))

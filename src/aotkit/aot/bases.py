@@ -142,8 +142,9 @@ def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) ->
         raise _refused(name, which, "share memory and one of them has its shape, strides or "
                        "memory changed in place (t_(), as_strided_(), set_(), ...)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and _root(tensors) is None:
-        raise _refused(name, which, "share memory, require grad and are not views of one "
-                       "common tensor, through which their gradients could flow")
+        raise _refused(name, which, "share memory, some of them require grad (a tensor "
+                       "and its detach(), say) and they are not views of one common tensor, "
+                       "through which their gradients could flow")
     views = tuple((tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors)
     length = max(_end(t) for t in tensors)
     return _Group(tuple(members), views, length)
@@ -159,7 +160,8 @@ def _refused(name: str, which: str, why: str) -> UnsupportedError:
     return UnsupportedError(
         f"{name}: {which} {why}, and the function (or its backward) mutates one of them in "
         "place; aotkit cannot replay that mutation exactly.\nFix: pass separate tensors (e.g. "
-        ".clone() one of them)."
+        ".clone() one of them; under torch.compile, where the inputs are a graph break's "
+        "locals, clone() the one written before writing it)."
     )
 
 

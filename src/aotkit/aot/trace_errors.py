@@ -230,6 +230,12 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
         return data_dependent(what, exc)  # .tolist() of a fake tensor, 2-d or more
     if (concrete := _needs_concrete_sizes(what, exc)) is not None:
         return concrete
+    if "NYI SymInt equality" in str(exc):  # pow's formula comparing its exponent (aot_eager too)
+        return TraceError(
+            f"{what} gives an op a number the trace holds as a symbol (an integer read from "
+            "data with .item(), or a size), which its derivative compares as a Python value "
+            f"({first_line(exc)}).\n  at {user_frame(exc)}\nFix: pass the number as a tensor "
+            "(x.pow(k), not x.pow(k.item())), or read it outside the compiled function.")
     if ".numpy() is not supported" in str(exc):
         return TraceError(
             f"{what} converts a tensor to NumPy (.numpy()); aotkit traces on fake tensors, "
@@ -424,7 +430,7 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             f"which depends on tensor data.\n  at {where}\nFix: say it: pass is_causal=True "
             "or False with the mask (tgt_is_causal=, memory_is_causal= for a decoder).")
     if _in_backward(frames) and where == "<unknown location>" \
-            and not (from_dynamo and _captures_data()):  # not the user's own backward code
+            and not (from_dynamo and _captures_data(exc)):  # not the user's own backward code
         return TraceError(
             f"{what} could not be traced: its backward, which the autograd engine runs (no "
             "line of the function), calls an op whose result's size or value depends on "
@@ -453,7 +459,7 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "as a symbol with dynamic=True; or move the read out of the compiled function "
             f"(torch.compile splits the graph there for you){_hint(where)}."
         )
-    if from_dynamo and _captures_data():
+    if from_dynamo and _captures_data(exc):
         return TraceError(
             f"{what} could not be traced: an op needs as a Python value a size or number "
             "Dynamo captured from tensor data as a symbol (torch._dynamo.config."
@@ -504,11 +510,13 @@ def _in_backward(frames: traceback.StackSummary) -> bool:
                for f in frames)
 
 
-def _captures_data() -> bool:
-    """Whether Dynamo is set to capture values read from data as symbols."""
+def _captures_data(exc: BaseException | None = None) -> bool:
+    """Whether Dynamo is set to capture values read from data as symbols, or a guard on an
+    unbacked symbol (one Dynamo made, mark_unbacked's) failed with ``exc``."""
     dynamo = sys.modules.get("torch._dynamo.config")
-    return dynamo is not None and bool(
-        dynamo.capture_scalar_outputs or dynamo.capture_dynamic_output_shape_ops)
+    return (dynamo is not None and bool(
+        dynamo.capture_scalar_outputs or dynamo.capture_dynamic_output_shape_ops)) or \
+        isinstance(exc, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
 
 
 def _data_dependent_result(op: Any) -> str:
