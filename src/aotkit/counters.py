@@ -45,6 +45,7 @@ KINDS: dict[str, str] = {
     "partition": "what a partitioner saved for backward and what it recomputes",
     "inline": "a nested compile region traced inline",
     "hook": "module hooks traced with the forward and backward",
+    "side_effect": "a number forward changes in what a module holds, changed once per trace",
     "capture": "compiled autograd captured a backward",
     "recapture": "compiled autograd captured a backward again, with the reason",
     "hook_order": "compiled autograd could not order hooks as eager does",

@@ -936,7 +936,7 @@ def test_what_forward_puts_deeper_into_a_module_is_put_back_and_counters_there_r
     torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x), model.lin(x))
     assert model.cache == [[], []] and model.by_name == {"k": []} and len(model.bank) == 2000
     whys = " ".join(d.why for d in aotkit.explain().of_kind("fallback"))
-    assert "cache[0][0]" in whys and "by_name['k'][0]" in whys and "bank[2000]" in whys
+    assert "cache[0][0]" in whys and "by_name['k'][0]" in whys and "bank[2000:]" in whys
 
     class Reads(Cached):
         def forward(self, x):
@@ -962,6 +962,43 @@ def test_what_forward_puts_deeper_into_a_module_is_put_back_and_counters_there_r
     with pytest.raises(aotkit.errors.UnsupportedError, match=r"changes args\[0\]\.schedule\.step"):
         aotkit.aot_function(lambda m, x: m(x), compilers.nop)(warm, torch.ones(2))
     assert warm.schedule.step == 0
+
+
+def test_what_forward_keeps_in_deques_namedtuples_and_new_objects_is_put_back_alone():
+    """A deque, a list in a namedtuple, a list three levels down, a new object holding a tensor
+    (a cache layer's dataclass): FunctionalTensors stayed there. Only the tensor is put back:
+    a flag set in the same object stays set, as eager sets it (the whole object was put back).
+    A warm-up step in an object the module holds gets a side_effect decision."""
+    Pair = collections.namedtuple("Pair", "k v")
+
+    @dataclasses.dataclass
+    class Layer:
+        keys: torch.Tensor
+
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.recent = collections.deque(maxlen=4)
+            self.pair, self.deep = Pair([], []), {"a": {"b": []}}
+            self.state = types.SimpleNamespace(initialized=False, layers={}, step=0)
+
+        def forward(self, x):
+            y = self.lin(x).detach()
+            self.recent.append(y)
+            self.pair.k.append(y)
+            self.deep["a"]["b"].append(y)
+            self.state.initialized = True
+            self.state.layers["l0"] = Layer(y)
+            self.state.step += 1
+            return y
+
+    model = Keeps()
+    aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
+    assert not model.recent and model.pair == Pair([], []) and model.deep == {"a": {"b": []}}
+    assert model.state.layers == {} and model.state.initialized
+    [side_effect] = aotkit.explain().of_kind("side_effect")
+    assert "state.step" in side_effect.why
 
 
 def test_held_values_are_looked_at_without_running_their_code():

@@ -49,6 +49,7 @@ from aotkit.aot.reads import (
     argument_containers,
     changed_values,
     module_containers,
+    note_module_counts,
     note_module_stores,
     put_back_containers,
     recording,
@@ -766,15 +767,16 @@ class AotFunction:
         held_by_fn = held_values(self.fn) if self._own_modules is None else []
         held = [*held_args, *argument_containers(
             [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
-            held_tensors), *(c for sub, m in (self._own_modules() if self._own_modules else ())
-                             for c in module_containers(sub or type(m).__name__, m))]
+            held_tensors), *module_containers(
+                (sub or type(m).__name__, m) for sub, m in
+                (self._own_modules() if self._own_modules else ()))]
         try:
             with dynamo_frames_off(), recording(self._own_modules, [
                     v for _, v in held_by_fn if issubclass(type(v), nn.Module)]) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held)
-            changed_values(held_args)
+            changed_values(held)
             symbolic_values(held[len(held_args):])
             name_held_tensor(exc, held_tensors)
             name_refused_input(exc, self.name, [names[i] for i in positions])
@@ -791,6 +793,8 @@ class AotFunction:
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
         note_module_stores(decisions)
+        note_module_counts(self.name, changed_values(
+            [c for c in held[len(held_args):] if getattr(c[2], "held_in", "")], restore=False))
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None
         offsets = storage_offsets(tensors) if graphs.absolute_offsets else None
         written = tuple(k for k, info in enumerate(graphs.meta.inputs)

@@ -240,7 +240,7 @@ def changed_value(name: str, where: str) -> UnsupportedError:
     """A plain value the function changes in what it was passed (Note [Values changed in
     argument objects])."""
     return UnsupportedError(
-        f"{name} changes {where}, a number it was passed inside an object, module, list or dict "
+        f"{name} changes {where}, a number held in an object, module, list or dict "
         "(a step counter: state.step += 1), or stores a symbolic size there (st.n = "
         "x.shape[0] under dynamic=True): the compiled graph runs no Python, so the change "
         "would not happen at each call, and tracing made it once per pass, with the trace's "

@@ -352,10 +352,11 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # or items run the user's code (a lazy registry importing what it maps), are not looked into.
 _MAX_HELD = 1024
 _MAX_ITEMS = 1024
-_MAX_COPIED = 65536  # copied and compared at C speed, but not looked into
+_MAX_COPIED = 65536  # a dict copied and compared at C speed, but not looked into
+_MAX_WALKED = 65536  # items looked into at each level
 # Copied with .copy(); a dict's keys are looked at too (reading ``opt.state[p]``, a defaultdict,
 # inserts the tracing stand-in of p as a key).
-_COPIED = (list, dict, collections.defaultdict, collections.OrderedDict)
+_COPIED = (list, dict, collections.defaultdict, collections.OrderedDict, collections.deque)
 
 
 def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, str] | None = None
@@ -369,11 +370,14 @@ def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, st
                   if not issubclass(type(v), torch.Tensor)], 0, tensors)
 
 
-def module_containers(where: str, m: torch.nn.Module) -> list[tuple[str, Any, Any]]:
-    """The lists, dicts and plain objects a module holds besides nn.Module's own (an LSTM's
-    _flat_weights, a list of kept attention maps, a cache per layer), two levels, with their
-    copies (put back with a decision, not a refusal)."""
-    return [] if _scripted(m) else _walk(_module_items(where, m), 1, None)
+def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
+                      ) -> list[tuple[str, Any, Any]]:
+    """The lists, dicts, deques and plain objects the named modules hold besides nn.Module's
+    own (an LSTM's _flat_weights, a list of kept attention maps, a cache per layer), three
+    levels, with their copies (put back with a decision, not a refusal); what several hold
+    (a config) once."""
+    return _walk([item for where, m in modules if not _scripted(m)
+                  for item in _module_items(where, m)], 0, None)
 
 
 def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
@@ -413,29 +417,29 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
             if _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
                 below += [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
-            elif kind is list and len(v) > _MAX_COPIED:
+            elif kind is list and len(v) > _MAX_ITEMS:  # its length; of experts, the modules
                 held.append((where, v, _Length(len(v), where, owner)))
-                below += _items_below(where, v, owner)
+                if issubclass(type(v[0]), torch.nn.Module):
+                    below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
+                              if issubclass(type(x), torch.nn.Module)]
             elif kind in _COPIED and len(v) <= _MAX_COPIED:
                 held.append((where, v, _copy(v, where, owner, "[")))
-                below += _items_below(where, v, owner)
-            elif kind is tuple:
-                below += _items_below(where, v, owner)
+                if len(v) <= _MAX_ITEMS and len(below) < _MAX_WALKED:
+                    below += _items_below(where, v, owner)
+            elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
+                    and len(below) < _MAX_WALKED:  # a table of tuples is not walked in full
+                below += _items_below(where, v, owner)  # a namedtuple too
         level = below
     return held
 
 
 def _items_below(where: str, container: Any, owner: str) -> list[tuple[str, Any, str]]:
     """A held list, tuple or dict's items to look into: not numbers or strings (a table of
-    them is passed over in C); of a big one (a dataset), its modules only (a list of
-    experts), which are always held."""
+    them is passed over in C)."""
     values = container.values() if isinstance(container, dict) else container
     if _SCALARS.issuperset(map(type, values)):
         return []
     items = container.items() if isinstance(container, dict) else enumerate(container)
-    if len(container) > _MAX_ITEMS:
-        return [(f"{where}[{_shown_key(k)}]", x, owner) for k, x in items
-                if issubclass(type(x), torch.nn.Module)]
     return [(f"{where}[{_shown_key(k)}]", x, owner) for k, x in items
             if type(x) not in _SCALARS]
 
@@ -455,7 +459,8 @@ def _copy(container: Any, where: str, owner: str, joiner: str) -> Any:
     ``owner`` makes it one put back with a decision."""
     if owner:
         held_in = where[len(owner) + 1:]
-        return _ModuleItems(container, held_in) if isinstance(container, list) else \
+        return _ModuleItems(container, held_in) \
+            if isinstance(container, (list, collections.deque)) else \
             _ModuleAttributes(container, held_in=held_in, joiner=joiner)
     return _Attributes(container) if joiner == "." else container.copy()
 
@@ -515,7 +520,10 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]],
         if keys or (stored := [k for k, x in now  # not one there before
                                if not (_in(before, k) and before[k] is x) and _tracing(x)]):
             names = before.stored(stored, container) if module and not keys else []
-            _restore(container, before)
+            if module and not keys:  # other changes stay, as eager made them (a flag set)
+                _take_back(container, before, stored)
+            else:
+                _restore(container, before)
             if module and not keys:
                 if decisions is not None and names:
                     decisions.append((where.removesuffix(f".{before.held_in}")
@@ -543,10 +551,11 @@ def symbolic_values(held: Iterable[tuple[str, Any, Any]]) -> list[str]:
     return changed_values(held, numbers=False)
 
 
-def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True) -> list[str]:
+def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True,
+                   restore: bool = True) -> list[str]:
     """Where a held object's attribute, or a held list's or dict's item, holds a number other
-    than before the trace (``state.step += 1``); the container is put back as it was (Note
-    [Values changed in argument objects])."""
+    than before the trace (``state.step += 1``); the container is put back as it was where
+    ``restore`` (Note [Values changed in argument objects])."""
     changed = []
     for where, container, before in held:
         if isinstance(before, int):  # a long list: only its length was kept
@@ -559,7 +568,7 @@ def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True) -
                  if _in(container, k) and not same_value(old, container[k])] if numbers else []
         found += [k for k, x in now if (not _in(before, k) or before[k] is not x)
                   and k not in found and _symbolic(x)]  # a size stored anew, appended
-        if found:
+        if found and restore:
             _restore(container, before)
         attributes = isinstance(before, _Attributes) and getattr(before, "joiner", ".") == "."
         changed += [f"{where}.{k}" if attributes else f"{where}[{_shown_key(k)}]" for k in found]
@@ -576,12 +585,29 @@ def _symbolic(value: Any) -> bool:
 
 
 def _restore(container: Any, before: Any) -> None:
-    """Put a held dict or list back as its copy ``before`` has it."""
+    """Put a held dict, list or deque back as its copy ``before`` has it."""
     if isinstance(container, dict):
         container.clear()
         container.update(before)
+    elif isinstance(container, collections.deque):
+        container.clear()
+        container.extend(before)
     else:
         container[:] = before
+
+
+def _take_back(container: Any, before: Any, keys: list[Any]) -> None:
+    """Put back only what ``keys`` of a held container hold now (tracing tensors)."""
+    if isinstance(container, dict):
+        for k in keys:
+            if k in before:
+                container[k] = before[k]
+            else:
+                del container[k]
+        return
+    taken = set(keys)
+    _restore(container, [before[k] if k in taken else x for k, x in enumerate(container)
+                         if k not in taken or k < len(before)])
 
 
 def _in(container: Any, key: Any) -> bool:
@@ -665,6 +691,20 @@ def note_module_stores(decisions: Iterable[tuple[str, list[str]]]) -> None:
             logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
 
 
+def note_module_counts(name: str, changed: list[str]) -> None:
+    """Numbers changed in what a module the function runs as holds (a warm-up schedule's
+    step): eager changes them at each call, tracing did once per pass."""
+    if changed:
+        counters.record("side_effect", name, (
+            f"forward changes {', '.join(changed)}, a number in a list, dict or object the "
+            "module holds: tracing changed it once per pass and the graph never does, so "
+            "anything computed from it keeps the traced value (a warm-up schedule's step) and "
+            "the number stops counting. Fix: keep it in a buffer changed in place "
+            "(self.register_buffer('step', torch.zeros(())); self.step.add_(1)), or use "
+            "torch.compile(model, backend='aotkit'), which replays such changes."),
+            logger=logging.getLogger("aotkit.aot"), level=logging.WARNING)
+
+
 def recomputed(module: torch.nn.Module) -> frozenset[str]:
     """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``."""
     if not module._forward_pre_hooks:
@@ -685,13 +725,17 @@ def _tracing(value: Any) -> bool:
 
 
 def _holds(value: Any, kinds: tuple[type, ...], depth: int = 2) -> bool:
-    """Whether ``value`` is of ``kinds``, or a list, tuple or dict of at most 1024 items holds
-    one, ``depth`` levels down."""
+    """Whether ``value`` is of ``kinds``, or a list, tuple, dict, deque of at most 1024 items
+    or a plain object (a dataclass of a cache layer) holds one, ``depth`` levels down."""
     kind = type(value)  # not __class__: a dead weakref.proxy's raises
-    if depth and _builtin_items(kind) and len(value) <= _MAX_ITEMS:
+    if issubclass(kind, kinds):
+        return True
+    if depth and (_builtin_items(kind) or kind is collections.deque) and len(value) <= _MAX_ITEMS:
         items = value.values() if issubclass(kind, dict) else value
         return any(_holds(x, kinds, depth - 1) for x in items)
-    return issubclass(kind, kinds)
+    if depth and not issubclass(kind, (torch.Tensor, torch.nn.Module)) and _safely_plain(value):
+        return any(_holds(x, kinds, depth - 1) for x in value.__dict__.values())
+    return False
 
 
 @functools.cache
