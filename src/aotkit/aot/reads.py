@@ -333,23 +333,26 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # ``self.layers[i].keys = torch.cat(...)``). The graph cannot do that at each call, and the
 # trace leaves the object holding a tracing tensor, unusable afterwards ("FunctionalTensor on
 # its own"), also after the trace was refused for reading it in a later pass. So the plain
-# objects, lists and dicts reachable from the arguments, and from the globals and closed-over
-# values the function's code reads (three levels, as Note [Objects as arguments] keys them; at
-# most 1024 besides modules), and the attributes and buffers of a module the function runs as,
-# is passed or reaches, with what it holds two levels down (a cache per layer; not a
-# TorchScript module's), are copied shallowly before tracing; one left holding a tracing tensor
-# it did not hold before is put back as it was, and a trace that otherwise succeeded is
-# refused, naming where the tensor went. What a module holds (``self.last_attn =
-# a.detach()`` in an ``aot_function(model)``, AWD-LSTM's WeightDrop setting its module's
-# weight at every call, an LSTM's _flat_weights, a list of kept attention maps) gets a
-# "fallback" decision instead, once the trace is not refused, naming aot_module where it sets
-# such tensors after each call (attributes). Each copy is compared with what it was copied from
-# in C, and only what changed is looked into: a compile must not pay for the tables, datasets
-# and models a function can reach but leaves alone. So a list or dict of up to 65536 items is
-# copied, but only one of up to 1024 is looked into (of a bigger one, only the modules it holds:
-# a list of experts); a longer list keeps its length (what the trace appended is taken off
-# again); a bigger dict is not held. Lists and dicts of the user's own classes, whose length
-# or items run the user's code (a lazy registry importing what it maps), are not looked into.
+# objects, lists, dicts and deques reachable from the arguments, and from the globals and
+# closed-over values the function's code reads (three levels, as Note [Objects as arguments]
+# keys them; at most 1024 besides modules), and the attributes and buffers of a module the
+# function runs as, is passed or reaches, with what it holds three levels down (a cache per
+# layer; not a TorchScript module's), are copied shallowly before tracing; one left holding a
+# tracing tensor it did not hold before (also inside a new object: a cache layer) is put back
+# as it was, and a trace that otherwise succeeded is refused, naming where the tensor went.
+# What a module holds (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
+# LSTM's WeightDrop setting its module's weight at every call, an LSTM's _flat_weights, a list
+# of kept attention maps) gets a "fallback" decision instead, once the trace is not refused,
+# naming aot_module where it sets such tensors after each call (attributes), and only the
+# tracing tensors are taken back (a flag set beside them stays set, as eager sets it); a number
+# changed there (a warm-up schedule's step) gets a "side_effect" decision. Each copy is
+# compared with what it was copied from in C, and only what changed is looked into: a compile
+# must not pay for the tables, datasets and models a function can reach but leaves alone. So a
+# dict of up to 65536 items is copied, but only containers of up to 1024 are looked into, and
+# at most 65536 items a level; a longer list keeps its length (what the trace appended is
+# taken off again), and its modules are held where it starts with one (a list of experts).
+# Lists and dicts of the user's own classes, whose length or items run the user's code (a lazy
+# registry importing what it maps), are not looked into.
 _MAX_HELD = 1024
 _MAX_ITEMS = 1024
 _MAX_COPIED = 65536  # a dict copied and compared at C speed, but not looked into
