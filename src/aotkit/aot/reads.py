@@ -343,19 +343,23 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # What a module holds (``self.last_attn = a.detach()`` in an ``aot_function(model)``, AWD-
 # LSTM's WeightDrop setting its module's weight at every call, an LSTM's _flat_weights, a list
 # of kept attention maps) gets a "fallback" decision instead, once the trace is not refused,
-# naming aot_module where it sets such tensors after each call (attributes), and only the
-# tracing tensors are taken back (a flag set beside them stays set, as eager sets it); a number
+# naming aot_module where it sets such tensors after each call (attributes), and of a dict or
+# an object only the tracing tensors are taken back (a flag set beside them stays set, as eager
+# sets it; after a refusal, everything is, as eager never ran); a number
 # changed there (a warm-up schedule's step) gets a "side_effect" decision. Each copy is
 # compared with what it was copied from in C, and only what changed is looked into: a compile
 # must not pay for the tables, datasets and models a function can reach but leaves alone. So a
-# dict of up to 65536 items is copied, but only containers of up to 1024 are looked into, and
-# at most 65536 items a level; a longer list keeps its length (what the trace appended is
-# taken off again), and its modules are held where it starts with one (a list of experts).
+# list or dict of up to 65536 items is copied (262144 items in all, for one compile),
+# but only containers of up to 1024 are looked into, and at most 65536 items a level; past
+# that a list keeps its length (what the trace appended is taken off again), and its modules
+# are held where it starts with one (a list of experts). A module met starts three levels of
+# its own.
 # Lists and dicts of the user's own classes, whose length or items run the user's code (a lazy
 # registry importing what it maps), are not looked into.
 _MAX_HELD = 1024
 _MAX_ITEMS = 1024
-_MAX_COPIED = 65536  # a dict copied and compared at C speed, but not looked into
+_MAX_COPIED = 65536  # a list or dict copied and compared at C speed, but not looked into
+_MAX_COPIED_IN_ALL = 1 << 18  # items copied in one compile: past them, lists keep lengths
 _MAX_WALKED = 65536  # items looked into at each level
 # Copied with .copy(); a dict's keys are looked at too (reading ``opt.state[p]``, a defaultdict,
 # inserts the tracing stand-in of p as a key).
@@ -377,10 +381,12 @@ def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
                       ) -> list[tuple[str, Any, Any]]:
     """The lists, dicts, deques and plain objects the named modules hold besides nn.Module's
     own (an LSTM's _flat_weights, a list of kept attention maps, a cache per layer), three
-    levels, with their copies (put back with a decision, not a refusal); what several hold
-    (a config) once."""
-    return _walk([item for where, m in modules if not _scripted(m)
-                  for item in _module_items(where, m)], 0, None)
+    levels below each, with their copies (put back with a decision, not a refusal); what
+    several hold (a config) once."""
+    seen: set[int] = set()
+    copied = [0]
+    return [c for where, m in modules if not _scripted(m)
+            for c in _walk(_module_items(where, m), 0, None, seen, copied)]
 
 
 def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
@@ -388,13 +394,17 @@ def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
             if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)]
 
 
-def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None
+def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
+          seen: set[int] | None = None, copied: list[int] | None = None
           ) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
-    for none), from depth ``first`` to three, and the tensors in the last."""
+    for none), from depth ``first`` to three (a module met starts three more for what it
+    holds), and the tensors in the last. ``seen`` and the count of items ``copied`` are
+    shared by the walks of one compile."""
     held: list[tuple[str, Any, Any]] = []
-    seen: set[int] = set()
-    plain = 0  # containers held besides modules' own: modules always (a big one first left
+    seen = set() if seen is None else seen
+    copied = [0] if copied is None else copied
+    plain = 0  # containers held besides modules': modules always (a big one first left
     for depth in range(first, 4):  # the next one unheld)
         below: list[tuple[str, Any, str]] = []
         for where, v, owner in level:
@@ -413,23 +423,27 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                         continue
                     seen.add(id(m))
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
-                             (sub, m._buffers, _ModuleAttributes(m._buffers))]
-                    below += _module_items(sub, m)
+                             (sub, m._buffers, _ModuleAttributes(m._buffers)),
+                             *_walk(_module_items(sub, m), 0, tensors, seen, copied)]
                 continue
             plain += 1
-            if _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
+            size = len(v.__dict__) if _safely_plain(v) else len(v) if kind in _COPIED or (
+                issubclass(kind, tuple) and _builtin_items(kind)) else 0
+            if kind is list and size > _MAX_ITEMS and issubclass(type(v[0]), torch.nn.Module):
+                below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)  # experts
+                          if issubclass(type(x), torch.nn.Module)]
+            if kind is list and (size > _MAX_COPIED or copied[0] + size > _MAX_COPIED_IN_ALL):
+                held.append((where, v, _Length(size, where, owner)))
+                continue
+            copied[0] += size
+            if _safely_plain(v) and size <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
                 below += [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
-            elif kind is list and len(v) > _MAX_ITEMS:  # its length; of experts, the modules
-                held.append((where, v, _Length(len(v), where, owner)))
-                if issubclass(type(v[0]), torch.nn.Module):
-                    below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
-                              if issubclass(type(x), torch.nn.Module)]
-            elif kind in _COPIED and len(v) <= _MAX_COPIED:
+            elif kind in _COPIED and size <= _MAX_COPIED and copied[0] <= _MAX_COPIED_IN_ALL:
                 held.append((where, v, _copy(v, where, owner, "[")))
-                if len(v) <= _MAX_ITEMS and len(below) < _MAX_WALKED:
+                if size <= _MAX_ITEMS and len(below) < _MAX_WALKED:
                     below += _items_below(where, v, owner)
-            elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
+            elif issubclass(kind, tuple) and _builtin_items(kind) and size <= _MAX_ITEMS \
                     and len(below) < _MAX_WALKED:  # a table of tuples is not walked in full
                 below += _items_below(where, v, owner)  # a namedtuple too
         level = below
@@ -523,8 +537,8 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]],
         if keys or (stored := [k for k, x in now  # not one there before
                                if not (_in(before, k) and before[k] is x) and _tracing(x)]):
             names = before.stored(stored, container) if module and not keys else []
-            if module and not keys:  # other changes stay, as eager made them (a flag set)
-                _take_back(container, before, stored)
+            if module and not keys and decisions is not None and isinstance(container, dict):
+                _take_back(container, before, stored)  # a flag set beside stays, as in eager
             else:
                 _restore(container, before)
             if module and not keys:
@@ -599,18 +613,14 @@ def _restore(container: Any, before: Any) -> None:
         container[:] = before
 
 
-def _take_back(container: Any, before: Any, keys: list[Any]) -> None:
-    """Put back only what ``keys`` of a held container hold now (tracing tensors)."""
-    if isinstance(container, dict):
-        for k in keys:
-            if k in before:
-                container[k] = before[k]
-            else:
-                del container[k]
-        return
-    taken = set(keys)
-    _restore(container, [before[k] if k in taken else x for k, x in enumerate(container)
-                         if k not in taken or k < len(before)])
+def _take_back(container: dict[Any, Any], before: dict[Any, Any], keys: list[Any]) -> None:
+    """Put back only what ``keys`` of a held dict (an object's attributes) hold now (tracing
+    tensors); a list is put back whole (its items may have moved: a sliding window)."""
+    for k in keys:
+        if k in before:
+            container[k] = before[k]
+        else:
+            del container[k]
 
 
 def _in(container: Any, key: Any) -> bool:
