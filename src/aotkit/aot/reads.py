@@ -427,7 +427,8 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                              *_walk(_module_items(sub, m), 0, tensors, seen, copied)]
                 continue
             plain += 1
-            size = len(v.__dict__) if _safely_plain(v) else len(v) if kind in _COPIED or (
+            obj = _safely_plain(v)
+            size = len(v.__dict__) if obj else len(v) if kind in _COPIED or (
                 issubclass(kind, tuple) and _builtin_items(kind)) else 0
             if kind is list and size > _MAX_ITEMS and issubclass(type(v[0]), torch.nn.Module):
                 below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)  # experts
@@ -436,7 +437,7 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                 held.append((where, v, _Length(size, where, owner)))
                 continue
             copied[0] += size
-            if _safely_plain(v) and size <= _MAX_ITEMS:
+            if obj and size <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
                 below += [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
             elif kind in _COPIED and size <= _MAX_COPIED and copied[0] <= _MAX_COPIED_IN_ALL:
