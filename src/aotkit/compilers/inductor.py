@@ -205,10 +205,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
     copies: list[int] | None = None  # the outputs to copy, once a call has shown them
     signed = _signed_inputs(gm, [*example_inputs, *tensors])
 
+    as_traced: list[Callable[[list[Any]], Any]] = []
+
     def run(args: list[Any]) -> Any:
         nonlocal copies
         if tensors and list(map(_layout_of, tensors)) != layouts:
-            return _as_traced(traced, example_inputs, kind)(args)
+            as_traced[:] = as_traced or [_as_traced(traced, example_inputs, kind)]
+            return as_traced[0](args)
         args.extend(tensors)
         written = _resolve_signs(args, signed) if signed else None
         inputs = _input_memory(args) if copies is None else None  # compiled() clears args
@@ -373,15 +376,13 @@ def _as_traced(traced: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind
                ) -> Callable[[list[Any]], Any]:
     """The graph run as traced, for a call whose closed-over tensors Inductor's code no longer
     fits (``t.data = ...`` gave one another dtype, size or layout: Inductor's kernels read
-    its memory as the old one's), with a decision, once per graph."""
-    if "aotkit_as_traced" not in traced.meta:
-        counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})", (
-            "a closed-over tensor's dtype, size, strides or device changed since it was "
-            "compiled (t.data = ... keeps the tensor but not its layout); the graph runs as "
-            "traced (aotkit.compilers.nop) when that is so. Fix: rebind the name to a new "
-            "tensor (T = ...), which compiles anew, or pass the tensor as an argument."))
-        traced.meta["aotkit_as_traced"] = nop(traced, example_inputs)
-    return traced.meta["aotkit_as_traced"]
+    its memory as the old one's), with a decision."""
+    counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})", (
+        "a closed-over tensor's dtype, size, strides or device changed since it was "
+        "compiled (t.data = ... keeps the tensor but not its layout); the graph runs as "
+        "traced (aotkit.compilers.nop) when that is so. Fix: rebind the name to a new "
+        "tensor (T = ...), which compiles anew, or pass the tensor as an argument."))
+    return nop(traced, example_inputs)
 
 
 def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tensor]]:
