@@ -1050,6 +1050,12 @@ def test_a_sliding_window_a_module_holds_is_put_back_whole_and_a_refusal_changes
     aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
     assert model[2].cache.keys == []
 
+    vocab = Table()  # a big read-only table first: its copy must not leave the cache unheld
+    vocab.table = {i: i for i in range(270_000)}
+    model = torch.nn.Sequential(vocab, Cached())
+    aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
+    assert model[1].cache.keys == []
+
 
 def test_held_values_are_looked_at_without_running_their_code():
     """A dict subclass whose values() raises or imports (a lazy registry), a key whose repr

@@ -349,17 +349,17 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # changed there (a warm-up schedule's step) gets a "side_effect" decision. Each copy is
 # compared with what it was copied from in C, and only what changed is looked into: a compile
 # must not pay for the tables, datasets and models a function can reach but leaves alone. So a
-# list or dict of up to 65536 items is copied (262144 items in all, for one compile),
-# but only containers of up to 1024 are looked into, and at most 65536 items a level; past
-# that a list keeps its length (what the trace appended is taken off again), and its modules
-# are held where it starts with one (a list of experts). A module met starts three levels of
-# its own.
+# list or dict of up to 65536 items is copied (of those over 1024 items, 262144 items in all
+# for one compile; past that a list keeps its length: what the trace appended is taken off
+# again; a dict is not held), but only containers of up to 1024 are looked into, and at most
+# 65536 items a level; a long list's modules are held where it starts with one (a list of
+# experts). At most 1024 containers are held for each module, and as many besides modules.
 # Lists and dicts of the user's own classes, whose length or items run the user's code (a lazy
 # registry importing what it maps), are not looked into.
 _MAX_HELD = 1024
 _MAX_ITEMS = 1024
 _MAX_COPIED = 65536  # a list or dict copied and compared at C speed, but not looked into
-_MAX_COPIED_IN_ALL = 1 << 18  # items copied in one compile: past them, lists keep lengths
+_MAX_COPIED_IN_ALL = 1 << 18  # items of long lists and dicts copied in one compile
 _MAX_WALKED = 65536  # items looked into at each level
 # Copied with .copy(); a dict's keys are looked at too (reading ``opt.state[p]``, a defaultdict,
 # inserts the tracing stand-in of p as a key).
@@ -381,12 +381,10 @@ def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
                       ) -> list[tuple[str, Any, Any]]:
     """The lists, dicts, deques and plain objects the named modules hold besides nn.Module's
     own (an LSTM's _flat_weights, a list of kept attention maps, a cache per layer), three
-    levels below each, with their copies (put back with a decision, not a refusal); what
-    several hold (a config) once."""
-    seen: set[int] = set()
-    copied = [0]
-    return [c for where, m in modules if not _scripted(m)
-            for c in _walk(_module_items(where, m), 0, None, seen, copied)]
+    levels, with their copies (put back with a decision, not a refusal); what several hold
+    (a config) once."""
+    return _walk([item for where, m in modules if not _scripted(m)
+                  for item in _module_items(where, m)], 0, None)
 
 
 def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
@@ -394,18 +392,16 @@ def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
             if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)]
 
 
-def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
-          seen: set[int] | None = None, copied: list[int] | None = None
+def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None
           ) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
-    for none), from depth ``first`` to three (a module met starts three more for what it
-    holds), and the tensors in the last. ``seen`` and the count of items ``copied`` are
-    shared by the walks of one compile."""
+    for none), from depth ``first`` to three, and the tensors in the last; breadth first, so
+    what is met shallowest is walked deepest."""
     held: list[tuple[str, Any, Any]] = []
-    seen = set() if seen is None else seen
-    copied = [0] if copied is None else copied
-    plain = 0  # containers held besides modules': modules always (a big one first left
-    for depth in range(first, 4):  # the next one unheld)
+    seen: set[int] = set()
+    plain: collections.Counter[str] = collections.Counter()  # held, by the module holding
+    copied = 0  # items of big lists and dicts copied: a small container is always held
+    for depth in range(first, 4):
         below: list[tuple[str, Any, str]] = []
         for where, v, owner in level:
             kind = type(v)
@@ -413,9 +409,9 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                 if tensors is not None:
                     tensors.setdefault(id(v), where)
                 continue
-            module = issubclass(kind, torch.nn.Module)
-            if depth == 3 or id(v) in seen or (plain >= _MAX_HELD and not module):
-                continue
+            module = issubclass(kind, torch.nn.Module)  # modules always: a big one first
+            if depth == 3 or id(v) in seen or (plain[owner] >= _MAX_HELD and not module):
+                continue  # left the next one unheld
             seen.add(id(v))
             if module:  # a module and its submodules' own attributes (not TorchScript's)
                 for sub, m in v.named_modules(prefix=where):
@@ -423,28 +419,31 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                         continue
                     seen.add(id(m))
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
-                             (sub, m._buffers, _ModuleAttributes(m._buffers)),
-                             *_walk(_module_items(sub, m), 0, tensors, seen, copied)]
+                             (sub, m._buffers, _ModuleAttributes(m._buffers))]
+                    below += _module_items(sub, m)
                 continue
-            plain += 1
-            obj = _safely_plain(v)
-            size = len(v.__dict__) if obj else len(v) if kind in _COPIED or (
-                issubclass(kind, tuple) and _builtin_items(kind)) else 0
-            if kind is list and size > _MAX_ITEMS and issubclass(type(v[0]), torch.nn.Module):
-                below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)  # experts
-                          if issubclass(type(x), torch.nn.Module)]
-            if kind is list and (size > _MAX_COPIED or copied[0] + size > _MAX_COPIED_IN_ALL):
-                held.append((where, v, _Length(size, where, owner)))
-                continue
-            copied[0] += size
-            if obj and size <= _MAX_ITEMS:
+            plain[owner] += 1
+            if _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
                 below += [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
-            elif kind in _COPIED and size <= _MAX_COPIED and copied[0] <= _MAX_COPIED_IN_ALL:
+            elif kind is list and len(v) > _MAX_ITEMS:
+                if len(v) <= _MAX_COPIED and copied + len(v) <= _MAX_COPIED_IN_ALL:
+                    copied += len(v)  # copied: what the trace replaced is put back too
+                    held.append((where, v, _copy(v, where, owner, "[")))
+                else:  # its length: what the trace appended is taken off
+                    held.append((where, v, _Length(len(v), where, owner)))
+                if issubclass(type(v[0]), torch.nn.Module):  # a list of experts
+                    below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
+                              if issubclass(type(x), torch.nn.Module)]
+            elif kind in _COPIED and len(v) <= _MAX_ITEMS:
                 held.append((where, v, _copy(v, where, owner, "[")))
-                if size <= _MAX_ITEMS and len(below) < _MAX_WALKED:
+                if len(below) < _MAX_WALKED:
                     below += _items_below(where, v, owner)
-            elif issubclass(kind, tuple) and _builtin_items(kind) and size <= _MAX_ITEMS \
+            elif kind in _COPIED and len(v) <= _MAX_COPIED \
+                    and copied + len(v) <= _MAX_COPIED_IN_ALL:  # a big dict: not past them
+                copied += len(v)
+                held.append((where, v, _copy(v, where, owner, "[")))
+            elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
                     and len(below) < _MAX_WALKED:  # a table of tuples is not walked in full
                 below += _items_below(where, v, owner)  # a namedtuple too
         level = below
