@@ -1040,10 +1040,11 @@ def test_a_sliding_window_a_module_holds_is_put_back_whole_and_a_refusal_changes
     class Cached(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.cache = types.SimpleNamespace(keys=[])
+            self.cache = types.SimpleNamespace(keys=[], by_name={})
 
         def forward(self, x):
             self.cache.keys.append(x.detach() * 2)
+            self.cache.by_name["last"] = x.detach() * 2
             return x * 2
 
     model = torch.nn.Sequential(Table(), Table(), Cached())
@@ -1054,7 +1055,7 @@ def test_a_sliding_window_a_module_holds_is_put_back_whole_and_a_refusal_changes
     vocab.table = {i: i for i in range(270_000)}
     model = torch.nn.Sequential(vocab, Cached())
     aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
-    assert model[1].cache.keys == []
+    assert model[1].cache.keys == [] and model[1].cache.by_name == {}
 
 
 def test_held_values_are_looked_at_without_running_their_code():
