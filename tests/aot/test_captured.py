@@ -1058,6 +1058,36 @@ def test_a_sliding_window_a_module_holds_is_put_back_whole_and_a_refusal_changes
     assert model[1].cache.keys == [] and model[1].cache.by_name == {}
 
 
+def test_a_model_reached_deep_through_a_global_is_held_and_odd_modules_are_passed_over():
+    """A module two levels below a global had what it holds left unheld (a FunctionalTensor
+    stayed in its dict); a module without __init__ run, or overriding named_modules without a
+    prefix, raised raw errors from the walk."""
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.caches = torch.nn.Linear(4, 4).requires_grad_(False), {}
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.caches["k"] = y.detach()
+            return y
+
+    class Listed(torch.nn.Module):
+        def named_modules(self):
+            return iter(())
+
+    model = Keeps()
+    odd = types.SimpleNamespace(n=types.SimpleNamespace(m=model),
+                                raw=torch.nn.Module.__new__(torch.nn.Module), listed=Listed())
+
+    def f(x):
+        return odd.n.m(x) + (odd.raw is not None) + (odd.listed is not None)
+
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(aotkit.aot_function(f, compilers.nop)(x), model.lin(x) + 2)
+    assert model.caches == {}
+
+
 def test_held_values_are_looked_at_without_running_their_code():
     """A dict subclass whose values() raises or imports (a lazy registry), a key whose repr
     raises, a list holding itself given to an op, and a module's list holding one: compiles

@@ -395,37 +395,42 @@ def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
 def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None
           ) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
-    for none), from depth ``first`` to three, and the tensors in the last; breadth first, so
-    what is met shallowest is walked deepest."""
+    for none), from depth ``first`` to three (a module met deeper still has what it holds
+    directly held), and the tensors in the last; breadth first, so what is met shallowest is
+    walked deepest."""
     held: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
     plain: collections.Counter[str] = collections.Counter()  # held, by the module holding
+    walked = 0  # items looked into (not tensors, only named where ``tensors`` asks)
     copied = 0  # items of big lists and dicts copied: a small container is always held
-    for depth in range(first, 4):
-        below: list[tuple[str, Any, str]] = []
-        for where, v, owner in level:
+    todo = [(where, v, owner, 3 - first) for where, v, owner in level]
+    while todo:
+        below: list[tuple[str, Any, str, int]] = []
+        for where, v, owner, left in todo:
             kind = type(v)
             if issubclass(kind, torch.Tensor):
                 if tensors is not None:
                     tensors.setdefault(id(v), where)
                 continue
-            module = issubclass(kind, torch.nn.Module)  # modules always: a big one first
-            if depth == 3 or id(v) in seen or (plain[owner] >= _MAX_HELD and not module):
-                continue  # left the next one unheld
+            module = issubclass(kind, torch.nn.Module) and "_modules" in vars(v)
+            if (left == 0 and not module) or id(v) in seen \
+                    or (plain[owner] >= _MAX_HELD and not module):
+                continue  # modules always: a big one first left the next one unheld
             seen.add(id(v))
             if module:  # a module and its submodules' own attributes (not TorchScript's)
-                for sub, m in v.named_modules(prefix=where):
+                for sub, m in torch.nn.Module.named_modules(v, prefix=where):
                     if _scripted(m) or (m is not v and id(m) in seen):
                         continue
                     seen.add(id(m))
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers))]
-                    below += _module_items(sub, m)
+                    below += [(*item, max(left - 1, 1)) for item in _module_items(sub, m)]
                 continue
             plain[owner] += 1
+            items: list[tuple[str, Any, str]] = []
             if _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
-                below += [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
+                items = [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
             elif kind is list and len(v) > _MAX_ITEMS:
                 if len(v) <= _MAX_COPIED and copied + len(v) <= _MAX_COPIED_IN_ALL:
                     copied += len(v)  # copied: what the trace replaced is put back too
@@ -433,20 +438,24 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                 else:  # its length: what the trace appended is taken off
                     held.append((where, v, _Length(len(v), where, owner)))
                 if issubclass(type(v[0]), torch.nn.Module):  # a list of experts
-                    below += [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
-                              if issubclass(type(x), torch.nn.Module)]
+                    items = [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
+                             if issubclass(type(x), torch.nn.Module)]
             elif kind in _COPIED and len(v) <= _MAX_ITEMS:
                 held.append((where, v, _copy(v, where, owner, "[")))
-                if len(below) < _MAX_WALKED:
-                    below += _items_below(where, v, owner)
+                if walked < _MAX_WALKED:
+                    items = _items_below(where, v, owner)
             elif kind in _COPIED and len(v) <= _MAX_COPIED \
                     and copied + len(v) <= _MAX_COPIED_IN_ALL:  # a big dict: not past them
                 copied += len(v)
                 held.append((where, v, _copy(v, where, owner, "[")))
             elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
-                    and len(below) < _MAX_WALKED:  # a table of tuples is not walked in full
-                below += _items_below(where, v, owner)  # a namedtuple too
-        level = below
+                    and walked < _MAX_WALKED:  # a table of tuples is not walked in full
+                items = _items_below(where, v, owner)  # a namedtuple too
+            if tensors is None:
+                items = [i for i in items if not issubclass(type(i[1]), torch.Tensor)]
+            walked += len(items)
+            below += [(*item, left - 1) for item in items]
+        todo = below
     return held
 
 
