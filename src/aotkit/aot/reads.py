@@ -352,15 +352,16 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # list or dict of up to 65536 items is copied (of those over 1024 items, 262144 items in all
 # for one compile; past that a list keeps its length: what the trace appended is taken off
 # again; a dict is not held), but only containers of up to 1024 are looked into, and at most
-# 65536 items a level; a long list's modules are held where it starts with one (a list of
-# experts). At most 1024 containers are held for each module, and as many besides modules.
+# 65536 items (tensors aside) in all; a long list's modules are held where it starts with one
+# (a list of experts). At most 1024 containers are held for each module, and as many besides
+# modules; a module met at the walk's last level still has what it holds directly held.
 # Lists and dicts of the user's own classes, whose length or items run the user's code (a lazy
 # registry importing what it maps), are not looked into.
 _MAX_HELD = 1024
 _MAX_ITEMS = 1024
 _MAX_COPIED = 65536  # a list or dict copied and compared at C speed, but not looked into
 _MAX_COPIED_IN_ALL = 1 << 18  # items of long lists and dicts copied in one compile
-_MAX_WALKED = 65536  # items looked into at each level
+_MAX_WALKED = 65536  # items looked into in one walk
 # Copied with .copy(); a dict's keys are looked at too (reading ``opt.state[p]``, a defaultdict,
 # inserts the tracing stand-in of p as a key).
 _COPIED = (list, dict, collections.defaultdict, collections.OrderedDict, collections.deque)
