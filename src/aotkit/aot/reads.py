@@ -432,23 +432,18 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
             if _safely_plain(v) and len(v.__dict__) <= _MAX_ITEMS:
                 held.append((where, v.__dict__, _copy(v.__dict__, where, owner, ".")))
                 items = [(f"{where}.{k}", x, owner) for k, x in v.__dict__.items()]
-            elif kind is list and len(v) > _MAX_ITEMS:
-                if len(v) <= _MAX_COPIED and copied + len(v) <= _MAX_COPIED_IN_ALL:
-                    copied += len(v)  # copied: what the trace replaced is put back too
+            elif kind in _COPIED:
+                small = len(v) <= _MAX_ITEMS
+                if small or (len(v) <= _MAX_COPIED and copied + len(v) <= _MAX_COPIED_IN_ALL):
+                    copied += 0 if small else len(v)
                     held.append((where, v, _copy(v, where, owner, "[")))
-                else:  # its length: what the trace appended is taken off
+                elif kind is list:  # its length: what the trace appended is taken off
                     held.append((where, v, _Length(len(v), where, owner)))
-                if issubclass(type(v[0]), torch.nn.Module):  # a list of experts
+                if small and walked < _MAX_WALKED:
+                    items = _items_below(where, v, owner)
+                elif kind is list and issubclass(type(v[0]), torch.nn.Module):  # experts
                     items = [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
                              if issubclass(type(x), torch.nn.Module)]
-            elif kind in _COPIED and len(v) <= _MAX_ITEMS:
-                held.append((where, v, _copy(v, where, owner, "[")))
-                if walked < _MAX_WALKED:
-                    items = _items_below(where, v, owner)
-            elif kind in _COPIED and len(v) <= _MAX_COPIED \
-                    and copied + len(v) <= _MAX_COPIED_IN_ALL:  # a big dict: not past them
-                copied += len(v)
-                held.append((where, v, _copy(v, where, owner, "[")))
             elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
                     and walked < _MAX_WALKED:  # a table of tuples is not walked in full
                 items = _items_below(where, v, owner)  # a namedtuple too
@@ -546,12 +541,13 @@ def put_back_containers(held: Iterable[tuple[str, Any, Any]],
         now = container.items() if isinstance(container, dict) else enumerate(container)
         if keys or (stored := [k for k, x in now  # not one there before
                                if not (_in(before, k) and before[k] is x) and _tracing(x)]):
-            names = before.stored(stored, container) if module and not keys else []
-            if module and not keys and decisions is not None and isinstance(container, dict):
+            decided = module and not keys  # put back with a decision, not refused
+            names = before.stored(stored, container) if decided else []
+            if decided and decisions is not None and isinstance(container, dict):
                 _take_back(container, before, stored)  # a flag set beside stays, as in eager
             else:
                 _restore(container, before)
-            if module and not keys:
+            if decided:
                 if decisions is not None and names:
                     decisions.append((where.removesuffix(f".{before.held_in}")
                                       if before.held_in else where, names))
@@ -753,7 +749,7 @@ def _holds(value: Any, kinds: tuple[type, ...], depth: int = 2) -> bool:
     kind = type(value)  # not __class__: a dead weakref.proxy's raises
     if issubclass(kind, kinds):
         return True
-    if depth and (_builtin_items(kind) or kind is collections.deque) and len(value) <= _MAX_ITEMS:
+    if depth and _builtin_items(kind) and len(value) <= _MAX_ITEMS:
         items = value.values() if issubclass(kind, dict) else value
         return any(_holds(x, kinds, depth - 1) for x in items)
     if depth and not issubclass(kind, (torch.Tensor, torch.nn.Module)) and _safely_plain(value):
@@ -761,13 +757,15 @@ def _holds(value: Any, kinds: tuple[type, ...], depth: int = 2) -> bool:
     return False
 
 
+_BUILTIN_CONTAINERS = (collections.OrderedDict, dict, list, tuple, collections.deque)
+
+
 @functools.cache
 def _builtin_items(kind: type) -> bool:
-    """A list, tuple or dict (a namedtuple, an OrderedDict, a model output) whose length and
-    items are the built-in ones: a subclass's own (a lazy mapping importing what it maps, a
+    """A list, tuple, dict or deque (a namedtuple, an OrderedDict, a model output) whose length
+    and items are the built-in ones: a subclass's own (a lazy mapping importing what it maps, a
     registry that raises) would run user code eager never ran."""
-    base = next((b for b in kind.__mro__ if b in (collections.OrderedDict, dict, list, tuple)),
-                None)
+    base = next((b for b in kind.__mro__ if b in _BUILTIN_CONTAINERS), None)
     return base is not None and all(getattr(kind, name, None) is getattr(base, name, None)
                                     for name in ("__len__", "__iter__", "values"))
 
