@@ -17,6 +17,7 @@ from torch.nn.utils import prune
 
 import aotkit
 from aotkit import compilers, counters
+from aotkit.aot import reads
 
 
 def _reasons() -> list[str]:
@@ -1132,3 +1133,80 @@ def test_aot_module_refuses_torchscript_submodules_naming_them():
 
     with pytest.raises(aotkit.errors.UnsupportedError, match=r"\['inner'\] are TorchScript"):
         aotkit.aot_module(Holder(), compilers.nop)
+
+
+def test_the_walk_stays_bounded_past_its_limits():
+    """An empty list met after the walk's item budget raised a raw IndexError; modules chained
+    through lists (``self.prev = [prev]``) re-armed the walk at each link (16000 links: 3.8 s,
+    3.4 GB)."""
+    bank = [list(torch.randn(700, 2).unbind()) for _ in range(99)] + [[]]
+
+    def f(x):
+        return x + bank[0][0]
+
+    x = torch.randn(2)
+    _same(aotkit.aot_function(f, compilers.nop), f, x)
+
+    class Link(torch.nn.Module):
+        def __init__(self, prev):
+            super().__init__()
+            self.lin, self.prev = torch.nn.Linear(2, 2), [prev] if prev else []
+
+        def forward(self, x):
+            return self.lin(x)
+
+    link = None
+    for _ in range(300):
+        link = Link(link)
+    held = reads.module_containers([("m", link)])
+    assert len(held) < 30, len(held)  # what a few links hold, not the whole chain
+    _same(aotkit.aot_module(link, compilers.nop), link, x)
+
+
+def test_numbers_in_a_dict_keyed_by_tensors_are_put_back():
+    """Two numbers changed in a dict keyed by tensors (``lr[p] *= 0.5``) raised a raw
+    RuntimeError (keys compared with ==), leaving the values twice changed."""
+    w, b = torch.randn(3, 3), torch.randn(3)
+    state = types.SimpleNamespace(lr={w: 1.0, b: 1.0})
+
+    def step(x, state):
+        for p in state.lr:
+            state.lr[p] *= 0.5
+        return x @ w + b
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"args\[1\]\.lr\[<Tensor>\]"):
+        aotkit.aot_function(step, compilers.nop)(torch.randn(3), state)
+    assert list(state.lr.values()) == [1.0, 1.0]
+
+
+KEPT: list[torch.Tensor] = []
+
+
+def test_aot_module_holds_its_forwards_globals_and_its_class_lists():
+    """A list the module's class defines (``maps = []`` in the class body) and a global its
+    forward appends to were left holding tracing tensors, with no decision."""
+    class Keeps(torch.nn.Module):
+        maps: list[torch.Tensor] = []
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.maps.append(y.detach())
+            return y
+
+    class Logs(Keeps):
+        def forward(self, x):
+            y = self.lin(x)
+            KEPT.append(y.detach())
+            return y
+
+    model, x = Keeps(), torch.randn(2)
+    _same(aotkit.aot_module(model, compilers.nop), model, x)
+    assert len(Keeps.maps) == 1 and type(Keeps.maps[0]) is torch.Tensor  # eager's call only
+    assert any("maps[0]" in d.why for d in aotkit.explain().of_kind("fallback"))
+    with pytest.raises(aotkit.errors.UnsupportedError, match="the global KEPT"):
+        aotkit.aot_module(Logs(), compilers.nop)(x)
+    assert KEPT == []

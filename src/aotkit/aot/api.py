@@ -764,7 +764,7 @@ class AotFunction:
             keep_stack_traces_of(self.fn)
         held_tensors: dict[int, str] = {}
         held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
-        held_by_fn = held_values(self.fn) if self._own_modules is None else []
+        held_by_fn = held_values(self.fn if self._own_modules is None else self._checked[0])
         held = [*held_args, *argument_containers(
             [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
             held_tensors), *module_containers(

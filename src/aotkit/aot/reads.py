@@ -352,9 +352,14 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # list or dict of up to 65536 items is copied (of those over 1024 items, 262144 items in all
 # for one compile; past that a list keeps its length: what the trace appended is taken off
 # again; a dict is not held), but only containers of up to 1024 are looked into, and at most
-# 65536 items (tensors aside) in all; a long list's modules are held where it starts with one
+# 65536 items in all (a tensor counts among the arguments and the values the function reads,
+# where it is named for messages); a long list's modules are held where it starts with one
 # (a list of experts). At most 1024 containers are held for each module, and as many besides
-# modules; a module met at the walk's last level still has what it holds directly held.
+# modules; a module met at the walk's last level still has what it holds directly held, and
+# no more (a chain of modules each keeping the previous one in a list is not followed). These
+# limits hold for each of the three walks of a compile: the arguments, the values the function
+# reads (its globals and closed-over values, aot_module's forward's too) and the modules. A
+# module's class and bases count with the module: the lists, dicts and deques they define.
 # Lists and dicts of the user's own classes, whose length or items run the user's code (a lazy
 # registry importing what it maps), are not looked into.
 _MAX_HELD = 1024
@@ -389,8 +394,15 @@ def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
 
 
 def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
+    """What a module holds besides nn.Module's own, and the lists, dicts and deques its class
+    and bases define (``attn_maps = []`` in the class body, shared by every instance)."""
     return [(f"{where}.{k}", v, where) for k, v in m.__dict__.items()
-            if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)]
+            if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)] + \
+        [(f"{where}.{k}", v, where) for cls in type(m).__mro__ if cls not in _MODULE_BASES
+         for k, v in vars(cls).items() if type(v) in _COPIED and not k.startswith("__")]
+
+
+_MODULE_BASES = (torch.nn.Module, object)
 
 
 def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None
@@ -425,7 +437,9 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                     seen.add(id(m))
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers))]
-                    below += [(*item, max(left - 1, 1)) for item in _module_items(sub, m)]
+                    if left >= 0:  # one met at the last level: what it holds, no further
+                        below += [(*item, max(left - 1, 1) if left else -1)
+                                  for item in _module_items(sub, m)]
                 continue
             plain[owner] += 1
             items: list[tuple[str, Any, str]] = []
@@ -441,13 +455,15 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                     held.append((where, v, _Length(len(v), where, owner)))
                 if small and walked < _MAX_WALKED:
                     items = _items_below(where, v, owner)
-                elif kind is list and issubclass(type(v[0]), torch.nn.Module):  # experts
+                elif kind is list and v and issubclass(type(v[0]), torch.nn.Module):  # experts
                     items = [(f"{where}[{k}]", x, owner) for k, x in enumerate(v)
                              if issubclass(type(x), torch.nn.Module)]
             elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
                     and walked < _MAX_WALKED:  # a table of tuples is not walked in full
                 items = _items_below(where, v, owner)  # a namedtuple too
-            if tensors is None:
+            if left < 0:  # held, as a module met at the last level holds it: not looked into
+                items = []
+            elif tensors is None:
                 items = [i for i in items if not issubclass(type(i[1]), torch.Tensor)]
             walked += len(items)
             below += [(*item, left - 1) for item in items]
@@ -589,8 +605,9 @@ def changed_values(held: Iterable[tuple[str, Any, Any]], numbers: bool = True,
         now = container.items() if isinstance(container, dict) else enumerate(container)
         found = [k for k, old in items
                  if _in(container, k) and not same_value(old, container[k])] if numbers else []
+        ids = set(map(id, found))  # by identity: a key may be a tensor
         found += [k for k, x in now if (not _in(before, k) or before[k] is not x)
-                  and k not in found and _symbolic(x)]  # a size stored anew, appended
+                  and id(k) not in ids and _symbolic(x)]  # a size stored anew, appended
         if found and restore:
             _restore(container, before)
         attributes = isinstance(before, _Attributes) and getattr(before, "joiner", ".") == "."

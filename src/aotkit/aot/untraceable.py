@@ -68,8 +68,9 @@ def _is_leaf(t: torch.Tensor) -> bool:
 # Note [Tensor hooks registered inside]
 # ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
 # [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
-# is in the graph, and its other Python side effects (appending the gradient to a list) happen
-# once, with tracing tensors. One left on a leaf input (a parameter's lazily installed
+# is in the graph, and its other Python side effects happen once, with tracing tensors
+# (appending the gradient to a list the function reads is refused, as any store there is:
+# Note [Tracing tensors left in argument objects]). One left on a leaf input (a parameter's lazily installed
 # gradient clipping, ``x.register_hook`` on a leaf argument) stays on the caller's tensor in
 # eager, changing its whole gradient at every later backward: refused (one removed before the
 # function returns is not). On an input the caller computed, it is traced as on any other
