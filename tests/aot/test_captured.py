@@ -1210,3 +1210,36 @@ def test_aot_module_holds_its_forwards_globals_and_its_class_lists():
     with pytest.raises(aotkit.errors.UnsupportedError, match="the global KEPT"):
         aotkit.aot_module(Logs(), compilers.nop)(x)
     assert KEPT == []
+
+
+TABLE = torch.ones(4)
+
+
+def test_a_constant_changed_in_place_compiles_anew():
+    """Note [Constants changed in place]: ``T.data = ...`` and ``T.resize_`` keep the tensor
+    object, so the graph went on with the size it read (``x * T.shape[0]``), a cast it dropped
+    as a no-op (``T.float()``) or a reshape for the old size (a raw error), silently."""
+    def f(x):
+        return x * TABLE.shape[0] + TABLE.float().sum()
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.mask = torch.nn.Linear(3, 3), torch.ones(8)
+
+        def forward(self, x):
+            return self.lin(x) + self.mask.float().reshape(-1, 4)[:, :1].sum()
+
+    model = Masked()
+    compiled, module = aotkit.aot_function(f, compilers.nop), aotkit.aot_module(model, compilers.nop)
+    x = torch.randn(3)
+    _same(compiled, f, x)
+    _same(module, model, x)
+    for change in (lambda t: setattr(t, "data", torch.full((12,), 2.0)),
+                   lambda t: setattr(t, "data", t.data.double()),
+                   lambda t: t.resize_(4)):
+        for t in (TABLE, model.mask):
+            change(t)
+        _same(compiled, f, x)
+        _same(module, model, x)
+    assert all("changed in place" in why for why in _reasons()) and len(_reasons()) == 6

@@ -57,7 +57,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from aotkit import counters
+from aotkit import compat, counters
+from aotkit.aot.signature import shown_layout, tensor_layout
 from aotkit.compat import FakeTensor, FunctionalTensor
 
 
@@ -145,6 +146,11 @@ class Reads:
     global_hooks: tuple[Any, ...] = ()  # their ids, when the trace called modules
     slots: list[_Slot] = field(default_factory=list)
     constants: list[torch.Tensor] = field(default_factory=list)  # read where grads could flow
+    # Every constant read, with its dtype, device, size and strides as traced, and a C++ check
+    # that they are still so (Note [Constants changed in place]).
+    read: list[torch.Tensor] = field(default_factory=list)
+    layouts: list[tuple[Any, ...]] = field(default_factory=list)
+    layout_check: Any = None
     # Constants read after the function wrote some tensor in place (Note [Inputs sharing
     # memory with constants]).
     read_after_writes: list[torch.Tensor] = field(default_factory=list)
@@ -168,7 +174,15 @@ class Reads:
         if self.flags and _global_hook_ids() != self.global_hooks:
             return False
         return all(slot.table.get(slot.name) is slot.tensor for slot in self.slots) \
-            and not any(t.requires_grad for t in self.constants)
+            and not any(t.requires_grad for t in self.constants) and self._same_layouts()
+
+    def _same_layouts(self) -> bool:
+        # Dynamo's C++ tensor check answers at once when nothing changed; it also compares
+        # requires_grad and the thread's dispatch keys (off under autocast, inference_mode), so
+        # where it says no, the layouts themselves decide.
+        return not self.read or (self.layout_check is not None
+                                 and self.layout_check.check(*self.read)) \
+            or list(map(tensor_layout, self.read)) == self.layouts
 
     def change(self) -> str | None:
         """What changed since the trace, if anything: every change, ``; ``-separated."""
@@ -195,7 +209,24 @@ class Reads:
         changes += [f"a tensor of shape {tuple(t.shape)} the function reads as a constant (a "
                     "closed-over variable, a global or an attribute) now requires grad"
                     for t in self.constants if t.requires_grad]
+        changes += [f"a tensor the function reads as a constant (a closed-over variable, a "
+                    f"global or an attribute) changed in place from {shown_layout(old)} to "
+                    f"{shown_layout(now)} (t.data = ..., resize_)"
+                    for t, old in zip(self.read, self.layouts, strict=True)
+                    if (now := tensor_layout(t)) != old]
         return "; ".join(changes) or None
+
+
+# Note [Constants changed in place]
+# A tensor the graph reads as a constant is the caller's object, so values written into it
+# show (Note [Closed-over tensors]); but ``T.data = torch.ones(8)``, ``T.data = T.double()``
+# or ``T.resize_(8)`` keep the object and change its dtype, size or strides, which the trace
+# used: ``T.shape[0]`` became a number in the graph, ``T.float()`` was dropped as a no-op, a
+# reshape was made for the old size, and Inductor's code read the new memory as the old dtype
+# (garbage gradients, the backward reading a saved constant). So each entry keeps every
+# constant's dtype, device, size and strides as traced, and one changed traces again, naming it;
+# a tensor among the values the function's code reads (Note [Values a function captures]) is
+# keyed so too, where the graph reads no more than its size (``x * T.shape[0]``).
 
 
 # The constants read so far, those read where a gradient could flow, and those read after a
@@ -270,6 +301,11 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
+        reads.read = list(constants.values())
+        reads.layouts = list(map(tensor_layout, reads.read))
+        reads.layout_check = compat.tensor_layout_check(reads.read) if reads.read and all(
+            type(t) in (torch.Tensor, nn.Parameter) and isinstance(x[3], tuple)
+            for t, x in zip(reads.read, reads.layouts, strict=True)) else None
         reads.read_after_writes = list(after_writes.values())
 
 

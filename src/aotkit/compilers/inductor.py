@@ -183,7 +183,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
         return nop(gm, example_inputs)
     _refuse_undecomposed(gm)
     repeated = _repeated_outputs(gm)
-    traced, gm = gm, copy_graph_module(gm)
+    gm = copy_graph_module(gm)
     lifted = _lift_closed_over_tensors(gm)
     storages = _output_storages(gm)  # before Inductor's passes change them
     gm = _joint_graph_passes(gm, example_inputs)
@@ -201,17 +201,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
             graph_id=next(_graph_ids),
         )
     tensors = [tensor for _, tensor in lifted]
-    layouts = list(map(_layout_of, tensors))
     copies: list[int] | None = None  # the outputs to copy, once a call has shown them
     signed = _signed_inputs(gm, [*example_inputs, *tensors])
 
-    as_traced: list[Callable[[list[Any]], Any]] = []
-
     def run(args: list[Any]) -> Any:
         nonlocal copies
-        if tensors and list(map(_layout_of, tensors)) != layouts:
-            as_traced[:] = as_traced or [_as_traced(traced, example_inputs, kind)]
-            return as_traced[0](args)
         args.extend(tensors)
         written = _resolve_signs(args, signed) if signed else None
         inputs = _input_memory(args) if copies is None else None  # compiled() clears args
@@ -366,23 +360,6 @@ def _unexpected_layout(exc: AssertionError) -> CompilerError:
         "(a quantization observer growing its per-channel buffers in place).\nFix: find the "
         "op with aotkit.compilers.debug_nop (its MetadataMismatchError names it), or use "
         "torch.compile(model, backend='aotkit_inductor') (a QAT model trains there).")
-
-
-def _layout_of(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.dtype, t.device, t.shape, t.stride(), t.storage_offset(), t.is_neg(), t.is_conj())
-
-
-def _as_traced(traced: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind
-               ) -> Callable[[list[Any]], Any]:
-    """The graph run as traced, for a call whose closed-over tensors Inductor's code no longer
-    fits (``t.data = ...`` gave one another dtype, size or layout: Inductor's kernels read
-    its memory as the old one's), with a decision."""
-    counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})", (
-        "a closed-over tensor's dtype, size, strides or device changed since it was "
-        "compiled (t.data = ... keeps the tensor but not its layout); the graph runs as "
-        "traced (aotkit.compilers.nop) when that is so. Fix: rebind the name to a new "
-        "tensor (T = ...), which compiles anew, or pass the tensor as an argument."))
-    return nop(traced, example_inputs)
 
 
 def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tensor]]:
