@@ -333,6 +333,25 @@ def test_hooks_on_closed_over_tensors_and_multi_grad_hooks_on_computed_inputs_ar
         aotkit.aot_function(on_inputs, compilers.nop)(w * 2, w * 3)
 
 
+def test_a_hook_on_what_a_subclass_input_computes_is_traced_not_refused():
+    """The refusal of hooks on closed-over tensors took a tensor subclass made inside the trace
+    (a TwoTensor input's product) for the caller's own."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(x):
+        y = x * 2
+        y.register_hook(lambda g: g * 3)
+        return (y * y).sum()
+
+    def pair():
+        return TwoTensor(torch.arange(3.0), torch.arange(3.0) + 1).requires_grad_()
+
+    x, expected = pair(), pair()
+    aotkit.aot_function(fn, compilers.nop)(x).backward()
+    fn(expected).backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+
+
 def test_a_closed_over_tensor_requiring_grad_read_detached_is_traced_once():
     """``x * w.detach()``: w was noted as read where a gradient could flow, and since it
     requires grad every call traced again ("now requires grad")."""
@@ -1688,6 +1707,17 @@ def test_in_place_bernoulli_draws_of_a_non_contiguous_tensor_match_eager(make, g
         return F.dropout(x * 2, 0.3, True, inplace=True) + F.alpha_dropout(x, 0.2, True) + noise
 
     check_against_eager(fn, make().requires_grad_(grad), seed=0)
+
+
+def test_in_place_bernoulli_draws_of_a_slice_with_gaps_match_eager():
+    """Note [In-place Bernoulli draws]: a view with gaps between its elements (a strided
+    slice of a transposed or permuted tensor) was drawn in logical order."""
+    def fn(x):
+        cols = torch.zeros(16, 8).t()[:, ::2].bernoulli_(0.5)
+        cube = torch.zeros(4, 5, 6).permute(1, 2, 0)[1:, :, 1:3].bernoulli_(0.3)
+        return x * cols + cube.sum()
+
+    check_against_eager(fn, torch.randn(8, 8), seed=0)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

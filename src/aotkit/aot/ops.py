@@ -773,12 +773,15 @@ def _one_dense_layout(args: tuple[Any, ...]) -> bool:
 
 # Note [In-place Bernoulli draws]
 # Eager's CPU ``x.bernoulli_(p)`` with a float ``p`` draws in the order x's elements lie in
-# memory; functionalization makes it ``bernoulli.p``, whose kernel draws in logical order: on a
-# transposed or channels_last tensor (``nn.Dropout(inplace=True)``, ``nn.AlphaDropout``, whose
-# composites draw into ``empty_like(x)``) the mask landed on other elements than in eager, for
-# the same seed (PyTorch's aot_function and aot_eager too). The tracing guard draws on x's
-# view in memory order instead, a contiguous one, where the two orders are the same. Only on
-# CPU, where it was compared with eager, and for concrete strides.
+# memory, gaps skipped; functionalization makes it ``bernoulli.p``, whose kernel draws in
+# logical order: on a transposed or channels_last tensor (``nn.Dropout(inplace=True)``,
+# ``nn.AlphaDropout``, whose composites draw into ``empty_like(x)``), or a slice of one, the
+# mask landed on other elements than in eager, for the same seed (PyTorch's aot_function and
+# aot_eager too). The tracing guard draws on x's view in memory order instead (into a fresh
+# contiguous tensor copied there where that view has gaps), where the two orders are the same.
+# PyTorch built with MKL draws on Intel CPUs through MKL in logical order, whatever the layout:
+# which order this machine's kernel follows is asked of it once, on a small transposed tensor.
+# Only on CPU, and for concrete strides (under symbolic ones the functional draw stays).
 def run_as_eager(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  run: Callable[[Any, Any, Any], Any]) -> Any:
     """``run(func, args, kwargs)``, its result laid out and drawn as eager's kernel does (Note
@@ -794,13 +797,37 @@ def _bernoulli_in_memory_order(func: Any, args: tuple[Any, ...], kwargs: dict[st
         return None
     x = args[0]
     if x.device.type != "cpu" or not all(type(s) is int for s in (*x.shape, *x.stride())) \
-            or x.is_contiguous():
+            or x.is_contiguous() or not _elements_apart(x) or not _CPU_DRAWS_IN_MEMORY_ORDER:
         return None
     in_memory = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
-    if not in_memory.is_contiguous():  # gaps or overlaps: no one order to follow
-        return None
-    in_memory.bernoulli_(*args[1:], **kwargs)
+    if in_memory.is_contiguous():
+        in_memory.bernoulli_(*args[1:], **kwargs)
+    else:  # gaps between its elements
+        in_memory.copy_(torch.empty(in_memory.shape, dtype=x.dtype, device=x.device)
+                        .bernoulli_(*args[1:], **kwargs))
     return x
+
+
+def _elements_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (gaps allowed): each dimension, by stride,
+    steps past everything the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim()) if t.size(d) > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
+def _draws_in_memory_order() -> bool:
+    """Whether this machine's CPU ``bernoulli_`` draws a transposed tensor in memory order
+    (not through MKL on an Intel CPU: logical order); asked at import, outside any trace."""
+    drawn = torch.zeros(16, 8).t().bernoulli_(0.5, generator=torch.Generator().manual_seed(0))
+    in_order = torch.zeros(16, 8).bernoulli_(0.5, generator=torch.Generator().manual_seed(0))
+    return torch.equal(drawn.t(), in_order)
+
+
+_CPU_DRAWS_IN_MEMORY_ORDER = _draws_in_memory_order()
 
 
 # Note [CPU device indices]

@@ -328,7 +328,9 @@ def _autograd_refusal(what: str, exc: RuntimeError) -> UnsupportedError | None:
             "backward with torch.autograd.grad, where such a hook cannot ask which inputs get "
             f"a gradient ({first_line(exc)}).\nFix: register it outside the compiled "
             "function, pass mode='any', or use torch.compile(fn, backend='aotkit'), whose "
-            "Dynamo runs it at every backward.")
+            "Dynamo runs a hook you register at every backward (not a module tracker's: "
+            "enter ModTracker around eager code only; under torch.compile its backward hooks "
+            "do not run).")
     if "might be aliasing the input or the output" in str(exc) and _raised_in_torch(exc):
         return UnsupportedError(
             f"{what} calls a higher-order op whose body returns a tensor that is also one of "

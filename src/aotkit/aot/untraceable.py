@@ -17,6 +17,7 @@ import torch
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.aot.ops import tensors_in, written_by
+from aotkit.aot.subclass import is_subclass
 from aotkit.compat import FakeTensor, FunctionalTensor, StorageWeakRef
 from aotkit.errors import UnsupportedError
 
@@ -78,6 +79,14 @@ def _is_leaf(t: torch.Tensor) -> bool:
 # elsewhere. A ``hook`` decision, logged as a warning, names these; Dynamo, which
 # runs such hooks at every backward, traces its graphs before we see them, so the decision is
 # for aotkit's own traces (aot_function, aot_module).
+def _made_while_tracing(t: torch.Tensor) -> bool:
+    """A tracing tensor, or a tensor subclass wrapping them (a TwoTensor input's product)."""
+    if isinstance(t, (FakeTensor, FunctionalTensor)):
+        return True
+    return is_subclass(t) and all(_made_while_tracing(getattr(t, name))
+                                  for name in t.__tensor_flatten__()[0])
+
+
 def _hook_registrar() -> tuple[bool, str | None]:
     """Whether PyTorch's own code registers the hook (a module's full backward hooks, Note
     [Module hooks], checkpointing), not the user's; and the autograd helper the registration
@@ -164,7 +173,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
             raise _sparse_refusal(func)
         elif func is torch.Tensor.register_hook and not (registrar := _hook_registrar())[0]:
             where = current_user_line()
-            if not isinstance(args[0], (FakeTensor, FunctionalTensor)):  # the caller's own
+            if not _made_while_tracing(args[0]):  # the caller's own
                 raise UnsupportedError(
                     f"the compiled function registers a tensor hook on a tensor it does not "
                     f"take as an argument (a closed-over variable, a global or an attribute; "
