@@ -208,9 +208,16 @@ def test_forward_assigning_a_parameter_is_refused():
 
 
 def test_uninitialized_lazy_module_is_refused():
+    """Called by an aot_function (closed over or passed) it raised PyTorch's raw RuntimeError
+    reading an uninitialized parameter's shape."""
     model = nn.Sequential(nn.LazyLinear(3))
     with pytest.raises(ArgumentError, match="run one eager forward first"):
         aotkit.aot_module(model, compilers.nop)(torch.randn(2, 4))
+    for call in (lambda: aotkit.aot_function(lambda x: model(x), compilers.nop)(torch.randn(2, 4)),
+                 lambda: aotkit.aot_function(lambda m, x: m(x), compilers.nop)(
+                     nn.LazyLinear(3), torch.randn(2, 4))):
+        with pytest.raises(ArgumentError, match=r"lazy modules(.|\n)*run one eager forward"):
+            call()
     model(torch.randn(2, 4))
     x = torch.randn(2, 4)
     torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x), model(x))

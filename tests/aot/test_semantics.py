@@ -333,6 +333,17 @@ def test_hooks_on_closed_over_tensors_and_multi_grad_hooks_on_computed_inputs_ar
         aotkit.aot_function(on_inputs, compilers.nop)(w * 2, w * 3)
 
 
+def test_a_closed_over_view_given_other_data_is_refused_naming_it():
+    """``T.data = T.double()`` on a closed-over view: the new trace failed faking it with
+    PyTorch's raw AssertionError (its base is float32)."""
+    table = torch.arange(12.0).reshape(3, 4)
+    compiled = aotkit.aot_function(lambda x: x + table[1:], compilers.nop)
+    compiled(torch.ones(4))
+    table.data = table.data.double()
+    with pytest.raises(UnsupportedError, match=r"cannot fake(.|\n)*rebind the name"):
+        compiled(torch.ones(4))
+
+
 def test_a_hook_on_what_a_subclass_input_computes_is_traced_not_refused():
     """The refusal of hooks on closed-over tensors took a tensor subclass made inside the trace
     (a TwoTensor input's product) for the caller's own."""

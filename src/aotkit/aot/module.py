@@ -17,7 +17,13 @@ from torch.utils import _pytree as pytree
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.reads import global_hook_tables, hook_identity, hook_tables
+from aotkit.aot.reads import (
+    global_hook_tables,
+    hook_identity,
+    hook_tables,
+    lazy_refusal,
+    uninitialized,
+)
 from aotkit.aot.signature import leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
@@ -720,16 +726,9 @@ def _refuse_scripted(root: nn.Module) -> None:
 
 
 def _refuse_uninitialized(root: nn.Module) -> None:
-    from torch.nn.modules.lazy import LazyModuleMixin
-
-    lazy = [n or type(root).__name__ for n, m in root.named_modules()
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    lazy = [n or type(root).__name__ for n, m in root.named_modules() if uninitialized(m)]
     if lazy:
-        raise ArgumentError(
-            f"aot_module: lazy modules {lazy} have not created their parameters yet; tracing "
-            "would create them as tracing values.\nFix: run one eager forward first (e.g. "
-            "model(example_input)), then compile."
-        )
+        raise lazy_refusal("aot_module", lazy)
 
 
 def _describe(old: _Layout, new: _Layout) -> str:

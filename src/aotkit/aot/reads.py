@@ -56,10 +56,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from aotkit import compat, counters
 from aotkit.aot.signature import shown_layout, tensor_layout
 from aotkit.compat import FakeTensor, FunctionalTensor
+from aotkit.errors import ArgumentError
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,8 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         if torch.compiler.is_compiling() or threading.get_ident() != thread \
                 or id(module) in own or id(module) in called or _scripted(module):
             return
+        if uninitialized(module):
+            raise lazy_refusal("the compiled function", [type(module).__name__])
         called[id(module)] = module
         held.extend(_slots(module))
 
@@ -837,6 +841,18 @@ def global_hook_tables() -> tuple[dict[int, Any], ...]:
 def is_recording_hook(hook: object) -> bool:
     """Whether a global module hook is the one :func:`recording` registers."""
     return getattr(hook, "_aotkit_recording", False)
+
+
+def uninitialized(module: nn.Module) -> bool:
+    """A lazy module (``nn.LazyLinear``) that has not created its parameters yet."""
+    return isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()
+
+
+def lazy_refusal(what: str, lazy: list[str]) -> ArgumentError:
+    return ArgumentError(
+        f"{what}: lazy modules {lazy} have not created their parameters yet; tracing would "
+        "create them as tracing values.\nFix: run one eager forward first (e.g. "
+        "model(example_input)), then compile.")
 
 
 def _slots(module: nn.Module) -> list[_Slot]:

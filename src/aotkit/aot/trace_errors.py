@@ -65,6 +65,13 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             "takes only selective-checkpointing contexts.\nFix: drop context_fn or debug inside "
             "the compiled function, or make the contexts with "
             "torch.utils.checkpoint.create_selective_checkpoint_contexts.")
+    if isinstance(exc, AssertionError) and _raised_in_torch(exc) and any(
+            frame.name == "assert_metadata_eq" for frame in traceback.extract_tb(exc.__traceback__)):
+        return UnsupportedError(
+            f"{what} reads a tensor that PyTorch cannot fake: a view whose data no longer "
+            f"matches its base's ({exc}), as t.data = ... on a view (a closed-over "
+            "T = x.reshape(3, 4)) leaves it.\nFix: rebind the name to a new "
+            "tensor (T = ...) rather than assigning its .data, or pass it as an argument.")
     if isinstance(exc, AssertionError):
         if "generator is not supported in refs" not in str(exc):
             return exc
