@@ -429,8 +429,9 @@ def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
     own (an LSTM's _flat_weights, a list of kept attention maps, a cache per layer), three
     levels, with their copies (put back with a decision, not a refusal); what several hold
     (a config) once."""
-    return _walk([item for where, m in modules if not _scripted(m)
-                  for item in _module_items(where, m)], 0, None)
+    modules = [(where, m) for where, m in modules if not _scripted(m)]
+    return _walk([item for where, m in modules for item in _module_items(where, m)], 0, None,
+                 {where for where, m in modules if _of_pytorch(m)})
 
 
 def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
@@ -445,8 +446,12 @@ def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
 _MODULE_BASES = (torch.nn.Module, object)
 
 
-def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None
-          ) -> list[tuple[str, Any, Any]]:
+def _of_pytorch(m: torch.nn.Module) -> bool:
+    return type(m).__module__.startswith("torch.")
+
+
+def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
+          pytorch: set[str] | None = None) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
     for none), from depth ``first`` to three (a module met deeper still has what it holds
     directly held), and the tensors in the last; breadth first, so what is met shallowest is
@@ -456,6 +461,7 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
     plain: collections.Counter[str] = collections.Counter()  # held, by the module holding
     walked = 0  # items looked into (not tensors, only named where ``tensors`` asks)
     copied = 0  # items of big lists and dicts copied: a small container is always held
+    pytorch = pytorch or set()  # the modules of PyTorch's own classes met, by where
     todo = [(where, v, owner, 3 - first) for where, v, owner in level]
     while todo:
         below: list[tuple[str, Any, str, int]] = []
@@ -475,6 +481,8 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                     if _scripted(m) or (m is not v and id(m) in seen):
                         continue
                     seen.add(id(m))
+                    if _of_pytorch(m):
+                        pytorch.add(sub)
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers))]
                     if left >= 0:  # one met at the last level: what it holds, no further
@@ -490,7 +498,7 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                 small = len(v) <= _MAX_ITEMS
                 if small or (len(v) <= _MAX_COPIED and copied + len(v) <= _MAX_COPIED_IN_ALL):
                     copied += 0 if small else len(v)
-                    held.append((where, v, _copy(v, where, owner, "[")))
+                    held.append((where, v, _copy(v, where, owner, "[", owner in pytorch)))
                 elif kind is list:  # its length: what the trace appended is taken off
                     held.append((where, v, _Length(len(v), where, owner)))
                 if small and walked < _MAX_WALKED:
@@ -532,14 +540,18 @@ def _shown_key(key: Any) -> str:
         else f"<{type(key).__name__}>"
 
 
-def _copy(container: Any, where: str, owner: str, joiner: str) -> Any:
+def _copy(container: Any, where: str, owner: str, joiner: str, pytorch: bool = False) -> Any:
     """The copy of a held ``__dict__`` (``joiner`` ".") or list or dict ("["): a module's
-    ``owner`` makes it one put back with a decision."""
+    ``owner`` makes it one put back with a decision; none for the private cache of a module of
+    PyTorch's (``pytorch``: an RNN's ``_flat_weights``, which its setattr of a weight updates,
+    so aot_module's after each call: Note [Attributes forward assigns])."""
     if owner:
         held_in = where[len(owner) + 1:]
-        return _ModuleItems(container, held_in) \
+        copy = _ModuleItems(container, held_in) \
             if isinstance(container, (list, collections.deque)) else \
             _ModuleAttributes(container, held_in=held_in, joiner=joiner)
+        copy.quiet = pytorch and held_in.startswith("_")
+        return copy
     return _Attributes(container) if joiner == "." else container.copy()
 
 
@@ -731,12 +743,13 @@ class _ModuleAttributes(_Attributes):
         self.recomputed = recomputed
         self.held_in = held_in
         self.joiner = joiner if held_in else "."  # "[": a dict's items, ".": an object's
+        self.quiet = False  # put back without a decision (see _copy)
 
     def stored(self, keys: Iterable[Any], now: dict[str, Any]) -> list[str]:
         """The names of what was stored under ``keys`` (``now`` holds it), for the decision;
         not a list or dict, whose own copy names what went into it."""
         if self.held_in:
-            return [f"{self.held_in}.{k}" if self.joiner == "." else
+            return [] if self.quiet else [f"{self.held_in}.{k}" if self.joiner == "." else
                     f"{self.held_in}[{_shown_key(k)}]" for k in keys]
         return [k for k in keys if k not in self.recomputed
                 and (type(now[k]) not in _COPIED or self.get(k) is not now[k])]
@@ -748,9 +761,10 @@ class _ModuleItems(list):  # type: ignore[type-arg]
     def __init__(self, items: list[Any], held_in: str) -> None:
         super().__init__(items)
         self.held_in = held_in
+        self.quiet = False
 
     def stored(self, keys: Iterable[Any], now: list[Any]) -> list[str]:
-        return [f"{self.held_in}[{k}]" for k in keys]
+        return [] if self.quiet else [f"{self.held_in}[{k}]" for k in keys]
 
 
 def note_module_stores(decisions: Iterable[tuple[str, list[str]]]) -> None:
@@ -782,16 +796,20 @@ def note_module_counts(name: str, changed: list[str]) -> None:
 
 
 def recomputed(module: torch.nn.Module) -> frozenset[str]:
-    """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``."""
+    """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``, and the
+    private caches of a module of PyTorch's own class (an RNN's ``_flat_weights``, which setting
+    its weight updates: Note [Attributes forward assigns])."""
+    caches = frozenset(k for k in module.__dict__ if k.startswith("_") and k not in _MODULE_OWN) \
+        if _of_pytorch(module) else frozenset()
     if not module._forward_pre_hooks:
-        return frozenset()
+        return caches
     from torch.nn.utils.prune import BasePruningMethod
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
-    return frozenset(h._tensor_name if isinstance(h, BasePruningMethod) else h.name
-                     for h in module._forward_pre_hooks.values()
-                     if isinstance(h, (BasePruningMethod, SpectralNorm, WeightNorm)))
+    return caches | frozenset(h._tensor_name if isinstance(h, BasePruningMethod) else h.name
+                              for h in module._forward_pre_hooks.values()
+                              if isinstance(h, (BasePruningMethod, SpectralNorm, WeightNorm)))
 
 
 def _tracing(value: Any) -> bool:
