@@ -238,6 +238,30 @@ def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():
     assert w.grad is not None and x.grad is not None
 
 
+def test_refusals_about_an_input_name_it_as_passed():
+    """``x.data = ...`` on a parameter, ``requires_grad_()`` on an argument: the refusal said
+    "input 2 of the compiled function"."""
+    class Momentum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.k.weight.data = self.k.weight.data * 0.9 + self.q.weight.data * 0.1
+            return self.k(x) + self.q(x)
+
+    def lazy(x, y):
+        return x * y.requires_grad_()
+
+    for compiled, args, named in (
+            (aotkit.aot_module(Momentum(), compilers.nop), (rand(2, 3),),
+             "x.data = ... on k.weight of aot_module(Momentum)"),
+            (aotkit.aot_function(lazy, compilers.nop), (rand(3), rand(3)),
+             "sets requires_grad on args[1] (")):
+        with pytest.raises(UnsupportedError, match=re.escape(named)):
+            compiled(*args)
+
+
 def test_a_tensor_hook_registered_inside_on_an_input_or_parameter_is_refused():
     """Note [Tensor hooks registered inside]: eager leaves the hook on the caller's tensor,
     changing its whole gradient at every later backward; traced, it changed the part inside

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -181,9 +182,17 @@ def name_refused_input(exc: BaseException, name: str, names: Sequence[str]) -> N
     position (its ``input_index``): name them as the caller knows them (``args[2]``,
     ``opts['w']``, a parameter's name)."""
     k = getattr(exc, "input_index", None)
+    if k is None and (found := _INPUT.search(str(exc))):
+        k = int(found[1])
     if isinstance(exc, UnsupportedError) and k is not None and k < len(names):
-        exc.args = (str(exc).replace("the compiled function", name, 1)
+        message = str(exc).replace(f"input {k} of the compiled function", f"{names[k]} of {name}", 1)
+        exc.args = (message.replace("the compiled function", name, 1)
                     .replace(f"input {k} (", f"{names[k]} (", 1),)
+
+
+# How a refusal raised while tracing names a traced input: "x.data = ... on input 2 of the
+# compiled function", "sets requires_grad on input 0 (requires_grad_() ...".
+_INPUT = re.compile(r"\binput (\d+) (of the compiled function|\()")
 
 
 def under_transform(name: str) -> UnsupportedError:
