@@ -1258,3 +1258,24 @@ def test_a_constant_changed_in_place_compiles_anew():
         _same(compiled, f, x)
         _same(module, model, x)
     assert all("changed in place" in why for why in _reasons()) and len(_reasons()) == 6
+
+
+def test_forward_replaced_on_the_class_after_compiling_traces_again():
+    """``Net.forward = ...`` patched after compiling: aot_module and aot_function(model) ran
+    the old graph, with no decision."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).relu()
+
+    net, x = Net().requires_grad_(False), torch.randn(2, 4)
+    compiled = [aotkit.aot_module(net, compilers.nop), aotkit.aot_function(net, compilers.nop)]
+    for c in compiled:
+        _same(c, net, x)
+    Net.forward = lambda self, x: self.fc(x).tanh() * 10
+    for c in compiled:
+        _same(c, net, x)
+    assert len(_reasons()) == 2 and "Net.forward = ..." in _reasons()[0]

@@ -19,6 +19,8 @@ tensor by identity and its dtype, size and strides, Note [Constants changed in p
   when it is compiled, or are not assigned yet, read again at
   every call; a decorator module's globals are named by module (``the global mylib.DEBUG``);
 * its default argument values, and a ``functools.partial``'s arguments;
+* a module's class's ``forward``, where the function is a module (``Net.forward = ...``
+  patched after compiling; aot_module keys every submodule's class's in its layout);
 * the attributes of the object it runs on that its code mentions (as an attribute, a name or
   a string: ``self.temperature``, ``s = self; s.temperature``, ``vars(self)["temperature"]``,
   also not set yet where it reads it from ``self``: ``hasattr``), with those the methods of
@@ -128,6 +130,8 @@ class Captured:
 def captured_values(fn: Callable[..., Any]) -> Captured:
     """See Note [Values a function captures]; empty for most functions."""
     found = Captured()
+    if isinstance(fn, torch.nn.Module):  # ``Net.forward = ...`` patched on the class
+        found.add(f"the forward of class {type(fn).__name__}", lambda: type(fn).forward)
     levels = list(_levels(fn))
     functions = [f for f, _ in levels if isinstance(f, types.FunctionType)]
     home = functions[-1].__globals__ if functions else {}

@@ -100,8 +100,10 @@ class _Layout:
     symbolic_values: set[str] = dataclasses.field(default_factory=set)
     # Attributes read as state, as the graph was traced: "a tensor", "None", "a float", ...
     attribute_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Modules whose forward is set on the instance (a wrapper patched on), by name.
+    # Modules whose forward is set on the instance (a wrapper patched on), by name; and every
+    # module's class and its forward (``Net.forward = ...`` patched on the class).
     forwards: dict[str, Any] = dataclasses.field(default_factory=dict)
+    class_forwards: dict[str, tuple[type, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def tables(self) -> list[dict[str, Any]]:
@@ -385,7 +387,8 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
     values: list[Any] = []
     for m in root.modules():
         p, b = m._parameters, m._buffers
-        key.append((id(m), m.__class__, m.training, *p, None, *b, None, *m._modules))
+        cls = m.__class__
+        key.append((id(m), cls, cls.forward, m.training, *p, None, *b, None, *m._modules))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             # The hook objects, which the entry's layout holds, not their handles: pruning
             # again re-registers the same hook under a new handle.
@@ -543,7 +546,8 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
         attribute_kinds={f"{n}.{k}" if n else k: _kind_shown(m.__dict__.get(k, _MISSING))
                          for n, m in modules for k in attributes.get(id(m), ())},
         forwards={n or type(root).__name__: m.__dict__["forward"] for n, m in modules
-                  if "forward" in m.__dict__})
+                  if "forward" in m.__dict__},
+        class_forwards={n or type(root).__name__: (type(m), type(m).forward) for n, m in modules})
 
 
 def _kind_shown(value: Any) -> str:
@@ -777,6 +781,10 @@ def _describe(old: _Layout, new: _Layout) -> str:
     if changed := sorted(n for n in {*old.forwards, *new.forwards}
                          if old.forwards.get(n) is not new.forwards.get(n)):
         reasons.append(f"forward set on the module instance changed: {', '.join(changed)}")
+    if changed := [f"{n} ({cls.__name__}.forward = ...)"
+                   for n, (cls, forward) in new.class_forwards.items()
+                   if (was := old.class_forwards.get(n)) and was[0] is cls and was[1] is not forward]:
+        reasons.append(f"forward replaced on the module's class: {', '.join(changed)}")
     return "; ".join(reasons) or ("the module's layout changed (a submodule was replaced, or a "
                                   "parameter or buffer registered as or set to None)")
 
