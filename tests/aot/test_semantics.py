@@ -4817,7 +4817,8 @@ def test_a_custom_op_writing_two_arguments_that_share_memory_names_a_custom_op_f
 def test_errors_name_the_fix_for_vjp_functions_ctc_loss_and_distributions():
     """A vjp_fn returned through torch.compile raised "Cannot access storage of TensorWrapper";
     ctc_loss's data-dependent result was told dynamic=True would trace it (it refuses there
-    too); a distribution's argument check showed neither its line nor validate_args=False."""
+    too); a distribution's argument check showed neither its line nor validate_args=False; an
+    RNN given a PackedSequence was told dynamic=True (which fails there too)."""
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="vjp_fn"):
         torch.compile(lambda w: torch.func.vjp(torch.sin, w), backend="aotkit")(rand(3))
 
@@ -4832,6 +4833,10 @@ def test_errors_name_the_fix_for_vjp_functions_ctc_loss_and_distributions():
         aotkit.aot_function(
             lambda mu, s: torch.distributions.Normal(mu, s, validate_args=True).rsample(),
             compilers.nop)(rand(3, grad=True), rand(3) + 2)
+    packed = torch.nn.utils.rnn.pack_sequence([rand(4, 2), rand(3, 2)])
+    for dynamic in (False, True):  # the batch sizes a GRU reads as numbers
+        with pytest.raises(TraceError, match=r"PackedSequence's batch sizes(.|\n)*padded"):
+            aotkit.aot_module(nn.GRU(2, 3), compilers.nop, dynamic=dynamic)(packed)
 
 
 def test_an_integer_exponent_read_from_data_is_refused_naming_the_fix():

@@ -495,6 +495,10 @@ def _hint(where: str) -> str:
         return ("; a torch.distributions object checks its arguments' values unless made "
                 "with validate_args=False (torch.distributions.Distribution."
                 "set_default_validate_args(False) for all)")
+    if os.path.join("torch", "nn", "modules", "rnn.py") in where:
+        return ("; PyTorch's RNNs read a PackedSequence's batch sizes as numbers: pass a padded "
+                "batch (torch.nn.utils.rnn.pad_packed_sequence), or use torch.compile(model, "
+                "backend='aotkit'), which runs that part eagerly")
     return ""
 
 
