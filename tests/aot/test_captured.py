@@ -1152,8 +1152,8 @@ def test_aot_module_refuses_torchscript_submodules_naming_them():
 
 def test_the_walk_stays_bounded_past_its_limits():
     """An empty list met after the walk's item budget raised a raw IndexError; modules chained
-    through lists (``self.prev = [prev]``) re-armed the walk at each link (16000 links: 3.8 s,
-    3.4 GB)."""
+    through lists (``self.prev = [prev]``) re-armed the walk at each link, its paths growing
+    with the chain (16000 links: 3.8 s, 3.4 GB); every link is held, named from its class."""
     bank = [list(torch.randn(700, 2).unbind()) for _ in range(99)] + [[]]
 
     def f(x):
@@ -1168,14 +1168,22 @@ def test_the_walk_stays_bounded_past_its_limits():
             self.lin, self.prev = torch.nn.Linear(2, 2), [prev] if prev else []
 
         def forward(self, x):
-            return self.lin(x)
+            self.last = x.detach()
+            return self.prev[0](self.lin(x)) if self.prev else self.lin(x)
 
-    link = None
-    for _ in range(300):
-        link = Link(link)
-    held = reads.module_containers([("m", link)])
-    assert len(held) < 30, len(held)  # what a few links hold, not the whole chain
+    def chain(n):
+        link = None
+        for _ in range(n):
+            link = Link(link).requires_grad_(False)
+        return link
+
+    held = reads.module_containers([("m", chain(3000))])
+    assert len(held) > 4 * 3000 and max(len(where) for where, _, _ in held) < 40  # not paths
+    link = chain(40)  # called down the chain: eager's stack is as deep
     _same(aotkit.aot_module(link, compilers.nop), link, x)
+    while link is not None:  # every link put back, none left holding a tracing tensor
+        assert type(link.__dict__.get("last")) is torch.Tensor
+        link = link.prev[0] if link.prev else None
 
 
 def test_numbers_in_a_dict_keyed_by_tensors_are_put_back():
@@ -1279,3 +1287,40 @@ def test_forward_replaced_on_the_class_after_compiling_traces_again():
     for c in compiled:
         _same(c, net, x)
     assert len(_reasons()) == 2 and "Net.forward = ..." in _reasons()[0]
+
+
+def test_stores_into_private_lists_of_pytorch_modules_and_size_reads_are_not_missed():
+    """A list a user keeps on an nn.Linear (``fc._acts``) was put back without a decision (only
+    an RNN's weights cache is PyTorch's own); a buffer of a called module read only for its
+    size, and a tensor-subclass parameter swapped by ``m.double()``, kept the old graph."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+            self.fc._acts = []
+
+        def forward(self, x):
+            y = self.fc(x)
+            self.fc._acts.append(y.detach())
+            return y
+
+    net = Net()
+    aotkit.aot_module(net, compilers.nop)(torch.randn(2, 3))
+    assert net.fc._acts == [] and aotkit.explain().of_kind("fallback")
+    table = torch.nn.Module()
+    table.register_buffer("rows", torch.zeros(4))
+    table.forward = lambda x: x * table.rows.shape[0]
+    lin = torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
+    lin.weight = torch.nn.Parameter(TwoTensor(torch.ones(4, 4), torch.ones(4, 4)), False)
+
+    def f(x):
+        return table(x).sum() + lin(x.to(lin.weight.dtype)).a
+
+    compiled, x = aotkit.aot_function(f, compilers.nop), torch.ones(1, 4)
+    _same(compiled, f, x)
+    table.rows.data = torch.zeros(10)
+    lin.double()
+    _same(compiled, f, x)
+    assert len(_reasons()) == 1 and "changed in place" in _reasons()[0]

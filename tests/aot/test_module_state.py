@@ -1223,3 +1223,36 @@ def test_functional_call_on_the_wrapper_takes_prefixed_names_and_explains_unpref
     with pytest.raises(ArgumentError, match=r"'orig_module\.weight'"):
         functional_call(compiled, params, (x,))
     assert all(type(p) is nn.Parameter for p in model.parameters())  # put back
+
+
+def test_what_forward_assigns_is_set_back_as_forward_set_it():
+    """Set back through setattr, a parameter forward stored under another name was registered
+    (the next trace then failed assigning it a tracing tensor: raw TypeError), and a read-only
+    descriptor refused the write forward made to __dict__ (raw AttributeError)."""
+    class ReadOnly:
+        def __get__(self, obj, cls):
+            if obj is None:
+                return self
+            return obj.__dict__.setdefault("pos", torch.arange(3.0))
+
+        def __set__(self, obj, value):
+            raise AttributeError("read-only")
+
+    class Tied(nn.Module):
+        pos = ReadOnly()
+
+        def __init__(self):
+            super().__init__()
+            self.lin, self.tied = nn.Linear(3, 3), None
+
+        def forward(self, x):
+            self.tied = self.lin.weight
+            return self.lin(x) @ self.tied + self.pos
+
+    torch.manual_seed(0)
+    eager = Tied()
+    torch.manual_seed(0)
+    model = Tied()
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(2, 3)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), eager(x))

@@ -535,3 +535,19 @@ def test_a_view_of_a_mutated_input_with_gaps_runs_as_traced_with_a_fallback_deci
             out.sum().backward()
             assert leaf.grad.tolist() == [[2.0, 0.0] * 3] * 3  # eager's: the gaps get none
     assert any("with gaps" in d.why for d in aotkit.explain().of_kind("fallback"))
+
+
+def test_as_strided_on_a_closed_over_tensor_runs_as_traced() -> None:
+    """as_strided's offset counts from the memory's start, Inductor's code from the lifted
+    tensor's: a closed-over slice (``arange(12)[2:6]``) read other elements, silently."""
+    table = torch.arange(12.0)[2:6]
+
+    def f(x):
+        return x + torch.as_strided(table, (2,), (1,), 0)
+
+    compiled = aotkit.aot_function(f, aotkit.compilers.inductor,
+                                   decompositions=aotkit.compilers.inductor.decompositions)
+    x = torch.zeros(2)
+    torch.testing.assert_close(compiled(x), f(x))
+    [decision] = aotkit.explain().of_kind("fallback")
+    assert "as_strided on a closed-over tensor" in decision.why

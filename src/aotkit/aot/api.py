@@ -793,6 +793,8 @@ class AotFunction:
                                  "store it at each call, so it was put back as it was (Note "
                                  "[Tracing tensors left in argument objects])")
         note_module_stores(decisions)
+        reads.watch([(name, v) for name, v in captured if isinstance(v, torch.Tensor)],
+                    held_tensors)  # Note [Constants changed in place]
         note_module_counts(self.name, changed_values(
             [c for c in held[len(held_args):] if getattr(c[2], "held_in", "")], restore=False))
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None

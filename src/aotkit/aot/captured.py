@@ -9,7 +9,8 @@ self.temperature`` for a bound method ``aot_function(sampler.logits)``. Changed 
 the old graph silently went on with the old value (PyTorch's ``aot_function`` too; Dynamo
 guards on them). So the values the function's own code can read are keyed as extra arguments,
 each as an object argument's attribute is (Note [Objects as arguments]: a number by its repr, a
-tensor by identity and its dtype, size and strides, Note [Constants changed in place]):
+tensor by identity, its dtype, size and strides watched with the graph's constants, Note
+[Constants changed in place]):
 
 * the globals its code loads (its nested code too: comprehensions, lambdas; not those it or
   a function nested in it assigns, nor attribute names) and the variables it closes over (not

@@ -428,10 +428,9 @@ def _tensor_attributes(m: nn.Module, attributes: Mapping[int, tuple[str, ...]]) 
 # the next trace would read its tensors as constants; a private one kept by a module PyTorch
 # defines, or a subclass of one (RNN's ``_flat_weights``: its weights, computed ones under
 # weight_norm or pruning), is a cache, put back after the trace as it was (forward rebuilds it
-# when it finds it stale; an RNN's updates it when its weight is set after the call, as eager's
-# weight_norm hook sets it, so such caches are not held before the trace either: Note [Tracing
-# tensors left in argument objects]); a public one a subclass's forward sets (``self.feats``)
-# is refused.
+# when it finds it stale; an RNN's is updated with the weight set after the call, as its
+# setattr updates it when eager's weight_norm hook sets the weight); a public one a subclass's
+# forward sets (``self.feats``) is refused.
 # Other objects (RNN's weakrefs to its parameters, a config object) stay as forward left them.
 # The graph holds the branches forward took for the values it was traced from, so a plain value
 # forward changes (an ActNorm-style ``self.initialized = True``, a cache length) joins the
@@ -716,7 +715,9 @@ def _assign(root: nn.Module, name: str, value: Any) -> tuple[nn.Module, str]:
     module and the attribute."""
     prefix, _, key = name.rpartition(".")
     module = root.get_submodule(prefix)
-    setattr(module, key, value)  # as forward set it: an RNN's setattr updates its _flat_weights
+    (module._buffers if key in module._buffers else module.__dict__)[key] = value
+    if key in getattr(module, "_flat_weights_names", ()):  # as an RNN's setattr keeps its cache
+        module._flat_weights[module._flat_weights_names.index(key)] = value
     return module, key
 
 

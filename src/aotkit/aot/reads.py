@@ -59,7 +59,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from aotkit import compat, counters
-from aotkit.aot.signature import shown_layout, tensor_layout
+from aotkit.aot.subclass import is_subclass
 from aotkit.compat import FakeTensor, FunctionalTensor
 from aotkit.errors import ArgumentError
 
@@ -148,9 +148,10 @@ class Reads:
     global_hooks: tuple[Any, ...] = ()  # their ids, when the trace called modules
     slots: list[_Slot] = field(default_factory=list)
     constants: list[torch.Tensor] = field(default_factory=list)  # read where grads could flow
-    # Every constant read, with its dtype, device, size and strides as traced, and a C++ check
-    # that they are still so (Note [Constants changed in place]).
+    # The tensors watched (Note [Constants changed in place]), their names where known, their
+    # layouts as traced, and a C++ check that they are still so.
     read: list[torch.Tensor] = field(default_factory=list)
+    read_names: list[str | None] = field(default_factory=list)
     layouts: list[tuple[Any, ...]] = field(default_factory=list)
     layout_check: Any = None
     # Constants read after the function wrote some tensor in place (Note [Inputs sharing
@@ -184,7 +185,7 @@ class Reads:
         # where it says no, the layouts themselves decide.
         return not self.read or (self.layout_check is not None
                                  and self.layout_check.check(*self.read)) \
-            or list(map(tensor_layout, self.read)) == self.layouts
+            or list(map(_layout, self.read)) == self.layouts
 
     def change(self) -> str | None:
         """What changed since the trace, if anything: every change, ``; ``-separated."""
@@ -211,12 +212,30 @@ class Reads:
         changes += [f"a tensor of shape {tuple(t.shape)} the function reads as a constant (a "
                     "closed-over variable, a global or an attribute) now requires grad"
                     for t in self.constants if t.requires_grad]
-        changes += [f"a tensor the function reads as a constant (a closed-over variable, a "
-                    f"global or an attribute) changed in place from {shown_layout(old)} to "
-                    f"{shown_layout(now)} (t.data = ..., resize_)"
-                    for t, old in zip(self.read, self.layouts, strict=True)
-                    if (now := tensor_layout(t)) != old]
+        changes += [f"{name or _UNNAMED} changed in place from {_shown(old)} to {_shown(now)} "
+                    "(t.data = ..., resize_)"
+                    for t, name, old in zip(self.read, self.read_names, self.layouts, strict=True)
+                    if (now := _layout(t)) != old]
         return "; ".join(changes) or None
+
+    def watch(self, named: Iterable[tuple[str | None, torch.Tensor]],
+              names: dict[int, str] | None = None) -> None:
+        """Watch these tensors' layouts too, as they are now, naming them (also from ``names``,
+        by id) where known (Note [Constants changed in place])."""
+        at = {id(t): k for k, t in enumerate(self.read)}
+        for name, t in named:
+            if id(t) not in at:
+                at[id(t)] = len(self.read)
+                self.read.append(t)
+                self.read_names.append(name)
+            elif name and self.read_names[at[id(t)]] is None:
+                self.read_names[at[id(t)]] = name
+        self.read_names = [n or (names or {}).get(id(t)) for t, n in
+                           zip(self.read, self.read_names, strict=True)]
+        self.layouts = list(map(_layout, self.read))
+        self.layout_check = compat.tensor_layout_check(self.read) if self.read and all(
+            type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided
+            and not t.is_nested for t in self.read) else None
 
 
 # Note [Constants changed in place]
@@ -226,9 +245,29 @@ class Reads:
 # used: ``T.shape[0]`` became a number in the graph, ``T.float()`` was dropped as a no-op, a
 # reshape was made for the old size, and Inductor's code read the new memory as the old dtype
 # (garbage gradients, the backward reading a saved constant). So each entry keeps every
-# constant's dtype, device, size and strides as traced, and one changed traces again, naming it;
-# a tensor among the values the function's code reads (Note [Values a function captures]) is
-# keyed so too, where the graph reads no more than its size (``x * T.shape[0]``).
+# constant's dtype, device, size and strides as traced (a tensor subclass's parts too:
+# ``swap_tensors`` replaces them in the same object), and one changed traces again, naming it.
+# Watched with them: the tensors among the values the function's code reads (Note [Values a
+# function captures]) and the parameters and buffers of the modules it calls, which the graph
+# may not read at all but for a size (``x * T.shape[0]``, ``x.to(self.table.dtype)``).
+_UNNAMED = "a tensor the function reads as a constant (a closed-over variable, a global or an " \
+    "attribute)"
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    if t.layout is not torch.strided or t.is_nested:  # no strides (a nested one: no sizes)
+        return t.dtype, t.device, None if t.is_nested else t.shape, t.layout, False, False
+    parts = tuple(id(getattr(t, n)) for n in t.__tensor_flatten__()[0]) if is_subclass(t) else ()
+    return (t.dtype, t.device, t.shape, t.stride(), t.is_neg(), t.is_conj(), *parts)
+
+
+def _shown(layout: tuple[Any, ...]) -> str:
+    dtype, device, shape, stride, neg, conj, *parts = layout
+    shown = "nested" if shape is None else tuple(shape)
+    where = f"strides {stride}" if isinstance(stride, tuple) else str(stride).split(".")[-1]
+    return (f"{str(dtype).removeprefix('torch.')} {shown} ({where}) on {device}"
+            + " with its negative bit" * neg + " with its conjugate bit" * conj
+            + " (other parts)" * bool(parts))
 
 
 # The constants read so far, those read where a gradient could flow, and those read after a
@@ -305,11 +344,9 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         reads.slots = [slot for slot in held if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
-        reads.read = list(constants.values())
-        reads.layouts = list(map(tensor_layout, reads.read))
-        reads.layout_check = compat.tensor_layout_check(reads.read) if reads.read and all(
-            type(t) in (torch.Tensor, nn.Parameter) and isinstance(x[3], tuple)
-            for t, x in zip(reads.read, reads.layouts, strict=True)) else None
+        reads.watch([*((None, t) for t in constants.values()), *(
+            (slot.where, slot.tensor) for slot in held
+            if not isinstance(slot.tensor, (FakeTensor, FunctionalTensor)))])
         reads.read_after_writes = list(after_writes.values())
 
 
@@ -395,8 +432,9 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
 # 65536 items in all (a tensor counts among the arguments and the values the function reads,
 # where it is named for messages); a long list's modules are held where it starts with one
 # (a list of experts). At most 1024 containers are held for each module, and as many besides
-# modules; a module met at the walk's last level still has what it holds directly held, and
-# no more (a chain of modules each keeping the previous one in a list is not followed). These
+# modules; a module met at the walk's last level or past it has what it holds directly held
+# (whatever its count), and the modules in that met so (a chain of modules each keeping the
+# next one in a list is followed to its end, each named from its class). These
 # limits hold for each of the three walks of a compile: the arguments, the values the function
 # reads (its globals and closed-over values, aot_module's forward's too) and the modules. A
 # module's class and bases count with the module: the lists, dicts and deques they define.
@@ -429,39 +467,41 @@ def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
     own (an LSTM's _flat_weights, a list of kept attention maps, a cache per layer), three
     levels, with their copies (put back with a decision, not a refusal); what several hold
     (a config) once."""
-    modules = [(where, m) for where, m in modules if not _scripted(m)]
-    return _walk([item for where, m in modules for item in _module_items(where, m)], 0, None,
-                 {where for where, m in modules if _of_pytorch(m)})
+    classes: dict[type, list[str]] = {}
+    return _walk([item for where, m in modules if not _scripted(m)
+                  for item in _module_items(where, m, classes)], 0, None, classes)
 
 
-def _module_items(where: str, m: torch.nn.Module) -> list[tuple[str, Any, str]]:
+def _module_items(where: str, m: torch.nn.Module, classes: dict[type, list[str]]
+                  ) -> list[tuple[str, Any, str]]:
     """What a module holds besides nn.Module's own, and the lists, dicts and deques its class
-    and bases define (``attn_maps = []`` in the class body, shared by every instance)."""
+    and bases define (``attn_maps = []`` in the class body, shared by every instance; their
+    names by class in ``classes``)."""
+    cls = type(m)
+    if cls not in classes:
+        classes[cls] = [k for c in cls.__mro__ if c not in _MODULE_BASES
+                        for k, v in vars(c).items() if type(v) in _COPIED and k[:2] != "__"]
     return [(f"{where}.{k}", v, where) for k, v in m.__dict__.items()
             if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)] + \
-        [(f"{where}.{k}", v, where) for cls in type(m).__mro__ if cls not in _MODULE_BASES
-         for k, v in vars(cls).items() if type(v) in _COPIED and not k.startswith("__")]
+        [(f"{where}.{k}", getattr(cls, k), where) for k in classes[cls]]
 
 
 _MODULE_BASES = (torch.nn.Module, object)
 
 
-def _of_pytorch(m: torch.nn.Module) -> bool:
-    return type(m).__module__.startswith("torch.")
-
-
 def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
-          pytorch: set[str] | None = None) -> list[tuple[str, Any, Any]]:
+          classes: dict[type, list[str]] | None = None) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
-    for none), from depth ``first`` to three (a module met deeper still has what it holds
-    directly held), and the tensors in the last; breadth first, so what is met shallowest is
-    walked deepest."""
+    for none), from depth ``first`` to three, and the tensors in the last; breadth first, so
+    what is met shallowest is walked deepest. A module met at the last level or past it has
+    what it holds held, and the modules in that followed so (a chain of modules each keeping
+    the next one in a list), named from their class: a path would grow with the chain."""
     held: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
     plain: collections.Counter[str] = collections.Counter()  # held, by the module holding
     walked = 0  # items looked into (not tensors, only named where ``tensors`` asks)
     copied = 0  # items of big lists and dicts copied: a small container is always held
-    pytorch = pytorch or set()  # the modules of PyTorch's own classes met, by where
+    classes = {} if classes is None else classes
     todo = [(where, v, owner, 3 - first) for where, v, owner in level]
     while todo:
         below: list[tuple[str, Any, str, int]] = []
@@ -473,21 +513,20 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                 continue
             module = issubclass(kind, torch.nn.Module) and "_modules" in vars(v)
             if (left == 0 and not module) or id(v) in seen \
-                    or (plain[owner] >= _MAX_HELD and not module):
-                continue  # modules always: a big one first left the next one unheld
+                    or (plain[owner] >= _MAX_HELD and not module and left > 0):
+                continue  # modules always (a big one first left the next one unheld), and
+                # what one met past the last level holds: no more than its attributes
             seen.add(id(v))
             if module:  # a module and its submodules' own attributes (not TorchScript's)
-                for sub, m in torch.nn.Module.named_modules(v, prefix=where):
+                prefix = where if left > 0 else type(v).__name__
+                for sub, m in torch.nn.Module.named_modules(v, prefix=prefix):
                     if _scripted(m) or (m is not v and id(m) in seen):
                         continue
                     seen.add(id(m))
-                    if _of_pytorch(m):
-                        pytorch.add(sub)
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
                              (sub, m._buffers, _ModuleAttributes(m._buffers))]
-                    if left >= 0:  # one met at the last level: what it holds, no further
-                        below += [(*item, max(left - 1, 1) if left else -1)
-                                  for item in _module_items(sub, m)]
+                    below += [(*item, max(left - 1, 1) if left > 0 else -1)
+                              for item in _module_items(sub, m, classes)]
                 continue
             plain[owner] += 1
             items: list[tuple[str, Any, str]] = []
@@ -498,7 +537,7 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
                 small = len(v) <= _MAX_ITEMS
                 if small or (len(v) <= _MAX_COPIED and copied + len(v) <= _MAX_COPIED_IN_ALL):
                     copied += 0 if small else len(v)
-                    held.append((where, v, _copy(v, where, owner, "[", owner in pytorch)))
+                    held.append((where, v, _copy(v, where, owner, "[")))
                 elif kind is list:  # its length: what the trace appended is taken off
                     held.append((where, v, _Length(len(v), where, owner)))
                 if small and walked < _MAX_WALKED:
@@ -509,12 +548,12 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
             elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
                     and walked < _MAX_WALKED:  # a table of tuples is not walked in full
                 items = _items_below(where, v, owner)  # a namedtuple too
-            if left < 0:  # held, as a module met at the last level holds it: not looked into
-                items = []
+            if left < 0:  # held, as a module met at the last level holds it: its modules only
+                items = [i for i in items if issubclass(type(i[1]), torch.nn.Module)]
             elif tensors is None:
                 items = [i for i in items if not issubclass(type(i[1]), torch.Tensor)]
             walked += len(items)
-            below += [(*item, left - 1) for item in items]
+            below += [(*item, max(left - 1, -1)) for item in items]
         todo = below
     return held
 
@@ -540,17 +579,16 @@ def _shown_key(key: Any) -> str:
         else f"<{type(key).__name__}>"
 
 
-def _copy(container: Any, where: str, owner: str, joiner: str, pytorch: bool = False) -> Any:
+def _copy(container: Any, where: str, owner: str, joiner: str) -> Any:
     """The copy of a held ``__dict__`` (``joiner`` ".") or list or dict ("["): a module's
-    ``owner`` makes it one put back with a decision; none for the private cache of a module of
-    PyTorch's (``pytorch``: an RNN's ``_flat_weights``, which its setattr of a weight updates,
-    so aot_module's after each call: Note [Attributes forward assigns])."""
+    ``owner`` makes it one put back with a decision (none for an RNN's weights cache, which
+    setting a weight updates, Note [Attributes forward assigns])."""
     if owner:
         held_in = where[len(owner) + 1:]
         copy = _ModuleItems(container, held_in) \
             if isinstance(container, (list, collections.deque)) else \
             _ModuleAttributes(container, held_in=held_in, joiner=joiner)
-        copy.quiet = pytorch and held_in.startswith("_")
+        copy.quiet = held_in == "_flat_weights"
         return copy
     return _Attributes(container) if joiner == "." else container.copy()
 
@@ -796,11 +834,10 @@ def note_module_counts(name: str, changed: list[str]) -> None:
 
 
 def recomputed(module: torch.nn.Module) -> frozenset[str]:
-    """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``, and the
-    private caches of a module of PyTorch's own class (an RNN's ``_flat_weights``, which setting
-    its weight updates: Note [Attributes forward assigns])."""
-    caches = frozenset(k for k in module.__dict__ if k.startswith("_") and k not in _MODULE_OWN) \
-        if _of_pytorch(module) else frozenset()
+    """What pruning, weight_norm and spectral_norm's pre-hooks set on ``module``, and an RNN's
+    weights cache ``_flat_weights``, which setting its weight updates (Note [Attributes forward
+    assigns])."""
+    caches = frozenset({"_flat_weights"}) if isinstance(module, nn.RNNBase) else frozenset()
     if not module._forward_pre_hooks:
         return caches
     from torch.nn.utils.prune import BasePruningMethod

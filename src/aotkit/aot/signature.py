@@ -163,40 +163,6 @@ class _Identity:
         return f"a {type(self.value).__name__} object"
 
 
-class _TensorKey(_Identity):
-    """A tensor read besides the inputs: by identity, and by the dtype, device, size and
-    strides the trace saw, which ``T.data = ...`` and ``T.resize_(8)`` change in the same object
-    (Note [Constants changed in place])."""
-
-    __slots__ = ("layout",)
-
-    def __init__(self, value: torch.Tensor) -> None:
-        super().__init__(value)
-        self.layout = tensor_layout(value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _TensorKey) and other.value is self.value \
-            and other.layout == self.layout
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-
-def tensor_layout(t: torch.Tensor) -> tuple[Any, ...]:
-    """What a trace uses of a tensor it reads as a constant, besides its values."""
-    if t.layout is not torch.strided or t.is_nested:  # no strides (a nested one: no sizes)
-        return t.dtype, t.device, None if t.is_nested else t.shape, t.layout, False, False
-    return t.dtype, t.device, t.shape, t.stride(), t.is_neg(), t.is_conj()
-
-
-def shown_layout(layout: tuple[Any, ...]) -> str:
-    dtype, device, shape, stride, neg, conj = layout
-    bits = " with its negative bit" * neg + " with its conjugate bit" * conj
-    shown = "nested" if shape is None else tuple(shape)
-    strides = f"strides {stride}" if isinstance(stride, tuple) else str(stride).split(".")[-1]
-    return f"{str(dtype).removeprefix('torch.')} {shown} ({strides}) on {device}{bits}"
-
-
 class Keyed:
     """A value keyed already: its key (a captured value's, Note [Values a function
     captures])."""
@@ -247,7 +213,7 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
     if kind is float or kind is complex:  # nan != nan; -0.0 == 0.0
         return (kind, repr(value))
     if isinstance(value, torch.Tensor):
-        return _TensorKey(value)
+        return _Identity(value)
     if isinstance(value, enum.Enum):
         return (kind, value)
     if isinstance(value, numbers.Number):  # numpy scalars
@@ -501,8 +467,6 @@ def _repeated(groups: tuple[tuple[Any, ...], ...], names: Sequence[str]) -> str:
 
 
 def _leaf_change(name: str, a: Any, b: Any) -> str:
-    if isinstance(a, _TensorKey) and isinstance(b, _TensorKey) and a.value is b.value:
-        return _changed_in_place(name, a, b)
     if isinstance(a, _Identity) and isinstance(b, _Identity) and type(a.value) is type(b.value):
         if isinstance(b.value, torch.Generator):
             return (f"{name} is another torch.Generator object (a graph draws from the generator "
@@ -553,19 +517,12 @@ def _attribute_changes(name: str, a: _Object, b: _Object) -> list[str]:
             found += _attribute_changes(f"{name}.{attribute}", x, y)
         elif _same_container(x, y) and (items := _item_changes(f"{name}.{attribute}", x, y)):
             found += items
-        elif isinstance(x, _TensorKey) and isinstance(y, _TensorKey) and x.value is y.value:
-            found.append(_changed_in_place(f"attribute {attribute} of {name}", x, y))
         elif isinstance(x, _Identity) and isinstance(y, _Identity):
             found.append(f"attribute {attribute} of {name} is another "
                          f"{type(y.value).__name__} object")
         else:
             found.append(f"attribute {attribute} of {name} changed: {_show(x)} -> {_show(y)}")
     return found or [f"an attribute of {name} changed"]
-
-
-def _changed_in_place(name: str, a: _TensorKey, b: _TensorKey) -> str:
-    return (f"{name} changed in place: {shown_layout(a.layout)} -> {shown_layout(b.layout)} "
-            "(t.data = ..., resize_)")
 
 
 def _same_container(x: Any, y: Any) -> bool:
@@ -795,6 +752,12 @@ def recompile_fix(why: str, dynamic: bool) -> str:
         return ("register module hooks once, before the first call (a hook added and removed at "
                 "every step, or a profiler's global hooks entered per step, compiles anew each "
                 "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
+    if "changed in place from" in why:
+        return ("a tensor the function reads besides its arguments changes its size, dtype or "
+                "strides in place between calls (Note [Constants changed in place]): pass it as "
+                "an argument (with dynamic=True where its size varies), or, for a module's "
+                "buffer, compile the module with aot_module, which takes its buffers as inputs; "
+                "or raise the limit with aotkit.config.patch(recompile_limit=...).")
     if why.startswith(("the global ", "the closed-over ", "self.", "keyword ", "argument ")) \
             or " of self changed" in why or " of self." in why:
         return ("a value the function reads besides its arguments changes at every call "

@@ -174,10 +174,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
 
     sparse = _sparse_value(gm)
     meta = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in example_inputs)
-    if sparse is not None or meta:  # Note [Sparse values and Inductor]
+    if sparse is not None or meta or _strided_over_closed_over(gm):  # Note [Sparse values ...]
         why = (f"the graph computes or reads a sparse tensor ({sparse}), whose memory "
                "Inductor's buffer reuse does not track" if sparse is not None else
-               "the graph takes meta tensors, for which Inductor generates no kernels")
+               "the graph takes meta tensors, for which Inductor generates no kernels" if meta
+               else "the graph calls as_strided on a closed-over tensor, whose storage offset "
+               "counts from its memory's start, where Inductor's code counts from the tensor's")
         counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})",
                         f"{why}; it runs as traced (aotkit.compilers.nop) instead")
         return nop(gm, example_inputs)
@@ -360,6 +362,14 @@ def _unexpected_layout(exc: AssertionError) -> CompilerError:
         "(a quantization observer growing its per-channel buffers in place).\nFix: find the "
         "op with aotkit.compilers.debug_nop (its MetadataMismatchError names it), or use "
         "torch.compile(model, backend='aotkit_inductor') (a QAT model trains there).")
+
+
+def _strided_over_closed_over(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls ``as_strided`` (or its in-place or scatter form) on a closed-over
+    tensor, which may start past its memory's start or be moved there later (T.set_)."""
+    strided = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+               torch.ops.aten.as_strided_scatter.default)
+    return any(user.target in strided for node, _ in closed_over_tensors(gm) for user in node.users)
 
 
 def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tensor]]:
