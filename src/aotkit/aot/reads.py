@@ -153,6 +153,8 @@ class Reads:
     read: list[torch.Tensor] = field(default_factory=list)
     read_names: list[str | None] = field(default_factory=list)
     layouts: list[tuple[Any, ...]] = field(default_factory=list)
+    plain: list[torch.Tensor] = field(default_factory=list)  # those the C++ check takes
+    others: list[int] = field(default_factory=list)  # the rest, by position in ``read``
     layout_check: Any = None
     # Constants read after the function wrote some tensor in place (Note [Inputs sharing
     # memory with constants]).
@@ -183,8 +185,9 @@ class Reads:
         # Dynamo's C++ tensor check answers at once when nothing changed; it also compares
         # requires_grad and the thread's dispatch keys (off under autocast, inference_mode), so
         # where it says no, the layouts themselves decide.
-        return not self.read or (self.layout_check is not None
-                                 and self.layout_check.check(*self.read)) \
+        # The others (sparse, nested, subclasses) are compared in Python at every call.
+        return not self.read or (self.layout_check.check(*self.plain) and all(
+            _layout(self.read[k]) == self.layouts[k] for k in self.others)) \
             or list(map(_layout, self.read)) == self.layouts
 
     def change(self) -> str | None:
@@ -233,9 +236,11 @@ class Reads:
         self.read_names = [n or (names or {}).get(id(t)) for t, n in
                            zip(self.read, self.read_names, strict=True)]
         self.layouts = list(map(_layout, self.read))
-        self.layout_check = compat.tensor_layout_check(self.read) if self.read and all(
-            type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided
-            and not t.is_nested for t in self.read) else None
+        self.others = [k for k, t in enumerate(self.read) if type(t) not in (
+            torch.Tensor, nn.Parameter) or t.layout is not torch.strided or t.is_nested]
+        others = set(self.others)
+        self.plain = [t for k, t in enumerate(self.read) if k not in others]
+        self.layout_check = compat.tensor_layout_check(self.plain)
 
 
 # Note [Constants changed in place]
@@ -806,10 +811,12 @@ class _ModuleItems(list):  # type: ignore[type-arg]
 
 
 def note_module_stores(decisions: Iterable[tuple[str, list[str]]]) -> None:
-    """The decisions :func:`put_back_containers` left, for a trace not refused."""
-    for where, names in decisions:
+    """The decisions :func:`put_back_containers` left, for a trace not refused: one for
+    modules named alike (the links of a chain, named from their class)."""
+    alike = collections.Counter((where, tuple(names)) for where, names in decisions)
+    for (where, names), count in alike.items():
         items = any("[" in name or "." in name for name in names)  # aot_module sets neither
-        counters.record("fallback", where, (
+        counters.record("fallback", where if count == 1 else f"{where} ({count} modules)", (
             f"forward stores a tensor into {', '.join(names)} on the module (a cache, an "
             "attention map kept for plotting, a reassigned buffer): the compiled graph cannot "
             "store it at each call, so the module keeps what it held before the call. Fix: "
