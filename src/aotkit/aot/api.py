@@ -789,12 +789,9 @@ class AotFunction:
         if changed := changed_values(held_args) + symbolic_values(others):
             raise changed_value(self.name, ", ".join(changed))
         if stored:
-            raise stored_tensor(self.name, ", ".join(stored), "the compiled graph cannot "
-                                 "store it at each call, so it was put back as it was (Note "
-                                 "[Tracing tensors left in argument objects])")
+            raise stored_tensor(self.name, ", ".join(stored))
         note_module_stores(decisions)
-        reads.watch([(name, v) for name, v in captured if isinstance(v, torch.Tensor)],
-                    held_tensors)  # Note [Constants changed in place]
+        reads.watch(captured, held_tensors)  # Note [Constants changed in place]
         note_module_counts(self.name, changed_values(
             [c for c in held[len(held_args):] if getattr(c[2], "held_in", "")], restore=False))
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None

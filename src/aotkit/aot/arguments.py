@@ -224,7 +224,11 @@ def subclass_dynamic(name: str, tensors: Sequence[torch.Tensor]) -> UnsupportedE
     )
 
 
-def stored_tensor(name: str, where: str, why: str) -> UnsupportedError:
+_PUT_BACK = ("the compiled graph cannot store it at each call, so it was put back as it was "
+             "(Note [Tracing tensors left in argument objects])")
+
+
+def stored_tensor(name: str, where: str, why: str = _PUT_BACK) -> UnsupportedError:
     """A tensor the function stores into what it was passed (an object, list or dict)."""
     return UnsupportedError(
         f"{name} stores a tensor into {where} (an object, list or dict it was passed or reads, "

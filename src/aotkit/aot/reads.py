@@ -221,12 +221,14 @@ class Reads:
                     if (now := _layout(t)) != old]
         return "; ".join(changes) or None
 
-    def watch(self, named: Iterable[tuple[str | None, torch.Tensor]],
+    def watch(self, named: Iterable[tuple[str | None, Any]],
               names: dict[int, str] | None = None) -> None:
-        """Watch these tensors' layouts too, as they are now, naming them (also from ``names``,
-        by id) where known (Note [Constants changed in place])."""
+        """Watch the layouts of the tensors among these values too, as they are now, naming
+        them (also from ``names``, by id) where known (Note [Constants changed in place])."""
         at = {id(t): k for k, t in enumerate(self.read)}
         for name, t in named:
+            if not isinstance(t, torch.Tensor):
+                continue
             if id(t) not in at:
                 at[id(t)] = len(self.read)
                 self.read.append(t)
