@@ -506,11 +506,22 @@ def test_not_callable_arguments_are_argument_errors():
         aotkit.aot_function(torch.sin, compilers.nop, partition_fn="min_cut")
 
 
+def _drop_one_saved(joint, inputs, *, num_fwd_outputs):
+    """A partitioner whose forward saves less than its backward takes (a raw ValueError in the
+    backward)."""
+    forward, backward = aotkit.default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+    output = forward.graph.output_node()
+    output.args = (output.args[0][:-1],)
+    forward.recompile()
+    return forward, backward
+
+
 @pytest.mark.parametrize(("partition_fn", "match"), [
     (lambda joint: None, "failed on the joint graph"),
     (lambda joint, inputs, *, num_fwd_outputs: None, "returned NoneType"),
     (lambda joint, inputs, *, num_fwd_outputs: (joint,), "returned tuple"),
     (lambda joint, inputs, *, num_fwd_outputs: (joint, joint), "takes the joint graph's tangents"),
+    (_drop_one_saved, r"saving 0 value\(s\) and a backward graph taking 1"),
 ])
 def test_a_broken_partition_fn_is_named_in_a_compiler_error(partition_fn, match):
     f = aotkit.aot_function(torch.sin, compilers.nop, partition_fn=partition_fn)

@@ -155,13 +155,24 @@ def test_ts_compile_symbolic_sizes_one_entry() -> None:
     lambda x: x.std(-1),  # the backward scales by 1 / float(n - 1)
     lambda x: x / x.shape[-1] ** 0.5,  # attention's scale
     lambda x: x * math.sqrt(x.shape[0]) + max(x.shape[0], x.shape[1]),
-], ids=["std", "scale", "sqrt_max"])
+    lambda x: x * x.shape[0] ** 2,  # TorchScript's int ** int is a float: a raw error
+], ids=["std", "scale", "sqrt_max", "int_pow"])
 @pytest.mark.parametrize("compile_with", ["ts_compile", "memory_efficient_fusion"])
 def test_torchscript_compilers_take_size_arithmetic(fn: Any, compile_with: str) -> None:
     compiled = (aotkit.aot_function(fn, ts_compile, dynamic=True) if compile_with == "ts_compile"
                 else memory_efficient_fusion(fn, dynamic=True))
     for shape in [(4, 6), (5, 7)]:
         check_compiled(fn, compiled, torch.randn(shape, requires_grad=True))
+
+
+def test_a_size_squared_stays_an_int() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(x, dtype=torch.long) * x.shape[0] ** 2
+
+    compiled = aotkit.aot_function(f, ts_compile, dynamic=True)
+    for n in (5, 6):
+        x = torch.randn(n, 3)
+        assert torch.equal(compiled(x), f(x))  # dtype too: int64, not float32
 
 
 def test_ts_compile_casts_devices_and_none_grads() -> None:

@@ -39,7 +39,7 @@ from aotkit.aot.arguments import (
     under_transform,
 )
 from aotkit.aot.bases import OverlapLayout
-from aotkit.aot.boxing import Compiler, compile_boxed, compiler_for_views
+from aotkit.aot.boxing import Compiler, checked_partition, compile_boxed, compiler_for_views
 from aotkit.aot.captured import Captured, captured_values, held_values
 from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
@@ -484,16 +484,7 @@ def _partition(partition_fn: Partitioner, joint: fx.GraphModule, args: Sequence[
     except Exception as exc:
         raise CompilerError(f"partition_fn {who!r} failed on the joint graph of {name}: "
                             f"{type(exc).__name__}: {exc}\n{fix}") from exc
-    if not (isinstance(graphs, (tuple, list)) and len(graphs) == 2
-            and all(isinstance(g, fx.GraphModule) for g in graphs)):
-        raise CompilerError(f"partition_fn {who!r} returned {type(graphs).__name__} for {name}, "
-                            f"not two GraphModules.\n{fix}")
-    tangents = {n.name for n in joint.graph.find_nodes(op="placeholder")
-                if n.name.startswith("tangents")}
-    if any(n.name in tangents for n in graphs[0].graph.find_nodes(op="placeholder")):
-        raise CompilerError(f"partition_fn {who!r} returned a forward graph for {name} that takes "
-                            f"the joint graph's tangents (the joint graph itself?).\n{fix}")
-    return graphs[0], graphs[1]
+    return checked_partition(graphs, num_fw_outputs, f"partition_fn {who!r}", name, fix)
 
 
 def _record_partition(name: str, partition_fn: Partitioner, fw_gm: fx.GraphModule,

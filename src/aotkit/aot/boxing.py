@@ -261,3 +261,24 @@ def compiler_for_views(compiler: Compiler, meta: AotMeta, args: Sequence[Any],
         "gaps), which it writes in place, and the compiler returns no views: the graph runs as "
         "traced (aotkit.compilers.nop)"), logger=logging.getLogger("aotkit.aot"))
     return nop
+
+
+def checked_partition(graphs: Any, num_fw_outputs: int, who: str, name: str, fix: str
+                      ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """A partitioner's result for the graphs of ``name``, refused where it is not a forward
+    and a backward graph that fit each other: the forward takes no tangents and saves what the
+    backward takes."""
+    if not (isinstance(graphs, (tuple, list)) and len(graphs) == 2
+            and all(isinstance(g, fx.GraphModule) for g in graphs)):
+        raise CompilerError(f"{who} returned {type(graphs).__name__} for {name}, not two "
+                            f"GraphModules.\n{fix}")
+    forward, backward = graphs
+    if any(n.name.startswith("tangents") for n in forward.graph.find_nodes(op="placeholder")):
+        raise CompilerError(f"{who} returned a forward graph for {name} that takes the joint "
+                            f"graph's tangents (the joint graph itself?).\n{fix}")
+    saved = len(forward.graph.output_node().args[0]) - num_fw_outputs
+    if saved != (taken := sum(not n.name.startswith("tangents")
+                              for n in backward.graph.find_nodes(op="placeholder"))):
+        raise CompilerError(f"{who} returned a forward graph for {name} saving {saved} value(s) "
+                            f"and a backward graph taking {taken}.\n{fix}")
+    return forward, backward

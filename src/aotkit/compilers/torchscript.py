@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -129,6 +130,8 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
     for node in graph.nodes:  # size arithmetic: x / x.shape[-1] ** 0.5, std's backward
         if node.op == "call_function" and node.target in _SIZE_FUNCTIONS:
             node.target = _SIZE_FUNCTIONS[node.target]
+        elif node.target is operator.pow and isinstance(node.meta.get("val"), (int, torch.SymInt)):
+            node.target = _int_pow  # TorchScript's int ** int is a float
     for node in graph.find_nodes(op="call_function", target=aten._to_copy.default):
         if _is_cast(node):
             node.target = aten.to.dtype
@@ -146,6 +149,14 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
 _SIZE_FUNCTIONS: dict[Any, Any] = {torch.sym_float: float, torch.sym_int: int,
                                    torch.sym_max: max, torch.sym_min: min,
                                    torch.sym_sqrt: math.sqrt}
+
+
+def _int_pow(base: int, exponent: int) -> int:
+    """``base ** exponent`` of two sizes, an int as in Python (``n ** 2``)."""
+    result = 1
+    for _ in range(exponent):
+        result *= base
+    return result
 
 
 def _script_type(val: Any) -> type | None:
