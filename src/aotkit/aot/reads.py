@@ -182,10 +182,10 @@ class Reads:
             and not any(t.requires_grad for t in self.constants) and self._same_layouts()
 
     def _same_layouts(self) -> bool:
-        # Dynamo's C++ tensor check answers at once when nothing changed; it also compares
+        # Dynamo's C++ tensor check answers at once for plain tensors when nothing changed (the
+        # others, sparse, nested, subclasses, are compared in Python); it also compares
         # requires_grad and the thread's dispatch keys (off under autocast, inference_mode), so
         # where it says no, the layouts themselves decide.
-        # The others (sparse, nested, subclasses) are compared in Python at every call.
         return not self.read or (self.layout_check.check(*self.plain) and all(
             _layout(self.read[k]) == self.layouts[k] for k in self.others)) \
             or list(map(_layout, self.read)) == self.layouts
