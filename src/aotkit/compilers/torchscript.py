@@ -152,9 +152,13 @@ _SIZE_FUNCTIONS: dict[Any, Any] = {torch.sym_float: float, torch.sym_int: int,
 
 
 def _int_pow(base: int, exponent: int) -> int:
-    """``base ** exponent`` of two sizes, an int as in Python (``n ** 2``)."""
+    """``base ** exponent`` of two sizes, an int as in Python (``n ** 2``); past int64, which
+    Python's ints are not bound by, an error rather than a wrapped value."""
     result = 1
     for _ in range(exponent):
+        if base != 0 and abs(result) > 9223372036854775807 // abs(base):
+            raise ValueError("ts_compile: an integer power of a size is past int64, which "
+                             "TorchScript's ints cannot hold; compile with nop or inductor")
         result *= base
     return result
 
