@@ -43,6 +43,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import gc
 import logging
 import numbers
 import operator
@@ -498,6 +499,20 @@ _MODULE_BASES = (torch.nn.Module, object)
 
 def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
           classes: dict[type, list[str]] | None = None) -> list[tuple[str, Any, Any]]:
+    # The walk makes many small containers that live until the trace ends: the garbage
+    # collector's passes over them took as long as the walk (9000 modules: ~280 ms, ~100 ms
+    # without).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _walked(level, first, tensors, classes)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _walked(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
+            classes: dict[type, list[str]] | None) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
     for none), from depth ``first`` to three, and the tensors in the last; breadth first, so
     what is met shallowest is walked deepest. A module met at the last level or past it has
