@@ -463,3 +463,20 @@ def test_a_compiler_called_on_a_function_says_it_is_a_compiler(name: str) -> Non
 
     with pytest.raises(ArgumentError, match=rf"{name} is a compiler(.|\n)*Fix: pass it as a "):
         getattr(aotkit.compilers, name)(torch.sin, [torch.zeros(2)])
+
+
+def test_a_boxed_graph_called_twice_with_one_list_says_to_pass_a_fresh_one() -> None:
+    """A wrapper calling nop's callable twice with one list got a raw ValueError ("not enough
+    values to unpack"): the first call empties the list."""
+    def twice(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        inner = aotkit.compilers.nop(gm, example_inputs)
+
+        def run(args: list[Any]) -> Any:
+            inner(args)
+            return inner(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    with pytest.raises(aotkit.errors.ArgumentError, match=r"got a list of 0(.|\n)*fresh list"):
+        aotkit.aot_function(torch.sin, twice)(torch.randn(3))

@@ -100,11 +100,17 @@ def run_boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     graph.set_codegen(_TakesList())
     module = fx.GraphModule(gm, graph)
     hide_from_dynamo(module)  # Note [aotkit's code is not user code to Dynamo]
-    forward = module.forward
+    forward, count = module.forward, len(graph.find_nodes(op="placeholder"))
 
     def run(*call: Any) -> Any:
         require_boxed(call, "this compiled graph")
         args = call[0]
+        if len(args) != count:
+            raise ArgumentError(
+                f"this compiled graph takes {count} input(s), got a list of {len(args)}: a "
+                "boxed callable empties the list it is given, to free each input after its last "
+                "use (Note [Freeing inputs as the graph goes]).\nFix: pass a fresh list at each "
+                "call (inner(list(args)) where a wrapper calls it more than once).")
         return forward(args if isinstance(args, list) else list(args))
 
     run._boxed_call = True  # type: ignore[attr-defined]
