@@ -607,11 +607,9 @@ def _copy(container: Any, where: str, owner: str, joiner: str) -> Any:
     setting a weight updates, Note [Attributes forward assigns])."""
     if owner:
         held_in = where[len(owner) + 1:]
-        copy = _ModuleItems(container, held_in) \
+        return _ModuleItems(container, held_in) \
             if isinstance(container, (list, collections.deque)) else \
             _ModuleAttributes(container, held_in=held_in, joiner=joiner)
-        copy.quiet = held_in == "_flat_weights"
-        return copy
     return _Attributes(container) if joiner == "." else container.copy()
 
 
@@ -803,13 +801,12 @@ class _ModuleAttributes(_Attributes):
         self.recomputed = recomputed
         self.held_in = held_in
         self.joiner = joiner if held_in else "."  # "[": a dict's items, ".": an object's
-        self.quiet = False  # put back without a decision (see _copy)
 
     def stored(self, keys: Iterable[Any], now: dict[str, Any]) -> list[str]:
         """The names of what was stored under ``keys`` (``now`` holds it), for the decision;
         not a list or dict, whose own copy names what went into it."""
         if self.held_in:
-            return [] if self.quiet else [f"{self.held_in}.{k}" if self.joiner == "." else
+            return [f"{self.held_in}.{k}" if self.joiner == "." else
                     f"{self.held_in}[{_shown_key(k)}]" for k in keys]
         return [k for k in keys if k not in self.recomputed
                 and (type(now[k]) not in _COPIED or self.get(k) is not now[k])]
@@ -821,7 +818,7 @@ class _ModuleItems(list):  # type: ignore[type-arg]
     def __init__(self, items: list[Any], held_in: str) -> None:
         super().__init__(items)
         self.held_in = held_in
-        self.quiet = False
+        self.quiet = held_in == "_flat_weights"  # an RNN's weights cache: see _copy
 
     def stored(self, keys: Iterable[Any], now: list[Any]) -> list[str]:
         return [] if self.quiet else [f"{self.held_in}[{k}]" for k in keys]

@@ -66,19 +66,6 @@ def _is_leaf(t: torch.Tensor) -> bool:
         return False
 
 
-# Note [Tensor hooks registered inside]
-# ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
-# [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
-# is in the graph, and its other Python side effects happen once, with tracing tensors
-# (appending the gradient to a list the function reads is refused, as any store there is:
-# Note [Tracing tensors left in argument objects]). One left on a leaf input (a parameter's lazily installed
-# gradient clipping, ``x.register_hook`` on a leaf argument) stays on the caller's tensor in
-# eager, changing its whole gradient at every later backward: refused (one removed before the
-# function returns is not). On an input the caller computed, it is traced as on any other
-# tensor: it changes the gradient the function sends that input, not what the input gets from
-# elsewhere. A ``hook`` decision, logged as a warning, names these; Dynamo, which
-# runs such hooks at every backward, traces its graphs before we see them, so the decision is
-# for aotkit's own traces (aot_function, aot_module).
 def _made_while_tracing(t: torch.Tensor) -> bool:
     """A tracing tensor, or a tensor subclass wrapping them (a TwoTensor input's product)."""
     if isinstance(t, (FakeTensor, FunctionalTensor)):
@@ -87,6 +74,19 @@ def _made_while_tracing(t: torch.Tensor) -> bool:
                                   for name in t.__tensor_flatten__()[0])
 
 
+# Note [Tensor hooks registered inside]
+# ``y.register_hook(fn)`` inside the function is traced like a module's backward hook (Note
+# [Module hooks]): ``fn`` runs while the backward is traced, so what it computes on the gradient
+# is in the graph, and its other Python side effects happen once, with tracing tensors
+# (appending the gradient to a list the function reads is refused, as any store there is:
+# Note [Tracing tensors left in argument objects]). One left on a leaf input (a parameter's
+# lazily installed gradient clipping, ``x.register_hook`` on a leaf argument) stays on the caller's tensor in
+# eager, changing its whole gradient at every later backward: refused (one removed before the
+# function returns is not). On an input the caller computed, it is traced as on any other
+# tensor: it changes the gradient the function sends that input, not what the input gets from
+# elsewhere. A ``hook`` decision, logged as a warning, names these; Dynamo, which
+# runs such hooks at every backward, traces its graphs before we see them, so the decision is
+# for aotkit's own traces (aot_function, aot_module).
 def _hook_registrar() -> tuple[bool, str | None]:
     """Whether PyTorch's own code registers the hook (a module's full backward hooks, Note
     [Module hooks], checkpointing), not the user's; and the autograd helper the registration
