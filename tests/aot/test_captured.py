@@ -1289,6 +1289,31 @@ def test_forward_replaced_on_the_class_after_compiling_traces_again():
     assert len(_reasons()) == 2 and "Net.forward = ..." in _reasons()[0]
 
 
+def test_a_partialmethod_forward_compiles_once_and_its_replacement_again():
+    """A forward defined with functools.partialmethod is a new function at each class access:
+    keyed on that, every call compiled anew until the recompile limit refused it."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def _forward(self, x, scale):
+            return self.fc(x) * scale
+
+        forward = functools.partialmethod(_forward, scale=2.0)
+
+    net, x = Net().requires_grad_(False), torch.randn(2, 4)
+    compiled = [aotkit.aot_module(net, compilers.nop), aotkit.aot_function(net, compilers.nop)]
+    for _ in range(10):
+        for c in compiled:
+            _same(c, net, x)
+    assert _reasons() == []
+    Net.forward = functools.partialmethod(Net._forward, scale=-3.0)
+    for c in compiled:
+        _same(c, net, x)
+    assert len(_reasons()) == 2 and "Net.forward = ..." in _reasons()[0]
+
+
 def test_stores_into_private_lists_of_pytorch_modules_and_size_reads_are_not_missed():
     """A list a user keeps on an nn.Linear (``fc._acts``) was put back without a decision (only
     an RNN's weights cache is PyTorch's own); a buffer of a called module read only for its

@@ -69,7 +69,15 @@ from typing import Any
 
 import torch
 
-from aotkit.aot.signature import _ITEMS, Keyed, _attribute_key, _Identity, _plain_object, _Walk
+from aotkit.aot.signature import (
+    _ITEMS,
+    Keyed,
+    _attribute_key,
+    _Identity,
+    _plain_object,
+    _Walk,
+    class_forward,
+)
 
 _VALUES = (bool, str, bytes, type(None), numbers.Number, enum.Enum, torch.dtype, torch.device,
            torch.layout, torch.memory_format, slice, range, torch.Tensor)
@@ -132,7 +140,7 @@ def captured_values(fn: Callable[..., Any]) -> Captured:
     """See Note [Values a function captures]; empty for most functions."""
     found = Captured()
     if isinstance(fn, torch.nn.Module):  # ``Net.forward = ...`` patched on the class
-        found.add(f"the forward of class {type(fn).__name__}", lambda: type(fn).forward)
+        found.add(f"the forward of class {type(fn).__name__}", lambda: class_forward(type(fn)))
     levels = list(_levels(fn))
     functions = [f for f, _ in levels if isinstance(f, types.FunctionType)]
     home = functions[-1].__globals__ if functions else {}

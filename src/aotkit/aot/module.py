@@ -24,7 +24,7 @@ from aotkit.aot.reads import (
     lazy_refusal,
     uninitialized,
 )
-from aotkit.aot.signature import leaf_names
+from aotkit.aot.signature import class_forward, leaf_names
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
 from aotkit.locks import new_lock
@@ -388,7 +388,7 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
     for m in root.modules():
         p, b = m._parameters, m._buffers
         cls = m.__class__
-        key.append((id(m), cls, cls.forward, m.training, *p, None, *b, None, *m._modules))
+        key.append((id(m), cls, class_forward(cls), m.training, *p, None, *b, None, *m._modules))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             # The hook objects, which the entry's layout holds, not their handles: pruning
             # again re-registers the same hook under a new handle.
@@ -546,7 +546,7 @@ def _layout(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
                          for n, m in modules for k in attributes.get(id(m), ())},
         forwards={n or type(root).__name__: m.__dict__["forward"] for n, m in modules
                   if "forward" in m.__dict__},
-        class_forwards={n or type(root).__name__: (type(m), type(m).forward) for n, m in modules})
+        class_forwards={n or type(root).__name__: (type(m), class_forward(type(m))) for n, m in modules})
 
 
 def _kind_shown(value: Any) -> str:
