@@ -1349,3 +1349,123 @@ def test_stores_into_private_lists_of_pytorch_modules_and_size_reads_are_not_mis
     lin.double()
     _same(compiled, f, x)
     assert len(_reasons()) == 1 and "changed in place" in _reasons()[0]
+
+
+SIZES = [torch.ones(4)]
+SIZE_TABLE = {"t": torch.ones(4)}
+
+
+def test_sizes_read_from_module_attributes_and_held_containers_compile_anew():
+    """Tensors read only for their size (no constants of the graph) in a module's plain tensor
+    attribute or a global list or dict kept the old graph after ``.data = ...`` or ``resize_``;
+    a called module's tensor attribute replaced (``m.table = ...``) kept the old constant."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.bias = torch.ones(4), torch.ones(3)
+
+        def forward(self, x):
+            return x * self.table.shape[0] + self.bias
+
+    def f(x):
+        return x * SIZES[0].shape[0] + x.to(SIZE_TABLE["t"].dtype)
+
+    x = torch.ones(3)
+    models = [M(), M(), M()]
+    compiled = [aotkit.aot_module(models[0], compilers.nop),
+                aotkit.aot_function(models[1], compilers.nop),
+                aotkit.aot_function(lambda x: models[2](x), compilers.nop),
+                aotkit.aot_function(f, compilers.nop)]
+    fns = [*models, f]
+    for c, fn in zip(compiled, fns, strict=True):
+        _same(c, fn, x)
+    for m in models:
+        m.table.data = torch.ones(6)
+    SIZES[0].resize_(8)
+    SIZE_TABLE["t"].data = SIZE_TABLE["t"].double()
+    for c, fn in zip(compiled, fns, strict=True):
+        _same(c, fn, x)
+    assert len(_reasons()) == 4 and all("changed in place" in why for why in _reasons())
+    models[2].bias = torch.full((3,), 5.0)  # read as a constant by the graph
+    _same(compiled[2], fns[2], x)
+    assert "the tensor attribute 'bias' (3,) of M" in _reasons()[-1]
+
+
+def test_subclass_parts_swapped_for_the_same_memory_compile_once_and_jagged_constants_trace():
+    """A no-op ``module.to()`` swaps new parts viewing the same memory into tensor-subclass
+    parameters: each call compiled anew until the recompile limit. A closed-over jagged tensor
+    reduced over its ragged size raised a raw AssertionError (no ShapeEnv), and one swapped
+    with ``swap_tensors`` kept the old graph (its parts were not watched)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    lin = torch.nn.Linear(3, 3, bias=False).requires_grad_(False)
+    lin.weight = torch.nn.Parameter(TwoTensor(torch.ones(3, 3), torch.ones(3, 3)), False)
+    compiled, x = aotkit.aot_function(lambda x: lin(x).a, compilers.nop), torch.ones(2, 3)
+    for _ in range(10):
+        lin.to("cpu")
+        _same(compiled, lambda x: lin(x).a, x)
+    assert _reasons() == []
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(3, 3)], layout=torch.jagged)
+
+    def f(x):
+        return x + nested.sum(dim=1)[0]
+
+    compiled = aotkit.aot_function(f, compilers.nop)
+    _same(compiled, f, torch.ones(3))
+    torch.utils.swap_tensors(nested, torch.nested.nested_tensor(
+        [torch.full((2, 3), 2.0), torch.full((3, 3), 3.0)], layout=torch.jagged))
+    _same(compiled, f, torch.ones(3))
+    assert len(_reasons()) == 1 and "inner tensors" in _reasons()[0]
+
+
+def test_the_layout_check_stays_in_cpp_after_requires_grad_changes():
+    """Once requires_grad of a watched tensor changed (gradual unfreezing), every later call
+    compared each watched layout in Python (13-22x the check's cost at 2000 tensors)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3)])
+
+    @torch.no_grad()
+    def evaluate(x):
+        return model(x)
+
+    compiled, x = aotkit.aot_function(evaluate, compilers.nop), torch.randn(2, 2)
+    model.requires_grad_(False)
+    _same(compiled, evaluate, x)
+    model.requires_grad_(True)
+    _same(compiled, evaluate, x)
+    (entry,) = [e for entries in compiled._entries.values() for e in entries]
+    assert entry.reads.layout_check.check(*entry.reads.plain) and _reasons() == []
+
+
+def test_a_parameter_subclass_read_as_a_constant_is_refused_naming_it():
+    """``class MyParam(nn.Parameter)`` read as a constant raised a raw TypeError from
+    PyTorch's tracing modes."""
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    w = MyParam(torch.randn(3, 3), requires_grad=False)
+    with pytest.raises(aotkit.errors.UnsupportedError, match="MyParam, a Python subclass of Par"):
+        aotkit.aot_function(lambda x: x @ w, compilers.nop)(torch.randn(2, 3))
+
+
+def test_a_list_in_a_dict_of_a_module_met_deep_in_the_walk_is_put_back():
+    """A module reached through a list or an object (a chain link, ``trainer.model``) whose
+    forward appends to ``self.state["hist"]`` left that list holding tracing tensors."""
+    class Link(torch.nn.Module):
+        def __init__(self, prev=None):
+            super().__init__()
+            self.lin, self.prev = torch.nn.Linear(2, 2), [prev] if prev else []
+            self.state = {"hist": []}
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.state["hist"].append(y.detach())
+            return self.prev[0](y) if self.prev else y
+
+    first = Link().requires_grad_(False)
+    head = Link(first).requires_grad_(False)
+    trainer = types.SimpleNamespace(model=Link().requires_grad_(False))
+    x = torch.randn(2)
+    aotkit.aot_module(head, compilers.nop)(x)
+    aotkit.aot_function(lambda x: trainer.model(x), compilers.nop)(x)
+    assert first.state["hist"] == [] and trainer.model.state["hist"] == []
+    assert len(aotkit.explain().of_kind("fallback")) >= 2

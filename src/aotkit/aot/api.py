@@ -45,6 +45,7 @@ from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import (
+    HeldTensors,
     Reads,
     argument_containers,
     changed_values,
@@ -743,8 +744,21 @@ class AotFunction:
         subclasses = any(map(is_subclass, tensors))
         if subclasses and self.options.dynamic:
             raise subclass_dynamic(self.name, tensors)
-        # Faking a jagged tensor makes its ragged size a symbol: that needs a ShapeEnv.
-        mode = _fake_mode(self.options.dynamic, symbols=subclasses)
+        held_tensors: HeldTensors = {}
+        held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
+        in_arguments = {*held_tensors, *map(id, tensors)}  # keyed by the signature
+        own_tensors: HeldTensors = {}
+        held_by_fn = held_values(self.fn if self._own_modules is None else self._checked[0])
+        held = [*held_args, *argument_containers(
+            [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
+            held_tensors), *module_containers(
+                ((sub or type(m).__name__, m) for sub, m in
+                 (self._own_modules() if self._own_modules else ())), own_tensors)]
+        # Faking a jagged tensor, an input or a constant, makes its ragged size a symbol: that
+        # needs a ShapeEnv.
+        mode = _fake_mode(self.options.dynamic, symbols=subclasses or any(
+            issubclass(type(t), torch.Tensor) and t.is_nested for _, t in
+            (*captured, *held_tensors.values(), *own_tensors.values())))
         # Parameters and buffers keep static sizes (Note [Static parameters]).
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])
@@ -753,14 +767,6 @@ class AotFunction:
                                 copies)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
-        held_tensors: dict[int, str] = {}
-        held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
-        held_by_fn = held_values(self.fn if self._own_modules is None else self._checked[0])
-        held = [*held_args, *argument_containers(
-            [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
-            held_tensors), *module_containers(
-                (sub or type(m).__name__, m) for sub, m in
-                (self._own_modules() if self._own_modules else ()))]
         try:
             with dynamo_frames_off(), recording(self._own_modules, [
                     v for _, v in held_by_fn if issubclass(type(v), nn.Module)]) as reads:
@@ -782,7 +788,8 @@ class AotFunction:
         if stored:
             raise stored_tensor(self.name, ", ".join(stored))
         note_module_stores(decisions)
-        reads.watch(captured, held_tensors)  # Note [Constants changed in place]
+        reads.watch([*captured, *(v for k, v in (held_tensors | own_tensors).items() if k not in
+                                  in_arguments)], held_tensors)  # Note [Constants changed in place]
         note_module_counts(self.name, changed_values(
             [c for c in held[len(held_args):] if getattr(c[2], "held_in", "")], restore=False))
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None

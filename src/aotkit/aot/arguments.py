@@ -161,12 +161,12 @@ def note_forward_ad(name: str, first: bool) -> None:
             "trace then computes the tangents."), logger=log)
 
 
-def name_held_tensor(exc: BaseException, held: Mapping[int, str]) -> None:
+def name_held_tensor(exc: BaseException, held: Mapping[int, tuple[str, Any]]) -> None:
     """A refused tensor the function "does not take as an argument" that an argument object
     holds (a transformers cache layer's attribute) is named where it is: arguments are
     flattened only through lists, tuples, dicts and registered pytrees, and a tensor held
     elsewhere is read as a constant. ``held``: where each such tensor is, by id."""
-    where = held.get(id(getattr(exc, "outside_tensor", None)))
+    where, _ = held.get(id(getattr(exc, "outside_tensor", None)), (None, None))
     if where is None or not isinstance(exc, UnsupportedError):
         return
     if where.startswith(("the global ", "the closed-over ")):

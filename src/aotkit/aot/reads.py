@@ -64,6 +64,8 @@ from aotkit.aot.subclass import is_subclass
 from aotkit.compat import FakeTensor, FunctionalTensor
 from aotkit.errors import ArgumentError
 
+_TRACING = (FakeTensor, FunctionalTensor)  # the values a trace leaves
+
 
 @dataclass(frozen=True)
 class _Flag:
@@ -187,9 +189,15 @@ class Reads:
         # others, sparse, nested, subclasses, are compared in Python); it also compares
         # requires_grad and the thread's dispatch keys (off under autocast, inference_mode), so
         # where it says no, the layouts themselves decide.
-        return not self.read or (self.layout_check.check(*self.plain) and all(
-            _layout(self.read[k]) == self.layouts[k] for k in self.others)) \
-            or list(map(_layout, self.read)) == self.layouts
+        if not self.read or (self.layout_check.check(*self.plain) and all(
+                _layout(self.read[k]) == self.layouts[k] for k in self.others)):
+            return True
+        if list(map(_layout, self.read)) != self.layouts:
+            return False
+        # requires_grad or the dispatch keys changed: checked as they are now from here on, or
+        # each later call would compare every layout in Python
+        self.layout_check = compat.tensor_layout_check(self.plain)
+        return True
 
     def change(self) -> str | None:
         """What changed since the trace, if anything: every change, ``; ``-separated."""
@@ -217,13 +225,15 @@ class Reads:
                     "closed-over variable, a global or an attribute) now requires grad"
                     for t in self.constants if t.requires_grad]
         changes += [f"{name or _UNNAMED} changed in place from {_shown(old)} to {_shown(now)} "
-                    "(t.data = ..., resize_)"
+                    "(t.data = ..., resize_)" if old[:6] != now[:6] else
+                    f"the inner tensors of {name or _UNNAMED} were replaced (swap_tensors, as "
+                    "module.to() or .double() does for tensor subclasses)"
                     for t, name, old in zip(self.read, self.read_names, self.layouts, strict=True)
                     if (now := _layout(t)) != old]
         return "; ".join(changes) or None
 
     def watch(self, named: Iterable[tuple[str | None, Any]],
-              names: dict[int, str] | None = None) -> None:
+              names: HeldTensors | None = None) -> None:
         """Watch the layouts of the tensors among these values too, as they are now, naming
         them (also from ``names``, by id) where known (Note [Constants changed in place])."""
         at = {id(t): k for k, t in enumerate(self.read)}
@@ -236,7 +246,7 @@ class Reads:
                 self.read_names.append(name)
             elif name and self.read_names[at[id(t)]] is None:
                 self.read_names[at[id(t)]] = name
-        self.read_names = [n or (names or {}).get(id(t)) for t, n in
+        self.read_names = [n or (names or {}).get(id(t), (None,))[0] for t, n in
                            zip(self.read, self.read_names, strict=True)]
         self.layouts = list(map(_layout, self.read))
         self.others = [k for k, t in enumerate(self.read) if type(t) not in (
@@ -253,20 +263,30 @@ class Reads:
 # used: ``T.shape[0]`` became a number in the graph, ``T.float()`` was dropped as a no-op, a
 # reshape was made for the old size, and Inductor's code read the new memory as the old dtype
 # (garbage gradients, the backward reading a saved constant). So each entry keeps every
-# constant's dtype, device, size and strides as traced (a tensor subclass's parts too:
-# ``swap_tensors`` replaces them in the same object), and one changed traces again, naming it.
-# Watched with them: the tensors among the values the function's code reads (Note [Values a
-# function captures]) and the parameters and buffers of the modules it calls, which the graph
-# may not read at all but for a size (``x * T.shape[0]``, ``x.to(self.table.dtype)``).
+# constant's dtype, device, size and strides as traced (a tensor subclass's parts too, by the
+# memory they view: ``swap_tensors`` replaces them in the same object), and one changed traces
+# again, naming it. Watched with them, as the graph may not read them at all but for a size
+# (``x * T.shape[0]``, ``x.to(self.table.dtype)``): the tensors among the values the function's
+# code reads (Note [Values a function captures]) and those the walk meets in the containers
+# they hold, the parameters, buffers and tensor attributes of the modules it calls, and
+# aot_module's modules' tensor attributes; not what the arguments hold (the signature keys
+# it) nor the inputs.
 _UNNAMED = "a tensor the function reads as a constant (a closed-over variable, a global or an " \
     "attribute)"
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    # A subclass's parts by their memory: swapped for tensors viewing the same memory the same
+    # way (a no-op module.to()), the graph's old parts read what the new ones would.
+    parts = tuple((_memory(p := getattr(t, n)), _layout(p)) for n in t.__tensor_flatten__()[0]) \
+        if is_subclass(t) else ()
     if t.layout is not torch.strided or t.is_nested:  # no strides (a nested one: no sizes)
-        return t.dtype, t.device, None if t.is_nested else t.shape, t.layout, False, False
-    parts = tuple(id(getattr(t, n)) for n in t.__tensor_flatten__()[0]) if is_subclass(t) else ()
+        return t.dtype, t.device, None if t.is_nested else t.shape, t.layout, False, False, *parts
     return (t.dtype, t.device, t.shape, t.stride(), t.is_neg(), t.is_conj(), *parts)
+
+
+def _memory(t: torch.Tensor) -> int:
+    return t.data_ptr() if t.layout is torch.strided and not is_subclass(t) else id(t)
 
 
 def _shown(layout: tuple[Any, ...]) -> str:
@@ -309,6 +329,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
     called: dict[int, nn.Module] = {}  # by id, in call order
     switched: set[int] = set()
     held: list[_Slot] = []  # every parameter and buffer of the modules called, when first called
+    attributes: list[_Slot] = []  # and their plain tensor attributes (``self.mask``)
     constants: dict[int, torch.Tensor] = {}
     grad_constants: dict[int, torch.Tensor] = {}
     after_writes: dict[int, torch.Tensor] = {}
@@ -325,6 +346,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
             raise lazy_refusal("the compiled function", [type(module).__name__])
         called[id(module)] = module
         held.extend(_slots(module))
+        attributes.extend(_attribute_slots(module))
 
     def train(module: nn.Module, mode: bool = True) -> nn.Module:
         if threading.get_ident() == thread:
@@ -349,12 +371,12 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
-        reads.slots = [slot for slot in held if id(slot.tensor) in constants
+        reads.slots = [slot for slot in (*held, *attributes) if id(slot.tensor) in constants
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
         reads.watch([*((None, t) for t in constants.values()), *(
-            (slot.where, slot.tensor) for slot in held
-            if not isinstance(slot.tensor, (FakeTensor, FunctionalTensor)))])
+            (slot.where, slot.tensor) for slot in (*held, *attributes)
+            if not isinstance(slot.tensor, _TRACING))])
         reads.read_after_writes = list(after_writes.values())
 
 
@@ -393,7 +415,7 @@ def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
     back (the trace, which cannot return it, is refused or reads it as a constant)."""
     for slot in held:
         now = slot.table.get(slot.name)
-        if now is not slot.tensor and isinstance(now, (FakeTensor, FunctionalTensor)):
+        if now is not slot.tensor and isinstance(now, _TRACING):
             slot.table[slot.name] = slot.tensor
 
 
@@ -458,26 +480,26 @@ _MAX_WALKED = 65536  # items looked into in one walk
 _COPIED = (list, dict, collections.defaultdict, collections.OrderedDict, collections.deque)
 
 
-def argument_containers(values: Iterable[tuple[str, Any]], tensors: dict[int, str] | None = None
+def argument_containers(values: Iterable[tuple[str, Any]], tensors: HeldTensors | None = None
                         ) -> list[tuple[str, Any, Any]]:
     """``(where, container, shallow copy)`` for the plain objects' ``__dict__``, lists and
     dicts reachable from the named ``values``, ``(where, list, length)`` for long lists (Note
-    [Tracing tensors left in argument objects]); ``tensors`` gets where each tensor held in
-    them is, by id."""
+    [Tracing tensors left in argument objects]); ``tensors`` gets each tensor held in them
+    (a module's tensor attributes too) and where it is, by id."""
     # type(), not isinstance: a global or closed-over proxy's __class__ may raise
     return _walk([(name, v, "") for name, v in values
                   if not issubclass(type(v), torch.Tensor)], 0, tensors)
 
 
-def module_containers(modules: Iterable[tuple[str, torch.nn.Module]]
-                      ) -> list[tuple[str, Any, Any]]:
+def module_containers(modules: Iterable[tuple[str, torch.nn.Module]],
+                      tensors: HeldTensors | None = None) -> list[tuple[str, Any, Any]]:
     """The lists, dicts, deques and plain objects the named modules hold besides nn.Module's
     own (an LSTM's _flat_weights, a list of kept attention maps, a cache per layer), three
     levels, with their copies (put back with a decision, not a refusal); what several hold
     (a config) once."""
     classes: dict[type, list[str]] = {}
     return _walk([item for where, m in modules if not _scripted(m)
-                  for item in _module_items(where, m, classes)], 0, None, classes)
+                  for item in _module_items(where, m, classes)], 0, tensors, classes)
 
 
 def _module_items(where: str, m: torch.nn.Module, classes: dict[type, list[str]]
@@ -489,15 +511,15 @@ def _module_items(where: str, m: torch.nn.Module, classes: dict[type, list[str]]
     if cls not in classes:
         classes[cls] = [k for c in cls.__mro__ if c not in _MODULE_BASES
                         for k, v in vars(c).items() if type(v) in _COPIED and k[:2] != "__"]
-    return [(f"{where}.{k}", v, where) for k, v in m.__dict__.items()
-            if k not in _MODULE_OWN and not issubclass(type(v), torch.Tensor)] + \
+    return [(f"{where}.{k}", v, where) for k, v in m.__dict__.items() if k not in _MODULE_OWN] + \
         [(f"{where}.{k}", getattr(cls, k), where) for k in classes[cls]]
 
 
 _MODULE_BASES = (torch.nn.Module, object)
+HeldTensors = dict[int, tuple[str, torch.Tensor]]  # where a walk met each tensor, by id
 
 
-def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
+def _walk(level: list[tuple[str, Any, str]], first: int, tensors: HeldTensors | None,
           classes: dict[type, list[str]] | None = None) -> list[tuple[str, Any, Any]]:
     # The walk makes many small containers that live until the trace ends: the garbage
     # collector's passes over them took as long as the walk (9000 modules: ~280 ms, ~100 ms
@@ -511,10 +533,11 @@ def _walk(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str]
             gc.enable()
 
 
-def _walked(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, str] | None,
+def _walked(level: list[tuple[str, Any, str]], first: int, tensors: HeldTensors | None,
             classes: dict[type, list[str]] | None) -> list[tuple[str, Any, Any]]:
     """The containers reachable from ``level`` (where, value, and the module holding it: ""
-    for none), from depth ``first`` to three, and the tensors in the last; breadth first, so
+    for none), from depth ``first`` to three (those at the third held, not looked into), and
+    the tensors down to the third, with a module's tensor attributes; breadth first, so
     what is met shallowest is walked deepest. A module met at the last level or past it has
     what it holds held, and the modules in that followed so (a chain of modules each keeping
     the next one in a list), named from their class: a path would grow with the chain."""
@@ -531,11 +554,10 @@ def _walked(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, st
             kind = type(v)
             if issubclass(kind, torch.Tensor):
                 if tensors is not None:
-                    tensors.setdefault(id(v), where)
+                    tensors.setdefault(id(v), (where, v))
                 continue
             module = issubclass(kind, torch.nn.Module) and "_modules" in vars(v)
-            if (left == 0 and not module) or id(v) in seen \
-                    or (plain[owner] >= _MAX_HELD and not module and left > 0):
+            if id(v) in seen or (plain[owner] >= _MAX_HELD and not module and left >= 0):
                 continue  # modules always (a big one first left the next one unheld), and
                 # what one met past the last level holds: no more than its attributes
             seen.add(id(v))
@@ -570,7 +592,7 @@ def _walked(level: list[tuple[str, Any, str]], first: int, tensors: dict[int, st
             elif issubclass(kind, tuple) and _builtin_items(kind) and len(v) <= _MAX_ITEMS \
                     and walked < _MAX_WALKED:  # a table of tuples is not walked in full
                 items = _items_below(where, v, owner)  # a namedtuple too
-            if left < 0:  # held, as a module met at the last level holds it: its modules only
+            if left <= 0:  # held, as a module met at the last level holds it: its modules only
                 items = [i for i in items if issubclass(type(i[1]), torch.nn.Module)]
             elif tensors is None:
                 items = [i for i in items if not issubclass(type(i[1]), torch.Tensor)]
@@ -873,7 +895,7 @@ def recomputed(module: torch.nn.Module) -> frozenset[str]:
 def _tracing(value: Any) -> bool:
     """A tracing tensor, or a list, tuple or dict (a namedtuple, an OrderedDict, a model
     output) holding one, two levels: ``{"l": [t]}``."""
-    return _holds(value, (FakeTensor, FunctionalTensor))
+    return _holds(value, _TRACING)
 
 
 def _holds(value: Any, kinds: tuple[type, ...], depth: int = 2) -> bool:
@@ -935,3 +957,12 @@ def _slots(module: nn.Module) -> list[_Slot]:
     return [_Slot(table, name, t, f"the {kind} {name!r} {tuple(t.shape)} of {type(module).__name__}")
             for kind, table in (("parameter", module._parameters), ("buffer", module._buffers))
             for name, t in table.items() if t is not None]
+
+
+def _attribute_slots(module: nn.Module) -> list[_Slot]:
+    """A called module's plain tensor attributes (``self.mask``), as its parameters' slots:
+    the graph reads them as constants, or for their size."""
+    # type(), not isinstance: a proxy's __class__ may raise
+    return [_Slot(module.__dict__, name, t, f"the tensor attribute {name!r} {tuple(t.shape)} of "
+                  f"{type(module).__name__}") for name, t in module.__dict__.items()
+            if issubclass(type(t), torch.Tensor) and not issubclass(type(t), _TRACING)]

@@ -393,6 +393,9 @@ NOT_AN_ARGUMENT = ("that it does not take as an argument (a closed-over variable
                    "an attribute)")
 
 
+_TRACEABLE_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 class _OutsideTensorGuard(TorchDispatchMode):
     """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""
 
@@ -435,6 +438,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 f"  at {current_user_line()}\n"
                 "Fix: use torch.no_grad() inside the compiled function, enter inference_mode "
                 "around the call instead, or use torch.compile(fn, backend='aotkit').")
+        self._check_python_subclasses(args, kwargs)
         self._check_writes(func, args, kwargs)
         if func.namespace not in ("aten", "prims", "prim"):  # PyTorch's own: never without
             note_no_autograd_kernel(func, args, kwargs, self.what, self.without_autograd_kernel)
@@ -455,6 +459,17 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if func is torch.ops.aten.unfold.default:
                 note_unfold(args, self.unfold_lengths)
         return out
+
+    def _check_python_subclasses(self, args: Any, kwargs: Any) -> None:
+        """An outside tensor of a plain Python subclass (``class MyParam(nn.Parameter)``, which
+        libraries use to mark weights) is a type the tracing modes do not take (a raw
+        TypeError from deep inside)."""
+        for t in tensors_in((args, kwargs)):
+            if type(t) not in _TRACEABLE_TYPES and not is_subclass(t) \
+                    and not isinstance(t, (FakeTensor, FunctionalTensor)):
+                raise self._refusal(t, f"is a {type(t).__name__}, a Python subclass of "
+                                    f"{type(t).__mro__[1].__name__}", "PyTorch's tracing modes, "
+                                    "which take plain tensors, cannot trace it")
 
     def _constants_only(self, args: Any, kwargs: Any) -> bool:
         """Whether every tensor argument is an outside tensor or a view of one, and there is
