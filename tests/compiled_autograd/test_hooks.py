@@ -517,6 +517,39 @@ def test_roots_alike_in_structure_keep_eager_order() -> None:
     assert aotkit.explain().of_kind("hook_order")
 
 
+def test_many_roots_of_different_structure_keep_eager_order_and_sums() -> None:
+    """Five or more roots passed in a shuffled order: only 24 root orders were tried, so hooks
+    ran in the capture's order and a shared leaf's gradient rounded differently, with a
+    decision blaming roots alike in structure."""
+    ops = [torch.sin, torch.exp, torch.tanh, torch.cos, torch.sigmoid, torch.atan]
+    w0 = torch.randn(1000)
+
+    def step(log: list[str]) -> Any:
+        w = w0.clone().requires_grad_()
+        roots = []
+        for i, op in enumerate(ops):
+            h = op(w * 1.0)
+            h.register_hook(lambda g, i=i: log.append(str(i)))
+            roots.append(h.sum() * (0.1 + i))
+        torch.autograd.backward([roots[j] for j in (2, 1, 5, 0, 4, 3)])
+        return w.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log and torch.equal(actual, expected)
+    assert not aotkit.explain().of_kind("hook_order")
+
+
+def test_a_hook_changing_a_gradients_layout_is_refused_as_in_eager() -> None:
+    """A hook returning ``g.to_sparse()`` for a dense gradient: eager raises; the graph made
+    ``.grad`` sparse, failing far later."""
+    w = torch.randn(3, requires_grad=True)
+    w.register_hook(lambda g: g.to_sparse())
+    with pytest.raises(RuntimeError, match="changed the type of value"):
+        (w * 2).sum().backward()
+    with aotkit.compiled_autograd.enable(nop), pytest.raises(HookResultError, match="layout"):
+        (w * 2).sum().backward()
+
+
 def test_roots_from_one_node_match_eager_and_say_why_order_is_unknown() -> None:
     """Backward roots that are outputs of one node (``list(x.chunk(2))``): autograd cannot list
     eager's node order for them; the backward is still captured and exact, and says so."""

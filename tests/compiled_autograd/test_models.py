@@ -172,3 +172,42 @@ def test_backward_of_a_forward_compiled_by_pytorchs_aot_autograd_names_the_aotki
             aotkit.errors.UnsupportedError, match=r"aot_eager(.|\n)*Fix: (.|\n)*aotkit_inductor"):
         out.backward()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("lower", [False, True])
+def test_sparse_gradient_sums_add_as_eagers_input_buffer(lower: bool) -> None:
+    """Eager's input buffer adds a sparse sum so far to the new gradient (new + old: the new
+    one's indices first); the graph added old + new, rounding the tied embedding's gradient
+    differently."""
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(8, 3, sparse=True)
+        e1, e2 = emb(torch.tensor([1, 2, 1])), emb(torch.tensor([1]))
+        (e1.pow(2).sum() + e2.sum()).backward()
+        return emb.weight.grad
+
+    expected = run()
+    with aotkit.config.patch(compiled_autograd_lower=lower), \
+            aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+        actual = run()
+    assert torch.equal(actual._indices(), expected._indices())
+    assert torch.equal(actual._values(), expected._values())
+
+
+def test_a_weight_used_hundreds_of_times_is_captured() -> None:
+    """An unrolled recurrence reading one weight 600 times: ordering the gradient sums
+    recursed once per use (a raw RecursionError)."""
+    torch.manual_seed(0)
+    w0, x = torch.randn(4, 4) * 0.1, torch.randn(4)
+
+    def run() -> torch.Tensor:
+        w = w0.clone().requires_grad_()
+        h = x
+        for _ in range(600):
+            h = torch.tanh(w @ h)
+        h.sum().backward()
+        return w.grad
+
+    expected = run()
+    with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+        torch.testing.assert_close(run(), expected)

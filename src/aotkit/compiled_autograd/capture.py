@@ -314,7 +314,8 @@ class Capture(GraphBuilder):
             why, ranks = self.order_unknown, None
         else:
             why = ("could not match the engine's capture order to eager's node order (several "
-                   "backward roots alike in structure, or depending on each other)")
+                   "backward roots alike in structure, depending on each other, or too many to "
+                   "search)")
             ranks = engine_order.eager_ranks(self.eager_order, self.call_names)
         if ranks is None:
             counters.record(

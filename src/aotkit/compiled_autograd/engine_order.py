@@ -13,15 +13,14 @@ node's calls in eager's order.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-#: Orders of several backward roots tried when matching the engine's order (roots are rare).
-MAX_ROOT_ORDERS = 24
+#: Nodes visited while matching the engine's order of several backward roots before giving up.
+MAX_ROOT_STEPS = 1_000_000
 
 
 def execution_order() -> tuple[list[Any] | None, str]:
@@ -49,22 +48,47 @@ def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> di
     for node in eager_order:
         incoming.update(fn for fn, _ in node.next_functions if fn in rank)
     roots = [node for node in eager_order if incoming[node] == 0]
-    found: dict[int, int] | None = None
-    for ordered_roots in itertools.islice(itertools.permutations(roots), MAX_ROOT_ORDERS):
-        calls = _capture_order(ordered_roots, incoming, rank)
-        if not _same_names(calls, call_names):
-            continue
-        ranks = {0: -1} | {i: rank[node] for i, node in enumerate(calls, start=1)}
-        if found is not None and ranks != found:
-            return None  # roots alike in structure: names cannot tell which order the engine took
-        found = ranks
-    return found
+    found: list[dict[int, int]] = []
+    steps = [0]
+
+    def search(left: list[Any], waiting: Counter[Any], calls: list[Any]) -> bool:
+        """Try each root still pushed as the next one the engine pops: the nodes it makes ready
+        are captured before the next root (a stack), so a wrong choice shows in their names at
+        once. True: stop (two orders fit, or the search is too long)."""
+        if not left:
+            if _same_names(calls, call_names):
+                ranks = {0: -1} | {i: rank[node] for i, node in enumerate(calls, start=1)}
+                if found and ranks != found[0]:
+                    found.append(ranks)
+                    return True
+                found[:] = [ranks]
+            return False
+        for k, root in enumerate(left):
+            after = Counter(waiting)
+            part = _capture_order([root], after, rank)
+            steps[0] += len(part) + len(after)
+            if steps[0] > MAX_ROOT_STEPS:
+                found[:] = [{}, {}]  # not known
+                return True
+            if _names_from(calls, part, call_names) and search(
+                    left[:k] + left[k + 1:], after, calls + part):
+                return True
+        return False
+
+    search(roots, incoming, [])
+    return found[0] if len(found) == 1 else None
 
 
-def _capture_order(roots: Sequence[Any], incoming: Counter[Any],
+def _names_from(calls: Sequence[Any], part: Sequence[Any], call_names: Mapping[int, str]) -> bool:
+    """Whether the calls in ``part``, captured after ``calls``, have the names reported."""
+    return all(type(node).name(node) == call_names[i]
+               for i, node in enumerate(part, start=len(calls) + 1) if i in call_names)
+
+
+def _capture_order(roots: Sequence[Any], waiting: Counter[Any],
                    rank: Mapping[Any, int]) -> list[Any]:
-    """The engine's capture order after the graph root, which pushes ``roots`` in order."""
-    waiting = Counter(incoming)
+    """The engine's capture order from ``roots`` pushed in order, counting the inputs each node
+    still waits for down in ``waiting``."""
     stack = list(roots)
     calls = []
     while stack:

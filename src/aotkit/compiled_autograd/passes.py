@@ -100,9 +100,9 @@ def follow_node_order(graph: fx.Graph, ranks: Mapping[int, int]) -> None:
     branch eager runs first)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     own = _recorded_ranks(nodes, ranks)
-    for node in nodes:
+    for node in nodes:  # a sum's addend sums come first, their own ranks already their latest
         if _is_buffer_sum(node):
-            own[node] = _latest_addend(node, own)
+            own[node] = max((own.get(a, -1.0) for a in node.all_input_nodes), default=own[node])
     due: dict[fx.Node, float] = {}
     for node in reversed(nodes):
         readers = [due[u] for u in node.users if u in due]
@@ -130,12 +130,6 @@ def _is_pre_hook_value(node: fx.Node) -> bool:
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return "nodecall" in node.meta and node.meta["nodecall"] is None
-
-
-def _latest_addend(node: fx.Node, own: Mapping[fx.Node, float]) -> float:
-    """The rank of the latest producer of a (chain of) gradient sum's addends."""
-    return max((_latest_addend(a, own) if _is_buffer_sum(a) else own.get(a, -1.0)
-                for a in node.all_input_nodes), default=own[node])
 
 
 def _recorded_ranks(nodes: list[fx.Node], ranks: Mapping[int, int]) -> dict[fx.Node, float]:

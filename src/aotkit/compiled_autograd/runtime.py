@@ -119,13 +119,14 @@ def _checked_grads(ctx: Any, grads: tuple[Any, ...], tensor_inputs: Sequence[boo
 
 def add_gradients(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
     """Sum two gradients flowing into one input of a node, as the engine's input buffer does:
-    an undefined gradient (``None``) adds nothing. A formula's output is undefined only at run
+    an undefined gradient (``None``) adds nothing, and a sparse sum so far is added to the new
+    gradient (its indices after the new one's). A formula's output is undefined only at run
     time for some arguments (``LinalgVectorNormBackward0`` with ``ord=0``)."""
     if old is None:
         return new
     if new is None:
         return old
-    return torch.add(old, new)
+    return torch.add(new, old) if old.layout is not torch.strided else torch.add(old, new)
 
 
 def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
@@ -171,6 +172,10 @@ def _check_grad(hook: Callable[..., Any], new: Any, old: Any) -> None:
             f"backward hook {_hook_name(hook)!r} changed the size of a gradient from "
             f"{tuple(old.shape)} to {tuple(new.shape)}; return a gradient of the same size."
         )
+    if new.layout != old.layout:
+        raise HookResultError(
+            f"backward hook {_hook_name(hook)!r} changed the layout of a gradient from "
+            f"{old.layout} to {new.layout}; return a gradient of the same layout.")
     if new.dtype != old.dtype or new.device != old.device:
         raise HookResultError(
             f"backward hook {_hook_name(hook)!r} changed a gradient from {old.dtype} on "
