@@ -105,15 +105,16 @@ def test_demo_rejects_too_few_steps() -> None:
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize("threads", ["0", "-2"])
-def test_demo_rejects_fewer_than_one_thread(threads: str,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("threads", ["0", "-2", "2147483648"])
+def test_demo_rejects_thread_counts_torch_cannot_take(threads: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """2**31 threads raised a raw overflow error from torch.set_num_threads."""
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--threads", threads])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: aotkit demo ")
-    assert f"--threads must be at least 1, got {threads}" in err
+    assert f"--threads must lie in [1, 2**31), got {threads}" in err
 
 
 def test_graphs_console_script_prints_sizes_and_code() -> None:

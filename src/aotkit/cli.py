@@ -197,8 +197,8 @@ def _check(args: argparse.Namespace) -> None:
     """Usage errors argparse cannot see alone, reported with the subcommand's usage (exit 2)."""
     if args.command == "demo" and args.steps < 2:
         args.usage_error("--steps must be at least 2 (the first step includes compiling)")
-    if args.command == "demo" and args.threads < 1:
-        args.usage_error(f"--threads must be at least 1, got {args.threads}")
+    if args.command == "demo" and not 1 <= args.threads < 2**31:
+        args.usage_error(f"--threads must lie in [1, 2**31), got {args.threads}")
     if args.command == "demo" and not 0 <= args.seed < 2**63:
         args.usage_error(f"--seed must lie in [0, 2**63), got {args.seed}")
     if args.command == "graphs" and args.draw == "":

@@ -351,3 +351,27 @@ def test_subclass_parts_that_are_one_tensor_then_separate(first):
     torch.testing.assert_close((out.a, out.b), (expected.a, expected.b))
     reason = aotkit.explain().of_kind("recompile")[-1].why
     assert reason.startswith("the tensors passed more than once changed: part ")
+
+
+@pytest.mark.parametrize("partition", [aotkit.default_partition,
+                                       aotkit.min_cut_rematerialization_partition])
+def test_a_value_requiring_grad_written_into_inputs_that_do_not(partition):
+    """Inputs sharing memory, none requiring grad, get a value requiring grad written in place
+    (``base.add_(w[0])``): the base was viewed under no_grad, and writing it back raised
+    autograd's raw 'view created in no_grad mode' error; eager gives base autograd history."""
+    def f(a, base, w):
+        base.add_(w[0])
+        return (a * w[:4]).sum()
+
+    def make():
+        base = torch.arange(8.0)
+        return base[1:5], base, torch.linspace(-1, 1, 6, requires_grad=True)
+
+    a, base, w = make()
+    expected = f(a, base, w)
+    expected.backward()
+    ca, cbase, cw = make()
+    actual = aotkit.aot_function(f, compilers.nop, partition_fn=partition)(ca, cbase, cw)
+    actual.backward()
+    assert torch.equal(actual, expected) and torch.equal(cw.grad, w.grad)
+    assert torch.equal(cbase, base) and cbase.requires_grad == base.requires_grad

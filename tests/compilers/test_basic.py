@@ -85,6 +85,16 @@ def test_draw_graph_compile_draws_forward_and_backward(tmp_path: Path) -> None:
     assert "tangents_1" in (tmp_path / "mlp_1.svg").read_text()
 
 
+def test_two_draw_graph_compilers_of_one_name_draw_apart(tmp_path: Path) -> None:
+    """Numbered per compiler, the backward's drawing replaced the forward's."""
+    prefix = str(tmp_path / "g.dot")
+    f = aotkit.aot_function(torch.exp, fw_compiler=draw_graph_compile(prefix),
+                            bw_compiler=draw_graph_compile(prefix))
+    f(torch.zeros(2, requires_grad=True)).sum().backward()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g_0.dot", "g_1.dot"]
+    assert "tangents_1" not in (tmp_path / "g_0.dot").read_text()
+
+
 def test_draw_graph_compile_without_graphviz_writes_dot_and_records_why(
         tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))

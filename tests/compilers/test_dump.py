@@ -22,7 +22,7 @@ from tests.compilers.compiler_check import MLP_CFG, check_model
 import aotkit
 from aotkit.compat import FakeTensorMode
 from aotkit.compilers import debug_compile, get_inputs, graph_dumper_aot
-from aotkit.compilers.dump import load_graph, write_tensors
+from aotkit.compilers.dump import load_graph, restore_rng_state, write_tensors
 from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.models import MLP, make_mlp_batch
 
@@ -336,3 +336,22 @@ def test_an_unwritable_folder_is_named_with_a_fix(tmp_path: Path) -> None:
     with pytest.raises(aotkit.errors.CompilerError, match=r"could not write the joint graph"
                                                           r"(.|\n)*Fix: give it a folder"):
         f(torch.randn(3, requires_grad=True))
+
+
+def test_two_dumpers_of_one_name_write_apart_and_loaders_say_what_is_missing(
+        tmp_path: Path) -> None:
+    """Two dumpers named alike overwrote each other's folders (the first one's ``saved`` then
+    loaded the other's graph); load_graph of a folder without a graph raised a raw
+    FileNotFoundError, and restore_rng_state's error named get_inputs."""
+    first = graph_dumper_aot("model", tmp_path, dump_example_input=True)
+    second = graph_dumper_aot("model", tmp_path, dump_example_input=True)
+    first(torch.sin)(torch.zeros(2, requires_grad=True)).sum().backward()
+    second(lambda t: t.cos() * 3)(torch.zeros(5, requires_grad=True)).sum().backward()
+    assert not set(first.saved) & set(second.saved)
+    forward = first.saved[1]
+    (out,) = load_graph(forward)(*get_inputs(forward))[:1]
+    assert out.shape == (2,)
+    with pytest.raises(ArgumentError, match=r"load_graph: .* holds no saved graph"):
+        load_graph(tmp_path)
+    with pytest.raises(ArgumentError, match=r"^restore_rng_state: .* does not exist"):
+        restore_rng_state(tmp_path / "missing.input")

@@ -551,3 +551,10 @@ def test_as_strided_on_a_closed_over_tensor_runs_as_traced() -> None:
     torch.testing.assert_close(compiled(x), f(x))
     [decision] = aotkit.explain().of_kind("fallback")
     assert "as_strided on a closed-over tensor" in decision.why
+
+
+def test_inductor_given_a_graph_returning_one_value_says_what_it_compiles() -> None:
+    """``fx.symbolic_trace``'s graphs return one value: a raw TypeError."""
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Tanh()))
+    with pytest.raises(ArgumentError, match="returns one value"):
+        inductor(gm, [torch.randn(3)])

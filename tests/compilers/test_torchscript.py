@@ -248,3 +248,14 @@ def test_a_dtype_view_is_refused_before_anything_runs(compile_with: str) -> None
                                         match=r"reinterprets a tensor's dtype(.|\n)*Fix"):
         aotkit.aot_function(fn, compiler)(x)
     assert torch.equal(x, torch.arange(12.0).view(3, 4))  # nothing written
+
+
+def test_ts_compile_takes_a_graph_returning_one_value() -> None:
+    """``fx.symbolic_trace``'s graphs return one value, not a tuple: a raw TypeError."""
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.sin().cos()
+
+    x = torch.randn(3)
+    gm = torch.fx.symbolic_trace(M())
+    torch.testing.assert_close(ts_compile(gm, [x])([x.clone()]), M()(x))

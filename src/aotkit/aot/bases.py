@@ -75,11 +75,10 @@ class OverlapLayout:
     def _base(self, group: _Group, args: Sequence[Any]) -> torch.Tensor:
         members = [args[i] for i in group.members]
         root = _root(members)
-        if torch.is_grad_enabled() and any(m.requires_grad for m in members):
+        if root is not None:  # outputs that are views get eager's _base; in grad mode, a write
+            # of a value requiring grad gives the root autograd history, as in eager
             return root.as_strided((group.length,), (1,), 0)
-        with torch.no_grad():  # still a view of the root: outputs' _base is eager's
-            return (members[0].detach() if root is None else root).as_strided(
-                (group.length,), (1,), 0)
+        return members[0].detach().as_strided((group.length,), (1,), 0)
 
     def wrap(self, flat_fn: FlatFn, returned: dict[int, int]) -> FlatFn:
         """``flat_fn`` as a function of :meth:`graph_args`; fills ``returned`` (output position

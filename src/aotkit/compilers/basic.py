@@ -76,10 +76,13 @@ _OTHER_FORMATS = frozenset({".pdf", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".t
                             ".ps", ".eps", ".gv"})
 
 
+_DRAWN: dict[str, int] = {}  # the last n drawn, by file name prefix
+
+
 def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
     """A compiler that draws every graph it gets to ``{name}_{n}.svg`` (``n`` counts from 0 per
-    compiler, so the forward and backward get their own files; ``name="g.png"`` draws
-    ``g_{n}.png``), then runs it like :func:`nop`.
+    name in the process, so the forward and backward get their own files, also from two
+    compilers of one name; ``name="g.png"`` draws ``g_{n}.png``), then runs it like :func:`nop`.
 
     Without Graphviz the DOT source is written instead and a ``"fallback"`` decision is recorded.
 
@@ -92,7 +95,6 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         >>> sorted(os.path.splitext(p)[0] for p in os.listdir(os.path.dirname(prefix)))
         ['sin_0', 'sin_1']
     """
-    drawn = 0
     if not isinstance(name, (str, os.PathLike)):
         raise ArgumentError(f"draw_graph_compile takes a file name prefix, got "
                             f"{type(name).__name__} {name!r}.\nFix: pass a str such as "
@@ -106,9 +108,9 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         stem, suffix = os.fspath(name), ".svg"
 
     def draw_and_run(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
-        nonlocal drawn
-        result = draw_graph(gm, f"{stem}_{drawn}{suffix}")
-        drawn += 1
+        key = os.path.abspath(stem)
+        _DRAWN[key] = _DRAWN.get(key, -1) + 1
+        result = draw_graph(gm, f"{stem}_{_DRAWN[key]}{suffix}")
         log.info("draw_graph_compile: drew the graph to %s", result.path)
         if result.fallback:  # See Note [draw_graph fallback]
             counters.record("fallback", f"draw_graph_compile({name})", result.fallback, logger=log)

@@ -202,13 +202,13 @@ def _rebuild(i: int, spec: Mapping[str, Any], stored: torch.Tensor | None, devic
                            "\nFix: pass that input yourself instead of using get_inputs.")
 
 
-def _input_file(path: Path) -> Path:
+def _input_file(path: Path, who: str = "get_inputs") -> Path:
     """``path`` itself, or the one ``.input`` file in the folder ``path``."""
     found = sorted(path.glob("*.input")) if path.is_dir() else [path] if path.exists() else []
     if len(found) != 1:
         what = "does not exist" if not found and not path.is_dir() else \
             f"is a folder with {len(found)} .input files"
-        raise ArgumentError(f"get_inputs: {path} {what}.\nFix: pass the .input file of a graph "
+        raise ArgumentError(f"{who}: {path} {what}.\nFix: pass the .input file of a graph "
                             "saved by graph_dumper_aot or debug_compile (or its folder).")
     return found[0]
 
@@ -366,6 +366,10 @@ def load_graph(folder: str | os.PathLike[str], device: str | None = None) -> nn.
         [tensor([1., 1.])]
     """
     folder = Path(folder)
+    if not (folder / "module.py").is_file():
+        raise ArgumentError(
+            f"load_graph: {folder} holds no saved graph (no module.py).\nFix: pass a folder "
+            "graph_dumper_aot or debug_compile wrote (graph_dumper_aot(...).saved lists them).")
     spec = importlib.util.spec_from_file_location("aotkit_saved_graph", folder / "module.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -448,7 +452,7 @@ def restore_rng_state(input_data_path: str | os.PathLike[str], *, device: str | 
         >>> torch.equal(load_graph(dumper.saved[0])(*get_inputs(saved))[0], out)
         True
     """
-    values_path = _input_file(Path(input_data_path)).with_suffix(".tensors")
+    values_path = _input_file(Path(input_data_path), "restore_rng_state").with_suffix(".tensors")
     if not values_path.exists():
         return False
     for name, state in read_tensors(values_path, "cpu").items():
@@ -463,6 +467,9 @@ def restore_rng_state(input_data_path: str | os.PathLike[str], *, device: str | 
 # --- graph_dumper_aot ---------------------------------------------------------------------------
 
 
+_NEXT_INDEX: dict[str, int] = {}  # the last N given, by dump folder
+
+
 class GraphDumper:
     """Made by :func:`graph_dumper_aot`: compiles like ``nop`` and saves every graph it compiles.
 
@@ -475,7 +482,6 @@ class GraphDumper:
         self.root = Path(folder_name) / current_name
         self.dump_example_input = dump_example_input
         self.saved: list[Path] = []
-        self._entries = 0
 
     def __call__(self, fn: Callable[..., Any], example_inputs: Sequence[Any] | None = None) -> Any:
         """``aot_function(fn)`` (``aot_module`` for modules); called as a ``torch.compile`` backend
@@ -507,8 +513,10 @@ class GraphDumper:
         return fw_gm, bw_gm
 
     def _next_index(self) -> int:
-        self._entries += 1
-        return self._entries - 1
+        # Counted per folder in the process: two dumpers of one name write apart.
+        key = os.path.abspath(self.root)
+        _NEXT_INDEX[key] = _NEXT_INDEX.get(key, -1) + 1
+        return _NEXT_INDEX[key]
 
     def _save(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str,
               index: int | None) -> Callable[..., Any]:

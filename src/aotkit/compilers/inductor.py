@@ -130,6 +130,13 @@ class Inductor:
                 "a graph Dynamo captured (it was passed to torch.compile as the backend).\nFix: "
                 'torch.compile(fn, backend="aotkit_inductor").'
             )
+        if not isinstance(gm.graph.output_node().args[0], (list, tuple)):
+            raise ArgumentError(
+                f"{self!r} compiles the ATen graphs aotkit's AOT autograd makes, which return a "
+                "tuple of values; this graph returns one value (a graph from "
+                "torch.fx.symbolic_trace?).\nFix: compile the function itself, "
+                "aotkit.aot_function(fn, inductor), or torch.compile(fn, "
+                'backend="aotkit_inductor").')
         return compile_graph(gm, example_inputs, self.kind or graph_kind(gm))
 
 

@@ -141,7 +141,8 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
             node.kwargs = {k: str(v) if isinstance(v, torch.device) else v
                            for k, v in node.kwargs.items()}
     output = graph.output_node()
-    output.args = (tuple(output.args[0]),)
+    if isinstance(output.args[0], (list, tuple)):  # not one value (fx.symbolic_trace's)
+        output.args = (tuple(output.args[0]),)
 
 
 #: torch's functions of symbolic sizes, as the Python builtins TorchScript knows; under
