@@ -259,3 +259,13 @@ def test_ts_compile_takes_a_graph_returning_one_value() -> None:
     x = torch.randn(3)
     gm = torch.fx.symbolic_trace(M())
     torch.testing.assert_close(ts_compile(gm, [x])([x.clone()]), M()(x))
+
+
+def test_ts_compile_takes_nan_constants() -> None:
+    """FX writes a NaN constant as ``nan``, which TorchScript does not know: every graph with
+    one (``torch.where(x > 0, x, nan)``) was refused."""
+    def f(t):
+        return torch.where(t > 0, t, float("nan")).exp()
+
+    x = torch.randn(6, requires_grad=True)
+    check_against_eager(f, x, compiler=ts_compile)

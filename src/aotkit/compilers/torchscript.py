@@ -132,6 +132,15 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
             node.target = _SIZE_FUNCTIONS[node.target]
         elif node.target is operator.pow and isinstance(node.meta.get("val"), (int, torch.SymInt)):
             node.target = _int_pow  # TorchScript's int ** int is a float
+    for node in list(graph.nodes):  # FX writes a NaN as ``nan``, a name TorchScript lacks
+        if node.op == "call_function" and any(
+                isinstance(a, float) and math.isnan(a) for a in (*node.args, *node.kwargs.values())):
+            with graph.inserting_before(node):
+                nan = graph.call_function(float, ("nan",))
+            node.args = tuple(nan if isinstance(a, float) and math.isnan(a) else a
+                              for a in node.args)
+            node.kwargs = {k: nan if isinstance(v, float) and math.isnan(v) else v
+                           for k, v in node.kwargs.items()}
     for node in graph.find_nodes(op="call_function", target=aten._to_copy.default):
         if _is_cast(node):
             node.target = aten.to.dtype
