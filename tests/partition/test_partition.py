@@ -195,6 +195,26 @@ def test_pytorchs_partitioners_split_where_the_trace_did(name: str) -> None:
     assert targets(bw).count("aten.mm.default") == 2  # the two gradients, no recomputed x @ w
 
 
+def test_a_dead_draw_a_partitioner_leaves_in_the_backward_is_dropped() -> None:
+    """PyTorch's default_partition left a dead recomputed dropout in this backward: backward()
+    drew a second mask, so every later random number differed from eager's."""
+    from torch._functorch.partitioners import default_partition as torch_default_partition
+
+    def f(x, w):
+        return F.dropout((x @ w).relu(), 0.2).sum(1)
+
+    def next_draw(fn):
+        x, w = torch.ones(4, 8, requires_grad=True), torch.ones(8, 8, requires_grad=True)
+        torch.manual_seed(0)
+        fn(x, w).sum().backward()
+        return torch.rand(3), w.grad
+
+    expected = next_draw(f)
+    actual = next_draw(aotkit.aot_function(f, aotkit.compilers.nop,
+                                           partition_fn=torch_default_partition))
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+
+
 def test_min_cut_never_recomputes_expensive_ops() -> None:
     x = torch.randn(2, 3, 16, 16, requires_grad=True)
     conv = nn.Conv2d(3, 4, 3).requires_grad_(False)  # closed over: a constant, no grad

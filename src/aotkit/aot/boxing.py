@@ -287,4 +287,25 @@ def checked_partition(graphs: Any, num_fw_outputs: int, who: str, name: str, fix
                               for n in backward.graph.find_nodes(op="placeholder"))):
         raise CompilerError(f"{who} returned a forward graph for {name} saving {saved} value(s) "
                             f"and a backward graph taking {taken}.\n{fix}")
+    _drop_dead_forward_draws(backward)
     return forward, backward
+
+
+def _drop_dead_forward_draws(backward: fx.GraphModule) -> None:
+    """A partitioner may leave in the backward a copy of forward ops whose result nothing
+    reads (PyTorch's ``default_partition`` keeps a recomputed dropout: dead code elimination
+    keeps random ops). Run, it would draw again, shifting every later random number from
+    eager's; such draws, and what only they read, are dropped."""
+    graph, dropped = backward.graph, False
+    while True:
+        dead = [n for n in graph.nodes if n.op == "call_function" and not n.users
+                and n.meta.get("partitioner_tag") == "is_forward"
+                and isinstance(n.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in n.target.tags]
+        for node in dead:
+            graph.erase_node(node)
+        if not (graph.eliminate_dead_code() or dead):
+            break
+        dropped = True
+    if dropped:
+        backward.recompile()
