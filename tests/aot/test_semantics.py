@@ -225,6 +225,30 @@ def test_a_head_the_loss_does_not_use_is_left_alone_by_the_optimizer():
         torch.testing.assert_close(p, q)
 
 
+def test_a_head_fed_by_eager_ops_the_loss_does_not_use_leaves_their_grads_none():
+    """An unused output's input made by eager ops (a Linear outside the compiled part, a view
+    between two compiled blocks): zeros went into those ops, and their parameters got zero
+    grads that AdamW applied."""
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, a, b):
+            return self.a(a), self.b(b)
+
+    torch.manual_seed(0)
+    enc, block = nn.Linear(4, 4), aotkit.aot_module(nn.Linear(4, 4), compilers.nop)
+    compiled = aotkit.aot_module(Heads(), compilers.nop)
+    x = torch.ones(3, 4)
+    out, _ = compiled(x, enc(x).relu())
+    out.sum().backward()
+    assert enc.weight.grad is None and enc.bias.grad is None
+    out, _ = compiled(x, block(x).view(3, 4))
+    out.sum().backward()
+    assert all(p.grad is None for p in block.parameters())
+
+
 def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():
     """Note [Outputs backward does not reach]: the engine still calls a leaf's hooks, so a leaf
     with hooks gets zeros (hooks written for eager index their gradient), one without None."""

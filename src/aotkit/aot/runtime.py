@@ -281,12 +281,14 @@ class CompiledFunction(torch.autograd.Function):
 # stands for all of the compiled outputs, so its backward is told which got no gradient
 # (materialize_grads off: None instead of zeros), and an input's gradient that depends on
 # missing tangents only (a bit mask per input, read off the backward graph once) is None where
-# that None goes nowhere else: into no edge, a leaf without hooks (a parameter: ``.grad`` stays
-# None) or another compiled call's output without hooks (that call applies the same rule; each
-# call keeps weak references to its outputs to tell). The engine still visits
-# whatever node is behind an input, with no gradient, and would hand None to hooks eager never
-# calls (a hook on the leaf, or on a tensor an eager op between made): there the zero gradient
-# goes, as PyTorch's AOT autograd sends it. With no output reached and every input quiet,
+# that None goes nowhere else: into no edge, or through eager C++ ops only (they pass None on)
+# to leaves without hooks (a parameter: ``.grad`` stays None) and other compiled calls' outputs
+# without hooks (that call applies the same rule; each call keeps weak references to its
+# outputs to tell). The engine still visits every node behind an input, with no gradient, and
+# would hand None to hooks eager never calls (on such a leaf or output) and zeros to a Python
+# Function's backward (a module's backward hook): there the zero gradient goes, as PyTorch's
+# AOT autograd sends it. A hook on a tensor an eager op between made cannot be seen from the
+# graph (autograd keeps node hooks in C++): it gets None (README). With no output reached and every input quiet,
 # nothing runs; otherwise the backward graph runs with zeros for the missing tangents. (An
 # eager graph freed by an earlier backward raises when visited: README, known gaps.)
 # The engine's node class of CompiledFunction; bound as a plain class, which Dynamo tracing a
@@ -296,21 +298,38 @@ _COMPILED_NODE = CompiledFunction._backward_cls
 
 
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
-    """Inputs whose missing gradient may be None: no edge, hook-free leaves and compiled
-    calls' outputs (ctx.next_functions lists the tensor inputs)."""
+    """Inputs whose missing gradient may be None: no edge, or only eager C++ ops between the
+    input and hook-free leaves and compiled calls' outputs (ctx.next_functions lists the tensor
+    inputs)."""
     tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
-    quiet = set()
-    for i, (node, slot) in zip(tensors, ctx.next_functions, strict=True):
-        leaf = getattr(node, "variable", None)
-        if isinstance(node, _COMPILED_NODE):
+    quiet: set[int] = set()
+    return {i for i, edge in zip(tensors, ctx.next_functions, strict=True) if _quiet(edge, quiet)}
+
+
+def _quiet(edge: tuple[Any, int], quiet: set[int]) -> bool:
+    """Whether None sent along ``edge`` reaches only nodes that pass it on or drop it, as eager
+    never visiting them would (Note [Outputs backward does not reach]); ``quiet``: the nodes
+    found so, by id."""
+    todo, visited = [edge], set()
+    while todo:
+        node, slot = todo.pop()
+        if node is None or id(node) in quiet or id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, _COMPILED_NODE):  # that call applies the same rule
             ref = node.outputs[slot] if slot < len(node.outputs) else None
-            leaf = ref() if ref is not None else None  # the upstream output, hooks and all
-            hooked = leaf is not None and bool(leaf._backward_hooks)
+            if (out := ref() if ref is not None else None) is not None and out._backward_hooks:
+                return False
+        elif (leaf := getattr(node, "variable", None)) is not None:
+            if leaf._backward_hooks or leaf._post_accumulate_grad_hooks:
+                return False
+        elif isinstance(node, torch.autograd.function.BackwardCFunction) \
+                or type(node).__name__ == "AccumulateGrad":
+            return False  # a Python Function (a module's backward hook) materializes zeros
         else:
-            hooked = leaf is None or bool(leaf._backward_hooks or leaf._post_accumulate_grad_hooks)
-        if node is None or not hooked:
-            quiet.add(i)
-    return quiet
+            todo.extend(node.next_functions)
+    quiet |= visited
+    return True
 
 
 def _zeros_for_unreached(ctx: Any, graphs: CompiledGraphs, grads: Sequence[Any]) -> list[Any]:
