@@ -746,19 +746,17 @@ class AotFunction:
             raise subclass_dynamic(self.name, tensors)
         held_tensors: HeldTensors = {}
         held_args = argument_containers(zip(names, leaves, strict=True), held_tensors)
-        in_arguments = {*held_tensors, *map(id, tensors)}  # keyed by the signature
-        own_tensors: HeldTensors = {}
         held_by_fn = held_values(self.fn if self._own_modules is None else self._checked[0])
         held = [*held_args, *argument_containers(
             [*captured, *(("self", owner) for owner in self._captured.owners), *held_by_fn],
             held_tensors), *module_containers(
-                ((sub or type(m).__name__, m) for sub, m in
-                 (self._own_modules() if self._own_modules else ())), own_tensors)]
+                (sub or type(m).__name__, m) for sub, m in
+                (self._own_modules() if self._own_modules else ()))]
         # Faking a jagged tensor, an input or a constant, makes its ragged size a symbol: that
         # needs a ShapeEnv.
         mode = _fake_mode(self.options.dynamic, symbols=subclasses or any(
             issubclass(type(t), torch.Tensor) and t.is_nested for _, t in
-            (*captured, *held_tensors.values(), *own_tensors.values())))
+            (*captured, *held_tensors.values())))
         # Parameters and buffers keep static sizes (Note [Static parameters]).
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])
@@ -788,8 +786,7 @@ class AotFunction:
         if stored:
             raise stored_tensor(self.name, ", ".join(stored))
         note_module_stores(decisions)
-        reads.watch([*captured, *(v for k, v in (held_tensors | own_tensors).items() if k not in
-                                  in_arguments)], held_tensors)  # Note [Constants changed in place]
+        reads.watch(captured, held_tensors)  # Note [Constants changed in place]
         note_module_counts(self.name, changed_values(
             [c for c in held[len(held_args):] if getattr(c[2], "held_in", "")], restore=False))
         guard = ShapeGuard(mode.shape_env, fakes) if self.options.dynamic else None

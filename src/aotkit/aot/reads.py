@@ -267,10 +267,10 @@ class Reads:
 # memory they view: ``swap_tensors`` replaces them in the same object), and one changed traces
 # again, naming it. Watched with them, as the graph may not read them at all but for a size
 # (``x * T.shape[0]``, ``x.to(self.table.dtype)``): the tensors among the values the function's
-# code reads (Note [Values a function captures]) and those the walk meets in the containers
-# they hold, the parameters, buffers and tensor attributes of the modules it calls, and
-# aot_module's modules' tensor attributes; not what the arguments hold (the signature keys
-# it) nor the inputs.
+# code reads (Note [Values a function captures]) and the parameters and buffers of the modules
+# it calls. Not a module's plain tensor attribute or a tensor in a list or dict read only for
+# its size (README, known gaps): watching every tensor the walk meets held on to tensors the
+# caller dropped, and cost milliseconds per call for thousands of them.
 _UNNAMED = "a tensor the function reads as a constant (a closed-over variable, a global or an " \
     "attribute)"
 
@@ -278,8 +278,8 @@ _UNNAMED = "a tensor the function reads as a constant (a closed-over variable, a
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     # A subclass's parts by their memory: swapped for tensors viewing the same memory the same
     # way (a no-op module.to()), the graph's old parts read what the new ones would.
-    parts = tuple((_memory(p := getattr(t, n)), _layout(p)) for n in t.__tensor_flatten__()[0]) \
-        if is_subclass(t) else ()
+    parts = tuple((_memory(p), _layout(p)) if isinstance(p := getattr(t, n), torch.Tensor)
+                  else id(p) for n in t.__tensor_flatten__()[0]) if is_subclass(t) else ()
     if t.layout is not torch.strided or t.is_nested:  # no strides (a nested one: no sizes)
         return t.dtype, t.device, None if t.is_nested else t.shape, t.layout, False, False, *parts
     return (t.dtype, t.device, t.shape, t.stride(), t.is_neg(), t.is_conj(), *parts)
@@ -375,8 +375,8 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
                        and constants[id(slot.tensor)] is slot.tensor]
         reads.constants = list(grad_constants.values())
         reads.watch([*((None, t) for t in constants.values()), *(
-            (slot.where, slot.tensor) for slot in (*held, *attributes)
-            if not isinstance(slot.tensor, _TRACING))])
+            (slot.where, slot.tensor) for slot in held if not isinstance(slot.tensor, _TRACING))],
+            {id(slot.tensor): (slot.where, slot.tensor) for slot in attributes})
         reads.read_after_writes = list(after_writes.values())
 
 

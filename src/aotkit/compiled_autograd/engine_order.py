@@ -13,8 +13,8 @@ node's calls in eager's order.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections import ChainMap, Counter
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> di
     found: list[dict[int, int]] = []
     steps = [0]
 
-    def search(left: list[Any], waiting: Counter[Any], calls: list[Any]) -> bool:
+    def search(left: list[Any], waiting: MutableMapping[Any, int], calls: list[Any]) -> bool:
         """Try each root still pushed as the next one the engine pops: the nodes it makes ready
         are captured before the next root (a stack), so a wrong choice shows in their names at
         once. True: stop (two orders fit, or the search is too long)."""
@@ -64,9 +64,9 @@ def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> di
                 found[:] = [ranks]
             return False
         for k, root in enumerate(left):
-            after = Counter(waiting)
+            after = ChainMap({}, waiting)  # what this root's part counts down, over the rest
             part = _capture_order([root], after, rank)
-            steps[0] += len(part) + len(after)
+            steps[0] += len(part) * (len(roots) - len(left) + 1)  # lookups down the chain
             if steps[0] > MAX_ROOT_STEPS:
                 found[:] = [{}, {}]  # not known
                 return True
@@ -85,7 +85,7 @@ def _names_from(calls: Sequence[Any], part: Sequence[Any], call_names: Mapping[i
                for i, node in enumerate(part, start=len(calls) + 1) if i in call_names)
 
 
-def _capture_order(roots: Sequence[Any], waiting: Counter[Any],
+def _capture_order(roots: Sequence[Any], waiting: MutableMapping[Any, int],
                    rank: Mapping[Any, int]) -> list[Any]:
     """The engine's capture order from ``roots`` pushed in order, counting the inputs each node
     still waits for down in ``waiting``."""
