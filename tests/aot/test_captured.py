@@ -1368,6 +1368,10 @@ def test_a_called_modules_tensor_attribute_the_graph_reads_replaced_traces_again
     model.table = torch.full((6,), 2.0)
     _same(compiled, model, x)
     assert "the tensor attribute 'table' (4,) of M" in _reasons()[-1]
+    with pytest.raises(aotkit.errors.RecompileLimitError, match="pass it as an argument, or "
+                       "compile the module with aot_module"):
+        for _ in range(10):  # a hidden state set at every step
+            model.table = compiled(x).detach()
 
 
 def test_subclass_parts_swapped_for_the_same_memory_compile_once_and_jagged_constants_trace():

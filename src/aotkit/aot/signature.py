@@ -768,6 +768,11 @@ def recompile_fix(why: str, dynamic: bool) -> str:
                 "an argument (with dynamic=True where its size varies), or, for a module's "
                 "buffer, compile the module with aot_module, which takes its buffers as inputs; "
                 "or raise the limit with aotkit.config.patch(recompile_limit=...).")
+    if "which the graph reads as a constant, was replaced" in why:
+        return ("a tensor of a module the function calls is replaced between calls (a cache, a "
+                "hidden state, a mask set at every step): pass it as an argument, or compile "
+                "the module with aot_module, which reads its tensors at every call; or raise "
+                "the limit with aotkit.config.patch(recompile_limit=...).")
     if why.startswith(("the global ", "the closed-over ", "self.", "keyword ", "argument ")) \
             or " of self changed" in why or " of self." in why:
         return ("a value the function reads besides its arguments changes at every call "
