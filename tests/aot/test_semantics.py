@@ -249,6 +249,16 @@ def test_a_head_fed_by_eager_ops_the_loss_does_not_use_leaves_their_grads_none()
     assert all(p.grad is None for p in block.parameters())
 
 
+def test_a_second_backward_from_another_output_says_why_it_fails():
+    """One backward per head without retain_graph: eager runs both (each output's part of the
+    graph is its own); the one node standing for every output raised autograd's raw error."""
+    x, w = rand(2, 3, grad=True), rand(3, 3, grad=True)
+    a, b = aotkit.aot_function(lambda x, w: ((x @ w).sin(), (x * 2).cos()), compilers.nop)(x, w)
+    a.sum().backward()
+    with pytest.raises(UnsupportedError, match="retain_graph=True to the earlier backward"):
+        b.sum().backward()
+
+
 def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():
     """Note [Outputs backward does not reach]: the engine still calls a leaf's hooks, so a leaf
     with hooks gets zeros (hooks written for eager index their gradient), one without None."""

@@ -245,7 +245,10 @@ class CompiledFunction(torch.autograd.Function):
         tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
                                                    graphs.tangent_formats, strict=True) if d]
         backward = graphs.backward_fn(autocast_state())  # a failed compile can be retried
-        saved, anchor = _saved(ctx)
+        try:
+            saved, anchor = _saved(ctx)
+        except RuntimeError as exc:
+            raise _freed_by_an_earlier_backward(graphs.name) from exc
         for k, t in getattr(ctx, "written", ()):  # Note [Inputs the backward writes]
             saved.insert(k, t)
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):  # not replayed by CA
@@ -379,6 +382,15 @@ def _saved(ctx: Any) -> tuple[list[Any], torch.Tensor]:
         return saved, anchor
     # Reading saved_tensors after a backward raises even when there were none.
     return [] if ctx.nothing_saved else list(ctx.saved_tensors), ctx.anchor
+
+
+def _freed_by_an_earlier_backward(name: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{name}: backward through its graph a second time, whose saved tensors an earlier "
+        "backward freed. One autograd node stands for all of its outputs, so a backward from "
+        "one output frees what the others' backward needs too (eager frees only each output's "
+        "own part).\nFix: pass retain_graph=True to the earlier backward, or add the losses "
+        "and call backward once.")
 
 
 def _saved_freed(ctx: Any) -> bool:
