@@ -55,6 +55,17 @@ def is_subclass(x: Any) -> bool:
     return type(x) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(x)
 
 
+def python_subclass(x: torch.Tensor) -> str | None:
+    """What ``x`` is where it is a tensor of a plain Python subclass (``class MyParam(
+    nn.Parameter)``, which libraries use to mark weights): PyTorch's tracing modes take none."""
+    from aotkit.compat import FakeTensor, FunctionalTensor
+
+    if type(x) in _PLAIN_TYPES or is_traceable_wrapper_subclass(x) \
+            or isinstance(x, (FakeTensor, FunctionalTensor)):
+        return None
+    return f"is a {type(x).__name__}, a Python subclass of {type(x).__mro__[1].__name__}"
+
+
 @dataclass(eq=False)
 class Layout:
     """How one subclass tensor is made of plain tensors: its type, the names of its parts

@@ -58,7 +58,7 @@ from aotkit.aot.reads import note_constant
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
-from aotkit.aot.subclass import is_subclass, layout_of, parts
+from aotkit.aot.subclass import is_subclass, layout_of, parts, python_subclass
 from aotkit.aot.tangents import tangent_formats, tangent_like, through_lone_views
 from aotkit.aot.trace_errors import (
     first_line,
@@ -393,9 +393,6 @@ NOT_AN_ARGUMENT = ("that it does not take as an argument (a closed-over variable
                    "an attribute)")
 
 
-_TRACEABLE_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
-
-
 class _OutsideTensorGuard(TorchDispatchMode):
     """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""
 
@@ -438,7 +435,9 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 f"  at {current_user_line()}\n"
                 "Fix: use torch.no_grad() inside the compiled function, enter inference_mode "
                 "around the call instead, or use torch.compile(fn, backend='aotkit').")
-        self._check_python_subclasses(args, kwargs)
+        for t in tensors_in((args, kwargs)):
+            if what := python_subclass(t):
+                raise self._refusal(t, what, "PyTorch's tracing modes cannot trace it")
         self._check_writes(func, args, kwargs)
         if func.namespace not in ("aten", "prims", "prim"):  # PyTorch's own: never without
             note_no_autograd_kernel(func, args, kwargs, self.what, self.without_autograd_kernel)
@@ -459,17 +458,6 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if func is torch.ops.aten.unfold.default:
                 note_unfold(args, self.unfold_lengths)
         return out
-
-    def _check_python_subclasses(self, args: Any, kwargs: Any) -> None:
-        """An outside tensor of a plain Python subclass (``class MyParam(nn.Parameter)``, which
-        libraries use to mark weights) is a type the tracing modes do not take (a raw
-        TypeError from deep inside)."""
-        for t in tensors_in((args, kwargs)):
-            if type(t) not in _TRACEABLE_TYPES and not is_subclass(t) \
-                    and not isinstance(t, (FakeTensor, FunctionalTensor)):
-                raise self._refusal(t, f"is a {type(t).__name__}, a Python subclass of "
-                                    f"{type(t).__mro__[1].__name__}", "PyTorch's tracing modes, "
-                                    "which take plain tensors, cannot trace it")
 
     def _constants_only(self, args: Any, kwargs: Any) -> bool:
         """Whether every tensor argument is an outside tensor or a view of one, and there is
@@ -560,8 +548,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
             + (f"  at {where}\n" if where != "<unknown location>" else "")
             + "Fix: pass it as an argument; for the parameters of a module the function "
             "calls, make that module part of the compiled one (aot_module reads its own "
-            "parameters and buffers at every call) or use torch.compile(..., backend='aotkit')."
-        )
+            "parameters and buffers at every call) or use torch.compile(..., backend='aotkit').")
         error.outside_tensor = t  # type: ignore[attr-defined]  # for name_held_tensor
         return error
 
