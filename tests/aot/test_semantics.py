@@ -247,6 +247,11 @@ def test_a_head_fed_by_eager_ops_the_loss_does_not_use_leaves_their_grads_none()
     out, _ = compiled(x, block(x).view(3, 4))
     out.sum().backward()
     assert all(p.grad is None for p in block.parameters())
+    seen = []  # a hook on the input itself sees a tensor, not None
+    fed = enc(x)
+    fed.register_hook(lambda g: seen.append(g.clamp(-1, 1)))
+    compiled(x, fed)[0].sum().backward()
+    assert len(seen) == 1 and not seen[0].any()
 
 
 def test_a_second_backward_from_another_output_says_why_it_fails():
@@ -257,6 +262,12 @@ def test_a_second_backward_from_another_output_says_why_it_fails():
     a.sum().backward()
     with pytest.raises(UnsupportedError, match="retain_graph=True to the earlier backward"):
         b.sum().backward()
+    v = w * 1  # saved, then changed in place: autograd's own error, as in eager
+    a, _ = aotkit.aot_function(lambda x, v: ((x @ v).sin(), x), compilers.nop)(x, v)
+    with torch.no_grad():
+        v.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a.sum().backward(retain_graph=True)
 
 
 def test_hooks_of_a_parameter_the_loss_does_not_reach_see_a_tensor():

@@ -363,7 +363,8 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
 
     return CompiledGraphs(
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
-        num_inputs=len(args), training=True, bw_gm=bw_gm,
+        num_inputs=len(args), training=True, num_params_buffers=options.num_params_buffers,
+        bw_gm=bw_gm,
         bw_compiler=options.bw_compiler or options.fw_compiler,
         saved=saved_for_backward(fw_gm, meta.num_fw_outputs),
         differentiable=meta.fw_output_differentiable(),

@@ -42,6 +42,7 @@ class CompiledGraphs:
     returned_mutations: list[int]       # inputs whose new value the forward returns
     num_inputs: int
     training: bool = False
+    num_params_buffers: int = 0  # leading inputs, leaves: their hooks are seen on their nodes
     bw_gm: fx.GraphModule | None = None
     bw_compiler: Compiler | None = None
     # The tensors the forward saves, and the inputs among them the backward writes or reads.
@@ -214,6 +215,8 @@ class CompiledFunction(torch.autograd.Function):
         # For a later compiled call's backward: do these outputs have hooks? (Note [Outputs
         # backward does not reach])
         ctx.outputs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in fw_outs]
+        ctx.hooked = {i for i in range(graphs.num_params_buffers, len(args))  # and these inputs?
+                      if getattr(args[i], "_backward_hooks", None)}
         return (*fw_outs, anchor)
 
     @staticmethod
@@ -248,6 +251,8 @@ class CompiledFunction(torch.autograd.Function):
         try:
             saved, anchor = _saved(ctx)
         except RuntimeError as exc:
+            if "a second time" not in str(exc):  # a saved tensor changed in place, say
+                raise
             raise _freed_by_an_earlier_backward(graphs.name) from exc
         for k, t in getattr(ctx, "written", ()):  # Note [Inputs the backward writes]
             saved.insert(k, t)
@@ -290,8 +295,9 @@ class CompiledFunction(torch.autograd.Function):
 # outputs to tell). The engine still visits every node behind an input, with no gradient, and
 # would hand None to hooks eager never calls (on such a leaf or output) and zeros to a Python
 # Function's backward (a module's backward hook): there the zero gradient goes, as PyTorch's
-# AOT autograd sends it. A hook on a tensor an eager op between made cannot be seen from the
-# graph (autograd keeps node hooks in C++): it gets None (README). With no output reached and every input quiet,
+# AOT autograd sends it; so do hooks on the inputs themselves, taken at each call. A hook on
+# a tensor an eager op made further back cannot be seen (autograd keeps node hooks in C++): it
+# gets None (README). With no output reached and every input quiet,
 # nothing runs; otherwise the backward graph runs with zeros for the missing tangents. (An
 # eager graph freed by an earlier backward raises when visited: README, known gaps.)
 # The engine's node class of CompiledFunction; bound as a plain class, which Dynamo tracing a
@@ -306,7 +312,8 @@ def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
     inputs)."""
     tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
     quiet: set[int] = set()
-    return {i for i, edge in zip(tensors, ctx.next_functions, strict=True) if _quiet(edge, quiet)}
+    return {i for i, edge in zip(tensors, ctx.next_functions, strict=True)
+            if i not in ctx.hooked and _quiet(edge, quiet)}
 
 
 def _quiet(edge: tuple[Any, int], quiet: set[int]) -> bool:
