@@ -854,3 +854,23 @@ def test_the_engine_is_put_back_after_enable() -> None:
           aotkit.compiled_autograd.enable(nop)):
         pass
     assert torch.autograd.Variable._execution_engine is engine
+
+
+def test_more_backward_roots_than_the_search_takes_say_their_order_is_unknown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search over root orders recurses once per root: 600 roots raised RecursionError.
+    Past engine_order.MAX_ROOTS (lowered here to keep the test short) it is not tried."""
+    from aotkit.compiled_autograd import engine_order
+
+    monkeypatch.setattr(engine_order, "MAX_ROOTS", 40)
+    w0 = torch.randn(4)
+
+    def step(log: list[str]) -> Any:
+        w = w0.clone().requires_grad_()
+        torch.autograd.backward([(w * (i + 1)).sin().sum() for i in range(60)])
+        return w.grad
+
+    _, _, expected, actual = both(step)
+    torch.testing.assert_close(actual, expected)
+    (decision,) = aotkit.explain().of_kind("hook_order")
+    assert "too many to search" in decision.why

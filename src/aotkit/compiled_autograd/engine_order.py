@@ -21,6 +21,7 @@ import torch
 
 #: Nodes visited while matching the engine's order of several backward roots before giving up.
 MAX_ROOT_STEPS = 1_000_000
+MAX_ROOTS = 256
 
 
 def execution_order() -> tuple[list[Any] | None, str]:
@@ -48,6 +49,8 @@ def eager_ranks(eager_order: Sequence[Any], call_names: Mapping[int, str]) -> di
     for node in eager_order:
         incoming.update(fn for fn, _ in node.next_functions if fn in rank)
     roots = [node for node in eager_order if incoming[node] == 0]
+    if len(roots) > MAX_ROOTS:  # the search recurses once per root
+        return None
     found: list[dict[int, int]] = []
     steps = [0]
 
