@@ -247,11 +247,22 @@ def test_a_head_fed_by_eager_ops_the_loss_does_not_use_leaves_their_grads_none()
     out, _ = compiled(x, block(x).view(3, 4))
     out.sum().backward()
     assert all(p.grad is None for p in block.parameters())
-    seen = []  # a hook on the input itself sees a tensor, not None
+    seen = []  # a hook on the input itself sees a tensor, not None, as backward finds it
     fed = enc(x)
     fed.register_hook(lambda g: seen.append(g.clamp(-1, 1)))
     compiled(x, fed)[0].sum().backward()
     assert len(seen) == 1 and not seen[0].any()
+    fed, enc.weight.grad = enc(x), None
+    out = compiled(x, fed)[0]
+    fed.register_hook(lambda g: seen.append(g.clamp(-1, 1)))  # after the call
+    out.sum().backward()
+    assert len(seen) == 2 and not seen[1].any()
+    fed, enc.weight.grad = enc(x), None
+    handle = fed.register_hook(lambda g: seen.append(g.clamp(-1, 1)))
+    out = compiled(x, fed)[0]
+    handle.remove()  # before the backward: None again
+    out.sum().backward()
+    assert len(seen) == 2 and enc.weight.grad is None
 
 
 def test_a_second_backward_from_another_output_says_why_it_fails():

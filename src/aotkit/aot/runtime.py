@@ -42,7 +42,7 @@ class CompiledGraphs:
     returned_mutations: list[int]       # inputs whose new value the forward returns
     num_inputs: int
     training: bool = False
-    num_params_buffers: int = 0  # leading inputs, leaves: their hooks are seen on their nodes
+    num_params_buffers: int = 0  # leading inputs, leaves (their hooks seen on their nodes)
     bw_gm: fx.GraphModule | None = None
     bw_compiler: Compiler | None = None
     # The tensors the forward saves, and the inputs among them the backward writes or reads.
@@ -215,8 +215,11 @@ class CompiledFunction(torch.autograd.Function):
         # For a later compiled call's backward: do these outputs have hooks? (Note [Outputs
         # backward does not reach])
         ctx.outputs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in fw_outs]
-        ctx.hooked = {i for i in range(graphs.num_params_buffers, len(args))  # and these inputs?
-                      if getattr(args[i], "_backward_hooks", None)}
+        # And the inputs made by other ops: hooks on them, as backward finds them (or, the
+        # tensor gone, as they were now).
+        ctx.made = [(i, weakref.ref(a), bool(a._backward_hooks))
+                    for i in range(graphs.num_params_buffers, len(args))
+                    if getattr(a := args[i], "grad_fn", None) is not None]
         return (*fw_outs, anchor)
 
     @staticmethod
@@ -295,7 +298,7 @@ class CompiledFunction(torch.autograd.Function):
 # outputs to tell). The engine still visits every node behind an input, with no gradient, and
 # would hand None to hooks eager never calls (on such a leaf or output) and zeros to a Python
 # Function's backward (a module's backward hook): there the zero gradient goes, as PyTorch's
-# AOT autograd sends it; so do hooks on the inputs themselves, taken at each call. A hook on
+# AOT autograd sends it; so do hooks on the inputs themselves, as backward finds them. A hook on
 # a tensor an eager op made further back cannot be seen (autograd keeps node hooks in C++): it
 # gets None (README). With no output reached and every input quiet,
 # nothing runs; otherwise the backward graph runs with zeros for the missing tangents. (An
@@ -311,9 +314,11 @@ def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
     input and hook-free leaves and compiled calls' outputs (ctx.next_functions lists the tensor
     inputs)."""
     tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
+    hooked = {i for i, ref, had in ctx.made if (bool(t._backward_hooks) if (t := ref()) is not None
+                                                 else had)}
     quiet: set[int] = set()
     return {i for i, edge in zip(tensors, ctx.next_functions, strict=True)
-            if i not in ctx.hooked and _quiet(edge, quiet)}
+            if i not in hooked and _quiet(edge, quiet)}
 
 
 def _quiet(edge: tuple[Any, int], quiet: set[int]) -> bool:
