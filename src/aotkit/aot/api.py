@@ -364,8 +364,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
     return CompiledGraphs(
         name=name, meta=meta, fw=fw, returned_mutations=meta.mutated_inputs,
         num_inputs=len(args), training=True, num_params_buffers=options.num_params_buffers,
-        bw_gm=bw_gm,
-        bw_compiler=options.bw_compiler or options.fw_compiler,
+        bw_gm=bw_gm, bw_compiler=options.bw_compiler or options.fw_compiler,
         saved=saved_for_backward(fw_gm, meta.num_fw_outputs),
         differentiable=meta.fw_output_differentiable(),
         tangent_formats=tangent_formats(meta, fw_out_fakes),
