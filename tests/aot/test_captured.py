@@ -1452,3 +1452,21 @@ def test_a_list_in_a_dict_of_a_module_met_deep_in_the_walk_is_put_back():
     aotkit.aot_function(lambda x: trainer.model(x), compilers.nop)(x)
     assert first.state["hist"] == [] and trainer.model.state["hist"] == []
     assert len(aotkit.explain().of_kind("fallback")) >= 2
+
+
+JAGGED = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)
+
+
+class _ReadsJagged(torch.nn.Module):
+    def forward(self, x):
+        return JAGGED * x
+
+
+def test_a_jagged_global_read_by_forward_traces_and_one_read_further_is_refused():
+    """A jagged tensor read as a global by a compiled module's forward, or by a module the
+    function calls, raised PyTorch's raw 'shape_env must not be None'."""
+    x, model = torch.tensor(2.0), _ReadsJagged()
+    torch.testing.assert_close(aotkit.aot_module(model, compilers.nop)(x).values(),
+                               model(x).values())
+    with pytest.raises(aotkit.errors.UnsupportedError, match="jagged nested tensor"):
+        aotkit.aot_function(lambda x: model(x), compilers.nop)(x)

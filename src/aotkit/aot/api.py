@@ -756,7 +756,7 @@ class AotFunction:
         # needs a ShapeEnv.
         mode = _fake_mode(self.options.dynamic, symbols=subclasses or any(
             issubclass(type(t), torch.Tensor) and t.is_nested for _, t in
-            (*captured, *held_tensors.values())))
+            (*captured, *held_by_fn, *held_tensors.values())))
         # Parameters and buffers keep static sizes (Note [Static parameters]).
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])

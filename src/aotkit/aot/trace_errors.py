@@ -72,6 +72,14 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
             f"matches its base's ({exc}), as t.data = ... on a view (a closed-over "
             "T = x.reshape(3, 4)) leaves it.\nFix: rebind the name to a new "
             "tensor (T = ...) rather than assigning its .data, or pass it as an argument.")
+    if isinstance(exc, AssertionError) and static and _raised_in_torch(exc) \
+            and "shape_env must not be None" in str(exc):
+        return UnsupportedError(
+            f"{what} reads a jagged nested tensor it does not take as an argument, somewhere "
+            "aotkit does not look before tracing (a global of a module or helper it calls): "
+            "faking it makes its ragged size a symbol, which needs the ShapeEnv that a trace "
+            "gets when it sees such a tensor first.\nFix: pass the tensor as an argument, or "
+            "read it as a global or closed-over variable of the compiled function itself.")
     if isinstance(exc, AssertionError):
         if "generator is not supported in refs" not in str(exc):
             return exc
