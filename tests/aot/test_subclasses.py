@@ -600,3 +600,15 @@ def test_a_dtensor_gradient_in_other_placements_than_its_input_keeps_eagers_valu
     eager, compiled, refused = run.stdout.splitlines()
     assert eager == compiled
     assert "cannot be brought to it" in refused
+
+
+def test_a_subclass_input_feeding_only_an_unused_output_gets_no_gradient():
+    """A TwoTensor input feeding only the output the loss leaves out: its wrapping Function
+    counted as one that materializes zeros, so the leaf behind got a zero ``.grad`` that
+    optimizers would apply; eager leaves it None."""
+    a = TwoTensor(torch.ones(3), torch.ones(3)).requires_grad_()
+    b = torch.ones(3, requires_grad=True)
+    compiled = aotkit.aot_function(lambda x, y: (x + 1, y * 2), aotkit.compilers.nop)
+    _, out = compiled(a * 2, b)
+    out.sum().backward()
+    assert a.grad is None and torch.equal(b.grad, torch.full((3,), 2.0))

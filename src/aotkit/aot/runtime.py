@@ -23,7 +23,7 @@ from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
 from aotkit.aot.state import GlobalState
-from aotkit.aot.subclass import Boundary
+from aotkit.aot.subclass import PASSING_NONE, Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.aot.untraceable import SavedAfterWrite
 from aotkit.compat import StopRecomputation, dynamo_frames_off
@@ -338,6 +338,8 @@ def _quiet(edge: tuple[Any, int], quiet: set[int]) -> bool:
         elif (leaf := getattr(node, "variable", None)) is not None:
             if leaf._backward_hooks or leaf._post_accumulate_grad_hooks:
                 return False
+        elif isinstance(node, PASSING_NONE):  # a subclass input's wrapping
+            todo.extend(node.next_functions)
         elif isinstance(node, torch.autograd.function.BackwardCFunction) \
                 or type(node).__name__ == "AccumulateGrad":
             return False  # a Python Function (a module's backward hook) materializes zeros

@@ -280,6 +280,10 @@ class _Unwrap(torch.autograd.Function):
         return None, rebuild(ctx.layout, iter(filled))
 
 
+# The nodes of the two Functions above: given no gradient, they pass none on.
+PASSING_NONE = (_Rebuild._backward_cls, _Unwrap._backward_cls)
+
+
 def unwrap(layout: Layout, t: torch.Tensor) -> list[torch.Tensor]:
     return list(_Unwrap.apply(layout, t))
 
