@@ -76,7 +76,15 @@ _OTHER_FORMATS = frozenset({".pdf", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".t
                             ".ps", ".eps", ".gv"})
 
 
-_DRAWN: dict[str, int] = {}  # the last n drawn, by file name prefix
+_NUMBERS: dict[str, int] = {}  # the last number given, by path
+
+
+def next_number(path: str | os.PathLike[str]) -> int:
+    """0, 1, 2, ... for the files written under ``path`` in this process, whoever writes
+    them: two compilers given one name write apart."""
+    key = os.path.abspath(path)
+    _NUMBERS[key] = _NUMBERS.get(key, -1) + 1
+    return _NUMBERS[key]
 
 
 def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
@@ -108,9 +116,7 @@ def draw_graph_compile(name: str) -> Callable[[fx.GraphModule, Sequence[Any]], A
         stem, suffix = os.fspath(name), ".svg"
 
     def draw_and_run(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
-        key = os.path.abspath(stem)
-        _DRAWN[key] = _DRAWN.get(key, -1) + 1
-        result = draw_graph(gm, f"{stem}_{_DRAWN[key]}{suffix}")
+        result = draw_graph(gm, f"{stem}_{next_number(stem)}{suffix}")
         log.info("draw_graph_compile: drew the graph to %s", result.path)
         if result.fallback:  # See Note [draw_graph fallback]
             counters.record("fallback", f"draw_graph_compile({name})", result.fallback, logger=log)

@@ -29,7 +29,7 @@ from aotkit import config
 from aotkit.aot import aot_function, aot_module, aot_module_simplified
 from aotkit.aot.boxing import make_boxed_func
 from aotkit.compat import FakeTensor, size_hint
-from aotkit.compilers.basic import require_graph_module
+from aotkit.compilers.basic import next_number, require_graph_module
 from aotkit.compilers.bind import bind_aten_calls
 from aotkit.errors import ArgumentError, UnsupportedError
 from aotkit.partition.default import default_partition
@@ -467,9 +467,6 @@ def restore_rng_state(input_data_path: str | os.PathLike[str], *, device: str | 
 # --- graph_dumper_aot ---------------------------------------------------------------------------
 
 
-_NEXT_INDEX: dict[str, int] = {}  # the last N given, by dump folder
-
-
 class GraphDumper:
     """Made by :func:`graph_dumper_aot`: compiles like ``nop`` and saves every graph it compiles.
 
@@ -506,21 +503,15 @@ class GraphDumper:
     def partition_fn(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], *,
                   num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
         """Save the joint graph, then split it with :func:`aotkit.default_partition`."""
-        index = self._next_index()
+        index = next_number(self.root)
         self._save(joint_gm, joint_inputs, "joint", index)
         fw_gm, bw_gm = default_partition(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs)
         fw_gm.meta[_INDEX] = bw_gm.meta[_INDEX] = index
         return fw_gm, bw_gm
 
-    def _next_index(self) -> int:
-        # Counted per folder in the process: two dumpers of one name write apart.
-        key = os.path.abspath(self.root)
-        _NEXT_INDEX[key] = _NEXT_INDEX.get(key, -1) + 1
-        return _NEXT_INDEX[key]
-
     def _save(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str,
               index: int | None) -> Callable[..., Any]:
-        stem = f"{self.name}_{kind}_{self._next_index() if index is None else index}"
+        stem = f"{self.name}_{kind}_{next_number(self.root) if index is None else index}"
         folder = self.root / stem
         if kind == "joint":
             values = "not available: the joint graph is traced, never run (see the forward's)"
