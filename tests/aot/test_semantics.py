@@ -11,6 +11,7 @@ import logging
 import re
 import textwrap
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 import aotkit
 from aotkit import compilers, counters
+from aotkit.aot import unreached
 from aotkit.errors import (
     ArgumentError,
     OutputTypeError,
@@ -273,6 +275,11 @@ def test_a_second_backward_from_another_output_says_why_it_fails():
     a.sum().backward()
     with pytest.raises(UnsupportedError, match="retain_graph=True to the earlier backward"):
         b.sum().backward()
+    a, b = aotkit.aot_function(lambda x, w: ((x @ w).sin(), (x * 2).cos()), compilers.nop)(x, w)
+    c, _ = aotkit.aot_function(lambda z, b: (z * 2, b * 3), compilers.nop)(x, b)
+    c.sum().backward()  # reads no output of the first call, yet runs its node: says so
+    with pytest.raises(UnsupportedError, match="also through a later compiled call"):
+        a.sum().backward()
     v = w * 1  # saved, then changed in place: autograd's own error, as in eager
     a, _ = aotkit.aot_function(lambda x, v: ((x @ v).sin(), x), compilers.nop)(x, v)
     with torch.no_grad():
@@ -476,6 +483,58 @@ def test_a_hook_between_two_compiled_calls_the_loss_does_not_reach_sees_a_tensor
     a.sum().backward()
     assert len(seen) == 1 and not seen[0].any()
     torch.testing.assert_close(z.grad, z.detach().exp())
+
+
+def test_a_hooked_output_reached_through_another_slot_of_its_call_sees_a_tensor():
+    """The walk took the call's node as settled once it met its hook-free output first
+    (``h * 1 + aux * 1`` and not ``aux * 1 + h * 1``): the hook on ``aux`` got None. A hooked
+    output that is a view of an intermediate (its own view node) got None too."""
+    def block(x, w, view):
+        t = x * w
+        return (t.view(2, 2) if view else t.reshape(2, 2) * 1), w.exp()
+
+    second = aotkit.aot_function(lambda p, q: (p.sin(), q.cos()), compilers.nop)
+    for order, view in ((0, False), (1, False), (0, True)):
+        x, w, z = rand(4), rand(4, grad=True), rand(4, grad=True)
+        h, aux = aotkit.aot_function(functools.partial(block, view=view), compilers.nop)(x, w)
+        seen = []
+        (h if view else aux).register_hook(lambda g, seen=seen: seen.append(g * 2))
+        mixed = h.reshape(4) * 1 + aux * 1 if order == 0 else aux * 1 + h.reshape(4) * 1
+        _, d = second(mixed, z)
+        (d.sum() + aux.sum() if view else d.sum()).backward()
+        assert len(seen) == 1 and not seen[0].any()
+
+
+def test_walking_behind_inputs_is_linear_in_the_eager_graph():
+    """A compiled head per step of an eager recurrence, its second output unused: every call
+    walked the whole recurrence behind it again (800 steps: 11 s of backward)."""
+    cell = nn.GRUCell(4, 4)
+    head = aotkit.aot_function(lambda h: ((h * 2).sum(), h.exp()), compilers.nop)
+    walked = []
+    real = unreached._look
+    with mock.patch.object(unreached, "_look", lambda *a: walked.append(1) or real(*a)):
+        for steps in (50, 100):
+            walked.clear()
+            h, losses = torch.zeros(1, 4), []
+            for _ in range(steps):
+                h = cell(torch.ones(1, 4), h)
+                losses.append(head(h)[0])
+            torch.stack(losses).sum().backward()
+            assert len(walked) < 20 * steps
+    assert all(p.grad is not None for p in cell.parameters())
+
+
+def test_autograd_grad_asks_nothing_of_what_it_does_not_run():
+    """``autograd.grad(loss, [feats])``: the Linear that made feats never runs, so the hooks on
+    its parameters do not count; feats fed the unused output only, so it gets no gradient."""
+    lin = nn.Linear(4, 4)
+    lin.weight.register_post_accumulate_grad_hook(lambda p: None)
+    feats, compiled = lin(rand(2, 4)), aotkit.aot_function(_two_heads, compilers.nop)
+    x, w = rand(2, 3, grad=True), rand(3, 3, grad=True)
+    assert torch.autograd.grad(compiled(x, feats, w)[0].sum(), [feats], allow_unused=True) \
+        == (None,)
+    with pytest.raises(RuntimeError, match="appears to not have been used"):
+        torch.autograd.grad(compiled(x, feats, w)[0].sum(), [feats])
 
 
 def test_no_gradient_flows_through_a_chain_of_compiled_functions_the_loss_does_not_reach():

@@ -612,3 +612,9 @@ def test_a_subclass_input_feeding_only_an_unused_output_gets_no_gradient():
     _, out = compiled(a * 2, b)
     out.sum().backward()
     assert a.grad is None and torch.equal(b.grad, torch.full((3,), 2.0))
+    seen = []  # a hook on the subclass input itself sees zeros, as a plain input's does
+    x = a * 2
+    x.register_hook(lambda g: seen.append(g * 2))
+    _, out = compiled(x, b)
+    out.sum().backward()
+    assert len(seen) == 1 and isinstance(seen[0], TwoTensor) and not seen[0].a.any()

@@ -17,13 +17,14 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import counters
+from aotkit.aot import unreached
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent, laid_out_alike
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
 from aotkit.aot.state import GlobalState
-from aotkit.aot.subclass import PASSING_NONE, Boundary
+from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.aot.untraceable import SavedAfterWrite
 from aotkit.compat import StopRecomputation, dynamo_frames_off
@@ -214,7 +215,7 @@ class CompiledFunction(torch.autograd.Function):
         )
         # For a later compiled call's backward: do these outputs have hooks? (Note [Outputs
         # backward does not reach])
-        ctx.outputs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in fw_outs]
+        ctx.outputs = [(weakref.ref(o),) if isinstance(o, torch.Tensor) else () for o in fw_outs]
         # And the inputs made by other ops: hooks on them, as backward finds them (or, the
         # tensor gone, as they were now).
         ctx.made = [(i, weakref.ref(a), bool(a._backward_hooks))
@@ -292,17 +293,19 @@ class CompiledFunction(torch.autograd.Function):
 # stands for all of the compiled outputs, so its backward is told which got no gradient
 # (materialize_grads off: None instead of zeros), and an input's gradient that depends on
 # missing tangents only (a bit mask per input, read off the backward graph once) is None where
-# that None goes nowhere else: into no edge, or through eager C++ ops only (they pass None on)
-# to leaves without hooks (a parameter: ``.grad`` stays None) and other compiled calls' outputs
+# that None goes nowhere else: into no edge, into nodes the running backward does not execute
+# (``autograd.grad`` with ``inputs``), or through eager C++ ops only (they pass None on) to
+# leaves without hooks (a parameter: ``.grad`` stays None) and other compiled calls' outputs
 # without hooks (that call applies the same rule; each call keeps weak references to its
-# outputs to tell). The engine still visits every node behind an input, with no gradient, and
-# would hand None to hooks eager never calls (on such a leaf or output) and zeros to a Python
-# Function's backward (a module's backward hook): there the zero gradient goes, as PyTorch's
-# AOT autograd sends it; so do hooks on the inputs themselves, as backward finds them. A hook on
-# a tensor an eager op made further back cannot be seen (autograd keeps node hooks in C++): it
-# gets None (README). With no output reached and every input quiet,
-# nothing runs; otherwise the backward graph runs with zeros for the missing tangents. (An
-# eager graph freed by an earlier backward raises when visited: README, known gaps.)
+# outputs and to the views regenerated from them to tell). aotkit.aot.unreached walks there.
+# The engine still visits every node behind an input, with no gradient, and would hand None to
+# hooks eager never calls (on such a leaf or output) and zeros to a Python Function's backward
+# (a module's backward hook): there the zero gradient goes, as PyTorch's AOT autograd sends it;
+# so do hooks on the inputs themselves, as backward finds them. A hook on a tensor an eager op
+# made further back cannot be seen (autograd keeps node hooks in C++): it gets None (README).
+# With no output reached and every input quiet, nothing runs; otherwise the backward graph runs
+# with zeros for the missing tangents. (An eager graph freed by an earlier backward raises when
+# visited: README, known gaps.)
 # The engine's node class of CompiledFunction; bound as a plain class, which Dynamo tracing a
 # compiled-autograd graph's call of the backward (compiler_fn = torch.compile) can compare
 # with, where it refused the Function's attribute.
@@ -316,37 +319,8 @@ def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
     tensors = [i for i, info in enumerate(graphs.meta.inputs) if info.is_tensor]
     hooked = {i for i, ref, had in ctx.made if (bool(t._backward_hooks) if (t := ref()) is not None
                                                  else had)}
-    quiet: set[int] = set()
     return {i for i, edge in zip(tensors, ctx.next_functions, strict=True)
-            if i not in hooked and _quiet(edge, quiet)}
-
-
-def _quiet(edge: tuple[Any, int], quiet: set[int]) -> bool:
-    """Whether None sent along ``edge`` reaches only nodes that pass it on or drop it, as eager
-    never visiting them would (Note [Outputs backward does not reach]); ``quiet``: the nodes
-    found so, by id."""
-    todo, visited = [edge], set()
-    while todo:
-        node, slot = todo.pop()
-        if node is None or id(node) in quiet or id(node) in visited:
-            continue
-        visited.add(id(node))
-        if isinstance(node, _COMPILED_NODE):  # that call applies the same rule
-            ref = node.outputs[slot] if slot < len(node.outputs) else None
-            if (out := ref() if ref is not None else None) is not None and out._backward_hooks:
-                return False
-        elif (leaf := getattr(node, "variable", None)) is not None:
-            if leaf._backward_hooks or leaf._post_accumulate_grad_hooks:
-                return False
-        elif isinstance(node, PASSING_NONE):  # a subclass input's wrapping
-            todo.extend(node.next_functions)
-        elif isinstance(node, torch.autograd.function.BackwardCFunction) \
-                or type(node).__name__ == "AccumulateGrad":
-            return False  # a Python Function (a module's backward hook) materializes zeros
-        else:
-            todo.extend(node.next_functions)
-    quiet |= visited
-    return True
+            if i not in hooked and unreached.quiet(edge, _COMPILED_NODE)}
 
 
 def _zeros_for_unreached(ctx: Any, graphs: CompiledGraphs, grads: Sequence[Any]) -> list[Any]:
@@ -401,9 +375,10 @@ def _saved(ctx: Any) -> tuple[list[Any], torch.Tensor]:
 def _freed_by_an_earlier_backward(name: str) -> UnsupportedError:
     return UnsupportedError(
         f"{name}: backward through its graph a second time, whose saved tensors an earlier "
-        "backward freed. One autograd node stands for all of its outputs, so a backward from "
-        "one output frees what the others' backward needs too (eager frees only each output's "
-        "own part).\nFix: pass retain_graph=True to the earlier backward, or add the losses "
+        "backward freed. One autograd node stands for all of its outputs and a backward runs "
+        "it whenever it reaches one of them (also through a later compiled call that reads "
+        "one only for outputs that backward did not use), freeing what a backward from the "
+        "others needs too (eager frees only each output's own part).\nFix: pass retain_graph=True to the earlier backward, or add the losses "
         "and call backward once.")
 
 
@@ -707,11 +682,11 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
         elif info.alias is Alias.OF_INPUT:
             view = _ViewSource(args[info.base], new_values.get(info.base), info.base)
             results.append(regenerate_view(view, out, info, graphs.name))
-        elif info.alias is Alias.OF_OUTPUT:
-            view = _ViewSource(graph_outs[position[info.base]])
-            results.append(regenerate_view(view, out, info, graphs.name))
         else:
-            results.append(regenerate_view(_ViewSource(bases[info.base]), out, info, graphs.name))
+            base = graph_outs[position[info.base]] if info.alias is Alias.OF_OUTPUT \
+                else bases[info.base]
+            results.append(regenerate_view(_ViewSource(base), out, info, graphs.name))
+            unreached.note_view(base, results[-1], _COMPILED_NODE)
         if info.made_as and not isinstance(results[-1], (torch.nn.Parameter, torch.nn.Buffer)):
             results[-1] = _remade(results[-1], info.made_as)  # not one returned again
     return results

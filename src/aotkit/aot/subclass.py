@@ -25,6 +25,7 @@ every tensor, and what the graph computes depends on the parts only.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -261,6 +262,8 @@ class _Unwrap(torch.autograd.Function):
     def forward(ctx: Any, layout: Layout, t: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         plain = parts(t, layout)
         ctx.layout, ctx.plain = layout, plain
+        if t.grad_fn is not None:  # its hooks, as backward finds them (aotkit.aot.unreached)
+            ctx.source = (weakref.ref(t), bool(t._backward_hooks))
         ctx.set_materialize_grads(False)
         out = tuple(p.detach() for p in plain)  # new tensor objects: the subclass's stay as they are
         ctx.mark_non_differentiable(*(o for o, d in zip(out, layout.grads, strict=True) if not d))
