@@ -1470,3 +1470,44 @@ def test_a_jagged_global_read_by_forward_traces_and_one_read_further_is_refused(
                                model(x).values())
     with pytest.raises(aotkit.errors.UnsupportedError, match="jagged nested tensor"):
         aotkit.aot_function(lambda x: model(x), compilers.nop)(x)
+
+
+MODEL = torch.nn.Linear(3, 3)
+
+
+def test_a_module_global_or_closure_rebound_traces_again():
+    """``model = Net()`` for the next fold: the first model's graph (its weights constants) ran
+    on, whether the old model was freed or kept."""
+    global MODEL
+    compiled = aotkit.aot_function(lambda x: MODEL(x), compilers.nop)
+    inner = torch.nn.Linear(3, 3)
+    closed = aotkit.aot_function(lambda x: inner(x), compilers.nop)
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), MODEL(x), rtol=0, atol=0)
+            torch.testing.assert_close(closed(x), inner(x), rtol=0, atol=0)
+        MODEL, inner = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    assert "the global MODEL is another Linear object" in str(aotkit.explain())
+
+
+def test_a_subclass_parameter_replaced_or_made_to_require_grad_traces_again():
+    """A TwoTensor parameter of a called module was noted by its parts, so replacing it (or
+    unfreezing it) left the old graph running on the old parts (or without its gradient)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def two(*shape):
+        return torch.nn.Parameter(TwoTensor(torch.randn(*shape), torch.randn(*shape)), False)
+
+    lin = torch.nn.Linear(3, 3)
+    lin.weight, lin.bias = two(3, 3), two(3)
+    compiled = aotkit.aot_function(lambda x: lin(x), compilers.nop)
+    x = TwoTensor(torch.randn(2, 3), torch.randn(2, 3))
+    compiled(x)
+    lin.weight = two(3, 3)
+    out, expected = compiled(x), lin(x)
+    torch.testing.assert_close(out.a, expected.a, rtol=0, atol=0)
+    torch.testing.assert_close(out.b, expected.b, rtol=0, atol=0)
+    lin.weight.requires_grad_()
+    with pytest.raises(aotkit.errors.UnsupportedError, match="requires grad"):
+        compiled(x)

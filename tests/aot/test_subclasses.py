@@ -618,3 +618,22 @@ def test_a_subclass_input_feeding_only_an_unused_output_gets_no_gradient():
     _, out = compiled(x, b)
     out.sum().backward()
     assert len(seen) == 1 and isinstance(seen[0], TwoTensor) and not seen[0].a.any()
+
+
+def test_a_jagged_tensor_made_inside_or_its_offsets_say_what_to_do():
+    """``nested_tensor_from_jagged`` inside raised PyTorch's raw RuntimeError (it refuses FX
+    traces), and offsets that made a jagged tensor before could not be faked statically (a
+    raw AssertionError)."""
+    values, offsets = torch.randn(6, 3), torch.tensor([0, 2, 6])
+
+    def padded(x, off):
+        return torch.nested.nested_tensor_from_jagged(x, off).to_padded_tensor(0.0)
+
+    with pytest.raises(aotkit.errors.UnsupportedError, match="make the nested tensor outside"):
+        aotkit.aot_function(padded, aotkit.compilers.nop)(values, offsets)
+    padded(values, offsets)
+    double = aotkit.aot_function(lambda o: o * 2, aotkit.compilers.nop)
+    with pytest.raises(aotkit.errors.UnsupportedError, match="offsets of a jagged nested tensor"):
+        double(offsets)
+    assert torch.equal(aotkit.aot_function(lambda o: o * 2, aotkit.compilers.nop,
+                                           dynamic=True)(offsets), offsets * 2)

@@ -863,3 +863,15 @@ def test_checkpoints_early_stop_inside_an_input_write_is_refused():
         for run in (eager, aotkit.aot_module(model, compilers.nop)):
             early_stop_off(run).sum().backward()
         torch.testing.assert_close(model.buf, eager.buf, rtol=0, atol=0)
+
+
+def test_reading_the_stored_entries_of_a_sparse_tensor_is_refused():
+    """Fake sparse tensors store nothing: ``x * A._nnz()`` gave zeros, and edge weights of
+    ``torch.ones(A._nnz())`` failed at run time with PyTorch's raw error."""
+    adjacency = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]),
+                                        torch.tensor([1.0, 2.0, 3.0]), (3, 3)).coalesce()
+    for fn in (lambda x: x * adjacency._nnz(), lambda x: x * adjacency._values().shape[0],
+               lambda x: x * adjacency.to_sparse_csr().crow_indices()[-1]):
+        with pytest.raises(UnsupportedError, match="stored entries of a sparse tensor"):
+            aotkit.aot_function(fn, compilers.nop)(rand(3, 2))
+    check_against_eager(lambda x: torch.sparse.mm(adjacency, x), rand(3, 2, grad=True))

@@ -16,8 +16,9 @@ tensor by identity, its dtype, size and strides watched with the graph's constan
   a function nested in it assigns, nor attribute names) and the variables it closes over (not
   those it assigns: a ``nonlocal`` counter), when they hold a plain value (a number, string,
   bool, None, enum, dtype, device, layout, memory format, slice, range, bytes, a tuple or
-  frozenset of such; a longer one, or one holding other objects, by identity) or a tensor
-  when it is compiled, or are not assigned yet, read again at
+  frozenset of such; a longer one, or one holding other objects, by identity), a tensor
+  when it is compiled or a module (by identity: ``model = Net()`` again for the next fold
+  runs another graph), or are not assigned yet, read again at
   every call; a decorator module's globals are named by module (``the global mylib.DEBUG``);
 * its default argument values, and a ``functools.partial``'s arguments;
 * a module's class's ``forward``, where the function is a module (``Net.forward = ...``
@@ -49,8 +50,8 @@ A change is a recompile naming it (``the global LR changed: float 1.0 -> float 0
 ``self.temperature changed: ...``). Not keyed: values read by the functions it calls (but its
 object's methods; a submodule's attributes), attributes its code does not mention (a
 scheduler's step counter on the same trainer: keying every attribute recompiled at every
-call; ``getattr(self, name)`` of a variable name), and objects other than tensors held in
-globals or closed over (a config object, a logger): pass those as arguments. Modules have their
+call; ``getattr(self, name)`` of a variable name), and objects other than tensors and modules
+held in globals or closed over (a config object, a logger): pass those as arguments. Modules have their
 own watch (Note [What a trace reads besides its inputs]). ``aot_module``'s forward is not
 looked into: a module's attributes are read while tracing (README).
 """
@@ -103,8 +104,9 @@ def _capturable(value: Any) -> bool:
 
 def _constant(value: Any) -> bool:
     """A plain value, or a tuple or frozenset beyond them (too long, or holding an object):
-    immutable, so keyed by identity when not by value."""
-    return _capturable(value) or issubclass(type(value), (tuple, frozenset))
+    immutable, so keyed by identity when not by value; or a module, keyed by identity (its
+    parameters are the graph's constants)."""
+    return _capturable(value) or issubclass(type(value), (tuple, frozenset, torch.nn.Module))
 
 
 def key(value: Any) -> Keyed:

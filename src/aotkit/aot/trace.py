@@ -12,6 +12,7 @@ import contextvars
 import functools
 import itertools
 import logging
+import operator
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,10 +26,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _disable_current_modes,
-)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, laid_out_alike, to_fun
@@ -68,6 +66,7 @@ from aotkit.aot.trace_errors import (
     write_to_overlapping_memory,
 )
 from aotkit.aot.untraceable import (
+    has_tangent,
     no_autograd_kernel,
     note_no_autograd_kernel,
     reaches_autograd_fallback,
@@ -127,6 +126,14 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
         fake = mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
         fake.item_memo = None  # its value is data, not a guarded size: Note [Data-dependent sizes]
         return fake
+    except AssertionError as exc:
+        if "shape_env must not be None" not in str(exc):
+            raise
+        raise UnsupportedError(  # faked as a jagged tensor's offsets: a ragged-size symbol
+            f"{name} cannot be traced without dynamic shapes: it served as the offsets of a "
+            "jagged nested tensor (nested_tensor_from_jagged), so PyTorch fakes it with a "
+            "ragged-size symbol.\nFix: pass the nested tensor itself, pass a copy "
+            "(offsets.clone()), or use dynamic=True.") from exc
     except UnsupportedFakeTensorException as exc:
         raise UnsupportedError(
             f"{name} cannot be traced: PyTorch's fake tensors cannot copy it ({exc.reason}; "
@@ -479,9 +486,11 @@ class _OutsideTensorGuard(TorchDispatchMode):
 
     def _outside(self, t: torch.Tensor) -> torch.Tensor | None:
         """The outside tensor ``t`` is or views, if any."""
-        if is_subclass(t):  # outside if one of its parts is (Note [Tensor subclasses])
-            return next((b for b in map(self._outside, parts(t, layout_of(t))) if b is not None),
-                        None)
+        if is_subclass(t):  # outside if one of its parts is (Note [Tensor subclasses]): the
+            inner = parts(t, layout_of(t))  # caller's subclass tensor itself if all of them are
+            found = list(map(self._outside, inner))
+            return t if all(map(operator.is_, found, inner)) else next(
+                (b for b in found if b is not None), None)
         if not isinstance(t, (FakeTensor, FunctionalTensor)):
             return t
         view, base = self.views.get(id(t), (None, None))
@@ -526,7 +535,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
             if grad and t.requires_grad and self._wholly_outside(t):
                 raise self._refusal(t, f"requires grad ({func} reads it)",
                                     "its gradient would be lost")
-            if fwAD._current_level >= 0 and _has_tangent(t):
+            if fwAD._current_level >= 0 and has_tangent(t):
                 raise self._refusal(t, f"is a forward-mode AD dual tensor ({func} reads it)",
                                     "its tangent would be lost")
             note_constant(base, grad and id(t) not in self.detached, self.wrote)
@@ -655,20 +664,6 @@ _GRADLESS_READS = frozenset({
     torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.new_full.default,
 })
-
-
-_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
-
-
-def _has_tangent(t: torch.Tensor) -> bool:
-    """Whether the real tensor ``t`` is a forward-mode AD dual tensor at the current level. Read
-    from a dispatch mode, which runs below autograd, where unpacking one fails: with the modes
-    off and autograd's keys back on."""
-    keys = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                           torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
-    with _disable_current_modes(), keys:
-        return fwAD.unpack_dual(t).tangent is not None
 
 
 def trace_joint(

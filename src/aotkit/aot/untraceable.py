@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
+from torch.utils._python_dispatch import _disable_current_modes
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.aot.ops import tensors_in, written_by
@@ -54,6 +56,14 @@ _SPARSE_MAKERS = frozenset({
     torch.sparse_compressed_tensor})
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                             torch.sparse_bsc})
+# Fake sparse tensors store no entries: a sparse constant's ``_nnz()`` read 0 while tracing
+# (``x * A._nnz()`` gave zeros) and its ``_values()`` had none (``torch.ones(A._nnz())`` as
+# edge weights failed at run time). Reading how many entries a sparse tensor stores, or the
+# tensors holding them, is refused.
+_SPARSE_ENTRIES = frozenset({
+    torch.Tensor._nnz, torch.Tensor._values, torch.Tensor._indices, torch.Tensor.values,
+    torch.Tensor.indices, torch.Tensor.crow_indices, torch.Tensor.col_indices,
+    torch.Tensor.ccol_indices, torch.Tensor.row_indices})
 
 
 def _is_leaf(t: torch.Tensor) -> bool:
@@ -171,6 +181,13 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
                 f"(return the tensor if it is made inside), {_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
             raise _sparse_refusal(func)
+        elif func in _SPARSE_ENTRIES and args[0].layout in _SPARSE_LAYOUTS:
+            raise UnsupportedError(
+                f"the compiled function reads the stored entries of a sparse tensor ("
+                f"{func.__name__}, at {current_user_line()}): tracing sees sparse tensors "
+                "without their entries (none stored), so the graph would hold a count of 0 "
+                "or tensors of no elements.\nFix: compute what you need of them outside the "
+                f"compiled function and pass it as an argument, {_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.register_hook and not (registrar := _hook_registrar())[0]:
             where = current_user_line()
             if not _made_while_tracing(args[0]):  # the caller's own
@@ -451,3 +468,17 @@ def no_autograd_kernel(what: str, ops: Sequence[str], how: str) -> UnsupportedEr
         "(torch.library.register_autograd), register its kernel as CompositeImplicitAutograd "
         "so that it traces through, or pass that input detached (x.detach()) where its "
         "gradient is not needed.")
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
+
+
+def has_tangent(t: torch.Tensor) -> bool:
+    """Whether the real tensor ``t`` is a forward-mode AD dual tensor at the current level. Read
+    from a dispatch mode, which runs below autograd, where unpacking one fails: with the modes
+    off and autograd's keys back on."""
+    keys = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
+    with _disable_current_modes(), keys:
+        return fwAD.unpack_dual(t).tangent is not None
