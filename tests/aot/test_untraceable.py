@@ -68,6 +68,22 @@ def test_grad_of_a_parameter_read_by_an_aot_module_forward_is_refused():
         model(torch.randn(4, 3))
 
 
+def test_grad_of_a_closed_over_parameter_is_refused():
+    """An optimizer's zero_grad(set_to_none=True) cleared .grad once, while tracing (gradients
+    piled up from the second step); a gradient norm read then became a graph constant; a
+    .grad set was left holding a tracing tensor."""
+    lin = nn.Linear(3, 2)
+    lin(torch.randn(4, 3)).sum().backward()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for fn, verb in ((lambda: opt.zero_grad(set_to_none=True), "reads"),
+                     (lambda x: x * lin.weight.grad.norm(), "reads"),
+                     (lambda x: setattr(lin.bias, "grad", x * 2) or x, "sets")):
+        with pytest.raises(UnsupportedError, match=rf"{verb} \.grad of a tensor that it does not"):
+            aotkit.aot_function(fn, compilers.nop)(*([torch.ones(2)] if fn.__code__.co_argcount
+                                                     else []))
+    assert lin.weight.grad is not None and type(lin.bias.grad) is torch.Tensor
+
+
 def test_grad_work_under_torch_compile_matches_eager():
     torch._dynamo.reset()
     results = []

@@ -874,3 +874,68 @@ def test_more_backward_roots_than_the_search_takes_say_their_order_is_unknown(
     torch.testing.assert_close(actual, expected)
     (decision,) = aotkit.explain().of_kind("hook_order")
     assert "too many to search" in decision.why
+
+
+def test_node_hooks_get_tuples_and_retain_grad_without_a_gradient_does_nothing() -> None:
+    """Node hooks got lists (a pre-hook returning its argument was refused, ``gi[1:]`` added to
+    a tuple raised), and ``retain_grad()`` on a tensor no gradient reaches (the unused half of
+    a split, an input a custom backward returns None for) crashed the process."""
+    class FirstGetsNone(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            return p * q
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+            return None, g
+
+    def step(log: list[str]) -> Any:
+        x, q = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        y = x.exp()
+        y.grad_fn.register_prehook(lambda gos: (log.append(type(gos).__name__), gos)[1])
+        y.grad_fn.register_hook(lambda gis, gos: (gis[0] * 2,) + gis[1:])  # noqa: RUF005 - a tuple
+        a, b = (y * 1).split(2)
+        b.retain_grad()
+        c = x * 2
+        c.retain_grad()
+        (a.sum() + FirstGetsNone.apply(c, q).sum()).backward()
+        return x.grad, b.grad, c.grad, q.grad
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log == ["tuple"]
+    assert actual[1] is None and actual[2] is None
+    torch.testing.assert_close(actual, expected)
+
+
+def test_a_hook_may_not_replace_a_missing_gradient() -> None:
+    """Eager refuses a tensor where the gradient is None; the replay used the tensor."""
+    def step(log: list[str]) -> Any:
+        x = torch.randn(4, requires_grad=True)
+        a, b = (x * 1).split(2)
+        b.register_hook(lambda g: torch.ones(2))
+        a.sum().backward()
+
+    for context in (nullcontext(), aotkit.compiled_autograd.enable(nop)):
+        with context, pytest.raises(RuntimeError, match="replace a None gradient"):
+            step([])
+
+
+def test_grad_mode_or_autocast_a_hook_leaves_on_ends_with_it() -> None:
+    """The engine restores them before every node; the replay ran on in bfloat16, with
+    ``.grad`` requiring grad."""
+    def step(log: list[str]) -> Any:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        out = model(torch.randn(3, 4)).sum()
+
+        def leaky(g: torch.Tensor) -> None:
+            torch.set_grad_enabled(True)
+            torch.autocast("cpu", dtype=torch.bfloat16).__enter__()
+
+        model[2].weight.register_hook(leaky)
+        out.backward()
+        return [(p.grad.dtype, p.grad.requires_grad) for p in model.parameters()], \
+            [p.grad for p in model.parameters()]
+
+    _, _, expected, actual = both(step)
+    assert actual[0] == expected[0] == [(torch.float32, False)] * 4
+    torch.testing.assert_close(actual[1], expected[1])

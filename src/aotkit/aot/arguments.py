@@ -21,7 +21,7 @@ from aotkit import counters
 from aotkit.aot.boxing import refused_call
 from aotkit.aot.signature import identity_keyed_parts
 from aotkit.aot.subclass import is_subclass, overrides_torch_function
-from aotkit.aot.trace import NOT_AN_ARGUMENT
+from aotkit.aot.untraceable import NOT_AN_ARGUMENT
 from aotkit.errors import ArgumentError, OutputTypeError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")

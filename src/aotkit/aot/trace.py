@@ -66,6 +66,7 @@ from aotkit.aot.trace_errors import (
     write_to_overlapping_memory,
 )
 from aotkit.aot.untraceable import (
+    NOT_AN_ARGUMENT,
     has_tangent,
     no_autograd_kernel,
     note_no_autograd_kernel,
@@ -396,9 +397,6 @@ def _saved_tensor_hooks_deferred() -> Iterator[None]:
 # tensor an op makes with its pass and refuses one from another pass. A weight
 # ``parametrize.cached()`` holds from an eager call would be a real constant, stale once the
 # block ends: traces run with that cache off and compute the weight from its original.
-NOT_AN_ARGUMENT = ("that it does not take as an argument (a closed-over variable, a global or "
-                   "an attribute)")
-
 
 class _OutsideTensorGuard(TorchDispatchMode):
     """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""

@@ -38,6 +38,8 @@ _GRAD_GET = torch.Tensor.grad.__get__  # type: ignore[attr-defined]
 _GRAD_SET = torch.Tensor.grad.__set__  # type: ignore[attr-defined]
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
 _USE_TORCH_COMPILE = "or use torch.compile(fn, backend='aotkit'), whose Dynamo handles it"
+NOT_AN_ARGUMENT = ("that it does not take as an argument (a closed-over variable, a global or "
+                   "an attribute)")
 
 
 # Note [Sparse tensors made inside]
@@ -246,8 +248,15 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
 
     def _refuse_grad_access(self, t: Any, verb: str) -> None:
         index = self.inputs.get(id(t))
-        if index is None:  # a tensor made inside: eager's .grad is None too
+        if index is None and _made_while_tracing(t):  # made inside: eager's .grad is None too
             return
+        if index is None:  # the caller's (an optimizer's parameters, zero_grad)
+            raise UnsupportedError(
+                f"the compiled function {verb} .grad of a tensor {NOT_AN_ARGUMENT} (at "
+                f"{current_user_line()}); tracing runs it once, so the graph would act at "
+                "every call on the .grad the trace saw (a gradient norm read then, a "
+                "zero_grad(set_to_none=True) done once).\nFix: do the gradient work outside "
+                f"the compiled function, {_USE_TORCH_COMPILE}.")
         raise UnsupportedError(
             f"the compiled function {verb} .grad of input {index} (at {current_user_line()}); "
             "a trace sees inputs without gradients, so the graph would act at every call as "

@@ -6,10 +6,11 @@ through an :class:`Op` so the printed graph names the formula (``MulBackward0``)
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,7 +81,8 @@ def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any,
     :func:`defines_vjp`) with the graph's saved tensors; ``tensor_inputs`` says which forward
     inputs were tensors, for eager's checks of what the backward returns."""
     user = ctx._forward_cls.vjp if vjp else ctx._forward_cls.backward
-    out = user(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
+    with _as_the_engine_leaves_it():
+        out = user(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
     return _checked_grads(ctx, out if isinstance(out, tuple) else (out,), tensor_inputs)
 
 
@@ -135,7 +137,10 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     removals = getattr(_replay, "removals", None)
     if removals is not None and not removals.runs(hook):
         return args[0]
-    result = hook(*args)
+    if hook_type in ("pre_hook", "post_hook"):  # eager hands node hooks tuples
+        args = tuple(map(tuple, args))
+    with _as_the_engine_leaves_it():
+        result = hook(*args)
     if result is None:
         return args[0]
     if hook_type == "post_acc_grad_hook":  # eager: a TypeError unless it is a tensor
@@ -149,6 +154,23 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     elif hook_type in ("pre_hook", "post_hook"):
         _check_grads(hook, result, args[0])
     return result
+
+
+# Note [State a hook leaves behind]
+# Eager's engine sets the backward's grad mode and dispatch state (autocast among it) before
+# every node, so a hook or custom backward that leaves grad mode on or an autocast region open
+# changes nothing after it. A replayed graph runs on in the state such code left: later hooks saw
+# grad mode on, ``.grad`` came out requiring grad, later matmuls ran in bfloat16. So each user
+# call is followed by the state from before it.
+@contextlib.contextmanager
+def _as_the_engine_leaves_it() -> Iterator[None]:
+    grad = torch.is_grad_enabled()
+    try:
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                             torch._C._dispatch_tls_local_exclude_set()):
+            yield
+    finally:
+        torch._C._set_grad_enabled(grad)
 
 
 def _hook_name(hook: Callable[..., Any]) -> str:
@@ -166,7 +188,9 @@ def _check_grad(hook: Callable[..., Any], new: Any, old: Any) -> None:
             "must return a Tensor of the gradient's size, or None to keep the gradient."
         )
     if old is None:
-        return
+        raise HookResultError(
+            f"backward hook {_hook_name(hook)!r} returned a gradient where there was none "
+            "(None): can't replace a None gradient with a non-None value; return None there.")
     if new.shape != old.shape:
         raise HookResultError(
             f"backward hook {_hook_name(hook)!r} changed the size of a gradient from "
@@ -232,8 +256,9 @@ def accumulated_inputs(gm: fx.GraphModule) -> list[int]:
 
 
 def call_cpp_tensor_pre_hooks(hook_id: int, grad: torch.Tensor) -> torch.Tensor:
-    """Run C++ tensor pre-hooks such as the one ``retain_grad()`` installs."""
-    return compat.call_cpp_tensor_pre_hooks(hook_id, grad)
+    """Run C++ tensor pre-hooks such as the one ``retain_grad()`` installs; not on a missing
+    gradient (a custom backward returned None), as eager does not (passed to C++: a crash)."""
+    return grad if grad is None else compat.call_cpp_tensor_pre_hooks(hook_id, grad)
 
 
 def copy_slices_prologue(
