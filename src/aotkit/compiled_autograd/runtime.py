@@ -6,11 +6,10 @@ through an :class:`Op` so the printed graph names the formula (``MulBackward0``)
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,8 +80,7 @@ def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any,
     :func:`defines_vjp`) with the graph's saved tensors; ``tensor_inputs`` says which forward
     inputs were tensors, for eager's checks of what the backward returns."""
     user = ctx._forward_cls.vjp if vjp else ctx._forward_cls.backward
-    with _as_the_engine_leaves_it():
-        out = user(compat.replay_ctx(ctx, list(saved_tensors)), *grads)
+    out = _as_the_engine_would(user, compat.replay_ctx(ctx, list(saved_tensors)), *grads)
     return _checked_grads(ctx, out if isinstance(out, tuple) else (out,), tensor_inputs)
 
 
@@ -139,8 +137,7 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
         return args[0]
     if hook_type in ("pre_hook", "post_hook"):  # eager hands node hooks tuples
         args = tuple(map(tuple, args))
-    with _as_the_engine_leaves_it():
-        result = hook(*args)
+    result = _as_the_engine_would(hook, *args)
     if result is None:
         return args[0]
     if hook_type == "post_acc_grad_hook":  # eager: a TypeError unless it is a tensor
@@ -161,14 +158,16 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
 # every node, so a hook or custom backward that leaves grad mode on or an autocast region open
 # changes nothing after it. A replayed graph runs on in the state such code left: later hooks saw
 # grad mode on, ``.grad`` came out requiring grad, later matmuls ran in bfloat16. So each user
-# call is followed by the state from before it.
-@contextlib.contextmanager
-def _as_the_engine_leaves_it() -> Iterator[None]:
+# call is followed by the state from before it (a compiler running Dynamo over the graph
+# traces the calls and keeps its own account of that state).
+def _as_the_engine_would(user: Callable[..., Any], *args: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return user(*args)
     grad = torch.is_grad_enabled()
     try:
         with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                              torch._C._dispatch_tls_local_exclude_set()):
-            yield
+            return user(*args)
     finally:
         torch._C._set_grad_enabled(grad)
 
