@@ -8,7 +8,9 @@ import collections
 import copy
 import dataclasses
 import functools
+import gc
 import types
+import weakref
 from typing import Any
 
 import pytest
@@ -1488,7 +1490,17 @@ def test_a_module_global_or_closure_rebound_traces_again():
             torch.testing.assert_close(compiled(x), MODEL(x), rtol=0, atol=0)
             torch.testing.assert_close(closed(x), inner(x), rtol=0, atol=0)
         MODEL, inner = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
-    assert "the global MODEL is another Linear object" in str(aotkit.explain())
+    assert "the global MODEL changed: a Linear object since freed -> a Linear object" \
+        in str(aotkit.explain())
+    folds = []  # the key does not hold a fold's model: a freed one's entry goes with it
+    for _ in range(2 * aotkit.config.recompile_limit):
+        MODEL = torch.nn.Linear(3, 3)
+        folds.append(weakref.ref(MODEL))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), MODEL(x), rtol=0, atol=0)
+    MODEL = None
+    gc.collect()
+    assert sum(f() is not None for f in folds) == 0 and compiled.num_entries <= 2
 
 
 def test_a_subclass_parameter_replaced_or_made_to_require_grad_traces_again():
@@ -1511,3 +1523,8 @@ def test_a_subclass_parameter_replaced_or_made_to_require_grad_traces_again():
     lin.weight.requires_grad_()
     with pytest.raises(aotkit.errors.UnsupportedError, match="requires grad"):
         compiled(x)
+    pair = TwoTensor(torch.ones(3), torch.ones(3))  # its parts' memory, after a write
+    write = aotkit.aot_function(lambda a: a.add_(1) * 1 + pair.a, compilers.nop)
+    torch.testing.assert_close(write(torch.ones(3)), torch.full((3,), 3.0))
+    with pytest.raises(aotkit.errors.UnsupportedError, match="shares memory"):
+        write(pair.a)

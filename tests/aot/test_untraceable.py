@@ -82,6 +82,12 @@ def test_grad_of_a_closed_over_parameter_is_refused():
             aotkit.aot_function(fn, compilers.nop)(*([torch.ones(2)] if fn.__code__.co_argcount
                                                      else []))
     assert lin.weight.grad is not None and type(lin.bias.grad) is torch.Tensor
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    constant = torch.ones(3)  # .grad of what is made inside from it is None, as in eager
+    check_against_eager(lambda x: x * (TwoTensor(constant, constant).grad is None)
+                        + torch.vmap(lambda r: r * (r.grad is None))(constant * x)
+                        + x * (constant.grad is None), rand(3))
 
 
 def test_grad_work_under_torch_compile_matches_eager():
@@ -887,7 +893,11 @@ def test_reading_the_stored_entries_of_a_sparse_tensor_is_refused():
     adjacency = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]),
                                         torch.tensor([1.0, 2.0, 3.0]), (3, 3)).coalesce()
     for fn in (lambda x: x * adjacency._nnz(), lambda x: x * adjacency._values().shape[0],
-               lambda x: x * adjacency.to_sparse_csr().crow_indices()[-1]):
+               lambda x: x * adjacency.to_sparse_csr().crow_indices()[-1],
+               lambda x: x * x.to_sparse()._nnz()):
         with pytest.raises(UnsupportedError, match="stored entries of a sparse tensor"):
             aotkit.aot_function(fn, compilers.nop)(rand(3, 2))
     check_against_eager(lambda x: torch.sparse.mm(adjacency, x), rand(3, 2, grad=True))
+    index = torch.tensor([[0, 1, 2], [1, 2, 0]])  # one made inside has its entries
+    check_against_eager(lambda x: x * torch.sparse_coo_tensor(index, x, (3, 3))._nnz()
+                        + torch.sparse_coo_tensor(index, x, (3, 3))._values(), rand(3))

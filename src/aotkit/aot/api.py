@@ -40,7 +40,7 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, checked_partition, compile_boxed, compiler_for_views
-from aotkit.aot.captured import Captured, captured_values, held_values
+from aotkit.aot.captured import Captured, captured_values, collected, held_values
 from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
@@ -837,6 +837,7 @@ class AotFunction:
             why = describe_change(closest, key, names, skip)
         else:
             why = "new input signature"
+        self._entries = {k: v for k, v in self._entries.items() if not collected(k)}
         if self.num_entries >= config.recompile_limit:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries} input signature(s), "

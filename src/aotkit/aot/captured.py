@@ -65,6 +65,7 @@ import functools
 import inspect
 import numbers
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,7 +113,7 @@ def _constant(value: Any) -> bool:
 def key(value: Any) -> Keyed:
     """The key of a captured value now: as an object argument's attribute's (a value whose
     own ``__repr__`` or ``__eq__`` raises is keyed by identity)."""
-    if value is _UNSET or type(value) is _Identity:
+    if value is _UNSET or isinstance(value, _Identity):
         return Keyed(value)
     try:
         keyed = _attribute_key(value, 1, _Walk())
@@ -316,10 +317,41 @@ def _has_state(owner: Any) -> bool:
 
 def _setting(value: Any) -> Any:
     """A setting's value as keyed: a plain value or a tensor itself, anything else (a list, a
-    dict, a function) by identity (bookkeeping changes containers in place at every call)."""
+    dict, a function) by identity (bookkeeping changes containers in place at every call), a
+    module without holding it."""
     if value is _UNSET or issubclass(type(value), torch.Tensor) or _capturable(value):
         return value
-    return _Identity(value)
+    return _Collectable(value) if isinstance(value, torch.nn.Module) else _Identity(value)
+
+
+class _Collectable(_Identity):
+    """Identity of a module that the key does not keep alive: a model rebound for the next
+    fold (``model = Net()``) is freed with its graph's entry, which no call can match again."""
+
+    __slots__ = ("cls", "id", "ref")
+
+    def __init__(self, value: Any) -> None:
+        self.ref, self.id, self.cls = weakref.ref(value), id(value), type(value)
+
+    @property
+    def value(self) -> Any:  # type: ignore[override]
+        return self.ref()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Collectable) and (v := self.ref()) is not None and v is other.ref()
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"a {self.cls.__name__} object{'' if self.ref() is not None else ' since freed'}"
+
+
+def collected(key: Any) -> bool:
+    """Whether an entry's key holds a module that is gone: no call matches it again."""
+    if isinstance(key, tuple):
+        return any(map(collected, key))
+    return isinstance(key, _Collectable) and key.ref() is None
 
 
 def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[str]]:

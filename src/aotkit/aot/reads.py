@@ -60,7 +60,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from aotkit import compat, counters
-from aotkit.aot.subclass import is_subclass
+from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import FakeTensor, FunctionalTensor
 from aotkit.errors import ArgumentError
 
@@ -377,7 +377,8 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         reads.watch([*((None, t) for t in constants.values()), *(
             (slot.where, slot.tensor) for slot in held if not isinstance(slot.tensor, _TRACING))],
             {id(slot.tensor): (slot.where, slot.tensor) for slot in attributes})
-        reads.read_after_writes = list(after_writes.values())
+        reads.read_after_writes = [p for t in after_writes.values()  # memory: a subclass's parts
+                                   for p in (parts(t, layout_of(t)) if is_subclass(t) else [t])]
 
 
 def _with_containers(called: dict[int, nn.Module],

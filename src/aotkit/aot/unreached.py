@@ -19,9 +19,11 @@ from aotkit.aot.subclass import PASSING_NONE
 # eager's 0.25 s). What a walk learns about a node holds for the whole backward, so it is kept
 # for the running graph task, each node with its result: ids stay unique while the memo holds
 # the node objects (the engine's Python wrappers of C++ nodes come and go). The memo is dropped
-# when the backward ends (an engine callback), or replaced when another backward starts on the
-# thread (one that raised never runs its callbacks).
+# when the backward ends (an engine callback). A backward inside a hook is a task of its own,
+# with its own memo; one that raised never runs its callbacks, so a thread keeps a few memos at
+# most, the oldest dropped first.
 _memo = threading.local()
+_MEMOS = 4
 
 
 def quiet(edge: tuple[Any, int], compiled: type) -> bool:
@@ -51,11 +53,14 @@ def _task_memo() -> dict[Hashable, tuple[bool, Any]]:
     task = torch._C._current_graph_task_id()
     if task == -1:  # not inside the engine (a compiled-autograd replay): this walk only
         return {}
-    held = getattr(_memo, "held", None)
-    if held is None or held[0] != task:
-        held = _memo.held = (task, {})
-        torch.autograd.Variable._execution_engine.queue_callback(held[1].clear)
-    return held[1]
+    memos = _memo.__dict__.setdefault("by_task", {})
+    if (memo := memos.get(task)) is None:
+        if len(memos) >= _MEMOS:  # the oldest: a backward that raised, whose callback never ran
+            del memos[next(iter(memos))]
+        memo = memos[task] = {}
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: memos.pop(task, None))
+    return memo
 
 
 def _enter(edge: tuple[Any, int], memo: dict[Hashable, tuple[bool, Any]],

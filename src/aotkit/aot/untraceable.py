@@ -58,10 +58,11 @@ _SPARSE_MAKERS = frozenset({
     torch.sparse_compressed_tensor})
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                             torch.sparse_bsc})
-# Fake sparse tensors store no entries: a sparse constant's ``_nnz()`` read 0 while tracing
-# (``x * A._nnz()`` gave zeros) and its ``_values()`` had none (``torch.ones(A._nnz())`` as
-# edge weights failed at run time). Reading how many entries a sparse tensor stores, or the
-# tensors holding them, is refused.
+# A sparse constant's fake copy stores no entries: its ``_nnz()`` read 0 while tracing (``x *
+# A._nnz()`` gave zeros) and its ``_values()`` had none (``torch.ones(A._nnz())`` as edge weights
+# failed at run time); so does a sparse tensor converted inside (``x.to_sparse()``: how many
+# depends on data). Reading how many entries such a tensor stores, or the tensors holding them,
+# is refused; one made inside from indices and values has them.
 _SPARSE_ENTRIES = frozenset({
     torch.Tensor._nnz, torch.Tensor._values, torch.Tensor._indices, torch.Tensor.values,
     torch.Tensor.indices, torch.Tensor.crow_indices, torch.Tensor.col_indices,
@@ -76,6 +77,15 @@ def _is_leaf(t: torch.Tensor) -> bool:
         return t.is_leaf
     except RuntimeError:
         return False
+
+
+def _callers_gradient(t: torch.Tensor, verb: str) -> bool:
+    """Whether ``.grad`` of ``t``, not an input, is the caller's gradient: a leaf requiring
+    grad from outside (a closed-over parameter), or any outside tensor's .grad set; not a
+    tensor made inside, nor a transform's wrapper (vmap, torch.func.grad), whose is None."""
+    if _made_while_tracing(t) or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return False
+    return verb == "sets" or (t.is_leaf and t.requires_grad) or t.grad is not None
 
 
 def _made_while_tracing(t: torch.Tensor) -> bool:
@@ -183,13 +193,15 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
                 f"(return the tensor if it is made inside), {_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.to_mkldnn or self._loses_gradients(func, args, kwargs or {}):
             raise _sparse_refusal(func)
-        elif func in _SPARSE_ENTRIES and args[0].layout in _SPARSE_LAYOUTS:
+        elif func in _SPARSE_ENTRIES and args[0].layout in _SPARSE_LAYOUTS \
+                and (not _made_while_tracing(args[0]) or args[0]._nnz() == 0):
             raise UnsupportedError(
                 f"the compiled function reads the stored entries of a sparse tensor ("
-                f"{func.__name__}, at {current_user_line()}): tracing sees sparse tensors "
-                "without their entries (none stored), so the graph would hold a count of 0 "
-                "or tensors of no elements.\nFix: compute what you need of them outside the "
-                f"compiled function and pass it as an argument, {_USE_TORCH_COMPILE}.")
+                f"{func.__name__}, at {current_user_line()}): tracing sees a sparse constant, "
+                "or one converted from dense inside, without its entries (none stored), so the "
+                "graph would hold a count of 0 or tensors of no elements.\nFix: compute what "
+                "you need of them outside the compiled function and pass it as an argument, "
+                f"{_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.register_hook and not (registrar := _hook_registrar())[0]:
             where = current_user_line()
             if not _made_while_tracing(args[0]):  # the caller's own
@@ -248,15 +260,16 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
 
     def _refuse_grad_access(self, t: Any, verb: str) -> None:
         index = self.inputs.get(id(t))
-        if index is None and _made_while_tracing(t):  # made inside: eager's .grad is None too
+        if index is None and not _callers_gradient(t, verb):  # eager's .grad is None too
             return
-        if index is None:  # the caller's (an optimizer's parameters, zero_grad)
+        if index is None:  # an optimizer's parameters (zero_grad), Module.to()'s
             raise UnsupportedError(
                 f"the compiled function {verb} .grad of a tensor {NOT_AN_ARGUMENT} (at "
                 f"{current_user_line()}); tracing runs it once, so the graph would act at "
                 "every call on the .grad the trace saw (a gradient norm read then, a "
-                "zero_grad(set_to_none=True) done once).\nFix: do the gradient work outside "
-                f"the compiled function, {_USE_TORCH_COMPILE}.")
+                "zero_grad(set_to_none=True) done once; module.to(), .float() and .cpu() read "
+                "it too).\nFix: do the gradient work (or move the module) outside the compiled "
+                f"function, {_USE_TORCH_COMPILE}.")
         raise UnsupportedError(
             f"the compiled function {verb} .grad of input {index} (at {current_user_line()}); "
             "a trace sees inputs without gradients, so the graph would act at every call as "
