@@ -936,6 +936,20 @@ def test_grad_mode_or_autocast_a_hook_leaves_on_ends_with_it() -> None:
         return [(p.grad.dtype, p.grad.requires_grad) for p in model.parameters()], \
             [p.grad for p in model.parameters()]
 
-    _, _, expected, actual = both(step)
-    assert actual[0] == expected[0] == [(torch.float32, False)] * 4
-    torch.testing.assert_close(actual[1], expected[1])
+    for compiler in (nop, _dynamo_eager):  # Dynamo traces the grad mode set back
+        _, _, expected, actual = both(step, compiler)
+        assert actual[0] == expected[0] == [(torch.float32, False)] * 4
+        torch.testing.assert_close(actual[1], expected[1])
+
+
+def test_an_unpack_hook_returning_none_raises_as_in_eager() -> None:
+    """The replay took None for "keep the packed value" and went on with it."""
+    def step(log: list[str]) -> Any:
+        w = torch.randn(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (t, "meta"), lambda p: None):
+            y = (w * w).sum()
+        y.backward()
+
+    for context in (nullcontext(), aotkit.compiled_autograd.enable(nop)):
+        with context, pytest.raises(TypeError, match="unpack"):
+            step([])

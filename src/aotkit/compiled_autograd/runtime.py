@@ -138,6 +138,10 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     if hook_type in ("pre_hook", "post_hook"):  # eager hands node hooks tuples
         args = tuple(map(tuple, args))
     result = _as_the_engine_would(hook, *args)
+    if result is None and hook_type == "unpack_hook":
+        raise HookResultTypeError(
+            f"saved-tensor unpack hook {_hook_name(hook)!r} returned None; it must return the "
+            "tensor it unpacks.")
     if result is None:
         return args[0]
     if hook_type == "post_acc_grad_hook":  # eager: a TypeError unless it is a tensor
@@ -158,12 +162,15 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
 # every node, so a hook or custom backward that leaves grad mode on or an autocast region open
 # changes nothing after it. A replayed graph runs on in the state such code left: later hooks saw
 # grad mode on, ``.grad`` came out requiring grad, later matmuls ran in bfloat16. So each user
-# call is followed by the state from before it (a compiler running Dynamo over the graph
-# traces the calls and keeps its own account of that state).
+# call is followed by the state from before it (inside one node too, where eager's stays). A
+# compiler running Dynamo over the graph traces the grad mode set back (not the dispatch keys:
+# it traces autocast regions as such).
 def _as_the_engine_would(user: Callable[..., Any], *args: Any) -> Any:
-    if torch.compiler.is_compiling():
-        return user(*args)
     grad = torch.is_grad_enabled()
+    if torch.compiler.is_compiling():
+        out = user(*args)
+        torch.set_grad_enabled(grad)
+        return out
     try:
         with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                              torch._C._dispatch_tls_local_exclude_set()):
