@@ -321,7 +321,7 @@ def _setting(value: Any) -> Any:
     module without holding it."""
     if value is _UNSET or issubclass(type(value), torch.Tensor) or _capturable(value):
         return value
-    return _Collectable(value) if isinstance(value, torch.nn.Module) else _Identity(value)
+    return _Collectable(value) if issubclass(type(value), torch.nn.Module) else _Identity(value)
 
 
 class _Collectable(_Identity):
