@@ -213,10 +213,22 @@ def _lost_wrapper(what: str, exc: RuntimeError) -> UnsupportedError | None:
         "subclass), or use torch.compile(fn, backend=\"aotkit\").")
 
 
+def _no_fx(what: str, exc: RuntimeError) -> UnsupportedError | None:
+    """torch.nested.nested_tensor_from_jagged refuses FX traces (make_fx's too)."""
+    if "does not support tracing with fx.symbolic_trace" not in str(exc) \
+            or not _raised_in_torch(exc):
+        return None
+    return UnsupportedError(
+        f"{what} calls a PyTorch function that refuses to run under an FX trace ({exc}), as "
+        "tracing a jagged nested tensor made inside needs a ragged-size symbol only Dynamo "
+        "creates.\nFix: make the nested tensor outside the compiled function and pass it as an "
+        "argument, or use torch.compile(fn, backend='aotkit').")
+
+
 def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> BaseException:
     """The error a RuntimeError raised while tracing becomes: one that says what to change where
     we know the cause, else ``exc`` itself."""
-    refused = _autograd_refusal(what, exc) or _lost_wrapper(what, exc)
+    refused = _autograd_refusal(what, exc) or _lost_wrapper(what, exc) or _no_fx(what, exc)
     if refused is not None:
         return refused
     if is_nested_compile_refusal(exc):
@@ -227,12 +239,6 @@ def _runtime_error(what: str, exc: RuntimeError, symbolic: bool = False) -> Base
             "(fn._torchdynamo_orig_callable, or module._orig_mod for a compiled module), "
             "or compile the whole function with torch.compile(backend=\"aotkit\")."
         )
-    if "does not support tracing with fx.symbolic_trace" in str(exc) and _raised_in_torch(exc):
-        return UnsupportedError(  # torch.nested.nested_tensor_from_jagged: make_fx the same
-            f"{what} calls a PyTorch function that refuses to run under an FX trace ({exc}), "
-            "as tracing a jagged nested tensor made inside needs a ragged-size symbol only "
-            "Dynamo creates.\nFix: make the nested tensor outside the compiled function and "
-            "pass it as an argument, or use torch.compile(fn, backend='aotkit').")
     failed = getattr(exc, "_aotkit_failed", None)
     if "to a storage on different device" in str(exc) and failed is not None \
             and "set_" not in str(failed[0]):  # a view of a tensor whose fake storage grew
