@@ -378,8 +378,8 @@ def _freed_by_an_earlier_backward(name: str) -> UnsupportedError:
         "backward freed. One autograd node stands for all of its outputs and a backward runs "
         "it whenever it reaches one of them (also through a later compiled call that reads "
         "one only for outputs that backward did not use), freeing what a backward from the "
-        "others needs too (eager frees only each output's own part).\nFix: pass retain_graph=True to the earlier backward, or add the losses "
-        "and call backward once.")
+        "others needs too (eager frees only each output's own part).\nFix: pass "
+        "retain_graph=True to the earlier backward, or add the losses and call backward once.")
 
 
 def _saved_freed(ctx: Any) -> bool:
