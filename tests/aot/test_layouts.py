@@ -217,3 +217,45 @@ def test_a_zero_dim_operand_keeps_the_ops_relaid(op: Callable[..., torch.Tensor]
     copy there made the graph's reshape a view that failed at run time."""
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     check_against_eager(lambda t: op(t).reshape(-1), x.requires_grad_())
+
+
+def _pad_then_attend(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Pads a sequence to a multiple of 8, heads first (LongT5's blocked local attention)."""
+    b, s, d = x.shape
+    h = F.pad(x.view(b, s, 4, d // 4), (0, 0, 0, 0, 0, (-s) % 8)).permute(0, 2, 1, 3)
+    return h @ w
+
+
+def _trim_heads_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Pads (or trims, or neither) a heads-first tensor by a size-dependent amount."""
+    s = x.shape[1]
+    h = F.pad(x.view(x.shape[0], s, 4, -1).transpose(1, 2), (0, 0, 0, 4 - s % 8))
+    return h.reshape(h.shape[0], -1) * w[0, 0]  # a view only in eager's layout
+
+
+def _pad_channels_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A size-dependent pad of a channels_last image (the same in the backward)."""
+    s = x.shape[1]
+    img = x.view(x.shape[0], s, 4, -1).permute(0, 3, 1, 2)  # channels_last
+    return F.pad(img, (0, 0, 0, 3 - s % 4)) * w[0, 0]
+
+
+@pytest.mark.parametrize("fn", [_pad_then_attend, _trim_heads_first, _pad_channels_last],
+                         ids=["pad_then_permute", "trim_transposed", "channels_last"])
+def test_pads_of_symbolic_size_keep_eagers_layout(fn: Callable[..., torch.Tensor]) -> None:
+    """Note [Kernels whose fake strides differ]: under dynamic shapes a pad's size is
+    symbolic, and the fake kernel laid a trim (a pad's backward, or a pad that comes out <= 0)
+    out in the input's suggested memory format, where eager keeps the input's stride order: the
+    graph's reshape became a view that failed at run time ("view size is not compatible")."""
+    torch._dynamo.reset()
+    w = torch.randn(16, 16, requires_grad=True)
+    compiled = torch.compile(fn, backend="aotkit", dynamic=True)
+    for s in (10, 13, 16, 20):  # pads of 6, 3, 0, 4 (trims of 0, -5, 4, 0 in the second)
+        x = torch.randn(2, s, 64, requires_grad=True)
+        want = fn(x, w)
+        got = compiled(x, w)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        grad = torch.randn_like(want)
+        torch.testing.assert_close(torch.autograd.grad(got, (x, w), grad),
+                                   torch.autograd.grad(want, (x, w), grad))

@@ -645,6 +645,10 @@ def _check_random_range(start: int, end: int, dtype: torch.dtype) -> None:
 # inputs all in one dense layout (a channels_last CNN's activation backward) keep it, as in
 # eager; copied, they cost a channels_last network two copies per activation, its outputs and
 # gradients came back contiguous, and a view relying on eager's layout was refused.
+# ``constant_pad_nd`` differs only under symbolic pads: eager trims (all pads <= 0, as a pad's
+# backward always does) by a narrowed copy in the input's stride order, the fake kernel of a
+# symbolic pad returns the input's suggested memory format (a permuted gradient of
+# ``F.pad(x.view(...)).permute(...)`` then failed the view's backward under dynamic shapes).
 def _relaid(t: Any, gaps: bool) -> bool:
     """A strided tensor whose elements do not overlap (a nested tensor has no strides to lay
     out; an expanded one would be copied whole), without gaps unless ``gaps``."""
@@ -677,6 +681,31 @@ _ONE_LAYOUT_AGREES = _DENSE_ONLY | frozenset([
     _aten.hardswish_backward.default, _aten.hardsigmoid_backward.default,
     _aten.hardtanh_backward.default, _aten.softplus_backward.default,
     _aten.logit_backward.default])
+
+
+def _one_dense_layout(args: tuple[Any, ...]) -> bool:
+    """Whether the tensor arguments are all dense, of one shape and laid out alike (a 0-dim
+    tensor among them broadcasts, where the kernels disagree again)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    first = tensors[0] if tensors else None
+    return first is not None and _relaid(first, False) and all(  # no guard on symbolic sizes
+        known_equal(t.shape, first.shape) and known_equal(t.stride(), first.stride())
+        for t in tensors[1:])
+
+
+def _pads_concrete(args: tuple[Any, ...]) -> bool:
+    """Whether ``constant_pad_nd``'s pads are plain integers: its fake kernel then takes the
+    real kernel's branch (a trim, all pads <= 0, keeps the input's stride order); for a symbolic
+    pad it returns the input's suggested memory format whatever the pads' values."""
+    return all(isinstance(p, int) for p in args[1])
+
+
+#: Ops of the table below whose fake and real kernels agree for the arguments the predicate
+#: accepts.
+_AGREES_WHEN: dict[Any, Callable[[tuple[Any, ...]], bool]] = {
+    **dict.fromkeys(_ONE_LAYOUT_AGREES, _one_dense_layout),
+    _aten.constant_pad_nd.default: _pads_concrete,
+}
 #: Ops whose fake strides differ from the real kernel's, with the argument whose suggested
 #: memory format the real kernel returns (None: contiguous). See the Note above.
 _RELAID_OPS: dict[Any, int | None] = {
@@ -696,6 +725,7 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.replication_pad3d.default, _aten.reflection_pad3d_backward.default,
         _aten.replication_pad3d_backward.default, _aten.logit_backward.default,
         _aten.glu_backward.default], None),
+    _aten.constant_pad_nd.default: 0,  # symbolic pads only (_pads_concrete)
     # torch < 2.13: the pads' own fake kernels return channels_last inputs' results contiguous.
     **(dict.fromkeys([_aten.reflection_pad2d.default, _aten.replication_pad2d.default], None)
        if compat.TORCH_VERSION < (2, 13) else {}),
@@ -745,7 +775,8 @@ class EagerLayouts(TorchDispatchMode):
 def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``func``'s arguments, laid out so that its fake kernel gives the strides its real kernel
     gives (Note [Kernels whose fake strides differ])."""
-    if func not in _RELAID_OPS or (func in _ONE_LAYOUT_AGREES and _one_dense_layout(args)):
+    agrees = _AGREES_WHEN.get(func)
+    if func not in _RELAID_OPS or (agrees is not None and agrees(args)):
         return args
     by, gaps = _RELAID_OPS[func], func not in _DENSE_ONLY
     first = args[by] if by is not None else None
@@ -759,16 +790,6 @@ def in_eager_layout(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     written = {id(t) for t in written_by(func, args, {})}
     return tuple(_laid_out(a, layout, rank, gaps) if i < read and id(a) not in written else a
                  for i, a in enumerate(args))
-
-
-def _one_dense_layout(args: tuple[Any, ...]) -> bool:
-    """Whether the tensor arguments are all dense, of one shape and laid out alike (a 0-dim
-    tensor among them broadcasts, where the kernels disagree again)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    first = tensors[0] if tensors else None
-    return first is not None and _relaid(first, False) and all(  # no guard on symbolic sizes
-        known_equal(t.shape, first.shape) and known_equal(t.stride(), first.stride())
-        for t in tensors[1:])
 
 
 # Note [In-place Bernoulli draws]
