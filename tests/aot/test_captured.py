@@ -1370,8 +1370,8 @@ def test_a_called_modules_tensor_attribute_the_graph_reads_replaced_traces_again
     model.table = torch.full((6,), 2.0)
     _same(compiled, model, x)
     assert "the tensor attribute 'table' (4,) of M" in _reasons()[-1]
-    with pytest.raises(aotkit.errors.RecompileLimitError, match="pass it as an argument, or "
-                       "compile the module with aot_module"):
+    with pytest.raises(aotkit.errors.RecompileLimitError, match=r"pass it as an argument, load "
+                       r"checkpoints without assign=True .* or compile the module with aot_module"):
         for _ in range(10):  # a hidden state set at every step
             model.table = compiled(x).detach()
 
@@ -1501,6 +1501,126 @@ def test_a_module_global_or_closure_rebound_traces_again():
     MODEL = None
     gc.collect()
     assert sum(f() is not None for f in folds) == 0 and compiled.num_entries <= 2
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(3, 3)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class _HooksItsChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        self.body.register_forward_hook(self.scaled)  # its own method: a reference cycle
+
+    def scaled(self, module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).relu())
+
+
+class _WeightNormed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 3))
+        torch.nn.utils.parametrizations.weight_norm(self, "weight")  # a class of its own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+@pytest.mark.parametrize("fold", ["method_of_a_trainer", "hook_is_its_own_method",
+                                  "parametrized", "new_head"])
+def test_models_of_earlier_folds_are_freed_with_their_entries(fold: str) -> None:
+    """A model replaced for each fold (or task) was kept alive by the entries, whose count
+    reached recompile_limit at the ninth: held by the key of an attribute of the object whose
+    method is compiled, by the traced submodules (one hooked by its model's own method), by a
+    parametrized module's class (which holds the module)."""
+    make = _WeightNormed if fold == "parametrized" else _HooksItsChild
+    model, trainer = make(), _Trainer()
+    f = aotkit.aot_function(
+        trainer.step if fold == "method_of_a_trainer" else model if fold == "new_head"
+        else lambda x: model(x), compilers.nop)
+    x, old = torch.randn(2, 3), []
+    for _ in range(2 * aotkit.config.recompile_limit):
+        if fold == "method_of_a_trainer":
+            trainer.model = torch.nn.Linear(3, 3)
+        elif fold == "new_head":
+            model.head = torch.nn.Linear(3, 3)
+        else:
+            model = make()
+        now = trainer.model if fold == "method_of_a_trainer" else model
+        old.append(weakref.ref(now.head if fold == "new_head" else now))
+        with torch.no_grad():
+            torch.testing.assert_close(f(x), now(x), rtol=0, atol=0)
+    del now
+    gc.collect()
+    assert sum(r() is not None for r in old[:-1]) == 0
+
+
+def test_a_subclass_parameter_read_by_its_part_replaced_traces_again() -> None:
+    """A called module's TwoTensor weight read by a part (``self.w.a``, as quantized weights'
+    forwards read their data and scale) was not watched: replaced, the old part ran on."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def weight() -> torch.nn.Parameter:
+        return torch.nn.Parameter(TwoTensor(torch.randn(3), torch.randn(3)), requires_grad=False)
+
+    class ReadsPart(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = weight()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w.a
+
+    model, x = ReadsPart(), torch.randn(2, 3)
+    compiled = aotkit.aot_function(lambda x: model(x), compilers.nop)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        model.w = weight()
+
+
+def test_a_frozen_parameters_grad_read_inside_is_refused_once_it_requires_grad() -> None:
+    """``.grad`` of a frozen parameter (None) read inside is let be, as eager reads None; once
+    unfrozen and trained, the graph kept the None branch (a gradient norm of 0)."""
+    backbone = torch.nn.Linear(3, 3).requires_grad_(False)
+
+    def grad_norm(x: torch.Tensor) -> torch.Tensor:
+        grads = [p.grad for p in backbone.parameters() if p.grad is not None]
+        return x * sum((g.pow(2).sum() for g in grads), x.new_zeros(()))
+
+    compiled, x = aotkit.aot_function(grad_norm, compilers.nop), torch.ones(2)
+    torch.testing.assert_close(compiled(x), grad_norm(x))
+    backbone.requires_grad_(True)
+    backbone(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"reads \.grad of a tensor"):
+        compiled(x)
+
+
+def test_a_hook_that_is_a_method_of_an_object_without_weak_references_runs() -> None:
+    """A module hook bound to an object with ``__slots__`` (no ``__weakref__``) raised
+    TypeError: cannot create weak reference."""
+
+    class Scale:
+        __slots__ = ("factor",)
+
+        def __init__(self) -> None:
+            self.factor = 3.0
+
+        def hook(self, module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            return out * self.factor
+
+    lin, scale = torch.nn.Linear(3, 3), Scale()
+    lin.register_forward_hook(scale.hook)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(aotkit.aot_function(lambda x: lin(x), compilers.nop)(x), lin(x))
 
 
 def test_a_subclass_parameter_replaced_or_made_to_require_grad_traces_again():

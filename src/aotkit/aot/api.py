@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import logging
 import types
@@ -40,7 +41,7 @@ from aotkit.aot.arguments import (
 )
 from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, checked_partition, compile_boxed, compiler_for_views
-from aotkit.aot.captured import Captured, captured_values, collected, held_values
+from aotkit.aot.captured import Captured, captured_values, held_values
 from aotkit.aot.captured import key as captured_key
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
@@ -62,6 +63,7 @@ from aotkit.aot.signature import (
     AutocastState,
     ShapeGuard,
     autocast_state,
+    collected,
     describe_change,
     differences,
     leaf_names,
@@ -838,6 +840,9 @@ class AotFunction:
         else:
             why = "new input signature"
         self._entries = {k: v for k, v in self._entries.items() if not collected(k)}
+        if self.num_entries >= config.recompile_limit:
+            gc.collect()  # a model rebound is freed in a cycle where a hook is its own method
+            self._entries = {k: v for k, v in self._entries.items() if not collected(k)}
         if self.num_entries >= config.recompile_limit:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries} input signature(s), "

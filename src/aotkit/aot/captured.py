@@ -65,7 +65,6 @@ import functools
 import inspect
 import numbers
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +72,7 @@ import torch
 
 from aotkit.aot.signature import (
     _ITEMS,
+    Collectable,
     Keyed,
     _attribute_key,
     _Identity,
@@ -321,37 +321,7 @@ def _setting(value: Any) -> Any:
     module without holding it."""
     if value is _UNSET or issubclass(type(value), torch.Tensor) or _capturable(value):
         return value
-    return _Collectable(value) if issubclass(type(value), torch.nn.Module) else _Identity(value)
-
-
-class _Collectable(_Identity):
-    """Identity of a module that the key does not keep alive: a model rebound for the next
-    fold (``model = Net()``) is freed with its graph's entry, which no call can match again."""
-
-    __slots__ = ("cls", "id", "ref")
-
-    def __init__(self, value: Any) -> None:
-        self.ref, self.id, self.cls = weakref.ref(value), id(value), type(value)
-
-    @property
-    def value(self) -> Any:  # type: ignore[override]
-        return self.ref()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Collectable) and (v := self.ref()) is not None and v is other.ref()
-
-    def __hash__(self) -> int:
-        return self.id
-
-    def __repr__(self) -> str:
-        return f"a {self.cls.__name__} object{'' if self.ref() is not None else ' since freed'}"
-
-
-def collected(key: Any) -> bool:
-    """Whether an entry's key holds a module that is gone: no call matches it again."""
-    if isinstance(key, tuple):
-        return any(map(collected, key))
-    return isinstance(key, _Collectable) and key.ref() is None
+    return Collectable(value) if issubclass(type(value), torch.nn.Module) else _Identity(value)
 
 
 def _named(cls: type, fn: types.FunctionType) -> tuple[set[str], set[str], set[str]]:

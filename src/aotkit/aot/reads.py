@@ -70,24 +70,38 @@ _TRACING = (FakeTensor, FunctionalTensor)  # the values a trace leaves
 @dataclass(frozen=True)
 class _Flag:
     """A module the function uses, as traced: its class, training flag (None: the function sets
-    it or does not call the module), hooks and instance forward (weak references, see
-    :func:`_hooks_of`) and children (held: a freed module's address may be reused by another)."""
+    it or does not call the module), hooks and instance forward (see :func:`_hooks_of`) and
+    children, all by weak reference (a parametrized module's class holds the module; a child's
+    hook may be a method of the model: held, a model rebound for the next fold was never freed;
+    a freed child's reference answers None, not the module reusing its address)."""
 
     module: weakref.ref[nn.Module]
-    cls: type
+    cls: weakref.ref[type]
     training: bool | None
     hooks: tuple[Callable[[], Any], ...]
-    children: tuple[nn.Module | None, ...]
+    children: tuple[weakref.ref[nn.Module], ...]
+
+
+_GONE = weakref.ref(type("_Gone", (), {})())  # a reference that answers None: a None child
+_call = weakref.ref.__call__
+
+
+def _children(m: nn.Module) -> tuple[weakref.ref[nn.Module], ...]:
+    return tuple(_GONE if c is None else weakref.ref(c) for c in m._modules.values())
+
+
+def _same_children(flag: _Flag, m: nn.Module) -> bool:
+    """Whether ``m`` holds the children it was traced with (compared in C: this runs at every
+    call, for every module the function uses)."""
+    return tuple(map(_call, flag.children)) == tuple(m.__dict__["_modules"].values())
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
     """A weak reference where ``obj`` takes one, else a strong one (``ref() is obj`` either way,
     but for a bound method, made anew at each attribute access: ``==`` to it)."""
-    if isinstance(obj, types.MethodType):
-        return weakref.WeakMethod(obj)
     try:
-        return weakref.ref(obj)
-    except TypeError:
+        return weakref.WeakMethod(obj) if isinstance(obj, types.MethodType) else weakref.ref(obj)
+    except TypeError:  # a method of an object with __slots__ and no __weakref__, an int
         return lambda: obj
 
 
@@ -170,11 +184,11 @@ class Reads:
             if m is None:
                 continue
             d = m.__dict__
-            if m.__class__ is not flag.cls or (flag.training is not None
-                                               and m.training != flag.training):  # a property?
+            if m.__class__ is not flag.cls() or (flag.training is not None
+                                                 and m.training != flag.training):  # a property?
                 return False
-            if (flag.children or d["_modules"]) and tuple(d["_modules"].values()) != flag.children:
-                return False  # modules compare by identity
+            if (flag.children or d["_modules"]) and not _same_children(flag, m):
+                return False
             if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
                     or d["_backward_pre_hooks"] or d["_backward_hooks"]) \
                     and not _same(flag.hooks, _hooks_of(m)):
@@ -205,13 +219,13 @@ class Reads:
         for flag in self.flags:
             if (m := flag.module()) is None:
                 continue
-            called = f"{flag.cls.__name__} (a module the function uses)"
-            if m.__class__ is not flag.cls:
+            called = f"{(flag.cls() or type(m)).__name__} (a module the function uses)"
+            if m.__class__ is not flag.cls():
                 changes.append(f"the class of {called} changed to {type(m).__name__}")
             if flag.training not in (None, m.training):
                 changes.append(f"the training flag of {called}, traced with its flag, changed: "
                                f"{flag.training} -> {m.training}")
-            if tuple(m._modules.values()) != flag.children:
+            if not _same_children(flag, m):
                 changes.append(f"the submodules of {called} were replaced, added or removed")
             if not _same(flag.hooks, _hooks_of(m)):
                 changes.append(f"the hooks or the instance forward of {called} changed")
@@ -365,20 +379,25 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
         # A module the function switches itself, or one it does not call, keeps no flag.
-        reads.flags = [_Flag(weakref.ref(m), m.__class__, m.training if i in called and i not
-                             in switched else None, _refs(_hooks_of(m)), tuple(m._modules.values()))
+        reads.flags = [_Flag(weakref.ref(m), weakref.ref(m.__class__), m.training if i in called
+                             and i not in switched else None, _refs(_hooks_of(m)), _children(m))
                        for i, m in _with_containers(called, roots)]
         reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
-        reads.slots = [slot for slot in (*held, *attributes) if id(slot.tensor) in constants
-                       and constants[id(slot.tensor)] is slot.tensor]
+        reads.slots = [slot for slot in (*held, *attributes) if _read(slot.tensor, constants)]
         reads.constants = list(grad_constants.values())
         reads.watch([*((None, t) for t in constants.values()), *(
             (slot.where, slot.tensor) for slot in held if not isinstance(slot.tensor, _TRACING))],
             {id(slot.tensor): (slot.where, slot.tensor) for slot in attributes})
         reads.read_after_writes = [p for t in after_writes.values()  # memory: a subclass's parts
                                    for p in (parts(t, layout_of(t)) if is_subclass(t) else [t])]
+
+
+def _read(t: torch.Tensor, constants: dict[int, torch.Tensor]) -> bool:
+    """Whether the trace read ``t``, or one of its parts (a quantized weight's ``w._data``)."""
+    return constants.get(id(t)) is t or (is_subclass(t) and any(
+        constants.get(id(p)) is p for p in parts(t, layout_of(t))))
 
 
 def _with_containers(called: dict[int, nn.Module],

@@ -10,6 +10,7 @@ import re
 import struct
 import traceback
 import types
+import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -173,6 +174,36 @@ class _Identity:
         return f"a {type(self.value).__name__} object"
 
 
+class Collectable(_Identity):
+    """Identity of a module that the key does not keep alive: a model rebound for the next
+    fold (``model = Net()``) is freed with its graph's entry, which no call can match again."""
+
+    __slots__ = ("id", "kind", "ref")
+
+    def __init__(self, value: Any) -> None:  # not its class: a parametrized one holds it
+        self.ref, self.id, self.kind = weakref.ref(value), id(value), type(value).__name__
+
+    @property
+    def value(self) -> Any:  # type: ignore[override]
+        return self.ref()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Collectable) and (v := self.ref()) is not None and v is other.ref()
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"a {self.kind} object{'' if self.ref() is not None else ' since freed'}"
+
+
+def collected(key: Any) -> bool:
+    """Whether an entry's key holds a module that is gone: no call matches it again."""
+    if isinstance(key, tuple):
+        return any(map(collected, key))
+    return isinstance(key, Collectable) and key.ref() is None
+
+
 class Keyed:
     """A value keyed already: its key (a captured value's, Note [Values a function
     captures])."""
@@ -224,6 +255,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
         return (kind, repr(value))
     if isinstance(value, torch.Tensor):
         return _Identity(value)
+    if issubclass(kind, torch.nn.Module):  # a model rebound for the next fold is freed
+        return Collectable(value)
     if isinstance(value, enum.Enum):
         return (kind, value)
     if isinstance(value, numbers.Number):  # numpy scalars
@@ -770,9 +803,12 @@ def recompile_fix(why: str, dynamic: bool) -> str:
                 "or raise the limit with aotkit.config.patch(recompile_limit=...).")
     if "which the graph reads as a constant, was replaced" in why:
         return ("a tensor of a module the function calls is replaced between calls (a cache, a "
-                "hidden state, a mask set at every step): pass it as an argument, or compile "
-                "the module with aot_module, which reads its tensors at every call; or raise "
-                "the limit with aotkit.config.patch(recompile_limit=...).")
+                "hidden state, a mask set at every step, a checkpoint loaded with "
+                "load_state_dict(..., assign=True), each graph holding the tensors it read): "
+                "pass it as an argument, load checkpoints without assign=True (which copies "
+                "into the tensors the graph reads), or compile the module with aot_module, "
+                "which reads its tensors at every call; or raise the limit with "
+                "aotkit.config.patch(recompile_limit=...).")
     if why.startswith(("the global ", "the closed-over ", "self.", "keyword ", "argument ")) \
             or " of self changed" in why or " of self." in why:
         return ("a value the function reads besides its arguments changes at every call "

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from aotkit.aot.frames import TORCH_DIR, current_user_line
 from aotkit.aot.ops import tensors_in, written_by
+from aotkit.aot.reads import note_constant
 from aotkit.aot.subclass import is_subclass
 from aotkit.compat import FakeTensor, FunctionalTensor, StorageWeakRef
 from aotkit.errors import UnsupportedError
@@ -198,7 +199,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
             raise UnsupportedError(
                 f"the compiled function reads the stored entries of a sparse tensor ("
                 f"{func.__name__}, at {current_user_line()}): tracing sees a sparse constant, "
-                "or one converted from dense inside, without its entries (none stored), so the "
+                "or one converted from dense or coalesced inside, without its entries (none "
+                "stored), so the "
                 "graph would hold a count of 0 or tensors of no elements.\nFix: compute what "
                 "you need of them outside the compiled function and pass it as an argument, "
                 f"{_USE_TORCH_COMPILE}.")
@@ -261,6 +263,7 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     def _refuse_grad_access(self, t: Any, verb: str) -> None:
         index = self.inputs.get(id(t))
         if index is None and not _callers_gradient(t, verb):  # eager's .grad is None too
+            note_constant(t, grad=True, after_write=False)  # traced again once it requires grad
             return
         if index is None:  # an optimizer's parameters (zero_grad), Module.to()'s
             raise UnsupportedError(
