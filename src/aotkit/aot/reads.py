@@ -67,33 +67,40 @@ from aotkit.errors import ArgumentError
 _TRACING = (FakeTensor, FunctionalTensor)  # the values a trace leaves
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Flag:
     """A module the function uses, as traced: its class, training flag (None: the function sets
     it or does not call the module), hooks and instance forward (see :func:`_hooks_of`) and
-    children, all by weak reference (a parametrized module's class holds the module; a child's
-    hook may be a method of the model: held, a model rebound for the next fold was never freed;
-    a freed child's reference answers None, not the module reusing its address)."""
+    children. None of them held (a parametrized module's class holds the module; a child's
+    hook may be a method of the model: held, a model rebound for the next fold was never
+    freed): the class by id and a weak reference, the children by weak proxies (compared in C
+    at every call, as identity), whose callbacks set ``cls`` to 0, no class's id, once one is
+    freed (an id may be reused; a dead proxy is never compared)."""
 
     module: weakref.ref[nn.Module]
-    cls: weakref.ref[type]
+    cls: int
     training: bool | None
     hooks: tuple[Callable[[], Any], ...]
-    children: tuple[weakref.ref[nn.Module], ...]
+    children: tuple[Any, ...] = ()
+    traced_class: weakref.ref[type] | None = None
 
 
-_GONE = weakref.ref(type("_Gone", (), {})())  # a reference that answers None: a None child
-_call = weakref.ref.__call__
+def _flag(m: nn.Module, training: bool | None) -> _Flag:
+    flag = _Flag(weakref.ref(m), id(m.__class__), training, _refs(_hooks_of(m)))
 
+    def freed(_: Any) -> None:
+        flag.cls = 0
 
-def _children(m: nn.Module) -> tuple[weakref.ref[nn.Module], ...]:
-    return tuple(_GONE if c is None else weakref.ref(c) for c in m._modules.values())
+    flag.traced_class = weakref.ref(m.__class__, freed)
+    flag.children = tuple(c if c is None or type(c).__eq__ is not object.__eq__
+                          else weakref.proxy(c, freed) for c in m._modules.values())
+    return flag
 
 
 def _same_children(flag: _Flag, m: nn.Module) -> bool:
-    """Whether ``m`` holds the children it was traced with (compared in C: this runs at every
-    call, for every module the function uses)."""
-    return tuple(map(_call, flag.children)) == tuple(m.__dict__["_modules"].values())
+    """Whether ``m`` holds the children it was traced with (one with an ``__eq__`` of its own
+    is held: a proxy compares as its module does)."""
+    return flag.cls != 0 and tuple(m.__dict__["_modules"].values()) == flag.children
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
@@ -184,11 +191,11 @@ class Reads:
             if m is None:
                 continue
             d = m.__dict__
-            if m.__class__ is not flag.cls() or (flag.training is not None
-                                                 and m.training != flag.training):  # a property?
+            if id(m.__class__) != flag.cls or (flag.training is not None
+                                               and m.training != flag.training):  # a property?
                 return False
-            if (flag.children or d["_modules"]) and not _same_children(flag, m):
-                return False
+            if (flag.children or d["_modules"]) and tuple(d["_modules"].values()) != flag.children:
+                return False  # compared to proxies: see _Flag
             if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
                     or d["_backward_pre_hooks"] or d["_backward_hooks"]) \
                     and not _same(flag.hooks, _hooks_of(m)):
@@ -219,8 +226,8 @@ class Reads:
         for flag in self.flags:
             if (m := flag.module()) is None:
                 continue
-            called = f"{(flag.cls() or type(m)).__name__} (a module the function uses)"
-            if m.__class__ is not flag.cls():
+            called = f"{type(m).__name__} (a module the function uses)"
+            if m.__class__ is not flag.traced_class():  # type: ignore[misc]
                 changes.append(f"the class of {called} changed to {type(m).__name__}")
             if flag.training not in (None, m.training):
                 changes.append(f"the training flag of {called}, traced with its flag, changed: "
@@ -379,8 +386,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
         # A module the function switches itself, or one it does not call, keeps no flag.
-        reads.flags = [_Flag(weakref.ref(m), weakref.ref(m.__class__), m.training if i in called
-                             and i not in switched else None, _refs(_hooks_of(m)), _children(m))
+        reads.flags = [_flag(m, m.training if i in called and i not in switched else None)
                        for i, m in _with_containers(called, roots)]
         reads.global_hooks = _global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
