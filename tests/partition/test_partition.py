@@ -178,6 +178,27 @@ def test_dropout_gradients_equal_eager(partition: str) -> None:
     assert random == []
 
 
+class _InjectGrad(torch.autograd.Function):
+    """A backward returning a tensor it saved as is (a synthetic gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, synthetic: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(synthetic)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.saved_tensors[0], None
+
+
+@pytest.mark.parametrize("partition", list(PARTITIONERS))
+def test_a_saved_input_the_backward_returns_as_is_is_saved(partition: str) -> None:
+    """An input the backward returns without computing on it was not saved by the default
+    partitioner (only values some backward op reads were): an internal AssertionError."""
+    run_both(lambda x, s: _InjectGrad.apply(x, s) * 3, torch.randn(3, requires_grad=True),
+             torch.full((3,), 7.0), partition=partition)
+
+
 @pytest.mark.parametrize("name", ["default_partition", "min_cut_rematerialization_partition"])
 def test_pytorchs_partitioners_split_where_the_trace_did(name: str) -> None:
     # Note [Partitioners from PyTorch]: PyTorch's default_partition reads node tags.

@@ -54,9 +54,10 @@ def default_partition(
     # floats computed from sizes are computed again (Note [Size arithmetic is recomputed]).
     computed_in_fw = (forward | parts.fw_syms) - parts.size_arithmetic
     backward = ancestors([*parts.bw_outputs, *bw_effects], stop=computed_in_fw) - computed_in_fw
+    returned = set(parts.bw_outputs)  # a custom backward may return a saved input as is
     used_by_backward = [
         n for n in joint_gm.graph.nodes
-        if n in computed_in_fw and any(u in backward for u in n.users)
+        if n in computed_in_fw and (n in returned or any(u in backward for u in n.users))
     ]
     saved_syms = [n for n in used_by_backward if is_sym(n)]
     saved = [n for n in used_by_backward if not is_sym(n)]
