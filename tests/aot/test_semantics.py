@@ -7,9 +7,11 @@ import array
 import contextlib
 import copy
 import functools
+import gc
 import logging
 import re
 import textwrap
+import weakref
 from typing import Any
 from unittest import mock
 
@@ -535,6 +537,42 @@ def test_autograd_grad_asks_nothing_of_what_it_does_not_run():
         == (None,)
     with pytest.raises(RuntimeError, match="appears to not have been used"):
         torch.autograd.grad(compiled(x, feats, w)[0].sum(), [feats])
+
+
+def test_autograd_grad_ignores_post_accumulate_hooks_it_never_runs():
+    """A leaf input feeding only the unused output, with a post-accumulate-grad hook (an
+    optimizer in backward): autograd.grad never accumulates, so the hook cannot see anything,
+    but it got zeros (and allow_unused=False did not raise) where eager gives None."""
+    compiled = aotkit.aot_function(lambda x, w: (x * 2, (w * 3).exp()), compilers.nop)
+    x, w = rand(3, grad=True), rand(3, grad=True)
+    w.register_post_accumulate_grad_hook(lambda p: None)
+    a, _ = compiled(x, w)
+    assert torch.autograd.grad(a.sum(), [x, w], allow_unused=True, retain_graph=True)[1] is None
+    with pytest.raises(RuntimeError, match="appears to not have been used"):
+        torch.autograd.grad(a.sum(), [w])
+
+
+def test_a_backward_that_raised_does_not_keep_the_graph_alive():
+    """A hook raising mid-backward (a NaN check) left that backward's walk memo, holding the
+    eager nodes behind the call and their saved tensors, until four later memos replaced it:
+    normal backwards drop their own, so it stayed for good. The next forward drops it."""
+    head = aotkit.aot_function(lambda h, w: ((h * w).sum(), (h * 3).exp()), compilers.nop)
+    lin = nn.Linear(8, 8)
+
+    def step(raises: bool) -> weakref.ref:
+        x = rand(16, 8)  # saved by the Linear's addmm
+        h = lin(x)
+        a, _ = head(h * 1, rand(8, grad=True))  # the walk passes the Linear's node
+        if raises:
+            h.register_hook(lambda g: (_ for _ in ()).throw(FloatingPointError("nan seen")))
+        with contextlib.suppress(FloatingPointError):
+            a.backward()
+        return weakref.ref(x)
+
+    raised = step(True)
+    step(False)
+    gc.collect()
+    assert raised() is None
 
 
 def test_no_gradient_flows_through_a_chain_of_compiled_functions_the_loss_does_not_reach():

@@ -487,6 +487,7 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
                                                               graphs.saved.inputs_read)):
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside or graphs.training:
+        unreached.forget_ended()
         try:
             fw_outs, anchor = _apply(graphs, args)
         except StopRecomputation:

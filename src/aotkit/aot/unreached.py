@@ -20,8 +20,10 @@ from aotkit.aot.subclass import PASSING_NONE
 # for the running graph task, each node with its result: ids stay unique while the memo holds
 # the node objects (the engine's Python wrappers of C++ nodes come and go). The memo is dropped
 # when the backward ends (an engine callback). A backward inside a hook is a task of its own,
-# with its own memo; one that raised never runs its callbacks, so a thread keeps a few memos at
-# most, the oldest dropped first.
+# with its own memo; one that raised never runs its callbacks: a thread keeps a few memos at
+# most, the oldest dropped first, and all of them are dropped by the next compiled call's
+# forward that runs outside any backward of its thread (a raised backward's nodes and saved
+# tensors were kept alive for good otherwise: a NaN check raising in a hook, then training on).
 _memo = threading.local()
 _MEMOS = 4
 
@@ -47,6 +49,12 @@ def quiet(edge: tuple[Any, int], compiled: type) -> bool:
         else:
             found = _enter(nxt, memo, path, compiled)
     return found is not False
+
+
+def forget_ended() -> None:
+    """Drop this thread's memos where no backward runs in it (Note [One walk per backward])."""
+    if getattr(_memo, "by_task", None) and torch._C._current_graph_task_id() == -1:
+        _memo.by_task.clear()
 
 
 def _task_memo() -> dict[Hashable, tuple[bool, Any]]:
@@ -84,13 +92,14 @@ def _enter(edge: tuple[Any, int], memo: dict[Hashable, tuple[bool, Any]],
 def _look(node: Any, slot: int, compiled: type) -> bool | None:
     """What None sent into ``node`` at ``slot`` does: False, it reaches a hook, or a Function
     that materializes zeros; True, it stops there; None, the node passes it on."""
-    if _skipped(node):  # autograd.grad(..., inputs=) does not run it, nor its hooks
+    if (runs := _runs(node)) is False:  # autograd.grad(..., inputs=) does not run it, nor its hooks
         return True
     if isinstance(node, compiled):  # that call applies the same rule
         refs = node.outputs[slot] if slot < len(node.outputs) else ()
         return not any((t := ref()) is not None and t._backward_hooks for ref in refs)
     if (leaf := getattr(node, "variable", None)) is not None:
-        return not (leaf._backward_hooks or leaf._post_accumulate_grad_hooks)
+        return not (leaf._backward_hooks or (leaf._post_accumulate_grad_hooks and (
+            runs or torch._C._current_graph_task_id() == -1)))  # autograd.grad never accumulates
     if isinstance(node, PASSING_NONE):  # a subclass input's wrapping: hooks on the subclass?
         ref, had = getattr(node, "source", (None, False))
         return False if (bool(t._backward_hooks) if (t := ref and ref()) is not None else had) \
@@ -101,11 +110,14 @@ def _look(node: Any, slot: int, compiled: type) -> bool | None:
     return None
 
 
-def _skipped(node: Any) -> bool:
+def _runs(node: Any) -> bool | None:
+    """Whether the engine runs ``node``; None where it does not say: a leaf's AccumulateGrad
+    under autograd.grad (which captures the gradient: the tensor's hooks run, post-accumulate
+    ones never), or outside the engine (a compiled-autograd replay)."""
     try:
-        return not torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf's AccumulateGrad under autograd.grad, or outside the engine
-        return False
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return None
 
 
 def note_view(base: torch.Tensor, view: torch.Tensor, compiled: type) -> None:
