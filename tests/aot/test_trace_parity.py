@@ -286,6 +286,21 @@ def test_data_dependent_ops_with_static_sizes_raise_trace_error(fn, grad):
     assert "Fix:" in message and "dynamic=True" in message
 
 
+@pytest.mark.parametrize("fn", [
+    pytest.param(lambda x, m: x[m].squeeze(0).sum(0), id="squeeze"),
+    pytest.param(lambda x, m: (x[m] @ x.t()).squeeze(0) + 1, id="squeeze_of_matmul"),
+])
+def test_a_view_of_a_data_dependent_size_of_one_is_kept(fn):
+    """The fake kernels take a size read from data for not 1: ``squeeze(0)`` of one row kept
+    the row on fake tensors, the view looked like none and was dropped (a (4,) result where
+    eager's is a number)."""
+    compiled = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    x = torch.arange(12.0).view(3, 4)
+    for rows in ([False, True, False], [True, True, False]):
+        mask = torch.tensor(rows)
+        torch.testing.assert_close(compiled(x, mask), fn(x, mask))
+
+
 @pytest.mark.parametrize("fn", DATA_DEPENDENT)
 @pytest.mark.parametrize("grad", [False, True])
 def test_data_dependent_ops_under_dynamic_match_eager(fn, grad):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from aotkit import compat, counters
 
@@ -82,6 +82,10 @@ def _same_view(a: fx.Node, b: fx.Node) -> bool:
     if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
         return False
     if va.layout != torch.strided or vb.layout != torch.strided:
+        return False
+    # A size read from data (``x[mask]``) may be 1 where the fake kernels assumed it is not:
+    # ``squeeze(0)`` or ``expand`` of it looked like no view at all, and was dropped.
+    if free_unbacked_symbols((va.shape, vb.shape)):
         return False
     return (
         va.dtype == vb.dtype
