@@ -286,6 +286,30 @@ def test_data_dependent_ops_with_static_sizes_raise_trace_error(fn, grad):
     assert "Fix:" in message and "dynamic=True" in message
 
 
+@pytest.mark.parametrize("dropout", [
+    pytest.param(lambda x: F.dropout(x, 0.5, training=False), id="eval"),
+    pytest.param(lambda x: F.dropout(x, 0.0, training=True), id="p0"),
+    pytest.param(lambda x: nn.Dropout(0.3).eval()(x), id="module_eval"),
+])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_dropout_that_drops_nothing_returns_its_input(dropout, dynamic):
+    """Eager's dropout in eval mode (or p=0) returns the input itself: a write into the result
+    writes the input. Under symbolic sizes, traced with PyTorch's Python decomposition, it was
+    a copy, and the input kept its values."""
+    def fn(x):
+        y = dropout(x)
+        y.mul_(2)
+        return y
+
+    compiled = aotkit.aot_function(fn, compilers.nop, dynamic=dynamic)
+    for rows in (3, 5):
+        want, got = torch.ones(rows, 4), torch.ones(rows, 4)
+        fn(want)
+        out = compiled(got)
+        torch.testing.assert_close(got, want)
+        assert out.data_ptr() == got.data_ptr()
+
+
 @pytest.mark.parametrize("fn", [
     pytest.param(lambda x, m: x[m].squeeze(0).sum(0), id="squeeze"),
     pytest.param(lambda x, m: (x[m] @ x.t()).squeeze(0) + 1, id="squeeze_of_matmul"),

@@ -419,8 +419,10 @@ class EagerOps(torch.overrides.TorchFunctionMode):
     native_dropout scales by ``1 / (1 - p)`` instead, which rounds differently (one float32
     ulp off for p = 0.15, 0.45, ...; more in bfloat16 and float16), so on CPU the noise is
     traced as eager makes it; at p = 1 eager multiplies by zero and draws nothing. Eval mode
-    and p = 0 keep the composite (eager returns the input itself), and so does a call inside
-    a torch.func transform (vmap, grad), where eager runs functorch's own dropout, a
+    and p = 0 return the input itself, as eager does (the Python decomposition, which symbolic
+    sizes trace with, returns a copy: a write into the result missed the input), and a call
+    inside a torch.func transform (vmap, grad) keeps the composite: eager runs functorch's own
+    dropout, a
     contiguous ``bernoulli`` draw: native_dropout's draws in the input's layout landed on
     other elements for a non-contiguous input.
     """
@@ -430,9 +432,9 @@ class EagerOps(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.dropout or func is torch.dropout:
             call = _DROPOUT_SIGNATURES[func].bind(*args, **kwargs).arguments
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
-            if train and not call.get("inplace") and 0 < p <= 1 \
+            if not call.get("inplace") and 0 <= p <= 1 \
                     and torch._C._functorch.peek_interpreter_stack() is None:
-                return _dropout(x, p)
+                return _dropout(x, p) if train and p > 0 else x
         elif func in _RNNS and not kwargs and (torch._C._dispatch_tls_is_dispatch_key_included(
                 torch._C.DispatchKey.PythonDispatcher) or torch.is_inference_mode_enabled()):
             if _layers_with_dropout(args):
