@@ -325,6 +325,20 @@ def test_a_view_of_a_data_dependent_size_of_one_is_kept(fn):
         torch.testing.assert_close(compiled(x, mask), fn(x, mask))
 
 
+def test_an_expand_to_a_size_dynamo_assumed_for_data_is_kept():
+    """Dynamo's graph of ``x[m].expand_as(x)`` gives the row count x's size symbol (an
+    assumption it checks in its own graph), so the expand looked like none and was dropped:
+    one row came back as (1, 4) where eager broadcasts it to (3, 4)."""
+    def fn(x, m):
+        return x[m].expand_as(x) * 1
+
+    torch._dynamo.reset()
+    x, mask = torch.arange(12.0).view(3, 4), torch.tensor([False, True, False])
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = torch.compile(fn, backend="aotkit", dynamic=True)(x, mask)
+    torch.testing.assert_close(got, fn(x, mask))
+
+
 @pytest.mark.parametrize("fn", DATA_DEPENDENT)
 @pytest.mark.parametrize("grad", [False, True])
 def test_data_dependent_ops_under_dynamic_match_eager(fn, grad):

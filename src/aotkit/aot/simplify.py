@@ -8,7 +8,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+from torch.fx.experimental.symbolic_shapes import (
+    free_symbols,
+    free_unbacked_symbols,
+    statically_known_true,
+)
 
 from aotkit import compat, counters
 
@@ -84,8 +88,11 @@ def _same_view(a: fx.Node, b: fx.Node) -> bool:
     if va.layout != torch.strided or vb.layout != torch.strided:
         return False
     # A size read from data (``x[mask]``) may be 1 where the fake kernels assumed it is not:
-    # ``squeeze(0)`` or ``expand`` of it looked like no view at all, and was dropped.
-    if free_unbacked_symbols((va.shape, vb.shape)):
+    # ``squeeze(0)`` or ``expand`` of it looked like no view at all, and was dropped. Dynamo's
+    # graphs have such a size replaced already (``x[m].expand_as(x)`` gives it x's symbol, a
+    # runtime assumption, not a fact): an expand to symbolic sizes is kept.
+    if free_unbacked_symbols((va.shape, vb.shape)) or (
+            b.target is torch.ops.aten.expand.default and free_symbols(vb.shape)):
         return False
     return (
         va.dtype == vb.dtype
