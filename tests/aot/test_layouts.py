@@ -259,3 +259,16 @@ def test_pads_of_symbolic_size_keep_eagers_layout(fn: Callable[..., torch.Tensor
         grad = torch.randn_like(want)
         torch.testing.assert_close(torch.autograd.grad(got, (x, w), grad),
                                    torch.autograd.grad(want, (x, w), grad))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_one_hot_of_a_transposed_index_is_contiguous_as_eager(dynamic: bool) -> None:
+    """Eager's one_hot scatters into zeros (contiguous); traced, it compares the indices with an
+    arange in their own layout: a view eager allows on the result was refused."""
+    def fn(i: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(i.t(), 5).view(-1)
+
+    compiled = aotkit.aot_function(fn, aotkit.compilers.nop, dynamic=dynamic)
+    for rows in (4, 6):
+        i = torch.randint(0, 5, (rows, 3))
+        torch.testing.assert_close(compiled(i), fn(i), rtol=0, atol=0)

@@ -408,7 +408,7 @@ def check_out_dtype(func: torch._ops.OpOverload, args: Any, kwargs: Any, device:
 
 class EagerOps(torch.overrides.TorchFunctionMode):
     """Ops traced to give eager's values: dropout, resize_ (Note [resize_ to the same size]),
-    and the gradient of a whole-tensor max/min/median (Note [Gradients of a selected element]).
+    one_hot's layout, and the gradient of a whole-tensor max/min/median (Note [Gradients of a selected element]).
 
     Training-mode dropout: ``aten.native_dropout`` draws the same random numbers as eager's
     dropout, on a mask laid out like the input. Traced without the Python dispatcher, ``aten.dropout``'s C++ composite would
@@ -443,6 +443,8 @@ class EagerOps(torch.overrides.TorchFunctionMode):
             return (out, *(s.flatten(0, -3) if s.dim() == 4 else s for s in states))
         elif func in _SELECTING and len(args) == 1 and not kwargs and _eager_cpu_select(args[0]):
             return _Selected.apply(args[0], func)
+        elif func is torch.nn.functional.one_hot:  # eager scatters into zeros: contiguous;
+            return func(*args, **kwargs).contiguous()  # traced, it compares in x's layout
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
                 and not args[0].requires_grad \
                 and tuple(args[0].shape) == requested_size(func, args, kwargs):
