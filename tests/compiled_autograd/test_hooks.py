@@ -942,11 +942,65 @@ def test_grad_mode_or_autocast_a_hook_leaves_on_ends_with_it() -> None:
         torch.testing.assert_close(actual[1], expected[1])
 
 
-def test_an_unpack_hook_returning_none_raises_as_in_eager() -> None:
-    """The replay took None for "keep the packed value" and went on with it."""
+def test_an_autocast_dtype_a_hook_leaves_set_ends_with_it() -> None:
+    """A backward inside autocast(bfloat16) whose hook enters autocast(float16) and stays in:
+    the engine restores the autocast dtype before every node too; the replay ran every later
+    formula in float16 (gradients off by ~1e-3) and a later hook saw float16."""
+    def step(log: list[str]) -> Any:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        x = torch.randn(3, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x).float().sum()
+            model[2].weight.register_hook(
+                lambda g: torch.autocast("cpu", dtype=torch.float16).__enter__() and None)
+            model[0].weight.register_hook(
+                lambda g: log.append(str(torch.get_autocast_dtype("cpu"))))
+            out.backward()
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        return [p.grad for p in model.parameters()]
+
+    eager_log, compiled_log, expected, actual = both(step)
+    assert compiled_log == eager_log == ["torch.bfloat16"]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_an_error_a_hook_raises_on_a_replay_of_new_sizes_is_the_users() -> None:
+    """A hook's own RuntimeError subclass (a guard the loop catches to skip the batch) became an
+    UnsupportedError blaming the capture once the replay's sizes differed from the capture's."""
+    class BadGrad(RuntimeError):
+        pass
+
+    def guard(g: torch.Tensor) -> None:
+        if not g.isfinite().all():
+            raise BadGrad("non-finite gradient")
+
+    def run(rows: int, poison: bool) -> str:
+        w = torch.randn(3, requires_grad=True)
+        w.register_hook(guard)
+        x = torch.randn(rows, 3)
+        if poison:
+            x[0, 0] = float("inf")
+        try:
+            (x * w).sum().backward()
+        except BadGrad:
+            return "skipped"
+        return "ok"
+
+    for context in (nullcontext(), aotkit.compiled_autograd.enable(nop)):
+        with context:
+            assert [run(rows, poison) for rows in (3, 5) for poison in (False, True)] == \
+                ["ok", "skipped"] * 2
+
+
+@pytest.mark.parametrize("unpacked", [lambda p: None, lambda p: p, lambda p: 3],
+                         ids=["None", "the_packed_tuple", "int"])
+def test_an_unpack_hook_returning_no_tensor_raises_as_in_eager(
+        unpacked: Callable[[Any], Any]) -> None:
+    """The replay took None for "keep the packed value" and went on with it; another value
+    that is no tensor met a formula's raw "Unable to cast" RuntimeError."""
     def step(log: list[str]) -> Any:
         w = torch.randn(3, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (t, "meta"), lambda p: None):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (t, "meta"), unpacked):
             y = (w * w).sum()
         y.backward()
 

@@ -226,7 +226,8 @@ class Reads:
         for flag in self.flags:
             if (m := flag.module()) is None:
                 continue
-            called = f"{type(m).__name__} (a module the function uses)"
+            traced = flag.traced_class() if flag.traced_class is not None else None
+            called = f"{(traced or type(m)).__name__} (a module the function uses)"
             if m.__class__ is not flag.traced_class():  # type: ignore[misc]
                 changes.append(f"the class of {called} changed to {type(m).__name__}")
             if flag.training not in (None, m.training):

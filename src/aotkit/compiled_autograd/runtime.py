@@ -138,10 +138,10 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
     if hook_type in ("pre_hook", "post_hook"):  # eager hands node hooks tuples
         args = tuple(map(tuple, args))
     result = _as_the_engine_would(hook, *args)
-    if result is None and hook_type == "unpack_hook":
+    if hook_type == "unpack_hook" and not isinstance(result, torch.Tensor):
         raise HookResultTypeError(
-            f"saved-tensor unpack hook {_hook_name(hook)!r} returned None; it must return the "
-            "tensor it unpacks.")
+            f"saved-tensor unpack hook {_hook_name(hook)!r} returned {type(result).__name__}; "
+            "it must return the tensor it unpacks.")
     if result is None:
         return args[0]
     if hook_type == "post_acc_grad_hook":  # eager: a TypeError unless it is a tensor
@@ -171,12 +171,29 @@ def _as_the_engine_would(user: Callable[..., Any], *args: Any) -> Any:
         out = user(*args)
         torch.set_grad_enabled(grad)
         return out
+    dtypes = tuple(map(torch.get_autocast_dtype, _AUTOCAST_DEVICES))  # an autocast left open
     try:
         with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                              torch._C._dispatch_tls_local_exclude_set()):
             return user(*args)
+    except Exception as exc:  # the user's own: passed on as raised (see raised_by_user)
+        exc.__dict__[_RAISED_BY_USER] = True
+        raise
     finally:
         torch._C._set_grad_enabled(grad)
+        for device, dtype in zip(_AUTOCAST_DEVICES, dtypes, strict=True):
+            if torch.get_autocast_dtype(device) != dtype:
+                torch.set_autocast_dtype(device, dtype)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_RAISED_BY_USER = "_aotkit_raised_by_user"
+
+
+def raised_by_user(exc: BaseException) -> bool:
+    """Whether a hook or custom backward the replay called raised ``exc`` (a NaN guard's own
+    error class, a bug in a custom backward), which is the user's to catch as eager raises it."""
+    return bool(getattr(exc, "__dict__", {}).get(_RAISED_BY_USER))
 
 
 def _hook_name(hook: Callable[..., Any]) -> str:
@@ -421,7 +438,8 @@ class _Removals:
     """The hook calls one replay is to skip."""
 
     def __init__(self, hooks: Sequence[Any], leaves: Sequence[torch.Tensor]) -> None:
-        self.hooks = hooks  # the registrations this backward calls
+        self.hooks = hooks  # the registrations this backward calls (held: ids stay theirs)
+        self.totals = Counter(map(id, hooks))  # id(hook) -> its calls in this backward
         self.calls: Counter[int] = Counter()  # id(hook) -> calls made or skipped so far
         self.skip: Counter[int] = Counter()   # id(hook) -> calls still to skip
         # the hook tables of the leaves the graph accumulates into
@@ -441,11 +459,11 @@ class _Removals:
     def removed(self, hook: Callable[..., Any], table: Mapping[Any, Any], handle_id: Any) -> None:
         """``hook``'s registration under ``handle_id`` in ``table`` is being removed."""
         key = id(hook)
-        total = sum(1 for h in self.hooks if h is hook)
+        total = self.totals[key]  # not counted per removal: one-shot hooks were quadratic
+        if total - self.calls[key] - self.skip[key] <= 0:
+            return  # every call already ran: the removed one ran too, or is outside
         done = self.calls[key] + self.skip[key]
         in_table = [k for k, h in table.items() if h is hook]
-        if total - done <= 0:
-            return  # every call already ran: the removed one ran too, or is outside
         if total == 1:
             self.skip[key] += not any(t is not table and any(h is hook for h in t.values())
                                       for t in self.leaf_tables)

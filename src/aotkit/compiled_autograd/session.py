@@ -376,8 +376,8 @@ class CompiledBackward:
                                       packed_data, self.accumulated)
         except RuntimeError as exc:
             changed = changed_value(example, self.captured_for, made="captured")
-            if changed is None or isinstance(exc, AotkitError):  # ours already say what failed
-                raise
+            if changed is None or isinstance(exc, AotkitError) or runtime.raised_by_user(exc):
+                raise  # ours already say what failed; the user's are theirs
             raise self._structure_changed(changed, exc, active()) from exc
 
     def _structure_changed(self, changed: str, exc: RuntimeError,
