@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -725,7 +726,35 @@ def _removes_a_grad_input_hook_also_on_a_saved_leaf(log: list[str]) -> Any:
     return torch.autograd.grad(y.sum(), [x])[0]
 
 
+def _removes_a_later_hook_of_its_own_table(log: list[str], table: str) -> Any:
+    """The engine calls a table's hooks from a copy: the removed one still runs this time."""
+    w = torch.ones(3, requires_grad=True)
+    b = (w * 2).sin()
+    handles: list[Any] = []
+
+    def first(g: Any) -> None:
+        log.append("first")
+        handles[1].remove()
+
+    def second(g: Any) -> Any:
+        log.append("second")
+        if table == "post_accumulate":
+            g.grad.mul_(10)
+            return None
+        return (g[0] * 10,) if table == "node_prehook" else g * 10
+
+    register = {"tensor": b.register_hook, "leaf": w.register_hook,
+                "post_accumulate": w.register_post_accumulate_grad_hook,
+                "node_prehook": b.grad_fn.register_prehook}[table]
+    handles += [register(first), register(second)]
+    (b * 3).cos().sum().backward()
+    return w.grad
+
+
 _REMOVALS = {
+    **{f"later_hook_of_its_own_{table}_table": functools.partial(
+        _removes_a_later_hook_of_its_own_table, table=table)
+       for table in ("tensor", "leaf", "post_accumulate", "node_prehook")},
     "grad_input_hook_also_on_a_saved_leaf": _removes_a_grad_input_hook_also_on_a_saved_leaf,
     "registration_outside_the_backward": lambda log: _removes_its_registration_outside_the_backward(
         log, post_accumulate=False),
@@ -964,15 +993,23 @@ def test_an_autocast_dtype_a_hook_leaves_set_ends_with_it() -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
-def test_an_error_a_hook_raises_on_a_replay_of_new_sizes_is_the_users() -> None:
+@pytest.mark.parametrize("where", ["hook", "final_callback"])
+def test_an_error_a_hook_raises_on_a_replay_of_new_sizes_is_the_users(where: str) -> None:
     """A hook's own RuntimeError subclass (a guard the loop catches to skip the batch) became an
-    UnsupportedError blaming the capture once the replay's sizes differed from the capture's."""
+    UnsupportedError blaming the capture once the replay's sizes differed from the capture's;
+    so did one a final callback the hook queued raised."""
     class BadGrad(RuntimeError):
         pass
 
-    def guard(g: torch.Tensor) -> None:
+    def check(g: torch.Tensor) -> None:
         if not g.isfinite().all():
             raise BadGrad("non-finite gradient")
+
+    def guard(g: torch.Tensor) -> None:
+        if where == "hook":
+            check(g)
+        else:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: check(g))
 
     def run(rows: int, poison: bool) -> str:
         w = torch.randn(3, requires_grad=True)

@@ -137,7 +137,11 @@ def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
         return args[0]
     if hook_type in ("pre_hook", "post_hook"):  # eager hands node hooks tuples
         args = tuple(map(tuple, args))
-    result = _as_the_engine_would(hook, *args)
+    running, _replay.running = getattr(_replay, "running", None), hook
+    try:
+        result = _as_the_engine_would(hook, *args)
+    finally:
+        _replay.running = running
     if hook_type == "unpack_hook" and not isinstance(result, torch.Tensor):
         raise HookResultTypeError(
             f"saved-tensor unpack hook {_hook_name(hook)!r} returned {type(result).__name__}; "
@@ -191,9 +195,12 @@ _RAISED_BY_USER = "_aotkit_raised_by_user"
 
 
 def raised_by_user(exc: BaseException) -> bool:
-    """Whether a hook or custom backward the replay called raised ``exc`` (a NaN guard's own
-    error class, a bug in a custom backward), which is the user's to catch as eager raises it."""
-    return bool(getattr(exc, "__dict__", {}).get(_RAISED_BY_USER))
+    """Whether a hook, custom backward or final callback the replay called raised ``exc`` (a
+    bug in a custom backward), or its class is not PyTorch's (a NaN guard's own, raised by a
+    dispatch mode): the user's to catch as eager raises it."""
+    module = type(exc).__module__
+    return bool(getattr(exc, "__dict__", {}).get(_RAISED_BY_USER)) or not (
+        module == "builtins" or module.startswith("torch"))
 
 
 def _hook_name(hook: Callable[..., Any]) -> str:
@@ -410,7 +417,7 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
         out = fn(inputs, sizes, scalars, hooks, packed_data)
         i = 0
         while i < len(queued):  # a callback may queue more
-            queued[i]()
+            _as_the_engine_would(queued[i])
             i += 1
         return out
     finally:
@@ -426,7 +433,8 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
 # knows a call only by its function, so the registration is found by counting: a function
 # registered once in this backward is that registration; several registrations in the one table
 # run in its order (and skipping any of them gives the same result); a registration whose call
-# already ran (a hook removing itself) skips nothing. One function registered on several tensors
+# already ran (a hook removing itself) skips nothing, and neither does a removal by a hook of
+# the same table (the engine calls a table's hooks from a copy taken before the first). One function registered on several tensors
 # or nodes, one of which is removed while calls are still to come, cannot be told apart and is
 # refused. A function registered once in this backward, on a leaf the graph accumulates into,
 # and also on a tensor outside it: removing the outside registration skips nothing, since the
@@ -458,6 +466,9 @@ class _Removals:
 
     def removed(self, hook: Callable[..., Any], table: Mapping[Any, Any], handle_id: Any) -> None:
         """``hook``'s registration under ``handle_id`` in ``table`` is being removed."""
+        running = getattr(_replay, "running", None)
+        if running is not None and any(h is running for h in table.values()):
+            return  # the engine calls a table's hooks from a copy: removed from the next backward
         key = id(hook)
         total = self.totals[key]  # not counted per removal: one-shot hooks were quadratic
         if total - self.calls[key] - self.skip[key] <= 0:
