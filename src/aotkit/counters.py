@@ -38,6 +38,7 @@ _LOCK = new_lock()  # counters and decisions are recorded and read from several 
 KINDS: dict[str, str] = {
     "recompile": "a compiled entry traced again (new signature, option, guard or state)",
     "retrace": "a trace taken once more in another way, with the reason the first failed",
+    "backward_variant": "a backward graph compiled again without gradients a backward lacks",
     "fallback": "something ran otherwise than asked (eagerly, or as DOT instead of an image)",
     "graph_break": "Dynamo split its graph where aotkit could not trace",
     "specialize": "a value compiled as a constant, so each new value compiles anew",

@@ -539,6 +539,36 @@ def test_autograd_grad_asks_nothing_of_what_it_does_not_run():
         torch.autograd.grad(compiled(x, feats, w)[0].sum(), [feats])
 
 
+@pytest.mark.parametrize("logged", [
+    pytest.param(lambda p: (p[:, None] - p[None]).pow(2).sum(-1).sqrt(), id="pairwise_distance"),
+    pytest.param(lambda p: p.abs().log(), id="log_at_zero"),
+    pytest.param(lambda p: p / (p - p.detach()), id="divide_by_zero"),
+])
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_an_unused_output_with_an_infinite_derivative_leaves_no_nan(logged, how):
+    """Note [Gradients backward does not bring]: the backward graph ran with a zero gradient
+    for the unused output, and 0 * inf made the loss's gradients NaN where eager, which never
+    runs that derivative, gives finite ones."""
+    def fn(emb, w):
+        proj = emb @ w
+        proj = torch.cat([proj, torch.zeros(1, 3)])  # a zero row: the derivative is infinite
+        return proj.pow(2).mean(), logged(proj)
+
+    compiled = aotkit.aot_function(fn, compilers.nop) if how == "aot_function" else \
+        torch.compile(fn, backend="aotkit")
+    for f in (fn, compiled, compiled):  # the second call reuses the backward made for it
+        emb, w = rand(4, 3, grad=True), rand(3, 3, grad=True)
+        torch.manual_seed(0)
+        emb.data, w.data = torch.randn(4, 3), torch.randn(3, 3)
+        f(emb, w)[0].backward()
+        if f is fn:
+            want = emb.grad, w.grad
+        else:
+            torch.testing.assert_close((emb.grad, w.grad), want)
+    kinds = [d.kind for d in aotkit.explain().decisions]
+    assert kinds.count("backward_variant") == 1
+
+
 def test_autograd_grad_ignores_post_accumulate_hooks_it_never_runs():
     """A leaf input feeding only the unused output, with a post-accumulate-grad hook (an
     optimizer in backward): autograd.grad never accumulates, so the hook cannot see anything,

@@ -23,6 +23,7 @@ from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
+from aotkit.aot.simplify import without_gradients
 from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
@@ -55,7 +56,7 @@ class CompiledGraphs:
     # The backward graph with backward() under an autocast state (Note [Autocast around backward]).
     backward_under: Callable[[AutocastState], fx.GraphModule] | None = None
     # The compiled backward per autocast state of backward() (Note [Autocast around backward]).
-    _bw: dict[AutocastState, Callable[[list[Any]], Any]] = field(default_factory=dict)
+    _bw: dict[tuple[AutocastState, int], Callable[[list[Any]], Any]] = field(default_factory=dict)
     # Where subclass arguments and outputs are flattened (Note [Tensor subclasses]).
     boundary: Boundary | None = None
     # Called under no_grad, the function turns grad mode on (Note [Grad mode turned on inside]).
@@ -147,17 +148,20 @@ class CompiledGraphs:
                 outs[i] = out.detach()
         return outs
 
-    def backward_fn(self, autocast: AutocastState = NO_AUTOCAST) -> Callable[[list[Any]], Any]:
-        """The compiled backward for backward() under ``autocast``, compiled on first use (the
-        forward may never be differentiated). See Note [Autocast around backward]."""
-        compiled = self._bw.get(autocast)
+    def backward_fn(self, autocast: AutocastState = NO_AUTOCAST,
+                    missing: int = 0) -> Callable[[list[Any]], Any]:
+        """The compiled backward for backward() under ``autocast``, without the tangents of
+        bit mask ``missing``, compiled on first use (the forward may never be differentiated).
+        See Note [Autocast around backward], Note [Gradients backward does not bring]."""
+        compiled = self._bw.get((autocast, missing))
         if compiled is None:
             with COMPILE_LOCK:  # Note [One compile at a time]
-                compiled = self._bw.get(autocast) or self._compile_backward(autocast)
-                self._bw[autocast] = compiled
+                compiled = self._bw.get((autocast, missing)) or \
+                    self._compile_backward(autocast, missing)
+                self._bw[(autocast, missing)] = compiled
         return compiled
 
-    def _compile_backward(self, autocast: AutocastState) -> Callable[[list[Any]], Any]:
+    def _compile_backward(self, autocast: AutocastState, missing: int) -> Callable[[list[Any]], Any]:
         assert self.bw_gm is not None and self.bw_compiler is not None
         gm = self.bw_gm
         if autocast != NO_AUTOCAST:
@@ -168,6 +172,8 @@ class CompiledGraphs:
                 "traced again under autocast, as eager runs its backward's ops"), logger=log)
             assert self.backward_under is not None
             gm = self.backward_under(autocast)
+        if missing:
+            gm = self._without_tangents(gm, missing)
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         # backward() may run under Dynamo's frame callback (a compiled training step's
         # loss.backward()): the compiler's own frames are not user code to compile.
@@ -176,6 +182,18 @@ class CompiledGraphs:
         counters.bump("aot", "bw_compiles")
         log.debug("compiled backward of %s", self.name)
         return compiled
+
+    def _without_tangents(self, gm: fx.GraphModule, missing: int) -> fx.GraphModule:
+        """``gm`` without the tangents of bit mask ``missing`` (Note [Gradients backward does
+        not bring]); the tangents are the last placeholders."""
+        num_tangents = sum(self.differentiable)
+        first = len(list(gm.graph.find_nodes(op="placeholder"))) - num_tangents
+        unused = [k for k in range(num_tangents) if missing >> k & 1]
+        counters.record("backward_variant", self.name, (
+            f"a backward brings no gradient for output(s) {unused} (differentiable "
+            "outputs, counted from 0); the backward graph is compiled without them, as eager "
+            "never runs their formulas (Note [Gradients backward does not bring])"), logger=log)
+        return without_gradients(gm, [first + k for k in unused])
 
 
 def _dense(grad: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
@@ -251,7 +269,7 @@ class CompiledFunction(torch.autograd.Function):
             grads = _zeros_for_unreached(ctx, graphs, grads)
         tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
                                                    graphs.tangent_formats, strict=True) if d]
-        backward = graphs.backward_fn(autocast_state())  # a failed compile can be retried
+        backward = graphs.backward_fn(autocast_state(), unreached)  # a failed one is retried
         try:
             saved, anchor = _saved(ctx)
         except RuntimeError as exc:

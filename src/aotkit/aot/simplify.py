@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 from typing import Any
@@ -231,3 +232,91 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
         node.replace_all_uses_with(detached, delete_user_cb=functools.partial(operator.is_not, detached))
     if views:
         gm.recompile()
+
+
+# Note [Gradients backward does not bring]
+# A backward from some outputs only runs the backward graph with zeros for the others'
+# gradients (Note [Outputs backward does not reach] in aotkit.aot.runtime). Eager never runs
+# the formulas behind those outputs, and a zero is not nothing there: where a derivative on
+# their path is infinite (``sqrt`` or ``log`` at 0, ``x / y`` at ``y = 0``: a logged pairwise
+# distance's zero diagonal), 0 * inf made the used outputs' gradients NaN. So for each set of
+# missing gradients the backward graph is compiled again (once, on first use) with those
+# gradients left out: a value computed from them alone is absent, an op linear in such a value
+# (a product, a quotient's numerator, a matrix product, a view, a sum, a pointwise formula's
+# incoming gradient) is absent too, and a sum with a present value is that value, where shape
+# and dtype agree; any other op reads zeros of the absent value's layout instead (``zeros_like``,
+# which reads no values), as the whole graph read them before. The graph keeps its inputs (the
+# zeros are still passed, and read only where an op needs them).
+_aten = torch.ops.aten
+#: Absent when any tensor argument is: products.
+_ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
+                            _aten.matmul.default, _aten.mv.default, _aten.dot.default])
+#: Absent when the first argument (the incoming gradient, or the numerator) is.
+_ABSENT_IF_FIRST = frozenset([
+    _aten.div.Tensor, _aten.div.Scalar, _aten.mul.Scalar, _aten.neg.default,
+    _aten.clone.default, _aten._to_copy.default, _aten.sum.dim_IntList, _aten.sum.default,
+    _aten.mean.dim, _aten.threshold_backward.default, _aten.tanh_backward.default,
+    _aten.sigmoid_backward.default, _aten.gelu_backward.default, _aten.silu_backward.default,
+    _aten._softmax_backward_data.default, _aten._log_softmax_backward_data.default,
+    _aten.slice_backward.default, _aten.select_backward.default, _aten.expand.default,
+    _aten.sum_to_size.default])
+_SUMS = frozenset([_aten.add.Tensor, _aten.sub.Tensor])
+
+
+def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
+    """A copy of backward graph ``gm`` with the tangents at placeholder positions ``missing``
+    left out (Note [Gradients backward does not bring]).
+
+    Example::
+
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> from aotkit.aot.simplify import without_gradients
+        >>> gm = make_fx(lambda x, ga, gb: ga * x.cos() + gb / x)(*torch.zeros(3, 3))
+        >>> without_gradients(gm, [2])(torch.zeros(3), torch.ones(3), torch.zeros(3))
+        tensor([1., 1., 1.])
+    """
+    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    absent = {placeholders[k] for k in missing}
+    zeros: dict[fx.Node, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" or not absent.intersection(node.all_input_nodes):
+            continue
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        if node.op == "call_function" and (
+                (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
+                    node.target in _ABSENT_IF_FIRST or _is_view(node)))
+                or (node.target in _SUMS and all(t in absent for t in tensors[:2]))):
+            absent.add(node)
+            continue
+        if node.op == "call_function" and node.target in _SUMS and len(tensors) == 2 \
+                and tensors[1] in absent and _same_meta(tensors[0], node):
+            node.replace_all_uses_with(tensors[0])
+            continue
+        if node.op == "call_function" and node.target is _aten.add.Tensor \
+                and tensors[0] in absent and _same_meta(tensors[1], node) \
+                and node.kwargs.get("alpha", 1) == 1:
+            node.replace_all_uses_with(tensors[1])
+            continue
+        for arg in absent.intersection(node.all_input_nodes):
+            node.replace_input_with(arg, _zeros_of(gm, arg, zeros))
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
+        and va.dtype == vb.dtype and known_equal(va.shape, vb.shape) \
+        and known_equal(va.stride(), vb.stride())
+
+
+def _zeros_of(gm: fx.GraphModule, node: fx.Node, made: dict[fx.Node, fx.Node]) -> fx.Node:
+    """``zeros_like(node)``, made once, right after it: its layout, none of its values."""
+    if node not in made:
+        with gm.graph.inserting_after(node):
+            made[node] = gm.graph.call_function(_aten.zeros_like.default, (node,))
+        made[node].meta = dict(node.meta)
+    return made[node]
