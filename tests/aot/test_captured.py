@@ -1535,7 +1535,8 @@ class _WeightNormed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("fold", ["method_of_a_trainer", "hook_is_its_own_method",
-                                  "parametrized", "new_head"])
+                                  "parametrized", "new_head", "new_head_of_a_closed_over_model",
+                                  "argument"])
 def test_models_of_earlier_folds_are_freed_with_their_entries(fold: str) -> None:
     """A model replaced for each fold (or task) was kept alive by the entries, whose count
     reached recompile_limit at the ninth: held by the key of an attribute of the object whose
@@ -1545,22 +1546,66 @@ def test_models_of_earlier_folds_are_freed_with_their_entries(fold: str) -> None
     model, trainer = make(), _Trainer()
     f = aotkit.aot_function(
         trainer.step if fold == "method_of_a_trainer" else model if fold == "new_head"
-        else lambda x: model(x), compilers.nop)
+        else (lambda m, x: m(x)) if fold == "argument" else lambda x: model(x), compilers.nop)
     x, old = torch.randn(2, 3), []
     for _ in range(2 * aotkit.config.recompile_limit):
         if fold == "method_of_a_trainer":
             trainer.model = torch.nn.Linear(3, 3)
-        elif fold == "new_head":
+        elif fold.startswith("new_head"):
             model.head = torch.nn.Linear(3, 3)
         else:
             model = make()
         now = trainer.model if fold == "method_of_a_trainer" else model
-        old.append(weakref.ref(now.head if fold == "new_head" else now))
+        old.append(weakref.ref(now.head if fold.startswith("new_head") else now))
         with torch.no_grad():
-            torch.testing.assert_close(f(x), now(x), rtol=0, atol=0)
+            got = f(now, x) if fold == "argument" else f(x)
+            torch.testing.assert_close(got, now(x), rtol=0, atol=0)
     del now
     gc.collect()
     assert sum(r() is not None for r in old[:-1]) == 0
+
+
+class _Block(torch.nn.Module):
+    """A module comparing by configuration (``==`` of its own), as some libraries' do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Block) and other.lin.in_features == self.lin.in_features
+
+    __hash__ = object.__hash__
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_modules_comparing_equal_by_configuration_keep_their_own_graphs() -> None:
+    """A module argument was keyed by its class's ``==`` (another with the same configuration
+    reused the first one's graph, weights included), and a replaced child was compared with
+    ``==`` too (stale; a ``==`` reading the other's attributes raised on None)."""
+    compiled, x = aotkit.aot_function(lambda m, x: m(x), compilers.nop), torch.randn(2, 3)
+    with torch.no_grad():
+        for block in (_Block(), _Block()):
+            torch.testing.assert_close(compiled(block, x), block(x), rtol=0, atol=0)
+        model = torch.nn.Sequential(_Block(), torch.nn.ReLU())
+        closed = aotkit.aot_function(lambda x: model(x), compilers.nop)
+        for child in (_Block(), _Block(), torch.nn.Identity()):
+            torch.testing.assert_close(closed(x), model(x), rtol=0, atol=0)
+            model[0] = child
+        torch.testing.assert_close(closed(x), model(x), rtol=0, atol=0)
+
+
+def test_an_argument_object_holding_a_dead_weak_proxy_is_keyed() -> None:
+    """A back-reference (weakref.proxy) whose referent is gone raised a raw ReferenceError
+    while the object was keyed, though the function never reads it."""
+    owner = torch.nn.Linear(2, 2)
+    cfg = types.SimpleNamespace(scale=2.0, owner=weakref.proxy(owner))
+    del owner
+    gc.collect()
+    compiled, x = aotkit.aot_function(lambda x, cfg: x * cfg.scale, compilers.nop), torch.ones(2)
+    torch.testing.assert_close(compiled(x, cfg), x * 2)
 
 
 def test_a_subclass_parameter_read_by_its_part_replaced_traces_again() -> None:
@@ -1597,6 +1642,10 @@ def test_a_frozen_parameters_grad_read_inside_is_refused_once_it_requires_grad()
 
     compiled, x = aotkit.aot_function(grad_norm, compilers.nop), torch.ones(2)
     torch.testing.assert_close(compiled(x), grad_norm(x))
+    inside = aotkit.aot_function(lambda x: (y := x * 2) * (y.grad is None), compilers.nop)
+    for _ in range(3):  # .grad of a tensor made inside: not watched (it recompiled each call)
+        torch.testing.assert_close(inside(x.requires_grad_()), x * 2)
+    assert inside.num_entries == 1
     backbone.requires_grad_(True)
     backbone(torch.randn(4, 3)).sum().backward()
     with pytest.raises(aotkit.errors.UnsupportedError, match=r"reads \.grad of a tensor"):

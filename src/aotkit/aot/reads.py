@@ -73,34 +73,40 @@ class _Flag:
     it or does not call the module), hooks and instance forward (see :func:`_hooks_of`) and
     children. None of them held (a parametrized module's class holds the module; a child's
     hook may be a method of the model: held, a model rebound for the next fold was never
-    freed): the class by id and a weak reference, the children by weak proxies (compared in C
-    at every call, as identity), whose callbacks set ``cls`` to 0, no class's id, once one is
-    freed (an id may be reused; a dead proxy is never compared)."""
+    freed): the class by id, the children by weak proxies compared in C at every call (as
+    identity: a module's ``==`` is identity), or by ids where a child's class defines its own
+    ``==`` (``by_id``); the weak references' callbacks set ``cls`` to 0, no class's id, once one
+    is freed (an id may be reused; a dead proxy is never compared)."""
 
     module: weakref.ref[nn.Module]
     cls: int
     training: bool | None
     hooks: tuple[Callable[[], Any], ...]
+    by_id: bool
     children: tuple[Any, ...] = ()
-    traced_class: weakref.ref[type] | None = None
+    refs: tuple[Any, ...] = ()  # the class's reference first, then the children's
 
 
 def _flag(m: nn.Module, training: bool | None) -> _Flag:
-    flag = _Flag(weakref.ref(m), id(m.__class__), training, _refs(_hooks_of(m)))
+    children = list(m._modules.values())
+    by_id = any(c is not None and type(c).__eq__ is not object.__eq__ for c in children)
+    flag = _Flag(weakref.ref(m), id(m.__class__), training, _refs(_hooks_of(m)), by_id)
 
     def freed(_: Any) -> None:
         flag.cls = 0
 
-    flag.traced_class = weakref.ref(m.__class__, freed)
-    flag.children = tuple(c if c is None or type(c).__eq__ is not object.__eq__
-                          else weakref.proxy(c, freed) for c in m._modules.values())
+    held = [weakref.ref(m.__class__, freed), *(
+        None if c is None else (weakref.ref if by_id else weakref.proxy)(c, freed)
+        for c in children)]
+    flag.refs = tuple(held)
+    flag.children = tuple(map(id, children)) if by_id else tuple(held[1:])
     return flag
 
 
 def _same_children(flag: _Flag, m: nn.Module) -> bool:
-    """Whether ``m`` holds the children it was traced with (one with an ``__eq__`` of its own
-    is held: a proxy compares as its module does)."""
-    return flag.cls != 0 and tuple(m.__dict__["_modules"].values()) == flag.children
+    """Whether ``m`` holds the children it was traced with."""
+    now = m.__dict__["_modules"].values()
+    return flag.cls != 0 and (tuple(map(id, now)) if flag.by_id else tuple(now)) == flag.children
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
@@ -194,8 +200,10 @@ class Reads:
             if id(m.__class__) != flag.cls or (flag.training is not None
                                                and m.training != flag.training):  # a property?
                 return False
-            if (flag.children or d["_modules"]) and tuple(d["_modules"].values()) != flag.children:
-                return False  # compared to proxies: see _Flag
+            children = d["_modules"]
+            if (flag.children or children) and flag.children != (
+                    tuple(map(id, children.values())) if flag.by_id else tuple(children.values())):
+                return False  # compared to proxies or ids: see _Flag
             if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
                     or d["_backward_pre_hooks"] or d["_backward_hooks"]) \
                     and not _same(flag.hooks, _hooks_of(m)):
@@ -204,6 +212,11 @@ class Reads:
             return False
         return all(slot.table.get(slot.name) is slot.tensor for slot in self.slots) \
             and not any(t.requires_grad for t in self.constants) and self._same_layouts()
+
+    def dead(self) -> bool:
+        """Whether a module the trace used, still alive, lost a child or class it was traced
+        with for good (freed): no call matches this entry again."""
+        return any(flag.cls == 0 and flag.module() is not None for flag in self.flags)
 
     def _same_layouts(self) -> bool:
         # Dynamo's C++ tensor check answers at once for plain tensors when nothing changed (the
@@ -226,9 +239,9 @@ class Reads:
         for flag in self.flags:
             if (m := flag.module()) is None:
                 continue
-            traced = flag.traced_class() if flag.traced_class is not None else None
+            traced = flag.refs[0]()
             called = f"{(traced or type(m)).__name__} (a module the function uses)"
-            if m.__class__ is not flag.traced_class():  # type: ignore[misc]
+            if m.__class__ is not traced:
                 changes.append(f"the class of {called} changed to {type(m).__name__}")
             if flag.training not in (None, m.training):
                 changes.append(f"the training flag of {called}, traced with its flag, changed: "

@@ -62,6 +62,8 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         return (type(leaf), repr(leaf))
     if (contents := _contents_key(leaf)) is not None:
         return contents
+    if issubclass(type(leaf), torch.nn.Module):  # not by its __eq__; freed with its next fold
+        return Collectable(leaf)
     if _by_identity(leaf) or not _hashable(leaf):
         return _object_key(leaf, 0, _Walk()) if _plain_object(leaf) else _Identity(leaf)
     return (type(leaf), leaf)
@@ -197,11 +199,12 @@ class Collectable(_Identity):
         return f"a {self.kind} object{'' if self.ref() is not None else ' since freed'}"
 
 
-def collected(key: Any) -> bool:
-    """Whether an entry's key holds a module that is gone: no call matches it again."""
-    if isinstance(key, tuple):
-        return any(map(collected, key))
-    return isinstance(key, Collectable) and key.ref() is None
+def collected(key: Any, alive: bool = False) -> bool:
+    """Whether an entry's key holds a module that is gone: no call matches it again (with
+    ``alive``: any module at all)."""
+    if isinstance(key, (tuple, frozenset)):
+        return any(collected(k, alive) for k in key)
+    return isinstance(key, Collectable) and (alive or key.ref() is None)
 
 
 class Keyed:
@@ -253,6 +256,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
         return (kind, value)
     if kind is float or kind is complex:  # nan != nan; -0.0 == 0.0
         return (kind, repr(value))
+    if kind in weakref.ProxyTypes:  # asked anything, a dead one raises
+        return _Identity(value)
     if isinstance(value, torch.Tensor):
         return _Identity(value)
     if issubclass(kind, torch.nn.Module):  # a model rebound for the next fold is freed
@@ -289,7 +294,8 @@ def _state_unseen(value: Any) -> bool:
 def _keyed_by_tensors(value: Any) -> bool:
     """A dict keyed by tensors (an optimizer's ``state``, per parameter): walked after an
     object's other attributes, so that it does not spend a key's values before them."""
-    return isinstance(value, dict) and bool(value) and isinstance(next(iter(value)), torch.Tensor)
+    return issubclass(type(value), dict) and bool(value) \
+        and issubclass(type(next(iter(value))), torch.Tensor)  # type(): a dead proxy raises
 
 
 def identity_keyed_parts(leaf: Any, name: str) -> list[str]:

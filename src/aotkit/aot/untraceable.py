@@ -263,7 +263,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
     def _refuse_grad_access(self, t: Any, verb: str) -> None:
         index = self.inputs.get(id(t))
         if index is None and not _callers_gradient(t, verb):  # eager's .grad is None too
-            note_constant(t, grad=True, after_write=False)  # traced again once it requires grad
+            if not _made_while_tracing(t) and not torch._C._functorch.is_functorch_wrapped_tensor(t):
+                note_constant(t, grad=True, after_write=False)  # a frozen one: watched
             return
         if index is None:  # an optimizer's parameters (zero_grad), Module.to()'s
             raise UnsupportedError(
