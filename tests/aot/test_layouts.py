@@ -272,3 +272,43 @@ def test_one_hot_of_a_transposed_index_is_contiguous_as_eager(dynamic: bool) -> 
     for rows in (4, 6):
         i = torch.randint(0, 5, (rows, 3))
         torch.testing.assert_close(compiled(i), fn(i), rtol=0, atol=0)
+
+
+def test_one_hot_under_vmap_keeps_eagers_layout() -> None:
+    """Under vmap one_hot keeps the batch dimension where the input had it (no copy)."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(lambda r: F.one_hot(r, 5), in_dims=1)(x)
+
+    x = torch.randint(0, 5, (6, 3))
+    got, want = aotkit.aot_function(fn, aotkit.compilers.nop)(x), fn(x)
+    assert got.stride() == want.stride() and torch.equal(got, want)
+
+
+class _CountsCopies:
+    """A compiler counting the copies the forward graph makes."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def __call__(self, gm: Any, inputs: Any) -> Any:
+        self.copies += sum(n.target in (torch.ops.aten.clone.default, torch.ops.aten.copy.default)
+                           for n in gm.graph.nodes)
+        return gm
+
+
+@pytest.mark.parametrize("pad", [
+    pytest.param(lambda x: F.pad(x[:, :, 1:, 1:], (0, -(x.shape[3] - 1) % 4, 0, 0)),
+                 id="crop_of_channels_last"),
+    pytest.param(lambda x: F.pad(x.transpose(2, 3), (1, x.shape[2] % 3)), id="one_pad_positive"),
+])
+def test_pads_of_symbolic_size_copy_only_where_the_kernels_disagree(pad: Callable[..., Any]) -> None:
+    """A channels_last crop keeps its suggested format's order when trimmed, and a pad known
+    positive never trims: the fake and real kernels agree, and the input was copied for
+    nothing (twice the time of a crop and pad)."""
+    counts = _CountsCopies()
+    compiled = aotkit.aot_function(pad, counts, dynamic=True)
+    for size in (9, 10):
+        x = torch.randn(2, 3, size, size).to(memory_format=torch.channels_last)
+        got, want = compiled(x), pad(x)
+        assert got.stride() == want.stride() and torch.equal(got, want)
+    assert counts.copies == 0

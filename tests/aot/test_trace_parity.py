@@ -667,3 +667,12 @@ def test_backward_under_autocast_of_a_data_dependent_graph_matches_eager():
 def test_a_cpu_device_with_an_index_is_cpu_as_in_eager(make):
     # Note [CPU device indices]
     check_against_eager(make, torch.randn(3, requires_grad=True))
+
+
+def test_dropout_of_an_empty_tensor_returns_it():
+    """Eager's training dropout returns an empty input itself."""
+    def fn(x):
+        return F.dropout(x, 0.5, training=True)
+
+    x = torch.ones(0, 4)
+    assert fn(x) is x and aotkit.aot_function(fn, compilers.nop)(x) is x

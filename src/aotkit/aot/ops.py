@@ -434,7 +434,8 @@ class EagerOps(torch.overrides.TorchFunctionMode):
             p, train, x = call["p"], call.get("training", call.get("train")), call["input"]
             if not call.get("inplace") and 0 <= p <= 1 \
                     and torch._C._functorch.peek_interpreter_stack() is None:
-                return _dropout(x, p) if train and p > 0 else x
+                return _dropout(x, p) if train and p > 0 \
+                    and not statically_known_true(x.numel() == 0) else x  # eager: x itself
         elif func in _RNNS and not kwargs and (torch._C._dispatch_tls_is_dispatch_key_included(
                 torch._C.DispatchKey.PythonDispatcher) or torch.is_inference_mode_enabled()):
             if _layers_with_dropout(args):
@@ -443,8 +444,10 @@ class EagerOps(torch.overrides.TorchFunctionMode):
             return (out, *(s.flatten(0, -3) if s.dim() == 4 else s for s in states))
         elif func in _SELECTING and len(args) == 1 and not kwargs and _eager_cpu_select(args[0]):
             return _Selected.apply(args[0], func)
-        elif func is torch.nn.functional.one_hot:  # eager scatters into zeros: contiguous;
-            return func(*args, **kwargs).contiguous()  # traced, it compares in x's layout
+        elif func is torch.nn.functional.one_hot \
+                and torch._C._functorch.peek_interpreter_stack() is None:  # (vmap: its own)
+            return func(*args, **kwargs).contiguous()  # eager scatters into zeros; traced, it
+            # compares the indices with an arange in their layout
         elif func is torch.Tensor.resize_ and kwargs.get("memory_format") is None \
                 and not args[0].requires_grad \
                 and tuple(args[0].shape) == requested_size(func, args, kwargs):
@@ -697,18 +700,28 @@ def _one_dense_layout(args: tuple[Any, ...]) -> bool:
         for t in tensors[1:])
 
 
-def _pads_concrete(args: tuple[Any, ...]) -> bool:
-    """Whether ``constant_pad_nd``'s pads are plain integers: its fake kernel then takes the
-    real kernel's branch (a trim, all pads <= 0, keeps the input's stride order); for a symbolic
-    pad it returns the input's suggested memory format whatever the pads' values."""
-    return all(isinstance(p, int) for p in args[1])
+def _pad_agrees(args: tuple[Any, ...]) -> bool:
+    """Whether ``constant_pad_nd``'s fake kernel lays its result out as the real one: for a
+    symbolic pad it returns the input's suggested memory format whatever the pads' values,
+    where the real kernel's trim (all pads <= 0) keeps the input's stride order. They agree for
+    plain integer pads (the fake kernel takes the real one's branch), a pad known positive (no
+    trim), or an input whose stride order is its suggested format's (a channels_last crop, a
+    slice of a contiguous tensor)."""
+    x, pads = args[0], args[1]
+    if all(isinstance(p, int) for p in pads) or any(statically_known_true(p > 0) for p in pads):
+        return True
+    if not isinstance(x, torch.Tensor) or suggest_memory_format(x) != torch.contiguous_format:
+        return True  # channels_last order (or no strides to lay out)
+    strides = [st for n, st in zip(x.shape, x.stride(), strict=True)
+               if not statically_known_true(n == 1)]
+    return all(statically_known_true(a >= b) for a, b in itertools.pairwise(strides))
 
 
 #: Ops of the table below whose fake and real kernels agree for the arguments the predicate
 #: accepts.
 _AGREES_WHEN: dict[Any, Callable[[tuple[Any, ...]], bool]] = {
     **dict.fromkeys(_ONE_LAYOUT_AGREES, _one_dense_layout),
-    _aten.constant_pad_nd.default: _pads_concrete,
+    _aten.constant_pad_nd.default: _pad_agrees,
 }
 #: Ops whose fake strides differ from the real kernel's, with the argument whose suggested
 #: memory format the real kernel returns (None: contiguous). See the Note above.
@@ -729,7 +742,7 @@ _RELAID_OPS: dict[Any, int | None] = {
         _aten.replication_pad3d.default, _aten.reflection_pad3d_backward.default,
         _aten.replication_pad3d_backward.default, _aten.logit_backward.default,
         _aten.glu_backward.default], None),
-    _aten.constant_pad_nd.default: 0,  # symbolic pads only (_pads_concrete)
+    _aten.constant_pad_nd.default: 0,  # symbolic pads only (_pad_agrees)
     # torch < 2.13: the pads' own fake kernels return channels_last inputs' results contiguous.
     **(dict.fromkeys([_aten.reflection_pad2d.default, _aten.replication_pad2d.default], None)
        if compat.TORCH_VERSION < (2, 13) else {}),
