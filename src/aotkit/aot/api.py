@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import logging
 import types
@@ -50,6 +49,7 @@ from aotkit.aot.reads import (
     Reads,
     argument_containers,
     changed_values,
+    live_entries,
     module_containers,
     note_module_counts,
     note_module_stores,
@@ -63,7 +63,6 @@ from aotkit.aot.signature import (
     AutocastState,
     ShapeGuard,
     autocast_state,
-    collected,
     describe_change,
     differences,
     leaf_names,
@@ -839,25 +838,13 @@ class AotFunction:
             why = describe_change(closest, key, names, skip)
         else:
             why = "new input signature"
-        self._drop_dead_entries()
-        if self.num_entries >= config.recompile_limit and any(
-                collected(k, alive=True) or any(e.reads.flags for e in v)
-                for k, v in self._entries.items()):
-            gc.collect()  # a model rebound is freed in a cycle where a hook is its own method
-            self._drop_dead_entries()
+        self._entries = live_entries(self._entries, config.recompile_limit)
         if self.num_entries >= config.recompile_limit:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries} input signature(s), "
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
                 f"would compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic)}")
         counters.record("recompile", self.name, why, logger=log)
-
-
-    def _drop_dead_entries(self) -> None:
-        """Drop the entries no call can match again: a module their key or trace holds is
-        gone (a model of an earlier fold, its replaced head)."""
-        self._entries = {k: kept for k, v in self._entries.items() if not collected(k)
-                         and (kept := [e for e in v if not e.reads.dead()])}
 
 
 def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:

@@ -60,6 +60,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from aotkit import compat, counters
+from aotkit.aot.signature import collected
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import FakeTensor, FunctionalTensor
 from aotkit.errors import ArgumentError
@@ -418,6 +419,24 @@ def _read(t: torch.Tensor, constants: dict[int, torch.Tensor]) -> bool:
     """Whether the trace read ``t``, or one of its parts (a quantized weight's ``w._data``)."""
     return constants.get(id(t)) is t or (is_subclass(t) and any(
         constants.get(id(p)) is p for p in parts(t, layout_of(t))))
+
+
+def live_entries(entries: dict[Any, list[Any]], limit: int) -> dict[Any, list[Any]]:
+    """The compiled entries (each with its ``reads``) a call can still match: not those whose
+    key holds a freed module (a model of an earlier fold), nor those whose trace lost a child
+    or class for good (its replaced head). At ``limit`` entries, garbage is collected first
+    where one holds a module: a model rebound is freed in a cycle where a hook is its own
+    method."""
+    def live() -> dict[Any, list[Any]]:
+        return {k: kept for k, v in entries.items() if not collected(k)
+                and (kept := [e for e in v if not e.reads.dead()])}
+
+    entries = live()
+    if sum(map(len, entries.values())) >= limit and any(
+            collected(k, alive=True) or any(e.reads.flags for e in v) for k, v in entries.items()):
+        gc.collect()
+        entries = live()
+    return entries
 
 
 def _with_containers(called: dict[int, nn.Module],
