@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import gc
+import itertools
 import logging
 import re
 import textwrap
@@ -567,6 +568,43 @@ def test_an_unused_output_with_an_infinite_derivative_leaves_no_nan(logged, how)
             torch.testing.assert_close((emb.grad, w.grad), want)
     kinds = [d.kind for d in aotkit.explain().decisions]
     assert kinds.count("backward_variant") == 1
+
+
+class _Offset(torch.autograd.Function):
+    """Two outputs; its backward adds a constant to the first output's gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return (ga + 1.0) + gb  # eager materializes ga as zeros when a is unused
+
+
+def test_a_sum_with_a_scalar_of_a_missing_gradient_is_computed():
+    """Note [Gradients backward does not bring]: ``ga + 1.0`` was taken for absent with ga
+    (gradients of 1 where eager's are 2)."""
+    x = rand(5, grad=True)
+    _Offset.apply(x)[1].sum().backward()
+    want, x.grad = x.grad, None
+    aotkit.aot_function(lambda x: _Offset.apply(x), compilers.nop)(x)[1].sum().backward()
+    torch.testing.assert_close(x.grad, want)
+
+
+def test_backward_variants_stop_at_the_recompile_limit():
+    """A random subset of six heads per step compiled a backward per subset (54 in 200 steps,
+    13x the backward time): past recompile_limit sets, the whole graph runs with zeros."""
+    heads = aotkit.aot_function(lambda x: tuple(x * k for k in range(1, 7)), compilers.nop)
+    x = rand(3, grad=True)
+    for used in itertools.islice(itertools.combinations(range(6), 2), 12):
+        outs = heads(x)
+        sum(outs[k].sum() for k in used).backward()
+        torch.testing.assert_close(x.grad, torch.full((3,), float(sum(used) + 2)))
+        x.grad = None
+    variants = aotkit.explain().of_kind("backward_variant")
+    assert len(variants) == aotkit.config.recompile_limit + 1
+    assert "from now on" in variants[-1].why
 
 
 def test_autograd_grad_ignores_post_accumulate_hooks_it_never_runs():

@@ -751,7 +751,30 @@ def _removes_a_later_hook_of_its_own_table(log: list[str], table: str) -> Any:
     return w.grad
 
 
+def _a_shared_hook_removes_a_hook_of_another_tensor(log: list[str]) -> Any:
+    """One function on y and on w: run from y's table it removes w's other hook, which has not
+    run yet: skipped, as in eager (the copy is of w's table only once w's turn comes)."""
+    a = torch.ones(3, requires_grad=True)
+    w = a * 2
+    y = w * 3
+    handles = {}
+
+    def shared(g: torch.Tensor) -> torch.Tensor:
+        log.append("shared")
+        if "scale" in handles:
+            handles.pop("scale").remove()
+        return g
+
+    y.register_hook(shared)
+    w.register_hook(shared)
+    handles["scale"] = w.register_hook(lambda g: (log.append("scale"), g * 2)[1])
+    y.sum().backward()
+    return a.grad
+
+
 _REMOVALS = {
+    "a_shared_hook_removes_a_hook_of_another_tensor":
+        _a_shared_hook_removes_a_hook_of_another_tensor,
     **{f"later_hook_of_its_own_{table}_table": functools.partial(
         _removes_a_later_hook_of_its_own_table, table=table)
        for table in ("tensor", "leaf", "post_accumulate", "node_prehook")},

@@ -581,6 +581,7 @@ class _Entry:
     # Inputs the graph writes, where it also reads constants (Note [Inputs sharing memory
     # with constants]).
     written: tuple[int, ...] = ()
+    reused: bool = False  # a later call ran it (live_entries)
 
     def accepts(self, tensors: list[Any]) -> bool:
         return self.reads.hold() and (self.guard is None or self.guard(tensors)) and (
@@ -617,6 +618,7 @@ class AotFunction:
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({shown_name(fn)})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
+        self._once = 0  # entries dropped that served one call only: runaway recompiles
         self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
         self._told_forward_ad = False  # Note [Forward-mode AD runs eagerly]
         self._config_parts = options.config_parts
@@ -695,6 +697,7 @@ class AotFunction:
         for entry in self._entries.get(key, ()):
             tensors = [leaves[i] for i in entry.tensor_positions]
             if entry.accepts(tensors):
+                entry.reused = True
                 return entry, tensors
         return None
 
@@ -838,10 +841,12 @@ class AotFunction:
             why = describe_change(closest, key, names, skip)
         else:
             why = "new input signature"
-        self._entries = live_entries(self._entries, config.recompile_limit)
-        if self.num_entries >= config.recompile_limit:
+        self._entries, once = live_entries(self._entries, config.recompile_limit - self._once)
+        self._once += once
+        if self.num_entries + self._once >= config.recompile_limit:
             raise RecompileLimitError(
-                f"{self.name} has been compiled for {self.num_entries} input signature(s), "
+                f"{self.name} has been compiled for {self.num_entries + self._once} input "
+                f"signature(s) ({self._once} of them for modules freed after one call), "
                 f"and aotkit.config.recompile_limit is {config.recompile_limit}; this call "
                 f"would compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic)}")
         counters.record("recompile", self.name, why, logger=log)

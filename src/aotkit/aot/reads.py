@@ -421,22 +421,25 @@ def _read(t: torch.Tensor, constants: dict[int, torch.Tensor]) -> bool:
         constants.get(id(p)) is p for p in parts(t, layout_of(t))))
 
 
-def live_entries(entries: dict[Any, list[Any]], limit: int) -> dict[Any, list[Any]]:
-    """The compiled entries (each with its ``reads``) a call can still match: not those whose
-    key holds a freed module (a model of an earlier fold), nor those whose trace lost a child
-    or class for good (its replaced head). At ``limit`` entries, garbage is collected first
-    where one holds a module: a model rebound is freed in a cycle where a hook is its own
-    method."""
+def live_entries(entries: dict[Any, list[Any]], limit: int) -> tuple[dict[Any, list[Any]], int]:
+    """The compiled entries (each with its ``reads`` and ``reused``) a call can still match:
+    not those whose key holds a freed module (a model of an earlier fold), nor those whose
+    trace lost a child or class for good (its replaced head); and how many of those dropped no
+    later call ran (a module made anew at every call: they count towards the recompile limit).
+    At ``limit`` entries, garbage is collected first where one holds a module: a model rebound
+    is freed in a cycle where a hook is its own method."""
     def live() -> dict[Any, list[Any]]:
         return {k: kept for k, v in entries.items() if not collected(k)
                 and (kept := [e for e in v if not e.reads.dead()])}
 
+    before = [e for v in entries.values() for e in v]
     entries = live()
     if sum(map(len, entries.values())) >= limit and any(
             collected(k, alive=True) or any(e.reads.flags for e in v) for k, v in entries.items()):
         gc.collect()
         entries = live()
-    return entries
+    kept = {id(e) for v in entries.values() for e in v}
+    return entries, sum(1 for e in before if id(e) not in kept and not e.reused)
 
 
 def _with_containers(called: dict[int, nn.Module],

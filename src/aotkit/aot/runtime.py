@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from aotkit import counters
+from aotkit import config, counters
 from aotkit.aot import unreached
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent, laid_out_alike
 from aotkit.aot.bases import OverlapLayout, overlap_layout
@@ -154,6 +154,16 @@ class CompiledGraphs:
         bit mask ``missing``, compiled on first use (the forward may never be differentiated).
         See Note [Autocast around backward], Note [Gradients backward does not bring]."""
         compiled = self._bw.get((autocast, missing))
+        if compiled is None and missing and sum(map(bool, (m for _, m in self._bw))) \
+                >= config.recompile_limit:  # a random subset of heads per step: not 2**heads
+            if (autocast, -1) not in self._bw:
+                counters.record("backward_variant", self.name, (
+                    f"backwards brought no gradient for {config.recompile_limit} different sets "
+                    "of outputs (aotkit.config.recompile_limit); from now on others run the "
+                    "whole backward graph with zeros for them, as PyTorch's AOT autograd does "
+                    "(an infinite derivative on their path makes NaN there)"), logger=log)
+                self._bw[(autocast, -1)] = self.backward_fn(autocast)
+            return self._bw[(autocast, -1)]
         if compiled is None:
             with COMPILE_LOCK:  # Note [One compile at a time]
                 compiled = self._bw.get((autocast, missing)) or \

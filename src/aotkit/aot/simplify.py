@@ -240,13 +240,14 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # the formulas behind those outputs, and a zero is not nothing there: where a derivative on
 # their path is infinite (``sqrt`` or ``log`` at 0, ``x / y`` at ``y = 0``: a logged pairwise
 # distance's zero diagonal), 0 * inf made the used outputs' gradients NaN. So for each set of
-# missing gradients the backward graph is compiled again (once, on first use) with those
-# gradients left out: a value computed from them alone is absent, an op linear in such a value
-# (a product, a quotient's numerator, a matrix product, a view, a sum, a pointwise formula's
-# incoming gradient) is absent too, and a sum with a present value is that value, where shape
-# and dtype agree; any other op reads zeros of the absent value's layout instead (``zeros_like``,
-# which reads no values), as the whole graph read them before. The graph keeps its inputs (the
-# zeros are still passed, and read only where an op needs them).
+# missing gradients the backward graph is compiled again (once, on first use; up to
+# ``recompile_limit`` sets) with those gradients left out: a value computed from them alone is
+# absent, an op linear in such a value (a product, a quotient's numerator, a matrix product, a
+# view, a sum, a pointwise formula's incoming gradient) is absent too, and a sum of a present
+# and an absent value is the present one, where shape, dtype and strides agree. Any other op
+# computes as before, from the zeros still passed (``ga + 1`` in a custom backward is 1, as in
+# eager, which materializes a custom Function's missing gradients as zeros; so is a sum with a
+# scalar): the graph keeps its inputs.
 _aten = torch.ops.aten
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -276,10 +277,10 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
         >>> without_gradients(gm, [2])(torch.zeros(3), torch.ones(3), torch.zeros(3))
         tensor([1., 1., 1.])
     """
-    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    meta, gm = gm.meta, fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    gm.meta.update(meta)  # a dump's index, a compiler's notes
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     absent = {placeholders[k] for k in missing}
-    zeros: dict[fx.Node, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" or not absent.intersection(node.all_input_nodes):
             continue
@@ -287,20 +288,17 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
         if node.op == "call_function" and (
                 (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
                     node.target in _ABSENT_IF_FIRST or _is_view(node)))
-                or (node.target in _SUMS and all(t in absent for t in tensors[:2]))):
+                or (node.target in _SUMS and len(node.args) == 2
+                    and all(t in absent for t in node.args))):
             absent.add(node)
             continue
         if node.op == "call_function" and node.target in _SUMS and len(tensors) == 2 \
                 and tensors[1] in absent and _same_meta(tensors[0], node):
             node.replace_all_uses_with(tensors[0])
-            continue
-        if node.op == "call_function" and node.target is _aten.add.Tensor \
-                and tensors[0] in absent and _same_meta(tensors[1], node) \
+        elif node.op == "call_function" and node.target is _aten.add.Tensor \
+                and len(tensors) == 2 and tensors[0] in absent and _same_meta(tensors[1], node) \
                 and node.kwargs.get("alpha", 1) == 1:
             node.replace_all_uses_with(tensors[1])
-            continue
-        for arg in absent.intersection(node.all_input_nodes):
-            node.replace_input_with(arg, _zeros_of(gm, arg, zeros))
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -311,12 +309,3 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
         and va.dtype == vb.dtype and known_equal(va.shape, vb.shape) \
         and known_equal(va.stride(), vb.stride())
-
-
-def _zeros_of(gm: fx.GraphModule, node: fx.Node, made: dict[fx.Node, fx.Node]) -> fx.Node:
-    """``zeros_like(node)``, made once, right after it: its layout, none of its values."""
-    if node not in made:
-        with gm.graph.inserting_after(node):
-            made[node] = gm.graph.call_function(_aten.zeros_like.default, (node,))
-        made[node].meta = dict(node.meta)
-    return made[node]

@@ -466,8 +466,9 @@ class _Removals:
 
     def removed(self, hook: Callable[..., Any], table: Mapping[Any, Any], handle_id: Any) -> None:
         """``hook``'s registration under ``handle_id`` in ``table`` is being removed."""
-        running = getattr(_replay, "running", None)
-        if running is not None and any(h is running for h in table.values()):
+        running = getattr(_replay, "running", None)  # registered once: this table's, if here
+        if running is not None and self.totals[id(running)] == 1 \
+                and any(h is running for h in table.values()):
             return  # the engine calls a table's hooks from a copy: removed from the next backward
         key = id(hook)
         total = self.totals[key]  # not counted per removal: one-shot hooks were quadratic
