@@ -199,8 +199,8 @@ def raised_by_user(exc: BaseException) -> bool:
     bug in a custom backward), or its class is not PyTorch's (a NaN guard's own, raised by a
     dispatch mode): the user's to catch as eager raises it."""
     module = type(exc).__module__
-    return bool(getattr(exc, "__dict__", {}).get(_RAISED_BY_USER)) or not (
-        module == "builtins" or module.startswith("torch"))
+    return bool(getattr(exc, "__dict__", {}).get(_RAISED_BY_USER)) or (module not in (
+        "builtins", "torch") and not module.startswith("torch."))
 
 
 def _hook_name(hook: Callable[..., Any]) -> str:
