@@ -1608,6 +1608,19 @@ def test_a_module_made_anew_at_every_call_reaches_the_recompile_limit() -> None:
             compiled(torch.randn(3), torch.nn.MSELoss())
 
 
+def test_checkpoints_evaluated_in_turn_on_a_short_last_batch_stay_under_the_limit() -> None:
+    """Each model's short last batch runs once: counted as made anew at every call, the tenth
+    checkpoint reached the recompile limit (a model's entries are dropped together)."""
+    model = torch.nn.Linear(3, 3)
+    compiled = aotkit.aot_function(lambda x: model(x), compilers.nop)
+    with torch.no_grad():
+        for _ in range(2 * aotkit.config.recompile_limit):
+            model = torch.nn.Linear(3, 3)
+            for rows in (4, 4, 1):
+                x = torch.randn(rows, 3)
+                torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
 def test_an_argument_object_holding_a_dead_weak_proxy_is_keyed() -> None:
     """A back-reference (weakref.proxy) whose referent is gone raised a raw ReferenceError
     while the object was keyed, though the function never reads it."""

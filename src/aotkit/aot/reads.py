@@ -28,7 +28,7 @@ among them the parameters and buffers of those modules (a teacher called under n
 not one ``torch.func.functional_call`` swapped in while tracing: an input), and an entry is used
 only while every recorded module still alive is as recorded, still holds those tensors, and
 no constant read where a gradient could flow requires grad (checked before every call: flat lists,
-weak references to the modules, about 40-50 us for a closed-over 12-layer TransformerEncoder);
+weak references to the modules, about 50-60 us for a closed-over 12-layer TransformerEncoder);
 otherwise the function is traced again, with a recompile decision naming the change (a constant
 that now requires grad is then refused, with the fix). A module the function switches itself
 (``model.eval()`` inside; ``Module.train`` is watched while tracing) keeps no flag: its flag is the
@@ -424,8 +424,9 @@ def _read(t: torch.Tensor, constants: dict[int, torch.Tensor]) -> bool:
 def live_entries(entries: dict[Any, list[Any]], limit: int) -> tuple[dict[Any, list[Any]], int]:
     """The compiled entries (each with its ``reads`` and ``reused``) a call can still match:
     not those whose key holds a freed module (a model of an earlier fold), nor those whose
-    trace lost a child or class for good (its replaced head); and how many of those dropped no
-    later call ran (a module made anew at every call: they count towards the recompile limit).
+    trace lost a child or class for good (its replaced head); and how many were dropped where
+    no later call ran any of them (a module made anew at every call: they count towards the
+    recompile limit; a model evaluated on batches of two sizes, one of them once, does not).
     At ``limit`` entries, garbage is collected first where one holds a module: a model rebound
     is freed in a cycle where a hook is its own method."""
     def live() -> dict[Any, list[Any]]:
@@ -439,7 +440,8 @@ def live_entries(entries: dict[Any, list[Any]], limit: int) -> tuple[dict[Any, l
         gc.collect()
         entries = live()
     kept = {id(e) for v in entries.values() for e in v}
-    return entries, sum(1 for e in before if id(e) not in kept and not e.reused)
+    dropped = [e for e in before if id(e) not in kept]  # a model's entries go together
+    return entries, len(dropped) if not any(e.reused for e in dropped) else 0
 
 
 def _with_containers(called: dict[int, nn.Module],
