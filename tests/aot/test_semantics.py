@@ -570,6 +570,24 @@ def test_an_unused_output_with_an_infinite_derivative_leaves_no_nan(logged, how)
     assert kinds.count("backward_variant") == 1
 
 
+def test_an_unused_output_leaves_no_nan_through_inductors_decompositions():
+    """With symbolic sizes the backward reaches the variant decomposed for Inductor: a slice's
+    backward is ``slice_scatter`` into zeros, an activation's a ``where`` with zeros; they were
+    not seen as linear, and the NaN stayed."""
+    def fn(x, w):
+        h = (x @ w).relu()[:, 1:]
+        return h.pow(2).mean(), (h[:, None] - h[None]).pow(2).sum(-1).sqrt()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aotkit_inductor", dynamic=True)
+    for rows in (4, 5):
+        x, w = torch.randn(rows, 3), rand(3, 4, grad=True)
+        fn(x, w)[0].backward()
+        want, w.grad = w.grad, None
+        compiled(x, w)[0].backward()
+        torch.testing.assert_close(w.grad, want)
+
+
 class _Offset(torch.autograd.Function):
     """Two outputs; its backward adds a constant to the first output's gradient."""
 

@@ -243,7 +243,8 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # missing gradients the backward graph is compiled again (once, on first use; up to
 # ``recompile_limit`` sets) with those gradients left out: a value computed from them alone is
 # absent, an op linear in such a value (a product, a quotient's numerator, a matrix product, a
-# view, a sum, a pointwise formula's incoming gradient) is absent too, and a sum of a present
+# view, a sum, a pointwise formula's incoming gradient; decomposed for Inductor, a scatter of it
+# into zeros or a ``where`` between it and zeros) is absent too, and a sum of a present
 # and an absent value is the present one, where shape, dtype and strides agree. Any other op
 # computes as before, from the zeros still passed (``ga + 1`` in a custom backward is 1, as in
 # eager, which materializes a custom Function's missing gradients as zeros; so is a sum with a
@@ -262,6 +263,21 @@ _ABSENT_IF_FIRST = frozenset([
     _aten.slice_backward.default, _aten.select_backward.default, _aten.expand.default,
     _aten.sum_to_size.default])
 _SUMS = frozenset([_aten.add.Tensor, _aten.sub.Tensor])
+#: Absent when the source is and the base is zeros (a slice's backward, decomposed for
+#: Inductor: ``slice_scatter(full(0), grad)``).
+_SCATTERS = frozenset([_aten.slice_scatter.default, _aten.select_scatter.default,
+                       _aten.diagonal_scatter.default])
+#: Zeros made from nothing: the other branch of a decomposed pointwise backward's ``where``.
+_ZEROS = frozenset([_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default])
+
+
+def _nothing(arg: Any, absent: set[fx.Node]) -> bool:
+    """An absent value, or zeros made from nothing (``full(..., 0)``, ``scalar_tensor(0)``)."""
+    if not isinstance(arg, fx.Node):
+        return False
+    return arg in absent or arg.target in _ZEROS or (
+        arg.target is _aten.full.default and arg.args[1] == 0) or (
+        arg.target is _aten.scalar_tensor.default and arg.args[0] == 0)
 
 
 def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
@@ -289,7 +305,11 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
                 (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
                     node.target in _ABSENT_IF_FIRST or _is_view(node)))
                 or (node.target in _SUMS and len(node.args) == 2
-                    and all(t in absent for t in node.args))):
+                    and all(t in absent for t in node.args))
+                or (node.target in _SCATTERS and len(tensors) >= 2 and tensors[1] in absent
+                    and _nothing(node.args[0], absent))
+                or (node.target is _aten.where.self
+                    and all(_nothing(a, absent) for a in node.args[1:3]))):
             absent.add(node)
             continue
         if node.op == "call_function" and node.target in _SUMS and len(tensors) == 2 \
