@@ -610,6 +610,27 @@ def test_a_sum_with_a_scalar_of_a_missing_gradient_is_computed():
     torch.testing.assert_close(x.grad, want)
 
 
+class _AddsSaved(torch.autograd.Function):
+    """A backward adding a saved tensor to the incoming gradient (affine, not linear)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2, x.sin()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return ctx.saved_tensors[0] + gb  # eager: gb materialized as zeros, so x
+
+
+def test_a_custom_backward_affine_in_a_missing_gradient_still_sends_its_value():
+    """The input's gradient depends on the missing tangent alone, so it was taken for one
+    eager never computes (None): eager runs the custom backward on zeros and gets x."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    aotkit.aot_function(_AddsSaved.apply, compilers.nop)(w)[0].sum().backward()
+    torch.testing.assert_close(w.grad, w.detach())
+
+
 def test_backward_variants_stop_at_the_recompile_limit():
     """A random subset of six heads per step compiled a backward per subset (54 in 200 steps,
     13x the backward time): past recompile_limit sets, the whole graph runs with zeros."""

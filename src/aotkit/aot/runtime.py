@@ -107,29 +107,22 @@ class CompiledGraphs:
                               *bases]  # the intermediates aliased outputs are views of
         self.symbolic_tangents = any(spec is not None and spec[0] is None
                                      for spec in self.tangent_specs)
-        self._reached: list[int] | None = None  # Note [Outputs backward does not reach]
+        self._reached: dict[int, list[int]] = {}  # Note [Outputs backward does not reach]
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
         self.watched = [_Watch.of(self, i, where) for i, where
                         in self.meta.saved_after_write.items()] if self.training else []
 
-    def reached_by(self) -> list[int]:
+    def reached_by(self, missing: int = 0) -> list[int]:
         """Per backward output (an input's gradient), a bit mask of the tangents it depends on
-        (bit k: the k-th differentiable output's), read off the backward graph once."""
-        if self._reached is None:
+        (bit k: the k-th differentiable output's), read off the backward graph once; with
+        ``missing``, off its variant without those tangents where one was compiled (a custom
+        backward's ``gb + x`` then depends on none: eager's x, not None)."""
+        if missing in self._reached:
+            return self._reached[missing]
+        if 0 not in self._reached:
             assert self.bw_gm is not None
-            placeholders = list(self.bw_gm.graph.find_nodes(op="placeholder"))
-            num_tangents = sum(self.differentiable)
-            masks: dict[fx.Node, int] = {
-                node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
-            for node in self.bw_gm.graph.nodes:
-                if node.op != "placeholder":
-                    mask = 0
-                    for arg in node.all_input_nodes:
-                        mask |= masks.get(arg, 0)
-                    masks[node] = mask
-            self._reached = [masks.get(g, 0) if isinstance(g, fx.Node) else 0
-                             for g in self.bw_gm.graph.output_node().args[0]]
-        return self._reached
+            self._reached[0] = tangent_masks(self.bw_gm, sum(self.differentiable))
+        return self._reached[0]
 
     def run_forward(self, args: list[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
@@ -184,6 +177,7 @@ class CompiledGraphs:
             gm = self.backward_under(autocast)
         if missing:
             gm = self._without_tangents(gm, missing)
+            self._reached[missing] = tangent_masks(gm, sum(self.differentiable))
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         # backward() may run under Dynamo's frame callback (a compiled training step's
         # loss.backward()): the compiler's own frames are not user code to compile.
@@ -204,6 +198,22 @@ class CompiledGraphs:
             "outputs, counted from 0); the backward graph is compiled without them, as eager "
             "never runs their formulas (Note [Gradients backward does not bring])"), logger=log)
         return without_gradients(gm, [first + k for k in unused])
+
+
+def tangent_masks(gm: fx.GraphModule, num_tangents: int) -> list[int]:
+    """Per output of backward graph ``gm``, whose last ``num_tangents`` placeholders are the
+    tangents, a bit mask of the tangents it depends on."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    masks: dict[fx.Node, int] = {
+        node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            mask = 0
+            for arg in node.all_input_nodes:
+                mask |= masks.get(arg, 0)
+            masks[node] = mask
+    return [masks.get(g, 0) if isinstance(g, fx.Node) else 0
+            for g in gm.graph.output_node().args[0]]
 
 
 def _dense(grad: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
@@ -308,7 +318,7 @@ class CompiledFunction(torch.autograd.Function):
             input_grads = _refuse_double_backward(graphs.name, anchor, tangents, input_grads)
         if unreached:
             input_grads = [None if mask and not mask & ~unreached and i in quiet else g
-                           for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(),
+                           for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(unreached),
                                                              strict=True))]
         return (None, *input_grads)
 

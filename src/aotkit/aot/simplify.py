@@ -305,7 +305,7 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
                 (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
                     node.target in _ABSENT_IF_FIRST or _is_view(node)))
                 or (node.target in _SUMS and len(node.args) == 2
-                    and all(t in absent for t in node.args))
+                    and all(_nothing(t, absent) for t in node.args))
                 or (node.target in _SCATTERS and len(tensors) >= 2 and tensors[1] in absent
                     and _nothing(node.args[0], absent))
                 or (node.target is _aten.where.self
