@@ -330,7 +330,8 @@ class CompiledFunction(torch.autograd.Function):
 # decay or momentum), and ``autograd.grad(..., allow_unused=False)`` raises. One Function node
 # stands for all of the compiled outputs, so its backward is told which got no gradient
 # (materialize_grads off: None instead of zeros), and an input's gradient that depends on
-# missing tangents only (a bit mask per input, read off the backward graph once) is None where
+# missing tangents only (a bit mask per input, read off the backward graph once, or off its
+# variant without them: Note [Gradients backward does not bring]) is None where
 # that None goes nowhere else: into no edge, into nodes the running backward does not execute
 # (``autograd.grad`` with ``inputs``), or through eager C++ ops only (they pass None on) to
 # leaves without hooks (a parameter: ``.grad`` stays None) and other compiled calls' outputs

@@ -248,7 +248,8 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # and an absent value is the present one, where shape, dtype and strides agree. Any other op
 # computes as before, from the zeros still passed (``ga + 1`` in a custom backward is 1, as in
 # eager, which materializes a custom Function's missing gradients as zeros; so is a sum with a
-# scalar): the graph keeps its inputs.
+# scalar): the graph keeps its inputs. Which inputs then get None is read off the variant: a
+# custom backward's ``x + gb`` is x there, depending on no missing gradient, as eager's.
 _aten = torch.ops.aten
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
