@@ -60,7 +60,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from aotkit import compat, counters
-from aotkit.aot.signature import collected
+from aotkit.aot.signature import collected, modules_in
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import FakeTensor, FunctionalTensor
 from aotkit.errors import ArgumentError
@@ -436,7 +436,7 @@ def live_entries(entries: dict[Any, list[Any]], limit: int) -> tuple[dict[Any, l
     before = [e for v in entries.values() for e in v]
     entries = live()
     if sum(map(len, entries.values())) >= limit and any(
-            collected(k, alive=True) or any(e.reads.flags for e in v) for k, v in entries.items()):
+            modules_in(k) or any(e.reads.flags for e in v) for k, v in entries.items()):
         gc.collect()
         entries = live()
     kept = {id(e) for v in entries.values() for e in v}

@@ -199,12 +199,16 @@ class Collectable(_Identity):
         return f"a {self.kind} object{'' if self.ref() is not None else ' since freed'}"
 
 
-def collected(key: Any, alive: bool = False) -> bool:
-    """Whether an entry's key holds a module that is gone: no call matches it again (with
-    ``alive``: any module at all)."""
+def collected(key: Any) -> bool:
+    """Whether an entry's key holds a module that is gone: no call matches it again."""
+    return any(part.ref() is None for part in modules_in(key))
+
+
+def modules_in(key: Any) -> list[Collectable]:
+    """The modules an entry's key holds (weakly)."""
     if isinstance(key, (tuple, frozenset)):
-        return any(collected(k, alive) for k in key)
-    return isinstance(key, Collectable) and (alive or key.ref() is None)
+        return [m for k in key for m in modules_in(k)]
+    return [key] if isinstance(key, Collectable) else []
 
 
 class Keyed:

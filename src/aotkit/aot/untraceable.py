@@ -81,11 +81,8 @@ def _is_leaf(t: torch.Tensor) -> bool:
 
 
 def _callers_gradient(t: torch.Tensor, verb: str) -> bool:
-    """Whether ``.grad`` of ``t``, not an input, is the caller's gradient: a leaf requiring
-    grad from outside (a closed-over parameter), or any outside tensor's .grad set; not a
-    tensor made inside, nor a transform's wrapper (vmap, torch.func.grad), whose is None."""
-    if _made_while_tracing(t) or torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return False
+    """Whether ``.grad`` of ``t``, a tensor from outside, is the caller's gradient: a leaf
+    requiring grad (a closed-over parameter), or any such tensor's .grad set."""
     return verb == "sets" or (t.is_leaf and t.requires_grad) or t.grad is not None
 
 
@@ -200,8 +197,8 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
                 f"the compiled function reads the stored entries of a sparse tensor ("
                 f"{func.__name__}, at {current_user_line()}): tracing sees a sparse constant, "
                 "or one converted from dense or coalesced inside, without its entries (none "
-                "stored), so the "
-                "graph would hold a count of 0 or tensors of no elements.\nFix: compute what "
+                "stored), so the graph would hold a count of 0 or tensors of no elements.\nFix: "
+                "compute what "
                 "you need of them outside the compiled function and pass it as an argument, "
                 f"{_USE_TORCH_COMPILE}.")
         elif func is torch.Tensor.register_hook and not (registrar := _hook_registrar())[0]:
@@ -262,9 +259,11 @@ class RefuseUntraceable(torch.overrides.TorchFunctionMode):
 
     def _refuse_grad_access(self, t: Any, verb: str) -> None:
         index = self.inputs.get(id(t))
+        if index is None and (_made_while_tracing(t)
+                              or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return  # made inside, or a transform's wrapper (vmap, func.grad): None, as in eager
         if index is None and not _callers_gradient(t, verb):  # eager's .grad is None too
-            if not _made_while_tracing(t) and not torch._C._functorch.is_functorch_wrapped_tensor(t):
-                note_constant(t, grad=True, after_write=False)  # a frozen one: watched
+            note_constant(t, grad=True, after_write=False)  # a frozen one: watched
             return
         if index is None:  # an optimizer's parameters (zero_grad), Module.to()'s
             raise UnsupportedError(
