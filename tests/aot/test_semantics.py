@@ -631,6 +631,43 @@ def test_a_custom_backward_affine_in_a_missing_gradient_still_sends_its_value():
     torch.testing.assert_close(w.grad, w.detach())
 
 
+class _Synthetic(torch.autograd.Function):
+    """The second input's gradient made from the second output's alone, not linearly."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * 2, y * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return ga * 2, ctx.second(gb)
+
+
+@pytest.mark.parametrize("second", [
+    pytest.param(lambda gb: gb + 1, id="plus_one"),
+    pytest.param(lambda gb: 1 - gb, id="one_minus"),
+    pytest.param(torch.ones_like, id="ones_like"),
+    pytest.param(torch.exp, id="exp"),
+])
+def test_a_value_a_custom_backward_makes_from_a_missing_gradient_is_sent(second):
+    """Eager runs the custom backward on zeros for the unused output and y gets ``second(0)``;
+    y's gradient depends on the missing tangent alone, so it was taken for one eager never
+    computes (None)."""
+    class Fn(_Synthetic):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.second = second
+            return _Synthetic.forward(ctx, x, y)
+
+    grads = []
+    for f in (Fn.apply, aotkit.aot_function(Fn.apply, compilers.nop)):
+        x, y = rand(3, grad=True), rand(3, grad=True)
+        f(x, y)[0].sum().backward()
+        grads.append((x.grad, y.grad))
+    assert grads[1][1] is not None
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_backward_variants_stop_at_the_recompile_limit():
     """A random subset of six heads per step compiled a backward per subset (54 in 200 steps,
     13x the backward time): past recompile_limit sets, the whole graph runs with zeros."""

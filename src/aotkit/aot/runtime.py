@@ -202,7 +202,9 @@ class CompiledGraphs:
 
 def tangent_masks(gm: fx.GraphModule, num_tangents: int) -> list[int]:
     """Per output of backward graph ``gm``, whose last ``num_tangents`` placeholders are the
-    tangents, a bit mask of the tangents it depends on."""
+    tangents, a bit mask of the tangents it depends on. In a variant without some tangents
+    (Note [Gradients backward does not bring]), a value made from their zeros (``gb + 1``)
+    depends on the other arguments only: eager computes it."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     masks: dict[fx.Node, int] = {
         node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
@@ -210,7 +212,8 @@ def tangent_masks(gm: fx.GraphModule, num_tangents: int) -> list[int]:
         if node.op != "placeholder":
             mask = 0
             for arg in node.all_input_nodes:
-                mask |= masks.get(arg, 0)
+                if not (node.meta.get("aotkit_from_zeros") and arg.meta.get("aotkit_absent")):
+                    mask |= masks.get(arg, 0)
             masks[node] = mask
     return [masks.get(g, 0) if isinstance(g, fx.Node) else 0
             for g in gm.graph.output_node().args[0]]

@@ -249,7 +249,9 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # computes as before, from the zeros still passed (``ga + 1`` in a custom backward is 1, as in
 # eager, which materializes a custom Function's missing gradients as zeros; so is a sum with a
 # scalar): the graph keeps its inputs. Which inputs then get None is read off the variant: a
-# custom backward's ``x + gb`` is x there, depending on no missing gradient, as eager's.
+# custom backward's ``x + gb`` is x there, depending on no missing gradient, as eager's; a
+# value it makes from the zeros (``gb + 1``, ``ones_like(gb)``, ``gb.exp()``: ``_FROM_ZEROS``)
+# is one eager sends too.
 _aten = torch.ops.aten
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -270,6 +272,13 @@ _SCATTERS = frozenset([_aten.slice_scatter.default, _aten.select_scatter.default
                        _aten.diagonal_scatter.default])
 #: Zeros made from nothing: the other branch of a decomposed pointwise backward's ``where``.
 _ZEROS = frozenset([_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default])
+#: Not zero on zeros (``gb + 1``, ``torch.ones_like(gb)``, ``gb.exp()``): a value eager computes
+#: from a custom Function's materialized zeros, which the inputs it reaches get.
+_FROM_ZEROS = frozenset([
+    *_SUMS, _aten.add.Scalar, _aten.sub.Scalar, _aten.rsub.Scalar, _aten.rsub.Tensor,
+    _aten.ones_like.default, _aten.full_like.default, _aten.new_ones.default,
+    _aten.new_full.default, _aten.exp.default, _aten.cos.default, _aten.cosh.default,
+    _aten.sigmoid.default])
 
 
 def _nothing(arg: Any, absent: set[fx.Node]) -> bool:
@@ -298,6 +307,8 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
     gm.meta.update(meta)  # a dump's index, a compiler's notes
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     absent = {placeholders[k] for k in missing}
+    for node in absent:
+        node.meta["aotkit_absent"] = True
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" or not absent.intersection(node.all_input_nodes):
             continue
@@ -312,7 +323,10 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
                 or (node.target is _aten.where.self
                     and all(_nothing(a, absent) for a in node.args[1:3]))):
             absent.add(node)
+            node.meta["aotkit_absent"] = True
             continue
+        if node.op == "call_function" and node.target in _FROM_ZEROS:
+            node.meta["aotkit_from_zeros"] = True
         if node.op == "call_function" and node.target in _SUMS and len(tensors) == 2 \
                 and tensors[1] in absent and _same_meta(tensors[0], node):
             node.replace_all_uses_with(tensors[0])
