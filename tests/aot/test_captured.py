@@ -1537,32 +1537,35 @@ class _WeightNormed(torch.nn.Module):
 
 @pytest.mark.parametrize("fold", ["method_of_a_trainer", "hook_is_its_own_method",
                                   "parametrized", "new_head", "new_head_of_a_closed_over_model",
-                                  "argument"])
+                                  "argument", "argument_trained"])
 def test_models_of_earlier_folds_are_freed_with_their_entries(fold: str) -> None:
     """A model replaced for each fold (or task) was kept alive by the entries, whose count
     reached recompile_limit at the ninth: held by the key of an attribute of the object whose
     method is compiled, by the traced submodules (one hooked by its model's own method), by a
-    parametrized module's class (which holds the module)."""
+    parametrized module's class (which holds the module), by the traced function's constants
+    (a module argument, a distillation's teacher, where the function is differentiated)."""
     make = _WeightNormed if fold == "parametrized" else _HooksItsChild
     model, trainer = make(), _Trainer()
     f = aotkit.aot_function(
         trainer.step if fold == "method_of_a_trainer" else model if fold == "new_head"
-        else (lambda m, x: m(x)) if fold == "argument" else lambda x: model(x), compilers.nop)
+        else (lambda m, x: m(x)) if fold.startswith("argument") else lambda x: model(x),
+        compilers.nop)
     x, old = torch.randn(2, 3), []
+    w = torch.ones(3, requires_grad=fold == "argument_trained")
     for _ in range(2 * aotkit.config.recompile_limit):
         if fold == "method_of_a_trainer":
             trainer.model = torch.nn.Linear(3, 3)
         elif fold.startswith("new_head"):
             model.head = torch.nn.Linear(3, 3)
         else:
-            model = make()
+            model = make().requires_grad_(fold != "argument_trained")  # a frozen teacher
         now = trainer.model if fold == "method_of_a_trainer" else model
         old.append(weakref.ref(now.head if fold.startswith("new_head") else now))
-        with torch.no_grad():
+        with torch.set_grad_enabled(w.requires_grad):
             for _ in range(2):  # a fold runs more than one step (one-call entries count)
-                got = f(now, x) if fold == "argument" else f(x)
-                torch.testing.assert_close(got, now(x), rtol=0, atol=0)
-    del now
+                got = f(now, x * w) if fold.startswith("argument") else f(x)
+                torch.testing.assert_close(got, now(x * w), rtol=0, atol=0)
+    del now, got
     gc.collect()
     assert sum(r() is not None for r in old[:-1]) == 0
 

@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -879,14 +880,21 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
     """``fn`` as a function of its tensor leaves at ``positions``; non-tensor leaves are baked
     in as constants, and the leaf at each key of ``copies`` is the one at its value (Note [One
     tensor passed twice]). The call's tensors are not kept: a lazy backward trace would
-    otherwise hold a first batch alive as long as the compiled function."""
+    otherwise hold a first batch alive as long as the compiled function; nor are its modules
+    (a teacher passed per fold), whose entries are dropped once they are freed."""
     copies = copies or {}
     template = list(leaves)
     for i in [*positions, *copies]:
         template[i] = None
+    modules = {i: weakref.ref(m) for i, m in enumerate(leaves) if isinstance(m, nn.Module)}
+    for i in modules:
+        template[i] = None
 
     def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
         full = list(template)
+        for i, ref in modules.items():
+            full[i] = ref()
+            assert full[i] is not None, "the entries of a freed module argument are dropped"
         for i, t in zip(positions, tensors, strict=True):
             full[i] = t
         for i, first in copies.items():
