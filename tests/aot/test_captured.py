@@ -1635,6 +1635,32 @@ def test_an_argument_object_holding_a_dead_weak_proxy_is_keyed() -> None:
     torch.testing.assert_close(compiled(x, cfg), x * 2)
 
 
+class _Config:
+    scale = 2.0
+
+
+def test_weak_proxy_arguments_are_keyed_by_what_they_read() -> None:
+    """A ``weakref.proxy`` argument was keyed by identity alone: an attribute changed through
+    it ran the old graph (silently), and a dead one raised a raw ReferenceError though the
+    function never reads it."""
+    config = _Config()
+    proxy, x = weakref.proxy(config), torch.ones(2)
+    scaled = aotkit.aot_function(lambda x, c: x * c.scale, compilers.nop)
+    doubled = aotkit.aot_function(lambda x, c: x * 2, compilers.nop)
+    nested, holder = aotkit.aot_function(lambda x, h: x * h.c.scale, compilers.nop), \
+        types.SimpleNamespace(c=proxy)  # a back-reference
+    for scale in (2.0, 3.0):
+        config.scale = scale
+        torch.testing.assert_close(scaled(x, proxy), x * scale, rtol=0, atol=0)
+        torch.testing.assert_close(nested(x, holder), x * scale, rtol=0, atol=0)
+    torch.testing.assert_close(doubled(x, proxy), x * 2)
+    del config
+    gc.collect()
+    torch.testing.assert_close(doubled(x, proxy), x * 2)
+    with pytest.raises(ReferenceError):  # eager's read raises too
+        scaled(x, proxy)
+
+
 def test_a_subclass_parameter_read_by_its_part_replaced_traces_again() -> None:
     """A called module's TwoTensor weight read by a part (``self.w.a``, as quantized weights'
     forwards read their data and scale) was not watched: replaced, the old part ran on."""

@@ -634,7 +634,7 @@ class AotFunction:
             return self.fn(*args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is not None:
             raise under_transform(self.name)
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        if not kwargs and all(issubclass(type(a), torch.Tensor) for a in args):
             leaves, structure = args, len(args)  # the common call: no pytree work, cheap key
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
@@ -886,7 +886,7 @@ def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int
     template = list(leaves)
     for i in [*positions, *copies]:
         template[i] = None
-    modules = {i: weakref.ref(m) for i, m in enumerate(leaves) if isinstance(m, nn.Module)}
+    modules = {i: weakref.ref(m) for i, m in enumerate(leaves) if issubclass(type(m), nn.Module)}
     for i in modules:
         template[i] = None
 

@@ -100,7 +100,7 @@ def record_identity_keys(leaves: Sequence[Any], names: Sequence[str], name: str,
 def refuse_torch_function_overrides(leaves: Sequence[Any], names: Sequence[str],
                                      name: str) -> None:
     for leaf, where in zip(leaves, names, strict=False):
-        if isinstance(leaf, torch.Tensor) and overrides_torch_function(leaf):
+        if issubclass(type(leaf), torch.Tensor) and overrides_torch_function(leaf):
             raise UnsupportedError(
                 f"{name} was passed a tensor of subclass {type(leaf).__qualname__} as {where}, "
                 "which has its own __torch_function__, and a trace on fake tensors does not run "
@@ -113,7 +113,7 @@ def refuse_torch_function_overrides(leaves: Sequence[Any], names: Sequence[str],
 def refuse_tensor_sets(leaves: Sequence[Any], names: Sequence[str], name: str) -> None:
     """A set is not a pytree container: tensors in it would be read as constants."""
     for leaf, where in zip(leaves, names, strict=False):
-        if isinstance(leaf, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in leaf):
+        if issubclass(type(leaf), (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in leaf):
             raise ArgumentError(
                 f"{name} was passed a {type(leaf).__name__} of tensors as {where}; sets have no "
                 "order, so aotkit cannot flatten them into graph inputs.\nFix: pass a list or "

@@ -27,6 +27,8 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     """What about one flattened argument decides the traced graph."""
     if type(leaf) is Keyed:  # a value the function captures (Note [Values a function captures])
         return leaf.key
+    if type(leaf) in weakref.ProxyTypes:
+        return _proxy_key(leaf, 0, _Walk())
     if isinstance(leaf, torch.Tensor):
         if is_subclass(leaf):  # Note [Tensor subclasses]
             sub = layout_of(leaf)
@@ -142,7 +144,7 @@ def _plain_object(value: Any) -> bool:
     if isinstance(value, _OPAQUE) or not isinstance(state, dict) \
             or getattr(type(value), "_aotkit_opaque", False):  # an aot_function: its cache
         return False
-    cls = type(value)
+    cls = value.__class__ if type(value) in weakref.ProxyTypes else type(value)
     return cls.__basicsize__ <= _PLAIN_SIZE and not any(_has_slots(c) for c in cls.__mro__)
 
 
@@ -260,8 +262,8 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
         return (kind, value)
     if kind is float or kind is complex:  # nan != nan; -0.0 == 0.0
         return (kind, repr(value))
-    if kind in weakref.ProxyTypes:  # asked anything, a dead one raises
-        return _Identity(value)
+    if kind in weakref.ProxyTypes:
+        return _proxy_key(value, depth, walk, path)
     if isinstance(value, torch.Tensor):
         return _Identity(value)
     if issubclass(kind, torch.nn.Module):  # a model rebound for the next fold is freed
@@ -288,6 +290,29 @@ def _attribute_key(value: Any, depth: int, walk: _Walk, path: str | None = None)
     return _contents_key(value) or _Identity(value)
 
 
+def _proxy_key(proxy: Any, depth: int, walk: _Walk, path: str | None = None) -> Any:
+    """A ``weakref.proxy``: keyed by identity and, alive, by what is read through it (a plain
+    object's attributes: Note [Objects as arguments]); dead (asked anything, it raises), by
+    identity alone: a function reading it traces again and raises as eager does."""
+    if _dead_proxy(proxy):
+        return _Identity(proxy)
+    cls = proxy.__class__
+    if issubclass(cls, _OPAQUE) or not _plain_object(proxy):
+        return (_Identity(proxy), cls)
+    return (_Identity(proxy), _object_key(proxy, depth, walk, path))
+
+
+def _dead_proxy(value: Any) -> bool:
+    """A ``weakref.proxy`` whose object is gone."""
+    if type(value) not in weakref.ProxyTypes:
+        return False
+    try:
+        value.__class__  # noqa: B018
+    except ReferenceError:
+        return True
+    return False
+
+
 def _state_unseen(value: Any) -> bool:
     """An instance keeping state in slots (``@dataclass(slots=True)``), which its key does not
     read: keyed by identity, an in-place change is not seen."""
@@ -305,6 +330,8 @@ def _keyed_by_tensors(value: Any) -> bool:
 def identity_keyed_parts(leaf: Any, name: str) -> list[str]:
     """The parts of an object argument its key holds by identity for lack of depth, size or
     values left (Note [Objects as arguments]): changed in place, they are not seen."""
+    if _dead_proxy(leaf):
+        return []
     if _state_unseen(leaf):
         return [name]
     if not _plain_object(leaf) or not (_by_identity(leaf) or not _hashable(leaf)):
@@ -402,7 +429,7 @@ def tensor_positions(leaves: Sequence[Any]) -> tuple[list[int], dict[int, int]]:
     first: dict[int, int] = {}
     copies: dict[int, int] = {}
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor):
+        if issubclass(type(x), torch.Tensor):
             if id(x) in first:
                 copies[i] = first[id(x)]
             else:

@@ -53,7 +53,9 @@ def overrides_torch_function(x: torch.Tensor) -> bool:
 
 def is_subclass(x: Any) -> bool:
     """Is ``x`` a tensor subclass made of plain tensors (``__tensor_flatten__``)?"""
-    return type(x) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(x)
+    kind = type(x)  # not isinstance: a dead weakref.proxy argument raises when asked
+    return kind not in _PLAIN_TYPES and issubclass(kind, torch.Tensor) \
+        and is_traceable_wrapper_subclass(x)
 
 
 def python_subclass(x: torch.Tensor) -> str | None:

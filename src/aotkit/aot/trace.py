@@ -341,8 +341,8 @@ _PROXY = torch._C._TorchDispatchModeKey.PROXY
 # proxies and fake tensors as arguments, which no entry holds, when no entry fits.
 def traced_from_outside(leaves: Sequence[Any]) -> bool:
     """Whether ``leaves`` are values of someone else's trace (Note [Calls inside other traces])."""
-    return any(isinstance(x, (fx.Proxy, FakeTensor, FunctionalTensor, torch.SymInt,
-                              torch.SymFloat, torch.SymBool)) for x in leaves)
+    return any(issubclass(type(x), (fx.Proxy, FakeTensor, FunctionalTensor, torch.SymInt,
+                                    torch.SymFloat, torch.SymBool)) for x in leaves)
 
 
 def refuse_kept_outputs(outputs: Sequence[Any]) -> None:
