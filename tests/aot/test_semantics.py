@@ -631,41 +631,113 @@ def test_a_custom_backward_affine_in_a_missing_gradient_still_sends_its_value():
     torch.testing.assert_close(w.grad, w.detach())
 
 
-class _Synthetic(torch.autograd.Function):
-    """The second input's gradient made from the second output's alone, not linearly."""
+_CUSTOM_BACKWARDS = {  # x, y saved; ga, gb the gradients of x * 2 and y * 3
+    "linear": lambda x, y, ga, gb: (ga * 2, gb * 3),
+    "divides_by_zero": lambda x, y, ga, gb: (ga * 2, gb / (y - y)),
+    "synthetic": lambda x, y, ga, gb: (ga * 2, torch.ones_like(y)),
+    "affine_ignoring_ga": lambda x, y, ga, gb: (x + gb, y + gb),
+    "plus_one": lambda x, y, ga, gb: (ga * 1, gb + 1),
+    "exp": lambda x, y, ga, gb: (ga.exp(), gb.exp()),
+}
+
+
+def _custom(backward):
+    class Custom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x, y)
+            return x * 2, y * 3
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            return backward(*ctx.saved_tensors, ga, gb)
+
+    return Custom
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+@pytest.mark.parametrize("used", [0, 1, 2])
+@pytest.mark.parametrize("backward", list(_CUSTOM_BACKWARDS))
+def test_a_custom_backward_runs_as_eager_runs_it_for_unused_outputs(backward, used, how):
+    """Note [Custom backwards run on zeros]: eager runs a custom backward on zeros for its
+    unused outputs when any of them is used (its values sent: ``gb + 1`` is 1, ``gb / 0``
+    NaN, ``x + gb`` x), and not at all when none is (its inputs' gradients None). The variant
+    dropped what was linear in the zeros (None, or finite where eager's is NaN) and kept what
+    was not (``x + gb`` and a synthetic gradient sent from an unreached backward)."""
+    custom = _custom(_CUSTOM_BACKWARDS[backward])
+
+    def fn(x, y):
+        return (*custom.apply(x, y), (x * 5).sin())
+
+    torch._dynamo.reset()
+    grads = []
+    for f in (fn, aotkit.aot_function(fn, compilers.nop) if how == "aot_function"
+              else torch.compile(fn, backend="aotkit")):
+        x, y = torch.arange(3.0, requires_grad=True), torch.arange(1.0, 4.0, requires_grad=True)
+        f(x, y)[used].sum().backward()
+        grads.append((x.grad, y.grad))
+    assert [g is None for g in grads[1]] == [g is None for g in grads[0]]
+    torch.testing.assert_close(grads[1], grads[0], equal_nan=True)
+
+
+class _NotMaterialized(torch.autograd.Function):
+    """``set_materialize_grads(False)``: eager passes None for an unused output's gradient."""
 
     @staticmethod
     def forward(ctx, x, y):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, y)
         return x * 2, y * 3
 
     @staticmethod
     def backward(ctx, ga, gb):
-        return ga * 2, ctx.second(gb)
+        x, y = ctx.saved_tensors
+        gx, gy = ga * 2, None if gb is None else gb / (y - y)
+        return (gx if gb is None else gx + gb / (x - x)), gy
 
 
-@pytest.mark.parametrize("second", [
-    pytest.param(lambda gb: gb + 1, id="plus_one"),
-    pytest.param(lambda gb: 1 - gb, id="one_minus"),
-    pytest.param(torch.ones_like, id="ones_like"),
-    pytest.param(torch.exp, id="exp"),
-])
-def test_a_value_a_custom_backward_makes_from_a_missing_gradient_is_sent(second):
-    """Eager runs the custom backward on zeros for the unused output and y gets ``second(0)``;
-    y's gradient depends on the missing tangent alone, so it was taken for one eager never
-    computes (None)."""
-    class Fn(_Synthetic):
-        @staticmethod
-        def forward(ctx, x, y):
-            ctx.second = second
-            return _Synthetic.forward(ctx, x, y)
-
+def test_a_custom_backward_without_materialized_gradients_is_a_formula():
+    """Run on zeros for its unused output, it divided zeros by zero: NaN where eager's
+    backward, given None, never divides."""
     grads = []
-    for f in (Fn.apply, aotkit.aot_function(Fn.apply, compilers.nop)):
-        x, y = rand(3, grad=True), rand(3, grad=True)
+    for f in (_NotMaterialized.apply, aotkit.aot_function(_NotMaterialized.apply, compilers.nop)):
+        x, y = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
         f(x, y)[0].sum().backward()
         grads.append((x.grad, y.grad))
-    assert grads[1][1] is not None
-    torch.testing.assert_close(grads[1], grads[0])
+    assert grads[0][1] is None and grads[1][1] is None
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+
+
+def test_a_gradient_made_from_a_missing_one_is_not_an_inputs_memory():
+    """``x + gb`` with gb missing became x itself, the input: autograd.grad returned the
+    parameter as its own gradient (requires_grad, ``g is w``), and scaling the gradient in
+    place scaled the parameter."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    g, = torch.autograd.grad(aotkit.aot_function(_AddsSaved.apply, compilers.nop)(w)[0].sum(), [w])
+    assert g is not w and not g.requires_grad
+    g.mul_(10)
+    torch.testing.assert_close(w, torch.tensor([1.0, 2.0, 3.0], requires_grad=True))
+    torch.testing.assert_close(g, w.detach() * 10)
+
+
+@pytest.mark.parametrize("loss", [
+    pytest.param(lambda h: h.sum(), id="sum"),
+    pytest.param(lambda h: h.t().sum(), id="sum_of_transposed"),
+    pytest.param(lambda h: h.half().float().sum(), id="sum_in_half"),
+])
+def test_an_unused_output_leaves_no_nan_through_a_broadcast_gradient(loss):
+    """A sum's backward expands the gradient (strides 0): the sum of it and the unused
+    output's absent gradient did not agree in strides with it, was computed, and 0 * inf
+    made NaN where eager's gradients are finite."""
+    def fn(x, w):
+        h = torch.cat([x @ w, torch.zeros(1, 3)])
+        return loss(h), (h[:, None] - h[None]).pow(2).sum(-1).sqrt()
+
+    x, w = torch.randn(4, 3), torch.randn(3, 3, requires_grad=True)
+    fn(x, w)[0].backward()
+    want, w.grad = w.grad, None
+    aotkit.aot_function(fn, compilers.nop)(x, w)[0].backward()
+    torch.testing.assert_close(w.grad, want)
 
 
 def test_backward_variants_stop_at_the_recompile_limit():

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import (
     free_symbols,
     free_unbacked_symbols,
@@ -244,14 +245,22 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # ``recompile_limit`` sets) with those gradients left out: a value computed from them alone is
 # absent, an op linear in such a value (a product, a quotient's numerator, a matrix product, a
 # view, a sum, a pointwise formula's incoming gradient; decomposed for Inductor, a scatter of it
-# into zeros or a ``where`` between it and zeros) is absent too, and a sum of a present
-# and an absent value is the present one, where shape, dtype and strides agree. Any other op
-# computes as before, from the zeros still passed (``ga + 1`` in a custom backward is 1, as in
-# eager, which materializes a custom Function's missing gradients as zeros; so is a sum with a
-# scalar): the graph keeps its inputs. Which inputs then get None is read off the variant: a
-# custom backward's ``x + gb`` is x there, depending on no missing gradient, as eager's; a
-# value it makes from the zeros (``gb + 1``, ``ones_like(gb)``, ``gb.exp()``: ``_FROM_ZEROS``)
-# is one eager sends too.
+# into zeros or a ``where`` between it and zeros) is absent too, and a sum of a present and an
+# absent value is the present one (a copy in the sum's layout and dtype where the present one
+# is not a fresh value only the sum reads: a gradient is never an input's memory). Any other
+# op computes as before, from the zeros still passed. Which inputs then get None is read off
+# the variant (``tangent_masks``).
+#
+# Note [Custom backwards run on zeros]
+# A custom autograd.Function's backward is not a formula of PyTorch's: eager runs it when any of
+# its outputs gets a gradient, on zeros for the others (materialized), and not at all when none
+# does. The trace tags the ops each one recorded (``custom_backward``, the engine's current
+# node) with the tangents its incoming gradients depend on, and the variant follows eager: a
+# custom backward none of whose incoming gradients depends on a present tangent is absent whole
+# (a synthetic gradient it makes from nothing too); one that gets some computes everything it
+# does, on zeros for the absent values it reads
+# (``ga + 1`` is 1, ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager): what it makes
+# from them counts as made from nothing when telling which inputs get None.
 _aten = torch.ops.aten
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -272,13 +281,7 @@ _SCATTERS = frozenset([_aten.slice_scatter.default, _aten.select_scatter.default
                        _aten.diagonal_scatter.default])
 #: Zeros made from nothing: the other branch of a decomposed pointwise backward's ``where``.
 _ZEROS = frozenset([_aten.zeros.default, _aten.new_zeros.default, _aten.zeros_like.default])
-#: Not zero on zeros (``gb + 1``, ``torch.ones_like(gb)``, ``gb.exp()``): a value eager computes
-#: from a custom Function's materialized zeros, which the inputs it reaches get.
-_FROM_ZEROS = frozenset([
-    *_SUMS, _aten.add.Scalar, _aten.sub.Scalar, _aten.rsub.Scalar, _aten.rsub.Tensor,
-    _aten.ones_like.default, _aten.full_like.default, _aten.new_ones.default,
-    _aten.new_full.default, _aten.exp.default, _aten.cos.default, _aten.cosh.default,
-    _aten.sigmoid.default])
+ABSENT, FROM_ZEROS = "aotkit_absent", "aotkit_from_zeros"  # node meta keys the variant sets
 
 
 def _nothing(arg: Any, absent: set[fx.Node]) -> bool:
@@ -290,9 +293,24 @@ def _nothing(arg: Any, absent: set[fx.Node]) -> bool:
         arg.target is _aten.scalar_tensor.default and arg.args[0] == 0)
 
 
-def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
-    """A copy of backward graph ``gm`` with the tangents at placeholder positions ``missing``
-    left out (Note [Gradients backward does not bring]).
+def _absent(node: fx.Node, absent: set[fx.Node]) -> bool:
+    """Whether built-in formula ``node`` is linear in the absent values it reads."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    return node.op == "call_function" and (
+        (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
+            node.target in _ABSENT_IF_FIRST or _is_view(node)))
+        or (node.target in _SUMS and len(node.args) == 2
+            and all(_nothing(t, absent) for t in node.args))
+        or (node.target in _SCATTERS and len(tensors) >= 2 and tensors[1] in absent
+            and _nothing(node.args[0], absent))
+        or (node.target is _aten.where.self
+            and all(_nothing(a, absent) for a in node.args[1:3])))
+
+
+def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int) -> fx.GraphModule:
+    """A copy of backward graph ``gm``, whose last ``num_tangents`` placeholders are the
+    tangents, with those at placeholder positions ``missing`` left out (Note [Gradients
+    backward does not bring]).
 
     Example::
 
@@ -300,43 +318,87 @@ def without_gradients(gm: fx.GraphModule, missing: list[int]) -> fx.GraphModule:
         >>> from torch.fx.experimental.proxy_tensor import make_fx
         >>> from aotkit.aot.simplify import without_gradients
         >>> gm = make_fx(lambda x, ga, gb: ga * x.cos() + gb / x)(*torch.zeros(3, 3))
-        >>> without_gradients(gm, [2])(torch.zeros(3), torch.ones(3), torch.zeros(3))
+        >>> without_gradients(gm, [2], 2)(torch.zeros(3), torch.ones(3), torch.zeros(3))
         tensor([1., 1., 1.])
     """
     meta, gm = gm.meta, fx.GraphModule(gm, copy.deepcopy(gm.graph))
     gm.meta.update(meta)  # a dump's index, a compiler's notes
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     absent = {placeholders[k] for k in missing}
-    for node in absent:
-        node.meta["aotkit_absent"] = True
+    first = len(placeholders) - num_tangents
+    present = sum(1 << k for k in range(num_tangents) if first + k not in missing)
     for node in list(gm.graph.nodes):
-        if node.op == "placeholder" or not absent.intersection(node.all_input_nodes):
+        if node.op == "placeholder":
             continue
-        tensors = [a for a in node.args if isinstance(a, fx.Node)]
-        if node.op == "call_function" and (
-                (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
-                    node.target in _ABSENT_IF_FIRST or _is_view(node)))
-                or (node.target in _SUMS and len(node.args) == 2
-                    and all(_nothing(t, absent) for t in node.args))
-                or (node.target in _SCATTERS and len(tensors) >= 2 and tensors[1] in absent
-                    and _nothing(node.args[0], absent))
-                or (node.target is _aten.where.self
-                    and all(_nothing(a, absent) for a in node.args[1:3]))):
+        inputs = node.all_input_nodes
+        custom = node.meta.get("custom_backward")  # Note [Custom backwards run on zeros]
+        if custom is not None and custom & present:
+            _on_zeros(node, absent)
+        elif (custom is not None) or (absent.intersection(inputs) and _absent(node, absent)):
             absent.add(node)
-            node.meta["aotkit_absent"] = True
-            continue
-        if node.op == "call_function" and node.target in _FROM_ZEROS:
-            node.meta["aotkit_from_zeros"] = True
-        if node.op == "call_function" and node.target in _SUMS and len(tensors) == 2 \
-                and tensors[1] in absent and _same_meta(tensors[0], node):
-            node.replace_all_uses_with(tensors[0])
-        elif node.op == "call_function" and node.target is _aten.add.Tensor \
-                and len(tensors) == 2 and tensors[0] in absent and _same_meta(tensors[1], node) \
-                and node.kwargs.get("alpha", 1) == 1:
-            node.replace_all_uses_with(tensors[1])
+        elif absent.intersection(inputs) and node.target in _SUMS:
+            _sum_of_present(node, absent)
+    for node in absent:
+        node.meta[ABSENT] = True
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:
+    """Make custom backward op ``node`` read zeros for the absent values it reads, as eager's
+    materialized ones (the missing tangents are passed as zeros already)."""
+    read = [a for a in node.all_input_nodes if a in absent]
+    for value in read:
+        if value.op != "placeholder":
+            with node.graph.inserting_before(node):
+                zeros = node.graph.call_function(_aten.zeros_like.default, (value,))
+            zeros.meta.update(val=value.meta.get("val"), **{FROM_ZEROS: True})
+            node.replace_input_with(value, zeros)
+    if read:
+        node.meta[FROM_ZEROS] = True
+
+
+def _sum_of_present(node: fx.Node, absent: set[fx.Node]) -> None:
+    """Replace ``node``, a sum of a present value and an absent one, by the present one as the
+    sum would have made it; left to compute where that cannot be made without a shape guard."""
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    if len(tensors) != 2 or (tensors[0] in absent) == (tensors[1] in absent) or (
+            tensors[0] in absent and (node.target is not _aten.add.Tensor
+                                      or node.kwargs.get("alpha", 1) != 1)):
+        return  # ``-gb + x`` or ``gb + 2 * x``: computed
+    present = tensors[1] if tensors[0] in absent else tensors[0]
+    value = _as_made_by(node, present)
+    if value is not None:
+        node.replace_all_uses_with(value)
+
+
+def _as_made_by(node: fx.Node, present: fx.Node) -> fx.Node | None:
+    """``present`` with ``node``'s sizes, strides and dtype, a value of its own: ``present``
+    itself where it is one only ``node`` reads, else a copy (None: not known without a guard)."""
+    out, val = node.meta.get("val"), present.meta.get("val")
+    if not (isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)):
+        return None
+    fresh = present.op == "call_function" and not _is_view(present) and len(present.users) == 1
+    if fresh and _same_meta(present, node):
+        return present
+    same_shape = known_equal(out.shape, val.shape)
+    graph = node.graph
+    with graph.inserting_before(node):
+        if same_shape and known_equal(out.stride(), val.stride()):  # preserve_format keeps them
+            copy = graph.call_function(_aten._to_copy.default, (present,), {"dtype": out.dtype})
+        elif same_shape and known_equal(out.stride(), make_contiguous_strides_for(out.shape)):
+            copy = graph.call_function(_aten._to_copy.default, (present,), {
+                "dtype": out.dtype, "memory_format": torch.contiguous_format})
+        elif not free_symbols((out.shape, out.stride())):
+            empty = graph.call_function(_aten.empty_strided.default, (
+                list(out.shape), list(out.stride())), {"dtype": out.dtype, "device": out.device})
+            empty.meta["val"] = out
+            copy = graph.call_function(_aten.copy.default, (empty, present))
+        else:
+            return None
+    copy.meta["val"] = out
+    return copy
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:

@@ -23,7 +23,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -428,6 +428,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         # Recorded in the metadata pass: Note [Checkpoint's early stop]
         self.write_order: WriteOrder | None = WriteOrder()
         self.without_autograd_kernel: set[str] = set()  # Note [Ops without an autograd kernel]
+        self.custom_backward: int | None = None  # Note [Custom backwards run on zeros]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -451,7 +452,11 @@ class _OutsideTensorGuard(TorchDispatchMode):
         args = in_eager_layout(func, args)  # here for its one lookup per op: see its Note
         args = in_eager_indices(func, args)
         kwargs = in_eager_devices(kwargs)
+        custom = self.custom_backward
+        last = _last_traced_node() if custom is not None else None
         out = run_as_eager(func, args, kwargs, self._run)
+        if custom is not None:
+            _tag_custom_backward(custom, last)
         if not func.is_view and self._constants_only(args, kwargs):
             out = functional_values(out)
         for t in tensors_in(out):
@@ -693,9 +698,10 @@ def trace_joint(
     _begin_graph_pass()
     in_backward: list[fx.Node] = []
     written_inputs: list[int] = []
+    reach: dict[int, int] = {}  # Note [Custom backwards run on zeros]
 
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
-        with functionalized():
+        with functionalized(), _unmaterialized() as unmaterialized:
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True,
@@ -704,9 +710,12 @@ def trace_joint(
             fw_values = _outputs_from_fun(fw_outs, meta)
             writes = list(map(_writes, f_primals))
             before = _traced_nodes()
-            with autocast_as(backward_autocast):
-                grads = _grads(*through_lone_views(fw_outs, f_tangents, differentiable, meta),
-                               f_primals, wrt)
+            outs_and_tangents = through_lone_views(fw_outs, f_tangents, differentiable, meta)
+            with autocast_as(backward_autocast), \
+                    _custom_backwards_reached(outs_and_tangents[0], len(tangents),
+                                              unmaterialized) as found:
+                grads = _grads(*outs_and_tangents, f_primals, wrt)
+            reach.update(found)
             written = {i: from_fun(p) for i, p in enumerate(f_primals) if _writes(p) != writes[i]}
             outs = [*fw_values, *map(from_fun, grads)]
         with torch.no_grad():  # as backward() runs: a leaf requiring grad may be written
@@ -719,6 +728,8 @@ def trace_joint(
     gm = _make_fx(joint, [list(primals), tangents], decompositions)
     for node in in_backward:  # Note [Effects of the backward]
         node.meta["in_backward"] = True
+        if (custom := node.meta.pop("custom_backward", None)) in reach:
+            node.meta["custom_backward"] = reach[custom]
     _split_token_chains(gm)
     _tag_sides(gm, len(primals))
     _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
@@ -762,6 +773,111 @@ def _tag_sides(gm: fx.GraphModule, num_primals: int) -> None:
 def _writes(p: Any) -> int:
     """How many times a functionalized input has been written so far."""
     return torch._functionalize_mutation_counter(p.elem) if isinstance(p, FunctionalTensor) else 0
+
+
+@contextlib.contextmanager
+def _unmaterialized() -> Iterator[list[Any]]:
+    """The custom Functions' contexts ``ctx.set_materialize_grads(False)`` is called on
+    meanwhile (the setting cannot be read back)."""
+    off: list[Any] = []
+    cls = torch.autograd.function.FunctionCtx
+    original = cls.set_materialize_grads
+
+    def recorded(ctx: Any, value: bool) -> None:
+        if not value:
+            off.append(ctx)
+        original(ctx, value)
+
+    cls.set_materialize_grads = recorded  # type: ignore[method-assign]
+    try:
+        yield off
+    finally:
+        cls.set_materialize_grads = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized: list[Any]
+                              ) -> Iterator[dict[int, int]]:
+    """While the backward is traced: per custom autograd.Function node it runs, by id, a bit
+    mask of the tangents its incoming gradients depend on (Note [Custom backwards run on
+    zeros]); not for those in ``unmaterialized``, whose backward eager gives None."""
+    reach: dict[int, int] = {}
+    mode, guard = get_proxy_mode(), _GUARD.get()
+    if mode is None or guard is None:
+        yield reach
+        return
+    graph = mode.tracer.graph
+    tangents = list(graph.find_nodes(op="placeholder"))[-num_tangents:] if num_tangents else []
+    masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(tangents)}
+
+    def reached(node: Any, grads: tuple[Any, ...]) -> None:
+        if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros
+            return
+        found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
+                 for g in grads if isinstance(g, FunctionalTensor)]
+        reach[id(node)] = functools.reduce(operator.or_, (
+            _tangent_mask(p.proxy.node, masks) for p in found if p is not None), 0)
+        guard.custom_backward = id(node)
+
+    def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
+        guard.custom_backward = None
+
+    nodes = _custom_nodes(outs)  # held: their ids are not reused meanwhile
+    handles = [h for node in nodes for h in (
+        node.register_prehook(functools.partial(reached, node)), node.register_hook(ran))]
+    try:
+        yield reach
+    finally:
+        guard.custom_backward = None
+        for handle in handles:
+            handle.remove()
+
+
+def _tag_custom_backward(custom: int, last: fx.Node | None) -> None:
+    """Tag the nodes an op of custom backward ``custom`` recorded after ``last``."""
+    node = _last_traced_node()
+    while node is not None and node is not last and node.op != "root":
+        node.meta["custom_backward"] = custom
+        node = node.prev
+
+
+def _custom_nodes(outs: list[Any]) -> list[Any]:
+    """The custom autograd.Function nodes behind ``outs``."""
+    seen: set[int] = set()
+    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    found = []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int]) -> int:
+    """The tangents traced node ``node`` depends on, as a bit mask; ``masks`` is the memo."""
+    todo = [node]
+    while todo:
+        last = todo[-1]
+        if last in masks:
+            todo.pop()
+            continue
+        unknown = [a for a in last.all_input_nodes if a not in masks]
+        if unknown:
+            todo.extend(unknown)
+            continue
+        masks[last] = functools.reduce(operator.or_, (masks[a] for a in last.all_input_nodes), 0)
+        todo.pop()
+    return masks[node]
+
+
+def _last_traced_node() -> fx.Node | None:
+    """The node make_fx recorded last in the graph it is tracing, if it traces."""
+    mode = get_proxy_mode()
+    return next(iter(reversed(mode.tracer.graph.nodes)), None) if mode is not None else None
 
 
 def _traced_nodes() -> set[fx.Node]:
