@@ -191,6 +191,10 @@ def test_only_the_attributes_a_method_names_are_keyed():
     twin.scale = 5.0
     _same(twin.f, twin.apply, x)
     assert twin.f.fn.__self__ is twin
+    original = weakref.ref(s)  # its argument check held the original (an EMA teacher's copy)
+    del s
+    gc.collect()
+    assert original() is None
 
 
 def test_values_a_function_assigns_itself_are_not_keyed():
@@ -1750,3 +1754,82 @@ def test_a_subclass_parameter_replaced_or_made_to_require_grad_traces_again():
     torch.testing.assert_close(write(torch.ones(3)), torch.full((3,), 3.0))
     with pytest.raises(aotkit.errors.UnsupportedError, match="shares memory"):
         write(pair.a)
+
+
+class _Adapted(torch.nn.Module):
+    """Blocks and heads a training loop grows; adapters empty at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        self.adapters = torch.nn.ModuleList()
+        self.heads = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2)})
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        for block in [*self.blocks, *self.adapters]:
+            x = block(x)
+        return [head(x) for head in self.heads.values()]
+
+
+class _GrowingTrainer:
+    def __init__(self) -> None:
+        self.layers = torch.nn.ModuleList()
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x * 2
+
+
+@pytest.mark.parametrize("how", ["closure", "bound_forward"])
+@pytest.mark.parametrize("change", ["append_to_empty", "replace_block", "add_head"])
+def test_containers_a_function_loops_over_are_watched(how: str, change: str) -> None:
+    """A ModuleList empty at the first call (no flag: it led to no called module), and every
+    container below a bound method's object (``aot_function(model.forward)``: only modules
+    closed over were roots), were not watched: what was appended, replaced or added never ran."""
+    model = _Adapted().requires_grad_(False)
+    compiled = aotkit.aot_function(model.forward if how == "bound_forward"
+                                   else lambda x: model(x), compilers.nop)
+    x = torch.randn(3, 4)
+    compiled(x)
+    new = torch.nn.Linear(4, 4).requires_grad_(False)
+    if change == "append_to_empty":
+        model.adapters.append(new)
+    elif change == "replace_block":
+        model.blocks[0] = new
+    else:
+        model.heads.update({"b": torch.nn.Linear(4, 3).requires_grad_(False)})
+    got, want = compiled(x), model(x)
+    assert len(got) == len(want)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_an_empty_container_of_a_trainer_is_watched() -> None:
+    trainer = _GrowingTrainer()
+    compiled, x = aotkit.aot_function(trainer.step, compilers.nop), torch.randn(3, 4)
+    torch.testing.assert_close(compiled(x), x * 2)
+    trainer.layers.append(torch.nn.Linear(4, 4).requires_grad_(False))
+    torch.testing.assert_close(compiled(x), trainer.step(x), rtol=0, atol=0)
+
+
+class _Configured(torch.nn.Linear):
+    """A child whose ``==`` reads an attribute only its own class has."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.cfg = "x"
+
+    def __eq__(self, other: object) -> bool:
+        return self.cfg == other.cfg  # type: ignore[attr-defined]
+
+    __hash__ = torch.nn.Module.__hash__
+
+
+def test_a_child_whose_equality_raises_replaced_traces_again() -> None:
+    """The per-call check compared the new child to the traced one with ``==``: its own
+    ``__eq__`` raised a raw AttributeError where eager runs."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: model(x), compilers.nop), torch.randn(2, 4)
+    compiled(x)
+    model[0] = _Configured().requires_grad_(False)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

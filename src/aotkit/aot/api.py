@@ -52,6 +52,7 @@ from aotkit.aot.reads import (
     changed_values,
     live_entries,
     module_containers,
+    modules_held,
     note_module_counts,
     note_module_stores,
     put_back_containers,
@@ -711,10 +712,11 @@ class AotFunction:
         """The same function and options, compiled anew on its first call (compiled graphs
         hold compiler state that cannot be copied); a method of an object copied with it (``self.f
         = aot_function(self.step)``) is bound to the copy."""
-        fn, *rest = self.__reduce__()[1]
+        fn, options, name, leaf_names, checked, own_modules = self.__reduce__()[1]
         if inspect.ismethod(fn) and id(fn.__self__) in memo:
             fn = types.MethodType(fn.__func__, memo[id(fn.__self__)])
-        return AotFunction(fn, *rest)
+            checked = (fn, 0) if checked == (self.fn, 0) else checked  # not the original's
+        return AotFunction(fn, options, name, leaf_names, checked, own_modules)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled as its function and options, compiled anew after loading."""
@@ -771,8 +773,8 @@ class AotFunction:
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
         try:
-            with dynamo_frames_off(), recording(self._own_modules, [
-                    v for _, v in held_by_fn if issubclass(type(v), nn.Module)]) as reads:
+            with dynamo_frames_off(), recording(self._own_modules, modules_held(
+                    [*(v for _, v in held_by_fn), *self._captured.owners])) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held)

@@ -107,7 +107,10 @@ def _flag(m: nn.Module, training: bool | None) -> _Flag:
 def _same_children(flag: _Flag, m: nn.Module) -> bool:
     """Whether ``m`` holds the children it was traced with."""
     now = m.__dict__["_modules"].values()
-    return flag.cls != 0 and (tuple(map(id, now)) if flag.by_id else tuple(now)) == flag.children
+    try:
+        return flag.cls != 0 and (tuple(map(id, now)) if flag.by_id else tuple(now)) == flag.children
+    except Exception:  # as in Reads.hold
+        return False
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
@@ -202,9 +205,12 @@ class Reads:
                                                and m.training != flag.training):  # a property?
                 return False
             children = d["_modules"]
-            if (flag.children or children) and flag.children != (
-                    tuple(map(id, children.values())) if flag.by_id else tuple(children.values())):
-                return False  # compared to proxies or ids: see _Flag
+            try:
+                if (flag.children or children) and flag.children != (tuple(map(
+                        id, children.values())) if flag.by_id else tuple(children.values())):
+                    return False  # compared to proxies or ids: see _Flag
+            except Exception:  # a new child's own ``==`` raised (it reads what others lack)
+                return False
             if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
                     or d["_backward_pre_hooks"] or d["_backward_hooks"]) \
                     and not _same(flag.hooks, _hooks_of(m)):
@@ -444,11 +450,30 @@ def live_entries(entries: dict[Any, list[Any]], limit: int) -> tuple[dict[Any, l
     return entries, len(dropped) if not any(e.reused for e in dropped) else 0
 
 
+def modules_held(values: Iterable[Any]) -> list[nn.Module]:
+    """The modules among ``values`` (what a function holds: the object of a bound method), or
+    among a plain object's attributes there (a trainer's model)."""
+    found = []
+    for v in values:
+        if issubclass(type(v), nn.Module):
+            found.append(v)
+        elif not issubclass(type(v), type) and type(v) not in weakref.ProxyTypes:
+            try:
+                attributes = object.__getattribute__(v, "__dict__")
+            except Exception:  # no __dict__, or one of its own making
+                continue
+            found += [a for a in attributes.values() if issubclass(type(a), nn.Module)]
+    return [m for m in found if "_modules" in m.__dict__]  # not one whose __init__ never ran
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def _with_containers(called: dict[int, nn.Module],
                      roots: Iterable[nn.Module] = ()) -> list[tuple[int, nn.Module]]:
     """The modules called, then the ones between them, or between ``roots`` and them, the
     function reached without calling (a ModuleList it loops over, whose ``append`` the graph
-    would not see), by id."""
+    would not see; one empty then), by id."""
     found = dict(called)
     seen: set[int] = set()
 
@@ -463,12 +488,15 @@ def _with_containers(called: dict[int, nn.Module],
             elif c._modules and leads_to_called(c):
                 found[id(c)] = c
                 below = True
+            elif not c._modules and isinstance(c, _CONTAINERS):  # empty: filled later
+                found[id(c)] = c
         return below
 
     for m in called.values():
         leads_to_called(m)
     for m in roots:
-        if id(m) not in found and not _scripted(m) and leads_to_called(m):
+        if id(m) not in found and not _scripted(m) and (
+                leads_to_called(m) or (not m._modules and isinstance(m, _CONTAINERS))):
             found[id(m)] = m
     return list(found.items())
 
