@@ -1833,3 +1833,23 @@ def test_a_child_whose_equality_raises_replaced_traces_again() -> None:
     compiled(x)
     model[0] = _Configured().requires_grad_(False)
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+def test_entries_of_a_freed_hook_are_dropped() -> None:
+    """A forward hook registered for one evaluation per epoch (a new function each time, freed
+    after): every entry traced with a freed hook was kept, and the ninth epoch hit the
+    recompile limit though no call could match those entries again."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: model(x), compilers.nop), torch.randn(2, 4)
+    for _ in range(2 * aotkit.config.recompile_limit):
+        compiled(x)
+
+        def clamped(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+            return out.clamp(-0.1, 0.1)
+
+        handle = model[0].register_forward_hook(clamped)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        handle.remove()
+        del clamped, handle
+    assert compiled.num_entries <= 2

@@ -725,6 +725,18 @@ def test_a_new_submodule_never_gets_a_freed_ones_graph():
         compiled(x)
 
 
+def test_layouts_of_freed_heads_that_ran_do_not_count_to_the_limit():
+    """A task's head replaced per task (each training several steps): every layout compiled
+    counted, and the ninth head hit the recompile limit with no layout left alive."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(3, 4)
+    for _ in range(2 * aotkit.config.recompile_limit):
+        model[2] = nn.Linear(4, 2)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    assert len(compiled._compiled) == 1
+
+
 def test_weights_tied_to_another_parameter_recompile():
     class Three(nn.Module):
         def __init__(self) -> None:

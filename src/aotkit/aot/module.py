@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import sys
 import weakref
@@ -120,6 +121,7 @@ class _Compiled:
     # first call (Note [Module hooks]).
     registered: list[tuple[dict[int, Any], dict[int, Any]]] = dataclasses.field(
         default_factory=list)
+    reused: bool = False  # whether a call after the first ran it
 
 
 class AotModule(nn.Module):
@@ -144,7 +146,7 @@ class AotModule(nn.Module):
         # forward assigns]), by module id.
         self._guarded: dict[int, tuple[str, ...]] = {}
         # Layouts compiled so far, freed ones included (a layout per step is a runaway).
-        self._layouts_compiled = 0
+        self._once = 0  # layouts of freed submodules that ran one call only
         # Buffers forward assigns anew, (id of the module's _buffers, name): their sizes are
         # symbolic under dynamic=True (Note [Static parameters]).
         self._reassigned_buffers: set[tuple[int, str]] = set()
@@ -265,7 +267,10 @@ class AotModule(nn.Module):
         if compiled is None and self._read_attributes_requiring_grad():
             key, state = _collect(self.orig_module, self._attributes, self._guarded)
             compiled = self._compiled.get(key)
-        return (compiled or self._compile_for(key)), state
+        if compiled is None:
+            return self._compile_for(key), state
+        compiled.reused = True
+        return compiled, state
 
     def _guard(self, compiled: _Compiled, name: str, module: nn.Module, attribute: str) -> None:
         """A plain value forward assigned that differs from the one the graph was traced from
@@ -312,10 +317,11 @@ class AotModule(nn.Module):
         name = f"aot_module({type(module).__name__})"
         if self._last is not None:
             why = _describe(self._last.layout, layout)
-            if self._layouts_compiled >= config.recompile_limit:
+            if self._layouts_held() >= config.recompile_limit:
                 raise RecompileLimitError(
-                    f"{name} has been compiled for {self._layouts_compiled} module layouts "
-                    f"(aotkit.config.recompile_limit); this call would compile another ({why}).\n"
+                    f"{name} has been compiled for {self._layouts_held()} module layouts "
+                    "(aotkit.config.recompile_limit; layouts of submodules since freed count "
+                    f"where they ran one call only); this call would compile another ({why}).\n"
                     "Fix: keep the module's layout stable (replace a submodule's parameters in "
                     "place instead of the submodule, keep training flags, keep a Python value "
                     "forward changes at every call, such as a step counter, in a buffer; "
@@ -323,7 +329,6 @@ class AotModule(nn.Module):
                     "aotkit.config.patch(recompile_limit=...)."
                 )
             counters.record("recompile", name, why, logger=log)
-        self._layouts_compiled += 1
         _record_hooks(name, layout.hooks)
         names = layout.names
 
@@ -351,13 +356,21 @@ class AotModule(nn.Module):
         compiled.watchers = [weakref.ref(m, forget) for m in module.modules()]
         return compiled
 
+    def _layouts_held(self) -> int:
+        """The layouts compiled that count towards the recompile limit: those whose modules
+        are alive (a task's head replaced is freed with its graph), and those of freed ones
+        that ran one call only (a submodule made anew at every call)."""
+        if len(self._compiled) + self._once >= config.recompile_limit:
+            gc.collect()  # a head freed in a cycle
+        return len(self._compiled) + self._once
+
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the compiled entries (compiler state, closures over this module's
         submodules): a copy or an unpickled module is compiled anew on its first call, with its
         training flag, hooks and attributes as they were."""
         state = super().__getstate__()
         state = {**state, "_compiled": {}, "_last": None, "_attributes": {}, "_guarded": {},
-                 "_layouts_compiled": 0}
+                 "_once": 0}
         return state
 
 
@@ -370,8 +383,8 @@ _SLOTS_LOCK = new_lock(reentrant=True)
 def _forgetter(owner: weakref.ref[AotModule], key: Hashable) -> Callable[[Any], None]:
     def forget(_: Any) -> None:
         module = owner()
-        if module is not None:
-            module._compiled.pop(key, None)
+        if module is not None and (gone := module._compiled.pop(key, None)) is not None:
+            module._once += not gone.reused
 
     return forget
 

@@ -221,9 +221,11 @@ class Reads:
             and not any(t.requires_grad for t in self.constants) and self._same_layouts()
 
     def dead(self) -> bool:
-        """Whether a module the trace used, still alive, lost a child or class it was traced
-        with for good (freed): no call matches this entry again."""
-        return any(flag.cls == 0 and flag.module() is not None for flag in self.flags)
+        """Whether a module the trace used, still alive, lost a child, class or hook it was
+        traced with for good (freed): no call matches this entry again."""
+        return any(flag.module() is not None and (flag.cls == 0 or any(
+            isinstance(r, weakref.ref) and r() is None for r in flag.hooks))
+            for flag in self.flags)
 
     def _same_layouts(self) -> bool:
         # Dynamo's C++ tensor check answers at once for plain tensors when nothing changed (the
