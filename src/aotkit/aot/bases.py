@@ -4,7 +4,7 @@ views of one base input per shared storage. See Note [Overlapping mutated inputs
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.analysis import AotMeta
-from aotkit.aot.ops import may_overlap
+from aotkit.aot.ops import bytes_spanned, may_overlap
 from aotkit.aot.trace import FlatFn
 from aotkit.errors import UnsupportedError
 
@@ -109,24 +109,37 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
     into the caller's memory after the forward ran: inputs only the forward read need no
     base.)"""
     backward = {*written_by_backward, *read_by_backward}
+
+    def matters(i: int, j: int) -> bool:  # a write of one may reach the other
+        return meta.inputs[i].mutated or meta.inputs[j].mutated \
+            or (i in written_by_backward and j in backward) \
+            or (j in written_by_backward and i in backward)
+
     by_storage: dict[int, list[int]] = {}
-    overlapping: set[int] = set()
     for i, a in enumerate(args):
-        if not isinstance(a, torch.Tensor) or a.numel() == 0 \
-                or (ptr := a.untyped_storage().data_ptr()) == 0:
-            continue
-        sharing = by_storage.setdefault(ptr, [])
-        for j in sharing:
-            if (meta.inputs[i].mutated or meta.inputs[j].mutated
-                    or (i in written_by_backward and j in backward)
-                    or (j in written_by_backward and i in backward)) \
-                    and may_overlap(args[j], a):
-                overlapping.add(ptr)
-        sharing.append(i)
+        if isinstance(a, torch.Tensor) and a.numel() != 0 \
+                and (ptr := a.untyped_storage().data_ptr()) != 0:
+            by_storage.setdefault(ptr, []).append(i)
+    overlapping = [ptr for ptr, members in by_storage.items()
+                   if len(members) > 1 and _any_overlap(args, members, matters)]
     if not overlapping:
         return None
     groups = tuple(_group(name, meta, args, by_storage[p]) for p in sorted(overlapping))
     return OverlapLayout(groups, len(args))
+
+
+def _any_overlap(args: Sequence[Any], members: list[int],
+                 matters: Callable[[int, int], bool]) -> bool:
+    """Whether two of ``args`` at ``members`` (of one storage) for which ``matters`` share an
+    element. Swept by the bytes they span: the many disjoint views of one flat buffer (a
+    flat-parameter optimizer's) are not compared pair by pair at every call."""
+    spanning: list[tuple[int, int]] = []  # (end, member) of those begun before, not ended
+    for (start, end), i in sorted((bytes_spanned(args[i]), i) for i in members):
+        spanning = [(e, j) for e, j in spanning if e > start]
+        if any(matters(i, j) and may_overlap(args[j], args[i]) for _, j in spanning):
+            return True
+        spanning.append((end, i))
+    return False
 
 
 def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) -> _Group:

@@ -82,7 +82,7 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    (a0, a1), (b0, b1) = _bytes_spanned(a), _bytes_spanned(b)
+    (a0, a1), (b0, b1) = bytes_spanned(a), bytes_spanned(b)
     if not (a0 < b1 and b0 < a1):
         return False
     if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
@@ -93,7 +93,7 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 _EXACT_LIMIT = 1 << 22
 
 
-def _bytes_spanned(t: torch.Tensor) -> tuple[Any, Any]:
+def bytes_spanned(t: torch.Tensor) -> tuple[Any, Any]:
     """The storage bytes from ``t``'s first element to one past its last (not empty)."""
     extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True)) + 1
     start = t.storage_offset() * t.element_size()
@@ -210,7 +210,7 @@ class _Written:
         if r.numel() == 0:
             return None
         spans = self._sorted()
-        start, end = _bytes_spanned(r)
+        start, end = bytes_spanned(r)
         found = []
         k = bisect.bisect_left(spans, (end,)) - 1  # the last span starting before r ends
         while k >= 0 and self._reach[k] > start:
@@ -222,7 +222,7 @@ class _Written:
 
     def _sorted(self) -> list[tuple[int, int, int]]:
         if self._spans is None:
-            self._spans = sorted((*_bytes_spanned(t), i) for i, t in self.tensors.items()
+            self._spans = sorted((*bytes_spanned(t), i) for i, t in self.tensors.items()
                                  if t.numel() != 0)
             self._reach = list(itertools.accumulate((end for _, end, _ in self._spans), max))
         return self._spans
@@ -232,7 +232,7 @@ def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of symbolic sizes span disjoint bytes: provably, or else for the
     sizes traced with, under a guard (``M[0]`` and ``M[-1]``: apart for every M of two rows or
     more, which the solver does not prove)."""
-    (a0, a1), (b0, b1) = _bytes_spanned(a), _bytes_spanned(b)
+    (a0, a1), (b0, b1) = bytes_spanned(a), bytes_spanned(b)
     return statically_known_true(a1 <= b0) or statically_known_true(b1 <= a0) \
         or guard_or_false(a1 <= b0) or guard_or_false(b1 <= a0)
 
@@ -270,7 +270,7 @@ def overlapping_members(written: Sequence[torch.Tensor]) -> tuple[int, int] | No
 
 def _overlapping_pair(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     """Positions of two of ``tensors`` (one storage, concrete sizes) sharing an element."""
-    spans = sorted((*_bytes_spanned(t), k) for k, t in enumerate(tensors) if t.numel() != 0)
+    spans = sorted((*bytes_spanned(t), k) for k, t in enumerate(tensors) if t.numel() != 0)
     for i, (_, end, k) in enumerate(spans):
         for start, _, j in spans[i + 1:]:
             if start >= end:
