@@ -2691,10 +2691,41 @@ def test_a_data_dependent_op_in_the_backward_names_the_backward(dynamic):
     function's own code and suggested dynamic=True, which fails the same way."""
     table = torch.nn.Embedding(10, 4, sparse=True, padding_idx=0)
     with pytest.raises(TraceError, match=r"its backward, which the autograd engine runs(.|\n)*"
-                                         r"sparse=True and a padding_idx(.|\n)*Fix: keep that "
-                                         r"layer outside") as info:
+                                         r"sparse=True and a padding_idx(.|\n)*Fix: keep "
+                                         r"that layer") as info:
         aotkit.aot_module(table, compilers.nop, dynamic=dynamic)(torch.tensor([[0, 2], [3, 0]]))
     assert "dynamic=True" not in str(info.value)
+
+
+def test_a_data_dependent_backward_names_its_formula_and_dynamic_sizes():
+    """A bool-mask index_put's backward calls nonzero too: the message blamed nn.Embedding
+    and did not say that dynamic=True traces it (it does)."""
+    def f(x, v):
+        return x.index_put((torch.tensor([True, False, True, True]),), v, accumulate=True)
+
+    x, v = rand(4, 3, grad=True), rand(3, grad=True)
+    with pytest.raises(TraceError, match=r"IndexPutBackward0(.|\n)*Fix: pass dynamic=True") as info:
+        aotkit.aot_function(f, compilers.nop)(x, v).sum().backward()
+    assert "Embedding" not in str(info.value)
+    aotkit.aot_function(f, compilers.nop, dynamic=True)(x, v).sum().backward()
+    want = [t.grad.clone() for t in (x, v)]
+    x.grad = v.grad = None
+    f(x, v).sum().backward()
+    torch.testing.assert_close([x.grad, v.grad], want)
+
+
+def test_a_complex_svd_of_a_phase_invariant_loss_is_differentiated():
+    """Note [Checks of well-defined losses]: the SVD backward's phase check read data the
+    trace does not have, and a loss eager differentiates was refused."""
+    def f(a):
+        u, s, vh = torch.linalg.svd(a)
+        return (u @ torch.diag(s).to(a.dtype) @ vh).abs().sum()
+
+    a = torch.randn(4, 4, dtype=torch.cdouble, requires_grad=True)
+    f(a).backward()
+    want, a.grad = a.grad, None
+    aotkit.aot_function(f, compilers.nop)(a).backward()
+    torch.testing.assert_close(a.grad, want)
 
 
 def test_a_backward_op_failing_on_symbolic_sizes_names_the_backward_and_static_sizes():

@@ -434,6 +434,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         kwargs = kwargs or {}
         if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: its body dispatches
             return func(*args, **kwargs)
+        if func is _ALLCLOSE and _formula_running():  # Note [Checks of well-defined losses]
+            return True
         if self.refuse_inference_mode and torch.is_inference_mode_enabled():
             raise UnsupportedError(
                 f"{self.what} enters torch.inference_mode() inside: its tensors (inference "
@@ -454,7 +456,13 @@ class _OutsideTensorGuard(TorchDispatchMode):
         kwargs = in_eager_devices(kwargs)
         custom = self.custom_backward
         last = _last_traced_node() if custom is not None else None
-        out = run_as_eager(func, args, kwargs, self._run)
+        try:
+            out = run_as_eager(func, args, kwargs, self._run)
+        except Exception as exc:  # the formula that failed, for the message
+            node = torch._C._current_autograd_node()
+            if node is not None and not hasattr(exc, "aotkit_backward_of"):
+                exc.aotkit_backward_of = node.name()  # type: ignore[attr-defined]
+            raise
         if custom is not None:
             _tag_custom_backward(custom, last)
         if not func.is_view and self._constants_only(args, kwargs):
@@ -872,6 +880,20 @@ def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int]) -> int:
         masks[last] = functools.reduce(operator.or_, (masks[a] for a in last.all_input_nodes), 0)
         todo.pop()
     return masks[node]
+
+
+# Note [Checks of well-defined losses]
+# Some of PyTorch's backward formulas check, on the data, that the loss is well defined (complex
+# SVD: that it does not depend on the singular vectors' phases) and raise otherwise. A trace has
+# no data: the check is taken as passed, as PyTorch's AOT autograd's trace of linalg.eig's does,
+# where eager raises for an ill-defined loss (README).
+_ALLCLOSE = torch.ops.aten.allclose.default
+
+
+def _formula_running() -> bool:
+    """Whether the autograd engine is running one of PyTorch's backward formulas."""
+    node = torch._C._current_autograd_node()
+    return node is not None and not isinstance(node, torch.autograd.function.BackwardCFunction)
 
 
 def _last_traced_node() -> fx.Node | None:

@@ -429,6 +429,27 @@ def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
     )
 
 
+def _data_dependent_backward(what: str, exc: BaseException, static: bool) -> TraceError:
+    """A formula of PyTorch's backward (no line of the user's) needs tensor data."""
+    func = getattr(exc, "func", None)
+    formula = getattr(exc, "aotkit_backward_of", None)  # EmbeddingBackward0
+    embedding = formula is None or formula.startswith("EmbeddingBackward")  # None: may be
+    verb = "is one" if formula is None else "is this one"
+    sized = static and isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException) \
+        and func is not None and _sized_by_symbols(func) and not embedding
+    return TraceError(
+        f"{what} could not be traced: its backward, which the autograd engine runs (no line of "
+        f"the function), calls {f'{func}, ' if func is not None else 'an op '}whose result's "
+        "size or value depends on tensor data"
+        f"{f' (in {formula})' if formula else ''} ({type(exc).__name__}: {first_line(exc)})"
+        + (f"; the backward of nn.Embedding with sparse=True and a padding_idx {verb}"
+           if embedding else "") + ".\nFix: "
+        + ("pass dynamic=True, which traces its size as a symbol; " if sized else "")
+        + "keep that layer or op outside the compiled function"
+        + (", drop sparse=True (or padding_idx) there" if embedding else "")
+        + ", or use torch.compile(fn, backend=\"aotkit\"), which runs such a graph eagerly.")
+
+
 def data_dependent(what: str, exc: BaseException, static: bool = False,
                    from_dynamo: bool = False) -> TraceError:
     """``static``: aot_function's trace without a ShapeEnv, which is told that dynamic=True
@@ -460,14 +481,7 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             "or False with the mask (tgt_is_causal=, memory_is_causal= for a decoder).")
     if _in_backward(frames) and where == "<unknown location>" \
             and not (from_dynamo and _captures_data(exc)):  # not the user's own backward code
-        return TraceError(
-            f"{what} could not be traced: its backward, which the autograd engine runs (no "
-            "line of the function), calls an op whose result's size or value depends on "
-            f"tensor data ({type(exc).__name__}: {first_line(exc)}); the backward of "
-            "nn.Embedding or F.embedding with sparse=True and a padding_idx is one.\n"
-            "Fix: keep that layer outside the compiled function, drop sparse=True (or "
-            "padding_idx) there, or use torch.compile(model, backend=\"aotkit\"), which runs "
-            "such a graph eagerly.")
+        return _data_dependent_backward(what, exc, static)
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
         dynamic = dynamic if _sized_by_symbols(exc.func) else ""
         return TraceError(
