@@ -849,7 +849,7 @@ class AotFunction:
         if self.num_entries + self._once >= config.recompile_limit:
             raise RecompileLimitError(
                 f"{self.name} has been compiled for {self.num_entries + self._once} input "
-                f"signature(s){f' ({self._once} for modules freed after one call)' * (self._once > 0)}"
+                f"signature(s){f' ({self._once} of modules or hooks freed after one call)' * (self._once > 0)}"
                 f", and aotkit.config.recompile_limit is {config.recompile_limit}; this call would "
                 f"compile another ({why}).\nFix: {recompile_fix(why, self.options.dynamic, self._once)}")
         counters.record("recompile", self.name, why, logger=log)

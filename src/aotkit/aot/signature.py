@@ -828,16 +828,16 @@ _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(_
 
 def recompile_fix(why: str, dynamic: bool, made_per_call: int = 0) -> str:
     """The fix a RecompileLimitError names for a recompile of reason ``why``; ``made_per_call``:
-    how many entries of modules freed after one call count towards the limit."""
+    how many entries of modules or hooks freed after one call count towards the limit."""
+    if "hooks" in why:
+        return ("register module hooks once, before the first call (a hook added and removed at "
+                "every step, or a profiler's global hooks entered per step, compiles anew each "
+                "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
     if made_per_call:
         return ("a module the function calls or takes is made anew at every call (a loss "
                 "module, a submodule replaced at every step): make it once, outside the loop; "
                 "load new weights into one model (load_state_dict); or raise the limit with "
                 "aotkit.config.patch(recompile_limit=...).")
-    if "hooks" in why:
-        return ("register module hooks once, before the first call (a hook added and removed at "
-                "every step, or a profiler's global hooks entered per step, compiles anew each "
-                "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
     if "changed in place from" in why:
         return ("a tensor the function reads besides its arguments changes its size, dtype or "
                 "strides in place between calls (Note [Constants changed in place]): pass it as "
