@@ -2714,6 +2714,28 @@ def test_a_data_dependent_backward_names_its_formula_and_dynamic_sizes():
     torch.testing.assert_close([x.grad, v.grad], want)
 
 
+def test_allclose_in_a_users_hook_is_not_taken_as_a_formulas_check():
+    """Note [Checks of well-defined losses]: a tensor hook's ``torch.allclose`` runs while a
+    formula's node is current, and was answered True (zero gradients, silently)."""
+    def f(x):
+        y = x.exp()
+        y.register_hook(lambda g: g * 0 if torch.allclose(g, torch.zeros_like(g)) else g * 2)
+        return y.sum()
+
+    with pytest.raises(TraceError, match="allclose"):
+        aotkit.aot_function(f, compilers.nop)(rand(3, grad=True)).backward()
+
+
+def test_a_mask_beside_an_index_under_symbolic_sizes_is_a_trace_error():
+    """``x[mask, idx]`` with dynamic=True (which the static trace's message suggests) raised
+    PyTorch's raw PendingUnbackedSymbolNotFound."""
+    def f(x):
+        return x[torch.tensor([True, False, True]), torch.tensor([0, 1])].sum()
+
+    with pytest.raises(TraceError, match=r"x\[mask\]\[:, idx\]"):
+        aotkit.aot_function(f, compilers.nop, dynamic=True)(rand(3, 3, grad=True))
+
+
 def test_a_complex_svd_of_a_phase_invariant_loss_is_differentiated():
     """Note [Checks of well-defined losses]: the SVD backward's phase check read data the
     trace does not have, and a loss eager differentiates was refused."""

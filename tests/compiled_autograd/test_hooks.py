@@ -820,6 +820,29 @@ def test_removing_one_of_a_functions_registrations_on_several_tensors_is_refused
         _shared_function_removed_from_one_tensor([], removed_after_its_call)
 
 
+def _first_gradient_once(log: list[str]) -> Any:
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    for step in range(3):
+        handles: list[Any] = []
+
+        def first(grads: Any, step: int = step, handles: list[Any] = handles) -> None:
+            log.append(f"first gradient of step {step}")
+            handles[0].remove()  # every registration at once
+
+        handles.append(torch.autograd.graph.register_multi_grad_hook([a, b], first, mode="any"))
+        ((a * b).sum() + (a * 2).sum()).backward()
+    return a.grad, b.grad
+
+
+def test_a_multi_grad_hook_removing_its_handle_runs_once() -> None:
+    """register_multi_grad_hook registers one function on every tensor; its handle removes them
+    all. The first removal was taken for one of several registrations (refused, with a fix the
+    user cannot apply): all of them removed, the calls still to come are skipped."""
+    eager_log, compiled_log, expected, actual = both(_first_gradient_once)
+    assert compiled_log == eager_log and len(eager_log) == 3
+    torch.testing.assert_close(actual, expected)
+
+
 @pytest.mark.parametrize("step", _REMOVALS.values(), ids=_REMOVALS.keys())
 def test_hook_removed_by_an_earlier_hook_is_not_called(step: Callable[[list[str]], Any]) -> None:
     """Note [Hooks removed during a backward]: on the capturing backward and on a replay."""

@@ -7,7 +7,6 @@ import functools
 import inspect
 import logging
 import types
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,15 +22,13 @@ from aotkit.aot.arguments import (
     changed_value,
     check_compiler_signature,
     check_decompositions,
-    check_outputs,
     check_params_buffers,
+    flat_user_fn,
     has_tangents,
     name_held_tensor,
     name_refused_input,
     note_forward_ad,
     record_identity_keys,
-    refuse_dual_outputs,
-    refuse_stores_into_arguments,
     refuse_tensor_sets,
     refuse_torch_function_overrides,
     shown_name,
@@ -88,7 +85,6 @@ from aotkit.aot.trace import (
     autocast_as,
     make_fake,
     metadata_write_order,
-    refuse_kept_outputs,
     require_graph_backward,
     trace_inference,
     trace_joint,
@@ -768,7 +764,7 @@ class AotFunction:
         fakes = [make_fake(mode, t, k, self.options.dynamic
                            and i not in self.static_sizes, names[i])
                  for k, (i, t) in enumerate(zip(positions, tensors, strict=True))]
-        flat_fn = _flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names,
+        flat_fn = flat_user_fn(self.fn, leaves, positions, spec, self.name, self._leaf_names,
                                 copies)
         if config.record_stack_traces:
             keep_stack_traces_of(self.fn)
@@ -873,44 +869,6 @@ def _fake_mode(dynamic: bool, symbols: bool = False) -> FakeTensorMode:
     shape_env = ShapeEnv(allow_scalar_outputs=dynamic, allow_dynamic_output_shape_ops=dynamic) \
         if dynamic or symbols else None
     return new_fake_mode(shape_env=shape_env, allow_non_fake_inputs=True)
-
-
-def _flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
-                  spec: pytree.TreeSpec, name: str,
-                  namer: Callable[[Any, Any], list[str]] = leaf_names,
-                  copies: Mapping[int, int] | None = None) -> FlatFn:
-    """``fn`` as a function of its tensor leaves at ``positions``; non-tensor leaves are baked
-    in as constants, and the leaf at each key of ``copies`` is the one at its value (Note [One
-    tensor passed twice]). The call's tensors are not kept: a lazy backward trace would
-    otherwise hold a first batch alive as long as the compiled function; nor are its modules
-    (a teacher passed per fold), whose entries are dropped once they are freed."""
-    copies = copies or {}
-    template = list(leaves)
-    for i in [*positions, *copies]:
-        template[i] = None
-    modules = {i: weakref.ref(m) for i, m in enumerate(leaves) if issubclass(type(m), nn.Module)}
-    for i in modules:
-        template[i] = None
-
-    def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        full = list(template)
-        for i, ref in modules.items():
-            full[i] = ref()
-            assert full[i] is not None, "the entries of a freed module argument are dropped"
-        for i, t in zip(positions, tensors, strict=True):
-            full[i] = t
-        for i, first in copies.items():
-            full[i] = full[first]
-        args, kwargs = pytree.tree_unflatten(full, spec)
-        out = fn(*args, **kwargs)
-        refuse_stores_into_arguments(args, kwargs, full, spec, name, namer)
-        flat, out_spec = pytree.tree_flatten(out)
-        check_outputs(out, flat, name)
-        refuse_kept_outputs(flat)
-        refuse_dual_outputs(flat, name)
-        return flat, out_spec
-
-    return flat_fn
 
 
 # Note [Subclasses with __torch_function__]

@@ -10,17 +10,20 @@ import logging
 import os
 import re
 import types
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import refused_call
-from aotkit.aot.signature import identity_keyed_parts
+from aotkit.aot.signature import identity_keyed_parts, leaf_names
 from aotkit.aot.subclass import is_subclass, overrides_torch_function
+from aotkit.aot.trace import FlatFn, refuse_kept_outputs
 from aotkit.aot.untraceable import NOT_AN_ARGUMENT
 from aotkit.errors import ArgumentError, OutputTypeError, UnsupportedError
 
@@ -330,3 +333,41 @@ def check_outputs(out: Any, flat: list[Any], name: str) -> None:
                 "return tensors (or convert the value), or register the type with "
                 f"torch.utils._pytree.register_pytree_node so it flattens to tensors{cache}."
             )
+
+
+def flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int],
+                  spec: pytree.TreeSpec, name: str,
+                  namer: Callable[[Any, Any], list[str]] = leaf_names,
+                  copies: Mapping[int, int] | None = None) -> FlatFn:
+    """``fn`` as a function of its tensor leaves at ``positions``; non-tensor leaves are baked
+    in as constants, and the leaf at each key of ``copies`` is the one at its value (Note [One
+    tensor passed twice]). The call's tensors are not kept: a lazy backward trace would
+    otherwise hold a first batch alive as long as the compiled function; nor are its modules
+    (a teacher passed per fold), whose entries are dropped once they are freed."""
+    copies = copies or {}
+    template = list(leaves)
+    for i in [*positions, *copies]:
+        template[i] = None
+    modules = {i: weakref.ref(m) for i, m in enumerate(leaves) if issubclass(type(m), nn.Module)}
+    for i in modules:
+        template[i] = None
+
+    def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
+        full = list(template)
+        for i, ref in modules.items():
+            full[i] = ref()
+            assert full[i] is not None, "the entries of a freed module argument are dropped"
+        for i, t in zip(positions, tensors, strict=True):
+            full[i] = t
+        for i, first in copies.items():
+            full[i] = full[first]
+        args, kwargs = pytree.tree_unflatten(full, spec)
+        out = fn(*args, **kwargs)
+        refuse_stores_into_arguments(args, kwargs, full, spec, name, namer)
+        flat, out_spec = pytree.tree_flatten(out)
+        check_outputs(out, flat, name)
+        refuse_kept_outputs(flat)
+        refuse_dual_outputs(flat, name)
+        return flat, out_spec
+
+    return flat_fn

@@ -48,7 +48,6 @@ import logging
 import numbers
 import operator
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -56,11 +55,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.hooks import RemovableHandle
 
 from aotkit import compat, counters
+from aotkit.aot.hook_watch import (
+    global_hook_ids,
+    hooks_of,
+    num_hooks,
+    refs,
+    same_objects,
+)
 from aotkit.aot.signature import collected, modules_in
 from aotkit.aot.subclass import is_subclass, layout_of, parts
 from aotkit.compat import FakeTensor, FunctionalTensor
@@ -72,7 +77,7 @@ _TRACING = (FakeTensor, FunctionalTensor)  # the values a trace leaves
 @dataclass(slots=True)
 class _Flag:
     """A module the function uses, as traced: its class, training flag (None: the function sets
-    it or does not call the module), hooks and instance forward (see :func:`_hooks_of`) and
+    it or does not call the module), hooks and instance forward (see :func:`hooks_of`) and
     children. None of them held (a parametrized module's class holds the module; a child's
     hook may be a method of the model: held, a model rebound for the next fold was never
     freed): the class by id, the children by weak proxies compared in C at every call (as
@@ -93,8 +98,8 @@ class _Flag:
 def _flag(m: nn.Module, training: bool | None) -> _Flag:
     children = list(m._modules.values())
     by_id = any(c is not None and type(c).__eq__ is not object.__eq__ for c in children)
-    flag = _Flag(weakref.ref(m), id(m.__class__), training, _refs(_hooks_of(m)),
-                 _num_hooks(m.__dict__), by_id)
+    flag = _Flag(weakref.ref(m), id(m.__class__), training, refs(hooks_of(m)),
+                 num_hooks(m.__dict__), by_id)
 
     def freed(_: Any) -> None:
         flag.cls = 0
@@ -114,69 +119,6 @@ def _same_children(flag: _Flag, m: nn.Module) -> bool:
         return flag.cls != 0 and (tuple(map(id, now)) if flag.by_id else tuple(now)) == flag.children
     except Exception:  # as in Reads.hold
         return False
-
-
-def _ref(obj: Any) -> Callable[[], Any]:
-    """A weak reference where ``obj`` takes one, else a strong one (``ref() is obj`` either way,
-    but for a bound method, made anew at each attribute access: ``==`` to it)."""
-    try:
-        return weakref.WeakMethod(obj) if isinstance(obj, types.MethodType) else weakref.ref(obj)
-    except TypeError:  # a method of an object with __slots__ and no __weakref__, an int
-        return lambda: obj
-
-
-def hook_identity(hook: Any) -> Any:
-    """What tells a hook apart: the object, or a bound method's function and object (``self.hook``
-    registered again is a new bound method of both)."""
-    if isinstance(hook, types.MethodType):
-        return id(hook.__func__), id(hook.__self__)
-    return id(hook)
-
-
-def _refs(objs: Iterable[Any]) -> tuple[Callable[[], Any], ...]:
-    return tuple(map(_ref, objs))
-
-
-def _same(refs: tuple[Callable[[], Any], ...], objs: Iterable[Any]) -> bool:
-    """Whether ``objs`` are the objects ``refs`` were taken of, in order."""
-    objs = tuple(objs)
-    return len(refs) == len(objs) and all(
-        (x := r()) is o or (isinstance(o, types.MethodType) and x == o)
-        for r, o in zip(refs, objs, strict=True))
-
-
-def _hooks_of(m: nn.Module) -> list[Any]:
-    """``m``'s own hooks, each table's followed by a None, and its instance forward: the hook
-    objects, not their handles' ids (pruning again re-registers the same hook under a new id)."""
-    found: list[Any] = []
-    for table in hook_tables(m):
-        found += table.values()
-        found.append(None)
-    found.append(m.__dict__.get("forward"))
-    return found if len(found) > 5 or found[-1] is not None else []
-
-
-# Note [Hooks seen by counts]
-# Comparing every hooked module's hooks object by object at every call cost 3-6 us a module (a
-# forward hook on each of a 12-layer encoder's 110 modules: 300-700 us a call). Every hook
-# registered gets a handle whose id comes from one counter (``RemovableHandle.next_id``): while
-# it stands where it stood at the last full comparison, no hook was registered since, and a
-# module holding as many hooks as traced (none removed) holds the same ones. A hook put into a
-# table by hand, without a handle, is not seen then.
-def _num_hooks(d: dict[str, Any]) -> int:
-    """How many hooks a module with ``__dict__`` ``d`` holds; -1 with an instance forward."""
-    return -1 if "forward" in d else len(d["_forward_pre_hooks"]) + len(d["_forward_hooks"]) \
-        + len(d["_backward_pre_hooks"]) + len(d["_backward_hooks"])
-
-
-def _global_hook_ids() -> tuple[Any, ...]:
-    tables = global_hook_tables()
-    return tuple(map(tuple, tables)) if any(tables) else ()
-
-
-def hook_tables(m: nn.Module) -> tuple[dict[int, Any], ...]:
-    """A module's own hooks: forward pre-hooks, forward hooks, backward pre-hooks, backward."""
-    return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
 
 
 @dataclass(frozen=True)
@@ -231,10 +173,10 @@ class Reads:
                 return False
             if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
                     or d["_backward_pre_hooks"] or d["_backward_hooks"]) and not (
-                        fast and flag.num_hooks == _num_hooks(d) >= 0) \
-                    and not _same(flag.hooks, _hooks_of(m)):
+                        fast and flag.num_hooks == num_hooks(d) >= 0) \
+                    and not same_objects(flag.hooks, hooks_of(m)):
                 return False
-        if self.flags and _global_hook_ids() != self.global_hooks:
+        if self.flags and global_hook_ids() != self.global_hooks:
             return False
         self.handles_seen = RemovableHandle.next_id
         return all(slot.table.get(slot.name) is slot.tensor for slot in self.slots) \
@@ -277,9 +219,9 @@ class Reads:
                                f"{flag.training} -> {m.training}")
             if not _same_children(flag, m):
                 changes.append(f"the submodules of {called} were replaced, added or removed")
-            if not _same(flag.hooks, _hooks_of(m)):
+            if not same_objects(flag.hooks, hooks_of(m)):
                 changes.append(f"the hooks or the instance forward of {called} changed")
-        if self.flags and _global_hook_ids() != self.global_hooks:
+        if self.flags and global_hook_ids() != self.global_hooks:
             changes.append("global module hooks (register_module_forward_hook) were added or "
                            "removed; the function calls modules")
         changes += [f"{slot.where} (a module the function uses), which the graph reads as a "
@@ -431,7 +373,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         # A module the function switches itself, or one it does not call, keeps no flag.
         reads.flags = [_flag(m, m.training if i in called and i not in switched else None)
                        for i, m in _with_containers(called, roots)]
-        reads.global_hooks = _global_hook_ids()
+        reads.global_hooks = global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
         reads.slots = [slot for slot in (*held, *attributes) if _read(slot.tensor, constants)]
@@ -1037,22 +979,6 @@ def _builtin_items(kind: type) -> bool:
     base = next((b for b in kind.__mro__ if b in _BUILTIN_CONTAINERS), None)
     return base is not None and all(getattr(kind, name, None) is getattr(base, name, None)
                                     for name in ("__len__", "__iter__", "values"))
-
-
-def global_hook_tables() -> tuple[dict[int, Any], ...]:
-    """The global module hooks, but the one a trace in another thread records modules with
-    (Note [What a trace reads besides its inputs]): it is not the user's, and taken for a hook
-    it made every other thread's compiled modules compile again."""
-    tables = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
-              nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
-    if not tables[0] or not any(is_recording_hook(h) for h in tables[0].values()):
-        return tables
-    return ({k: h for k, h in tables[0].items() if not is_recording_hook(h)}, *tables[1:])
-
-
-def is_recording_hook(hook: object) -> bool:
-    """Whether a global module hook is the one :func:`recording` registers."""
-    return getattr(hook, "_aotkit_recording", False)
 
 
 def uninitialized(module: nn.Module) -> bool:

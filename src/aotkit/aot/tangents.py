@@ -6,13 +6,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from aotkit.aot.analysis import Alias, AotMeta
 from aotkit.aot.ops import overlaps_itself
 from aotkit.aot.simplify import known_equal
-from aotkit.compat import FunctionalTensor
+from aotkit.compat import FakeTensor, FunctionalTensor, rename_unbacked_symbol
 
 
 def tangent_like(out: Any, memory_format: torch.memory_format | None) -> Any:
@@ -147,3 +148,45 @@ def _replayable_on(view: Any, base: Any, tangent: Any) -> bool:
                                   == base.numel() * base.element_size()) \
         and known_equal(base.stride(), tangent.stride()) \
         and not any("as_strided" in type(m).__name__ for m in _view_ops(view))
+
+
+# Note [Tangents of data-dependent sizes]
+# A tangent is shaped like the metadata pass's output: a size read from data there is that pass's
+# unbacked symbol (u1), while the joint's forward makes its own (u2), see
+# _discarding_unbacked_symbols. Where the size is the symbol itself (``nonzero``'s count) the
+# backward binds it from the tangent; where it is an expression (``cat`` of a ``masked_select``
+# and 5 elements: u1 + 5) nothing binds u1, and Inductor's code for the backward fails. The two
+# sizes are one value, so the ShapeEnv is told u1 is u2, which the forward binds and saves
+# (Note [Binding symbols in the backward]); several symbols pair by creation order.
+def name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
+                                     differentiable: list[bool]) -> None:
+    if num_tangents == 0:
+        return
+    tangents = gm.graph.find_nodes(op="placeholder")[-num_tangents:]
+    outputs = gm.graph.output_node().args[0]
+    fw_outs = [o for o, d in zip(outputs, differentiable, strict=False) if d]
+    for tangent, out in zip(tangents, fw_outs, strict=True):
+        t_val, o_val = tangent.meta.get("val"), getattr(out, "meta", {}).get("val")
+        if not (isinstance(t_val, FakeTensor) and isinstance(o_val, torch.Tensor)):
+            continue
+        shape_env = t_val.fake_mode.shape_env
+        for t_size, o_size in zip(t_val.shape, o_val.shape, strict=True):
+            if isinstance(t_size, torch.SymInt) and isinstance(o_size, torch.SymInt):
+                _rename_if_same_but_symbol(shape_env, t_size.node.expr, o_size.node.expr)
+
+
+def _rename_if_same_but_symbol(shape_env: Any, t_expr: Any, o_expr: Any) -> None:
+    """Both passes make their data-dependent sizes in the same order (the same ops run), so the
+    metadata pass's symbols pair with the forward's by creation order (u0, u1 -> u2, u3)."""
+    only_t = sorted(free_unbacked_symbols(t_expr) - free_unbacked_symbols(o_expr), key=_made)
+    only_o = sorted(free_unbacked_symbols(o_expr) - free_unbacked_symbols(t_expr), key=_made)
+    renames = dict(zip(only_t, only_o, strict=False))
+    if only_t and len(only_t) == len(only_o) and t_expr.xreplace(renames) == o_expr:
+        for old, new in renames.items():
+            rename_unbacked_symbol(shape_env, old, new)
+
+
+def _made(symbol: Any) -> int:
+    """Creation index of an unbacked symbol (u12 -> 12; the equality check guards the rest)."""
+    digits = symbol.name.lstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(digits) if digits.isdigit() else -1

@@ -23,13 +23,20 @@ import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aotkit import compat, config, counters
 from aotkit.aot.analysis import Alias, AotMeta, from_fun, laid_out_alike, to_fun
+from aotkit.aot.backward_trace import (
+    ALLCLOSE,
+    custom_backwards_reached,
+    formula_running,
+    last_traced_node,
+    tag_custom_backward,
+    unmaterialized,
+)
 from aotkit.aot.early_stop import WriteOrder
 from aotkit.aot.frames import current_user_line
 from aotkit.aot.ops import (
@@ -57,7 +64,12 @@ from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState
 from aotkit.aot.simplify import known_equal
 from aotkit.aot.state import ReseedWatch, reseeding_refused
 from aotkit.aot.subclass import is_subclass, layout_of, parts, python_subclass
-from aotkit.aot.tangents import tangent_formats, tangent_like, through_lone_views
+from aotkit.aot.tangents import (
+    name_tangent_sizes_after_outputs,
+    tangent_formats,
+    tangent_like,
+    through_lone_views,
+)
 from aotkit.aot.trace_errors import (
     first_line,
     op_failed,
@@ -83,7 +95,6 @@ from aotkit.compat import (
     effect_types,
     has_symbols,
     onednn_off,
-    rename_unbacked_symbol,
 )
 from aotkit.errors import TraceError, UnsupportedError
 from aotkit.locks import new_lock
@@ -434,7 +445,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         kwargs = kwargs or {}
         if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: its body dispatches
             return func(*args, **kwargs)
-        if func is _ALLCLOSE and _formula_running():  # Note [Checks of well-defined losses]
+        if func is ALLCLOSE and formula_running():  # Note [Checks of well-defined losses]
             return True
         if self.refuse_inference_mode and torch.is_inference_mode_enabled():
             raise UnsupportedError(
@@ -455,7 +466,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         args = in_eager_indices(func, args)
         kwargs = in_eager_devices(kwargs)
         custom = self.custom_backward
-        last = _last_traced_node() if custom is not None else None
+        last = last_traced_node() if custom is not None else None
         try:
             out = run_as_eager(func, args, kwargs, self._run)
         except Exception as exc:  # the formula that failed, for the message
@@ -464,7 +475,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
                 exc.aotkit_backward_of = node.name()  # type: ignore[attr-defined]
             raise
         if custom is not None:
-            _tag_custom_backward(custom, last)
+            tag_custom_backward(custom, last)
         if not func.is_view and self._constants_only(args, kwargs):
             out = functional_values(out)
         for t in tensors_in(out):
@@ -709,7 +720,7 @@ def trace_joint(
     reach: dict[int, int] = {}  # Note [Custom backwards run on zeros]
 
     def joint(primals: list[Any], tangents: list[Any]) -> list[Any]:
-        with functionalized(), _unmaterialized() as unmaterialized:
+        with functionalized(), unmaterialized() as unmaterialized_ctxs:
             f_primals = [to_fun(p) for p in primals]
             f_tangents = [to_fun(t) for t in tangents]
             fw_outs = _forward_outputs(flat_fn, f_primals, meta, clone_mutated=True,
@@ -720,8 +731,8 @@ def trace_joint(
             before = _traced_nodes()
             outs_and_tangents = through_lone_views(fw_outs, f_tangents, differentiable, meta)
             with autocast_as(backward_autocast), \
-                    _custom_backwards_reached(outs_and_tangents[0], len(tangents),
-                                              unmaterialized) as found:
+                    custom_backwards_reached(outs_and_tangents[0], len(tangents),
+                                             unmaterialized_ctxs, _GUARD.get()) as found:
                 grads = _grads(*outs_and_tangents, f_primals, wrt)
             reach.update(found)
             written = {i: from_fun(p) for i, p in enumerate(f_primals) if _writes(p) != writes[i]}
@@ -740,7 +751,7 @@ def trace_joint(
             node.meta["custom_backward"] = reach[custom]
     _split_token_chains(gm)
     _tag_sides(gm, len(primals))
-    _name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
+    name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
     placeholders = gm.graph.find_nodes(op="placeholder")
     for i in meta.mutated_inputs:  # Note [Saving inputs the function mutates]
         placeholders[i].meta["mutated_input"] = True
@@ -783,171 +794,10 @@ def _writes(p: Any) -> int:
     return torch._functionalize_mutation_counter(p.elem) if isinstance(p, FunctionalTensor) else 0
 
 
-@contextlib.contextmanager
-def _unmaterialized() -> Iterator[list[Any]]:
-    """The custom Functions' contexts ``ctx.set_materialize_grads(False)`` is called on
-    meanwhile (the setting cannot be read back)."""
-    off: list[Any] = []
-    cls = torch.autograd.function.FunctionCtx
-    original = cls.set_materialize_grads
-
-    def recorded(ctx: Any, value: bool) -> None:
-        if not value:
-            off.append(ctx)
-        original(ctx, value)
-
-    cls.set_materialize_grads = recorded  # type: ignore[method-assign]
-    try:
-        yield off
-    finally:
-        cls.set_materialize_grads = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized: list[Any]
-                              ) -> Iterator[dict[int, int]]:
-    """While the backward is traced: per custom autograd.Function node it runs, by id, a bit
-    mask of the tangents its incoming gradients depend on (Note [Custom backwards run on
-    zeros]); not for those in ``unmaterialized``, whose backward eager gives None."""
-    reach: dict[int, int] = {}
-    mode, guard = get_proxy_mode(), _GUARD.get()
-    if mode is None or guard is None:
-        yield reach
-        return
-    graph = mode.tracer.graph
-    tangents = list(graph.find_nodes(op="placeholder"))[-num_tangents:] if num_tangents else []
-    masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(tangents)}
-
-    def reached(node: Any, grads: tuple[Any, ...]) -> None:
-        if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros
-            return
-        found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
-                 for g in grads if isinstance(g, FunctionalTensor)]
-        reach[id(node)] = functools.reduce(operator.or_, (
-            _tangent_mask(p.proxy.node, masks) for p in found if p is not None), 0)
-        guard.custom_backward = id(node)
-
-    def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
-        guard.custom_backward = None
-
-    nodes = _custom_nodes(outs)  # held: their ids are not reused meanwhile
-    handles = [h for node in nodes for h in (
-        node.register_prehook(functools.partial(reached, node)), node.register_hook(ran))]
-    try:
-        yield reach
-    finally:
-        guard.custom_backward = None
-        for handle in handles:
-            handle.remove()
-
-
-def _tag_custom_backward(custom: int, last: fx.Node | None) -> None:
-    """Tag the nodes an op of custom backward ``custom`` recorded after ``last``."""
-    node = _last_traced_node()
-    while node is not None and node is not last and node.op != "root":
-        node.meta["custom_backward"] = custom
-        node = node.prev
-
-
-def _custom_nodes(outs: list[Any]) -> list[Any]:
-    """The custom autograd.Function nodes behind ``outs``."""
-    seen: set[int] = set()
-    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    found = []
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            found.append(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
-def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int]) -> int:
-    """The tangents traced node ``node`` depends on, as a bit mask; ``masks`` is the memo."""
-    todo = [node]
-    while todo:
-        last = todo[-1]
-        if last in masks:
-            todo.pop()
-            continue
-        unknown = [a for a in last.all_input_nodes if a not in masks]
-        if unknown:
-            todo.extend(unknown)
-            continue
-        masks[last] = functools.reduce(operator.or_, (masks[a] for a in last.all_input_nodes), 0)
-        todo.pop()
-    return masks[node]
-
-
-# Note [Checks of well-defined losses]
-# Some of PyTorch's backward formulas check, on the data, that the loss is well defined (complex
-# SVD: that it does not depend on the singular vectors' phases) and raise otherwise. A trace has
-# no data: the check is taken as passed, as PyTorch's AOT autograd's trace of linalg.eig's does,
-# where eager raises for an ill-defined loss (README).
-_ALLCLOSE = torch.ops.aten.allclose.default
-
-
-def _formula_running() -> bool:
-    """Whether the autograd engine is running one of PyTorch's backward formulas."""
-    node = torch._C._current_autograd_node()
-    return node is not None and not isinstance(node, torch.autograd.function.BackwardCFunction)
-
-
-def _last_traced_node() -> fx.Node | None:
-    """The node make_fx recorded last in the graph it is tracing, if it traces."""
-    mode = get_proxy_mode()
-    return next(iter(reversed(mode.tracer.graph.nodes)), None) if mode is not None else None
-
-
 def _traced_nodes() -> set[fx.Node]:
     """The nodes make_fx has recorded so far in the graph it is tracing."""
     mode = get_proxy_mode()
     return set(mode.tracer.graph.nodes) if mode is not None else set()
-
-
-# Note [Tangents of data-dependent sizes]
-# A tangent is shaped like the metadata pass's output: a size read from data there is that pass's
-# unbacked symbol (u1), while the joint's forward makes its own (u2), see
-# _discarding_unbacked_symbols. Where the size is the symbol itself (``nonzero``'s count) the
-# backward binds it from the tangent; where it is an expression (``cat`` of a ``masked_select``
-# and 5 elements: u1 + 5) nothing binds u1, and Inductor's code for the backward fails. The two
-# sizes are one value, so the ShapeEnv is told u1 is u2, which the forward binds and saves
-# (Note [Binding symbols in the backward]); several symbols pair by creation order.
-def _name_tangent_sizes_after_outputs(gm: fx.GraphModule, num_tangents: int,
-                                      differentiable: list[bool]) -> None:
-    if num_tangents == 0:
-        return
-    tangents = gm.graph.find_nodes(op="placeholder")[-num_tangents:]
-    outputs = gm.graph.output_node().args[0]
-    fw_outs = [o for o, d in zip(outputs, differentiable, strict=False) if d]
-    for tangent, out in zip(tangents, fw_outs, strict=True):
-        t_val, o_val = tangent.meta.get("val"), getattr(out, "meta", {}).get("val")
-        if not (isinstance(t_val, FakeTensor) and isinstance(o_val, torch.Tensor)):
-            continue
-        shape_env = t_val.fake_mode.shape_env
-        for t_size, o_size in zip(t_val.shape, o_val.shape, strict=True):
-            if isinstance(t_size, torch.SymInt) and isinstance(o_size, torch.SymInt):
-                _rename_if_same_but_symbol(shape_env, t_size.node.expr, o_size.node.expr)
-
-
-def _rename_if_same_but_symbol(shape_env: Any, t_expr: Any, o_expr: Any) -> None:
-    """Both passes make their data-dependent sizes in the same order (the same ops run), so the
-    metadata pass's symbols pair with the forward's by creation order (u0, u1 -> u2, u3)."""
-    only_t = sorted(free_unbacked_symbols(t_expr) - free_unbacked_symbols(o_expr), key=_made)
-    only_o = sorted(free_unbacked_symbols(o_expr) - free_unbacked_symbols(t_expr), key=_made)
-    renames = dict(zip(only_t, only_o, strict=False))
-    if only_t and len(only_t) == len(only_o) and t_expr.xreplace(renames) == o_expr:
-        for old, new in renames.items():
-            rename_unbacked_symbol(shape_env, old, new)
-
-
-def _made(symbol: Any) -> int:
-    """Creation index of an unbacked symbol (u12 -> 12; the equality check guards the rest)."""
-    digits = symbol.name.lstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(digits) if digits.isdigit() else -1
 
 
 # Note [Autocast around backward]

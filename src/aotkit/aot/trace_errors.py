@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
+from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
 
 from aotkit.aot.frames import AOTKIT_DIR, user_frame
 from aotkit.compat import data_dependent_errors, is_nested_compile_refusal
@@ -29,6 +30,14 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
     a ShapeEnv, ``symbolic``: one with symbolic sizes, ``from_dynamo``: a graph from Dynamo."""
     if isinstance(exc, data_dependent_errors()):
         return data_dependent(what, exc, static=static, from_dynamo=from_dynamo)
+    if isinstance(exc, PendingUnbackedSymbolNotFound):  # x[mask, idx]: a count meets an index
+        return TraceError(
+            f"{what} could not be traced with symbolic sizes: an op makes a size from tensor "
+            f"data that none of its results carries ({first_line(exc)}), which PyTorch's "
+            f"tracing cannot hold (a boolean mask indexing beside a tensor index: x[mask, idx]).\n"
+            f"  at {user_frame(exc)}\nFix: index in two steps (x[mask][:, idx]), move the op "
+            "out of the compiled function, or use torch.compile(fn, backend=\"aotkit\"), which "
+            "runs it eagerly between graphs.")
     if isinstance(exc, AttributeError) and str(exc).startswith(_TRACED_TENSORS):
         return UnsupportedError(
             f"{what} reads a Python attribute of a tensor argument ({exc}, at "

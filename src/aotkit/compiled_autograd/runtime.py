@@ -450,6 +450,7 @@ class _Removals:
         self.totals = Counter(map(id, hooks))  # id(hook) -> its calls in this backward
         self.calls: Counter[int] = Counter()  # id(hook) -> calls made or skipped so far
         self.skip: Counter[int] = Counter()   # id(hook) -> calls still to skip
+        self.pending: Counter[int] = Counter()  # id(hook) -> registrations removed, undecided
         # the hook tables of the leaves the graph accumulates into
         self.leaf_tables = [table for t in leaves
                             for table in (t._backward_hooks, t._post_accumulate_grad_hooks)
@@ -458,6 +459,8 @@ class _Removals:
     def runs(self, hook: Callable[..., Any]) -> bool:
         """Count a call of ``hook``; whether it is to be made."""
         key = id(hook)
+        if self.pending and 0 < self.pending[key] < self.totals[key]:
+            raise _which_removed(hook, self.totals[key])
         self.calls[key] += 1
         if self.skip[key]:
             self.skip[key] -= 1
@@ -481,15 +484,21 @@ class _Removals:
                                       for t in self.leaf_tables)
         elif len(in_table) == total:  # all in this table, called in its order
             self.skip[key] += in_table.index(handle_id) >= done
-        else:
-            raise UnsupportedError(
-                f"compiled autograd: a hook removed during the backward ({_hook_name(hook)!r}) is one "
-                f"function registered {total} times in this backward on different tensors or "
-                "nodes, and calls of it are still to come; the compiled graph cannot tell "
-                "which registration was removed.\nFix: register a distinct function on each "
-                "tensor (a closure or functools.partial), or run this backward under "
-                "aotkit.compiled_autograd.disable()."
-            )
+        else:  # decided once all are removed (a multi-grad hook's handle), else refused
+            self.pending[key] += 1
+            if self.pending[key] == total:
+                self.skip[key] = total - self.calls[key]
+
+
+def _which_removed(hook: Callable[..., Any], total: int) -> UnsupportedError:
+    return UnsupportedError(
+        f"compiled autograd: a hook removed during the backward ({_hook_name(hook)!r}) is one "
+        f"function registered {total} times in this backward on different tensors or nodes, "
+        "and calls of it are still to come; the compiled graph cannot tell which "
+        "registration was removed.\nFix: register a distinct function on each tensor (a "
+        "closure or functools.partial), or run this backward under "
+        "aotkit.compiled_autograd.disable()."
+    )
 
 
 _original_remove = RemovableHandle.remove

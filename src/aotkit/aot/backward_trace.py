@@ -1,0 +1,151 @@
+"""What the trace of a backward notes about the formulas the autograd engine runs in it: the
+ops each custom autograd.Function's backward records, with the tangents its incoming gradients
+depend on (Note [Custom backwards run on zeros] in aotkit.aot.simplify), and the checks of
+PyTorch's formulas a trace cannot answer (Note [Checks of well-defined losses])."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+from aotkit.compat import FunctionalTensor
+
+
+@contextlib.contextmanager
+def unmaterialized() -> Iterator[list[Any]]:
+    """The custom Functions' contexts ``ctx.set_materialize_grads(False)`` is called on
+    meanwhile (the setting cannot be read back)."""
+    off: list[Any] = []
+    cls = torch.autograd.function.FunctionCtx
+    original = cls.set_materialize_grads
+
+    def recorded(ctx: Any, value: bool) -> None:
+        if not value:
+            off.append(ctx)
+        original(ctx, value)
+
+    cls.set_materialize_grads = recorded  # type: ignore[method-assign]
+    try:
+        yield off
+    finally:
+        cls.set_materialize_grads = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized: list[Any],
+                             guard: Any) -> Iterator[dict[int, int]]:
+    """While the backward is traced: per custom autograd.Function node it runs, by id, a bit
+    mask of the tangents its incoming gradients depend on (Note [Custom backwards run on
+    zeros]); not for those in ``unmaterialized``, whose backward eager gives None. Sets
+    ``guard.custom_backward`` to the running one's id, whose ops the guard tags."""
+    reach: dict[int, int] = {}
+    mode = get_proxy_mode()
+    if mode is None or guard is None:
+        yield reach
+        return
+    graph = mode.tracer.graph
+    tangents = list(graph.find_nodes(op="placeholder"))[-num_tangents:] if num_tangents else []
+    masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(tangents)}
+
+    def reached(node: Any, grads: tuple[Any, ...]) -> None:
+        if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros
+            return
+        found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
+                 for g in grads if isinstance(g, FunctionalTensor)]
+        reach[id(node)] = functools.reduce(operator.or_, (
+            _tangent_mask(p.proxy.node, masks) for p in found if p is not None), 0)
+        guard.custom_backward = id(node)
+
+    def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
+        guard.custom_backward = None
+
+    nodes = _custom_nodes(outs)  # held: their ids are not reused meanwhile
+    handles = [h for node in nodes for h in (
+        node.register_prehook(functools.partial(reached, node)), node.register_hook(ran))]
+    try:
+        yield reach
+    finally:
+        guard.custom_backward = None
+        for handle in handles:
+            handle.remove()
+
+
+def tag_custom_backward(custom: int, last: fx.Node | None) -> None:
+    """Tag the nodes an op of custom backward ``custom`` recorded after ``last``."""
+    node = last_traced_node()
+    while node is not None and node is not last and node.op != "root":
+        node.meta["custom_backward"] = custom
+        node = node.prev
+
+
+def _custom_nodes(outs: list[Any]) -> list[Any]:
+    """The custom autograd.Function nodes behind ``outs``."""
+    seen: set[int] = set()
+    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    found = []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int]) -> int:
+    """The tangents traced node ``node`` depends on, as a bit mask; ``masks`` is the memo."""
+    todo = [node]
+    while todo:
+        last = todo[-1]
+        if last in masks:
+            todo.pop()
+            continue
+        unknown = [a for a in last.all_input_nodes if a not in masks]
+        if unknown:
+            todo.extend(unknown)
+            continue
+        masks[last] = functools.reduce(operator.or_, (masks[a] for a in last.all_input_nodes), 0)
+        todo.pop()
+    return masks[node]
+
+
+# Note [Checks of well-defined losses]
+# Some of PyTorch's backward formulas check, on the data, that the loss is well defined (complex
+# SVD: that it does not depend on the singular vectors' phases) and raise otherwise. A trace has
+# no data: the check is taken as passed, as PyTorch's AOT autograd's trace of linalg.eig's does,
+# where eager raises for an ill-defined loss (README). Only where the formula itself asks: a
+# hook the engine runs for that node (``torch.allclose(g, 0)`` in a tensor hook) is the user's
+# Python, called from no frame of the engine's caller, and is refused as before.
+ALLCLOSE = torch.ops.aten.allclose.default
+_PASSED_THROUGH = ("torch/_dynamo/eval_frame.py", "torch/_compile.py", "torch/_ops.py",
+                   "torch/utils/_python_dispatch.py", "/aotkit/")
+
+
+def formula_running() -> bool:
+    """Whether the autograd engine is running one of PyTorch's backward formulas (C++: the
+    nearest Python frame is the engine's caller's)."""
+    node = torch._C._current_autograd_node()
+    if node is None or isinstance(node, torch.autograd.function.BackwardCFunction):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and any(
+            part in frame.f_code.co_filename.replace(os.sep, "/") for part in _PASSED_THROUGH):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_engine_run_backward"
+
+
+def last_traced_node() -> fx.Node | None:
+    """The node make_fx recorded last in the graph it is tracing, if it traces."""
+    mode = get_proxy_mode()
+    return next(iter(reversed(mode.tracer.graph.nodes)), None) if mode is not None else None
