@@ -568,3 +568,24 @@ def test_a_dynamo_reset_inside_enable_keeps_capturing() -> None:
     assert counts() == (2, 2)  # once before the reset, once after
     (decision,) = aotkit.explain().of_kind("cache_clear")
     assert "torch._dynamo.reset()" in decision.why
+
+
+def _expanded_grad_backward() -> list[str]:
+    """An earlier backward of other sizes, then one whose leaf's .grad is expanded: eager's own
+    in-place accumulation into it fails."""
+    w0 = torch.randn(2, 5, requires_grad=True)
+    w0.grad = torch.zeros(2, 5)
+    (w0 * 2).sum().backward()
+    w = torch.randn(4, 3, requires_grad=True)
+    w.grad = torch.zeros(3).expand(4, 3)
+    with pytest.raises(RuntimeError) as info:
+        (w * 2).sum().backward()
+    return [type(info.value).__name__, str(info.value)]
+
+
+def test_an_error_eager_raises_too_is_not_blamed_on_a_replay_for_new_sizes() -> None:
+    """A replay for other sizes failing for the user's own reason (an expanded .grad) was
+    reported as a formula whose structure depends on a size, with an unrelated fix."""
+    want = _expanded_grad_backward()
+    with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
+        assert _expanded_grad_backward() == want

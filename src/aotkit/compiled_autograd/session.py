@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +27,11 @@ CREATE_GRAPH_MESSAGE = (
     "Workaround: run this backward under aotkit.compiled_autograd.disable(), or compute "
     "higher-order gradients with torch.autograd.grad outside the enable() block."
 )
+
+
+# A formula replayed for a size that decides its structure fails on sizes (Note in
+# CompiledBackward._structure_changed); other errors of a replay are eager's too.
+_SIZES = re.compile(r"size|shape|dimension|split|expand|numel|broadcast|view|match", re.I)
 
 
 @dataclass
@@ -376,7 +382,8 @@ class CompiledBackward:
                                       packed_data, self.accumulated)
         except RuntimeError as exc:
             changed = changed_value(example, self.captured_for, made="captured")
-            if changed is None or isinstance(exc, AotkitError) or runtime.raised_by_user(exc):
+            if changed is None or isinstance(exc, AotkitError) or runtime.raised_by_user(exc) \
+                    or not _SIZES.search(str(exc)):  # eager's own (a write into an expanded .grad)
                 raise  # ours already say what failed; the user's are theirs
             raise self._structure_changed(changed, exc, active()) from exc
 
