@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.analysis import AotMeta
-from aotkit.aot.ops import bytes_spanned, may_overlap
+from aotkit.aot.ops import any_shared, bytes_spanned
 from aotkit.aot.trace import FlatFn
 from aotkit.errors import UnsupportedError
 
@@ -132,13 +132,17 @@ def _any_overlap(args: Sequence[Any], members: list[int],
                  matters: Callable[[int, int], bool]) -> bool:
     """Whether two of ``args`` at ``members`` (of one storage) for which ``matters`` share an
     element. Swept by the bytes they span: the many disjoint views of one flat buffer (a
-    flat-parameter optimizer's) are not compared pair by pair at every call."""
-    spanning: list[tuple[int, int]] = []  # (end, member) of those begun before, not ended
-    for (start, end), i in sorted((bytes_spanned(args[i]), i) for i in members):
-        spanning = [(e, j) for e, j in spanning if e > start]
-        if any(matters(i, j) and may_overlap(args[j], args[i]) for _, j in spanning):
+    flat-parameter optimizer's) are not compared pair by pair at every call, and the runs of
+    those whose spans intersect (interleaved columns) are compared element by element at once."""
+    run: list[int] = []
+    reach = -1
+    for (start, end), i in [*sorted((bytes_spanned(args[i]), i) for i in members),
+                            ((float("inf"), 0), -1)]:
+        if start >= reach and len(run) > 1 and any_shared(
+                [args[k] for k in run], lambda a, b, run=run: matters(run[a], run[b])):
             return True
-        spanning.append((end, i))
+        run = [*run, i] if start < reach else [i]
+        reach = max(reach, end) if len(run) > 1 else end
     return False
 
 

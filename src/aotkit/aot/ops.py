@@ -108,13 +108,41 @@ def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
 def _share_elements(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two strided layouts in one storage (same element size) address a common element;
     computed once per pair of layouts."""
-    offsets = []
-    for size, stride, offset in (a, b):
-        index = torch.zeros((), dtype=torch.long)
-        for n, st in zip(size, stride, strict=True):
-            index = index.unsqueeze(-1) + torch.arange(n) * st
-        offsets.append(index.flatten() + offset)
-    return bool(torch.isin(offsets[0], offsets[1]).any())
+    return bool(torch.isin(_offsets(a), _offsets(b)).any())
+
+
+def _offsets(geometry: tuple[Any, ...]) -> torch.Tensor:
+    """The storage offsets of a strided layout's elements, flat."""
+    size, stride, offset = geometry
+    index = torch.zeros((), dtype=torch.long)
+    for n, st in zip(size, stride, strict=True):
+        index = index.unsqueeze(-1) + torch.arange(n) * st
+    return index.flatten() + offset
+
+
+def any_shared(tensors: Sequence[torch.Tensor], matters: Callable[[int, int], bool]) -> bool:
+    """Whether two of ``tensors`` (of one storage, not empty) for which ``matters`` (of their
+    positions) share an element. All at once, element by element, where they have one element
+    size and at most ``_EXACT_LIMIT`` elements each (N interleaved columns: not N^2 pairs),
+    else pair by pair as :func:`may_overlap`."""
+    if len({t.element_size() for t in tensors}) > 1 or any(
+            t.numel() > _EXACT_LIMIT for t in tensors):
+        return any(matters(i, j) and may_overlap(a, b) for i, a in enumerate(tensors)
+                   for j, b in enumerate(tensors) if i < j)
+    flat = torch.cat([_offsets(_geometry(t)) for t in tensors])
+    owners = torch.cat([torch.full((t.numel(),), k) for k, t in enumerate(tensors)])
+    flat, order = torch.sort(flat, stable=True)
+    owners = owners[order]
+    shared = (flat[1:] == flat[:-1]) & (owners[1:] != owners[:-1])
+    keep = torch.isin(flat, flat[1:][shared])
+    last, seen = None, set()
+    for value, owner in zip(flat[keep].tolist(), owners[keep].tolist(), strict=True):
+        if value != last:
+            last, seen = value, set()
+        if any(matters(other, owner) for other in seen if other != owner):
+            return True
+        seen.add(owner)
+    return False
 
 
 # Note [Foreach writes to shared memory]
