@@ -1853,3 +1853,66 @@ def test_entries_of_a_freed_hook_are_dropped() -> None:
         handle.remove()
         del clamped, handle
     assert compiled.num_entries <= 2
+
+
+def test_a_module_argument_freed_before_a_backward_traced_again_is_still_there() -> None:
+    """A frozen module argument dropped by the caller after the forward, then backward() under
+    autocast (traced again): the function's constants held it weakly, and an internal
+    AssertionError came out of backward()."""
+    def f(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).relu().sum()
+
+    compiled, grads = aotkit.aot_function(f, compilers.nop), []
+    for fn in (f, compiled):
+        torch.manual_seed(0)
+        m, x = torch.nn.Linear(4, 4).requires_grad_(False), torch.randn(3, 4, requires_grad=True)
+        loss = fn(m, x)
+        del m
+        gc.collect()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_a_hook_registered_again_with_kwargs_traces_again() -> None:
+    """The same hook object registered again with ``with_kwargs=True`` is called with the
+    keyword arguments too: compared as objects only, the old graph ran on."""
+    m = torch.nn.Linear(4, 2).requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: m(x), compilers.nop), torch.randn(3, 4)
+
+    def hook(module: Any, *args: Any) -> torch.Tensor:
+        return args[-1] * len(args)
+
+    handle = m.register_forward_hook(hook)
+    torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
+    handle.remove()
+    m.register_forward_hook(hook, with_kwargs=True)
+    torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
+
+
+class _OddDict:
+    """A closed-over object whose ``__dict__`` is a property of its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        object.__setattr__(self, "model", model)
+
+    @property
+    def __dict__(self) -> list[Any]:  # type: ignore[override]
+        return []
+
+
+def test_hooks_of_a_module_never_called_do_not_count() -> None:
+    """``aot_function(model.forward)`` never runs the model's own hooks: one added and removed
+    at every step (a new partial each time) traced again at every step, up to the recompile
+    limit. And a closed-over object with an odd ``__dict__`` raised a raw AttributeError."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
+    compiled, x = aotkit.aot_function(model.forward, compilers.nop), torch.randn(2, 4)
+    for step in range(2 * aotkit.config.recompile_limit):
+        handle = model.register_forward_pre_hook(functools.partial(lambda s, m, a: None, step))
+        torch.testing.assert_close(compiled(x), model.forward(x), rtol=0, atol=0)
+        handle.remove()
+    assert not aotkit.explain().of_kind("recompile")
+    odd = _OddDict(model)
+    closed = aotkit.aot_function(lambda x: odd.model(x) * 2, compilers.nop)
+    torch.testing.assert_close(closed(x), model(x) * 2, rtol=0, atol=0)

@@ -708,6 +708,101 @@ def test_a_custom_backward_without_materialized_gradients_is_a_formula():
     torch.testing.assert_close(grads[1][0], grads[0][0])
 
 
+class _Act(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (ctx.saved_tensors[0] > 0)
+
+
+class _SyntheticMSE(torch.autograd.Function):
+    """A loss whose backward ignores its incoming gradient (it assumes it is the root)."""
+
+    @staticmethod
+    def forward(ctx, pred, target):
+        ctx.save_for_backward(pred, target)
+        return ((pred - target) ** 2).mean()
+
+    @staticmethod
+    def backward(ctx, g):
+        pred, target = ctx.saved_tensors
+        return 2 * (pred - target) / pred.numel(), None
+
+
+class _Regularized(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 0.1 * ctx.saved_tensors[0]
+
+
+def _synthetic_loss(x, w):
+    h = _Act.apply(x @ w)
+    return _SyntheticMSE.apply(h, torch.ones_like(h)), F.layer_norm(h, (5,)).exp().sum()
+
+
+def _custom_behind_custom(x, w):
+    # u's gradient from b's alone: zeros with b unused, which eager hands to _Regularized
+    return _custom(lambda u, w, ga, gb: (gb * 2, ga * w)).apply(_Regularized.apply(x), w)
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+@pytest.mark.parametrize("fn", [_synthetic_loss, _custom_behind_custom],
+                         ids=["synthetic_loss_behind_a_custom", "custom_behind_a_custom_on_zeros"])
+def test_custom_backwards_run_when_what_reaches_them_is_made_from_nothing(fn, partition):
+    """Note [Custom backwards run on zeros]: a gradient made from no tangent (a synthetic
+    loss's) or by a custom backward run on zeros reaches the custom backward behind it, which
+    eager runs: it was dropped (None)."""
+    grads = []
+    partition_fn = aotkit.min_cut_rematerialization_partition if partition == "min_cut" \
+        else aotkit.default_partition
+    for f in (fn, aotkit.aot_function(fn, compilers.nop, partition_fn=partition_fn)):
+        torch.manual_seed(0)
+        x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+        if fn is _custom_behind_custom:
+            x, w = torch.randn(2, 3, requires_grad=True), torch.ones(2, 3, requires_grad=True)
+        f(x, w)[0].sum().backward()
+        grads.append((x.grad, w.grad))
+    assert [g is None for g in grads[1]] == [g is None for g in grads[0]]
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+class _SinCos(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin(), x.cos()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        x, = ctx.saved_tensors
+        return ga * x.cos() - gb * x.sin()
+
+
+@pytest.mark.parametrize("fn", [
+    pytest.param(lambda x: (x * 2, (x * 2).exp()), id="tangent_in_a_sum"),
+    pytest.param(lambda x: (_SinCos.apply(x)[0], _SinCos.apply(x)[1].relu()), id="custom"),
+])
+def test_backward_variants_compile_with_inductor(fn):
+    """The variant's copies and zeros were ops Inductor compiles only decomposed (_to_copy,
+    zeros_like): a CompilerError for any backward that left an output unused."""
+    torch._dynamo.reset()
+    grads = []
+    for f in (fn, torch.compile(fn, backend="aotkit_inductor")):
+        x = torch.linspace(-1, 1, 6, requires_grad=True)
+        f(x)[0].sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_a_gradient_made_from_a_missing_one_is_not_an_inputs_memory():
     """``x + gb`` with gb missing became x itself, the input: autograd.grad returned the
     parameter as its own gradient (requires_grad, ``g is w``), and scaling the gradient in

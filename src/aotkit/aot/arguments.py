@@ -343,7 +343,8 @@ def flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int]
     in as constants, and the leaf at each key of ``copies`` is the one at its value (Note [One
     tensor passed twice]). The call's tensors are not kept: a lazy backward trace would
     otherwise hold a first batch alive as long as the compiled function; nor are its modules
-    (a teacher passed per fold), whose entries are dropped once they are freed."""
+    (a teacher passed per fold), whose entries are dropped once they are freed: each call's
+    autograd graph holds them for a backward traced again (under autocast; hold_with_graph)."""
     copies = copies or {}
     template = list(leaves)
     for i in [*positions, *copies]:
@@ -371,3 +372,11 @@ def flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int]
         return flat, out_spec
 
     return flat_fn
+
+
+def hold_with_graph(outs: Sequence[Any], objects: list[Any]) -> None:
+    """Keep ``objects`` (a call's module arguments) alive as long as the autograd graph behind
+    ``outs``: flat_user_fn holds them weakly, and a backward may trace the function again."""
+    for out in outs:
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            out.grad_fn.metadata["aotkit_held"] = objects

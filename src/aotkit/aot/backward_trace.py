@@ -56,17 +56,23 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
     tangents = list(graph.find_nodes(op="placeholder"))[-num_tangents:] if num_tangents else []
     masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(tangents)}
 
+    running: list[int | None] = []  # the custom backwards a nested backward interrupted
+
     def reached(node: Any, grads: tuple[Any, ...]) -> None:
         if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros
             return
         found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
                  for g in grads if isinstance(g, FunctionalTensor)]
-        reach[id(node)] = functools.reduce(operator.or_, (
-            _tangent_mask(p.proxy.node, masks) for p in found if p is not None), 0)
+        incoming = [_tangent_mask(p.proxy.node, masks, reach) for p in found if p is not None]
+        # A gradient made from no tangent (a synthetic one upstream, Inductor's zeros for a
+        # round's) is one eager computes whatever is missing: it always runs then.
+        reach[id(node)] = ALWAYS if not incoming or 0 in incoming else \
+            functools.reduce(operator.or_, incoming)
+        running.append(guard.custom_backward)
         guard.custom_backward = id(node)
 
     def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
-        guard.custom_backward = None
+        guard.custom_backward = running.pop() if running else None
 
     nodes = _custom_nodes(outs)  # held: their ids are not reused meanwhile
     handles = [h for node in nodes for h in (
@@ -103,12 +109,22 @@ def _custom_nodes(outs: list[Any]) -> list[Any]:
     return found
 
 
-def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int]) -> int:
-    """The tangents traced node ``node`` depends on, as a bit mask; ``masks`` is the memo."""
+#: The mask of a custom backward that runs whichever tangents are missing.
+ALWAYS = -1
+
+
+def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int], reach: dict[int, int]) -> int:
+    """The tangents whose presence makes traced node ``node`` a value eager computes, as a bit
+    mask (``masks`` is the memo): those it depends on, or, made by a custom backward, those
+    that make that one run (on zeros for the rest)."""
     todo = [node]
     while todo:
         last = todo[-1]
         if last in masks:
+            todo.pop()
+            continue
+        if (custom := last.meta.get("custom_backward")) in reach:
+            masks[last] = reach[custom]
             todo.pop()
             continue
         unknown = [a for a in last.all_input_nodes if a not in masks]

@@ -43,13 +43,22 @@ def same_objects(refs: tuple[Callable[[], Any], ...], objs: Iterable[Any]) -> bo
 
 def hooks_of(m: nn.Module) -> list[Any]:
     """``m``'s own hooks, each table's followed by a None, and its instance forward: the hook
-    objects, not their handles' ids (pruning again re-registers the same hook under a new id)."""
+    objects, not their handles' ids (pruning again re-registers the same hook under a new id);
+    a forward (pre-)hook registered ``with_kwargs`` followed by a marker (it is called so)."""
     found: list[Any] = []
-    for table in hook_tables(m):
-        found += table.values()
+    d = m.__dict__
+    kwargs = (d.get("_forward_pre_hooks_with_kwargs", {}), d.get("_forward_hooks_with_kwargs", {}))
+    for k, table in enumerate(hook_tables(m)):
+        for key, hook in table.items():
+            found.append(hook)
+            if k < 2 and key in kwargs[k]:
+                found.append(_WITH_KWARGS)
         found.append(None)
-    found.append(m.__dict__.get("forward"))
+    found.append(d.get("forward"))
     return found if len(found) > 5 or found[-1] is not None else []
+
+
+_WITH_KWARGS = object()
 
 
 # Note [Hooks seen by counts]

@@ -91,15 +91,16 @@ class _Flag:
     hooks: tuple[Callable[[], Any], ...]
     num_hooks: int  # Note [Hooks seen by counts]
     by_id: bool
+    called: bool  # its hooks and instance forward matter: the function called it
     children: tuple[Any, ...] = ()
     refs: tuple[Any, ...] = ()  # the class's reference first, then the children's
 
 
-def _flag(m: nn.Module, training: bool | None) -> _Flag:
+def _flag(m: nn.Module, training: bool | None, called: bool) -> _Flag:
     children = list(m._modules.values())
     by_id = any(c is not None and type(c).__eq__ is not object.__eq__ for c in children)
-    flag = _Flag(weakref.ref(m), id(m.__class__), training, refs(hooks_of(m)),
-                 num_hooks(m.__dict__), by_id)
+    flag = _Flag(weakref.ref(m), id(m.__class__), training, refs(hooks_of(m) if called else ()),
+                 num_hooks(m.__dict__), by_id, called)
 
     def freed(_: Any) -> None:
         flag.cls = 0
@@ -155,7 +156,8 @@ class Reads:
 
     def hold(self) -> bool:
         """Whether the graph is still what a trace would give."""
-        fast = RemovableHandle.next_id == self.handles_seen  # Note [Hooks seen by counts]
+        handles = RemovableHandle.next_id  # before the comparisons: one may race with it
+        fast = handles == self.handles_seen  # Note [Hooks seen by counts]
         for flag in self.flags:  # one __dict__ lookup per module: this runs at every call
             m = flag.module()
             if m is None:
@@ -171,14 +173,15 @@ class Reads:
                     return False  # compared to proxies or ids: see _Flag
             except Exception:  # a new child's own ``==`` raised (it reads what others lack)
                 return False
-            if (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"] or "forward" in d
-                    or d["_backward_pre_hooks"] or d["_backward_hooks"]) and not (
+            if flag.called and (flag.hooks or d["_forward_pre_hooks"] or d["_forward_hooks"]
+                                or "forward" in d or d["_backward_pre_hooks"]
+                                or d["_backward_hooks"]) and not (
                         fast and flag.num_hooks == num_hooks(d) >= 0) \
                     and not same_objects(flag.hooks, hooks_of(m)):
                 return False
         if self.flags and global_hook_ids() != self.global_hooks:
             return False
-        self.handles_seen = RemovableHandle.next_id
+        self.handles_seen = handles
         return all(slot.table.get(slot.name) is slot.tensor for slot in self.slots) \
             and not any(t.requires_grad for t in self.constants) and self._same_layouts()
 
@@ -219,7 +222,7 @@ class Reads:
                                f"{flag.training} -> {m.training}")
             if not _same_children(flag, m):
                 changes.append(f"the submodules of {called} were replaced, added or removed")
-            if not same_objects(flag.hooks, hooks_of(m)):
+            if flag.called and not same_objects(flag.hooks, hooks_of(m)):
                 changes.append(f"the hooks or the instance forward of {called} changed")
         if self.flags and global_hook_ids() != self.global_hooks:
             changes.append("global module hooks (register_module_forward_hook) were added or "
@@ -371,7 +374,8 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         nn.Module.train = original_train  # type: ignore[method-assign]
         _put_back_tracing_tensors(held)
         # A module the function switches itself, or one it does not call, keeps no flag.
-        reads.flags = [_flag(m, m.training if i in called and i not in switched else None)
+        reads.flags = [_flag(m, m.training if i in called and i not in switched else None,
+                             i in called)
                        for i, m in _with_containers(called, roots)]
         reads.global_hooks = global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
@@ -424,9 +428,10 @@ def modules_held(values: Iterable[Any]) -> list[nn.Module]:
         elif not issubclass(type(v), type) and type(v) not in weakref.ProxyTypes:
             try:
                 attributes = object.__getattribute__(v, "__dict__")
-            except Exception:  # no __dict__, or one of its own making
+            except Exception:  # no __dict__
                 continue
-            found += [a for a in attributes.values() if issubclass(type(a), nn.Module)]
+            if type(attributes) is dict:  # not one of its own making
+                found += [a for a in attributes.values() if issubclass(type(a), nn.Module)]
     return [m for m in found if "_modules" in m.__dict__]  # not one whose __init__ never ran
 
 

@@ -209,11 +209,13 @@ def tangent_masks(gm: fx.GraphModule, num_tangents: int) -> list[int]:
     masks: dict[fx.Node, int] = {
         node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
     missing = sum(mask for node, mask in masks.items() if node.meta.get(ABSENT))
+    computed = 1 << num_tangents  # by a custom backward eager runs: never None
     for node in gm.graph.nodes:
         if node.op != "placeholder":
-            mask = missing if node.meta.get(ABSENT) else 0
+            made = node.meta.get(FROM_ZEROS)
+            mask = missing if node.meta.get(ABSENT) else computed if made else 0
             for arg in node.all_input_nodes:
-                if not (node.meta.get(FROM_ZEROS) and arg.meta.get(ABSENT)):
+                if not (made and arg.meta.get(ABSENT)):
                     mask |= masks.get(arg, 0)
             masks[node] = mask
     return [masks.get(g, 0) if isinstance(g, fx.Node) else 0

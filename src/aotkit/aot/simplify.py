@@ -261,7 +261,7 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # does, on zeros for the absent values it reads
 # (``ga + 1`` is 1, ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager): what it makes
 # from them counts as made from nothing when telling which inputs get None.
-_aten = torch.ops.aten
+_aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
                             _aten.matmul.default, _aten.mv.default, _aten.dot.default])
@@ -300,7 +300,7 @@ def _absent(node: fx.Node, absent: set[fx.Node]) -> bool:
         (node.target in _ABSENT_IF_ANY) or (tensors and tensors[0] in absent and (
             node.target in _ABSENT_IF_FIRST or _is_view(node)))
         or (node.target in _SUMS and len(node.args) == 2
-            and all(_nothing(t, absent) for t in node.args))
+            and all(t in absent for t in node.args))  # absent + zeros: zeros (a gradient)
         or (node.target in _SCATTERS and len(tensors) >= 2 and tensors[1] in absent
             and _nothing(node.args[0], absent))
         or (node.target is _aten.where.self
@@ -340,6 +340,9 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             _sum_of_present(node, absent)
     for node in absent:
         node.meta[ABSENT] = True
+    for node in reversed(gm.graph.nodes):  # a backward eager never runs draws nothing
+        if node in absent and node.op == "call_function" and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -348,15 +351,20 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
 def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:
     """Make custom backward op ``node`` read zeros for the absent values it reads, as eager's
     materialized ones (the missing tangents are passed as zeros already)."""
-    read = [a for a in node.all_input_nodes if a in absent]
-    for value in read:
-        if value.op != "placeholder":
-            with node.graph.inserting_before(node):
-                zeros = node.graph.call_function(_aten.zeros_like.default, (value,))
-            zeros.meta.update(val=value.meta.get("val"), **{FROM_ZEROS: True})
+    for value in [a for a in node.all_input_nodes if a in absent]:
+        if value.op != "placeholder" and isinstance(val := value.meta.get("val"), torch.Tensor):
+            graph = node.graph
+            with graph.inserting_before(node):  # full: lowered by Inductor too, unlike zeros_like
+                sizes = [graph.call_function(_aten.sym_size.int, (value, d))
+                         if isinstance(n, torch.SymInt) else n for d, n in enumerate(val.shape)]
+                for d, size in enumerate(sizes):
+                    if isinstance(size, fx.Node):
+                        size.meta.update(val=val.shape[d], **{FROM_ZEROS: True})
+                zeros = graph.call_function(_aten.full.default, (sizes, 0), {
+                    "dtype": val.dtype, "device": val.device})
+            zeros.meta.update(val=val.new_zeros(val.shape), **{FROM_ZEROS: True})
             node.replace_input_with(value, zeros)
-    if read:
-        node.meta[FROM_ZEROS] = True
+    node.meta[FROM_ZEROS] = True  # a value eager computes (Note [Custom backwards run on zeros])
 
 
 def _sum_of_present(node: fx.Node, absent: set[fx.Node]) -> None:
@@ -384,12 +392,12 @@ def _as_made_by(node: fx.Node, present: fx.Node) -> fx.Node | None:
         return present
     same_shape = known_equal(out.shape, val.shape)
     graph = node.graph
-    with graph.inserting_before(node):
+    with graph.inserting_before(node):  # ops Inductor lowers: the graph may be decomposed
         if same_shape and known_equal(out.stride(), val.stride()):  # preserve_format keeps them
-            copy = graph.call_function(_aten._to_copy.default, (present,), {"dtype": out.dtype})
+            copy = graph.call_function(_aten.clone.default, (present,))
         elif same_shape and known_equal(out.stride(), make_contiguous_strides_for(out.shape)):
-            copy = graph.call_function(_aten._to_copy.default, (present,), {
-                "dtype": out.dtype, "memory_format": torch.contiguous_format})
+            copy = graph.call_function(_aten.clone.default, (present,), {
+                "memory_format": torch.contiguous_format})
         elif not free_symbols((out.shape, out.stride())):
             empty = graph.call_function(_aten.empty_strided.default, (
                 list(out.shape), list(out.stride())), {"dtype": out.dtype, "device": out.device})
@@ -397,6 +405,9 @@ def _as_made_by(node: fx.Node, present: fx.Node) -> fx.Node | None:
             copy = graph.call_function(_aten.copy.default, (empty, present))
         else:
             return None
+        if val.dtype != out.dtype and copy.target is _aten.clone.default:
+            copy.meta["val"] = out.to(val.dtype)
+            copy = graph.call_function(_prims.convert_element_type.default, (copy, out.dtype))
     copy.meta["val"] = out
     return copy
 

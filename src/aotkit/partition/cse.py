@@ -51,7 +51,8 @@ def _key(node: fx.Node, env: dict[fx.Node, fx.Node]) -> Any:
             or node.target is torch.ops.prims._make_token.default:
         return None
     args = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-    key = (node.target, _frozen(args[0]), _frozen(tuple(sorted(args[1].items()))))
+    key = (node.target, _frozen(args[0]), _frozen(tuple(sorted(args[1].items()))),
+           node.meta.get("custom_backward"))  # Note [Custom backwards run on zeros]
     try:
         hash(key)
     except TypeError:
