@@ -254,13 +254,14 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # Note [Custom backwards run on zeros]
 # A custom autograd.Function's backward is not a formula of PyTorch's: eager runs it when any of
 # its outputs gets a gradient, on zeros for the others (materialized), and not at all when none
-# does. The trace tags the ops each one recorded (``custom_backward``, the engine's current
-# node) with the tangents its incoming gradients depend on, and the variant follows eager: a
-# custom backward none of whose incoming gradients depends on a present tangent is absent whole
-# (a synthetic gradient it makes from nothing too); one that gets some computes everything it
-# does, on zeros for the absent values it reads
-# (``ga + 1`` is 1, ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager): what it makes
-# from them counts as made from nothing when telling which inputs get None.
+# does. The trace tags the ops each one recorded (``custom_backward``, between the hooks the
+# engine calls around it) with the tangents whose presence makes its incoming gradients ones
+# eager computes: those they depend on, those that make the custom backward that made them
+# run, or all (``ALWAYS``) where one is made from no tangent (a synthetic loss's gradient,
+# Inductor's zeros for ``round``). The variant follows eager: a custom backward none of those
+# tangents reaches is absent whole (a synthetic gradient it makes too); one they reach
+# computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
+# ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None.
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -340,9 +341,6 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             _sum_of_present(node, absent)
     for node in absent:
         node.meta[ABSENT] = True
-    for node in reversed(gm.graph.nodes):  # a backward eager never runs draws nothing
-        if node in absent and node.op == "call_function" and not node.users:
-            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
