@@ -25,7 +25,6 @@ from aotkit.aot.arguments import (
     check_params_buffers,
     flat_user_fn,
     has_tangents,
-    hold_with_graph,
     name_held_tensor,
     name_refused_input,
     note_forward_ad,
@@ -581,7 +580,6 @@ class _Entry:
     # with constants]).
     written: tuple[int, ...] = ()
     reused: bool = False  # a later call ran it (live_entries)
-    modules: tuple[int, ...] = ()  # module leaves, which each call's autograd graph holds
 
     def accepts(self, tensors: list[Any]) -> bool:
         return self.reads.hold() and (self.guard is None or self.guard(tensors)) and (
@@ -659,10 +657,7 @@ class AotFunction:
         entry, tensors = found
         if entry.written:
             self._refuse_written_constants(entry, tensors, args, kwargs)
-        outs = run(entry.graphs, tensors)
-        if entry.modules:
-            hold_with_graph(outs, [leaves[i] for i in entry.modules])
-        return entry.graphs.meta.unflatten(outs)
+        return entry.graphs.meta.unflatten(run(entry.graphs, tensors))
 
     # Note [Inputs sharing memory with constants]
     # A tensor the function reads as a constant (Note [Closed-over tensors]) may be the very
@@ -802,8 +797,7 @@ class AotFunction:
         written = tuple(k for k, info in enumerate(graphs.meta.inputs)
                         if info.mutates_data or info.swaps_storage) \
             if reads.read_after_writes and graphs.boundary is None else ()
-        entry = _Entry(graphs, positions, guard, reads, offsets, written, modules=tuple(
-            i for i, x in enumerate(leaves) if issubclass(type(x), nn.Module)) * graphs.training)
+        entry = _Entry(graphs, positions, guard, reads, offsets, written)
         self._entries.setdefault(key, []).append(entry)
         return entry, [leaves[i] for i in positions]
 

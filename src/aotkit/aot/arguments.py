@@ -343,8 +343,7 @@ def flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int]
     in as constants, and the leaf at each key of ``copies`` is the one at its value (Note [One
     tensor passed twice]). The call's tensors are not kept: a lazy backward trace would
     otherwise hold a first batch alive as long as the compiled function; nor are its modules
-    (a teacher passed per fold), whose entries are dropped once they are freed: each call's
-    autograd graph holds them for a backward traced again (under autocast; hold_with_graph)."""
+    (a teacher passed per fold), whose entries are dropped once they are freed."""
     copies = copies or {}
     template = list(leaves)
     for i in [*positions, *copies]:
@@ -352,12 +351,14 @@ def flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int]
     modules = {i: weakref.ref(m) for i, m in enumerate(leaves) if issubclass(type(m), nn.Module)}
     for i in modules:
         template[i] = None
+    where = namer(*pytree.tree_unflatten(leaves, spec)) if modules else []
 
     def flat_fn(*tensors: Any) -> tuple[list[Any], pytree.TreeSpec]:
         full = list(template)
         for i, ref in modules.items():
             full[i] = ref()
-            assert full[i] is not None, "the entries of a freed module argument are dropped"
+            if full[i] is None:  # a backward traced again (under autocast) after it was freed
+                raise _freed_module(name, where[i])
         for i, t in zip(positions, tensors, strict=True):
             full[i] = t
         for i, first in copies.items():
@@ -374,9 +375,10 @@ def flat_user_fn(fn: Callable[..., Any], leaves: list[Any], positions: list[int]
     return flat_fn
 
 
-def hold_with_graph(outs: Sequence[Any], objects: list[Any]) -> None:
-    """Keep ``objects`` (a call's module arguments) alive as long as the autograd graph behind
-    ``outs``: flat_user_fn holds them weakly, and a backward may trace the function again."""
-    for out in outs:
-        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
-            out.grad_fn.metadata["aotkit_held"] = objects
+def _freed_module(name: str, where: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{name}: its backward is traced again (backward() under torch.autocast), which calls "
+        f"the function again, but the module passed as {where} was freed since the call (the "
+        "compiled function holds module arguments weakly, so that a model of each fold is "
+        "freed with its graphs).\nFix: keep a reference to the module until backward() has "
+        "run, or call backward() outside torch.autocast.")

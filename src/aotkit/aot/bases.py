@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.analysis import AotMeta
-from aotkit.aot.ops import any_shared, bytes_spanned
+from aotkit.aot.ops import any_shared, bytes_spanned, geometry
 from aotkit.aot.trace import FlatFn
 from aotkit.errors import UnsupportedError
 
@@ -110,10 +110,8 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
     base.)"""
     backward = {*written_by_backward, *read_by_backward}
 
-    def matters(i: int, j: int) -> bool:  # a write of one may reach the other
-        return meta.inputs[i].mutated or meta.inputs[j].mutated \
-            or (i in written_by_backward and j in backward) \
-            or (j in written_by_backward and i in backward)
+    def role(i: int) -> tuple[bool, bool, bool]:
+        return meta.inputs[i].mutated, i in written_by_backward, i in backward
 
     by_storage: dict[int, list[int]] = {}
     for i, a in enumerate(args):
@@ -121,7 +119,7 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
                 and (ptr := a.untyped_storage().data_ptr()) != 0:
             by_storage.setdefault(ptr, []).append(i)
     overlapping = [ptr for ptr, members in by_storage.items()
-                   if len(members) > 1 and _any_overlap(args, members, matters)]
+                   if len(members) > 1 and _any_overlap(args, members, role)]
     if not overlapping:
         return None
     groups = tuple(_group(name, meta, args, by_storage[p]) for p in sorted(overlapping))
@@ -129,21 +127,28 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
 
 
 def _any_overlap(args: Sequence[Any], members: list[int],
-                 matters: Callable[[int, int], bool]) -> bool:
-    """Whether two of ``args`` at ``members`` (of one storage) for which ``matters`` share an
-    element. Swept by the bytes they span: the many disjoint views of one flat buffer (a
-    flat-parameter optimizer's) are not compared pair by pair at every call, and the runs of
-    those whose spans intersect (interleaved columns) are compared element by element at once."""
+                 role: Callable[[int], tuple[bool, ...]]) -> bool:
+    """Whether two of ``args`` at ``members`` (of one storage) share an element where a write
+    of one may reach the other (their ``role``). Swept by the bytes they span: the many
+    disjoint views of one flat buffer (a flat-parameter optimizer's) are not compared pair by
+    pair at every call, and the runs of those whose spans intersect (interleaved columns) are
+    compared element by element at once, once per set of layouts."""
     run: list[int] = []
     reach = -1
     for (start, end), i in [*sorted((bytes_spanned(args[i]), i) for i in members),
                             ((float("inf"), 0), -1)]:
         if start >= reach and len(run) > 1 and any_shared(
-                [args[k] for k in run], lambda a, b, run=run: matters(run[a], run[b])):
+                tuple(geometry(args[k]) for k in run), tuple(map(role, run)), _matters):
             return True
         run = [*run, i] if start < reach else [i]
         reach = max(reach, end) if len(run) > 1 else end
     return False
+
+
+def _matters(a: tuple[bool, ...], b: tuple[bool, ...]) -> bool:
+    """Whether a write of one input (roles: mutated, written by the backward, in the backward)
+    may reach the other."""
+    return a[0] or b[0] or (a[1] and b[2]) or (b[1] and a[2])
 
 
 def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) -> _Group:

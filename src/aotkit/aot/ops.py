@@ -120,17 +120,27 @@ def _offsets(geometry: tuple[Any, ...]) -> torch.Tensor:
     return index.flatten() + offset
 
 
-def any_shared(tensors: Sequence[torch.Tensor], matters: Callable[[int, int], bool]) -> bool:
-    """Whether two of ``tensors`` (of one storage, not empty) for which ``matters`` (of their
-    positions) share an element. All at once, element by element, where they have one element
-    size and at most ``_EXACT_LIMIT`` elements each (N interleaved columns: not N^2 pairs),
-    else pair by pair as :func:`may_overlap`."""
-    if len({t.element_size() for t in tensors}) > 1 or any(
-            t.numel() > _EXACT_LIMIT for t in tensors):
-        return any(matters(i, j) and may_overlap(a, b) for i, a in enumerate(tensors)
-                   for j, b in enumerate(tensors) if i < j)
-    flat = torch.cat([_offsets(_geometry(t)) for t in tensors])
-    owners = torch.cat([torch.full((t.numel(),), k) for k, t in enumerate(tensors)])
+#: A strided layout in a storage: sizes, strides, offset and element size.
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int, int]
+
+
+def geometry(t: torch.Tensor) -> Geometry:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.element_size()
+
+
+@functools.lru_cache(maxsize=64)
+def any_shared(layouts: tuple[Geometry, ...], roles: tuple[Any, ...],
+               matters: Callable[[Any, Any], bool]) -> bool:
+    """Whether two of ``layouts`` (of one storage, not empty) whose ``roles`` ``matters`` share
+    an element. All at once, element by element, where they have one element size and at
+    most ``_EXACT_LIMIT`` elements each (N interleaved columns: not N^2 pairs), else pair by
+    pair; computed once per set of layouts (the same views at every call)."""
+    sizes = [math.prod(g[0]) for g in layouts]
+    if len({g[3] for g in layouts}) > 1 or max(sizes) > _EXACT_LIMIT:
+        return any(matters(roles[i], roles[j]) and _spans_meet(a, b)
+                   for i, a in enumerate(layouts) for j, b in enumerate(layouts) if i < j)
+    flat = torch.cat([_offsets(g[:3]) for g in layouts])
+    owners = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
     flat, order = torch.sort(flat, stable=True)
     owners = owners[order]
     shared = (flat[1:] == flat[:-1]) & (owners[1:] != owners[:-1])
@@ -139,10 +149,21 @@ def any_shared(tensors: Sequence[torch.Tensor], matters: Callable[[int, int], bo
     for value, owner in zip(flat[keep].tolist(), owners[keep].tolist(), strict=True):
         if value != last:
             last, seen = value, set()
-        if any(matters(other, owner) for other in seen if other != owner):
+        if any(matters(roles[other], roles[owner]) for other in seen if other != owner):
             return True
         seen.add(owner)
     return False
+
+
+def _spans_meet(a: Geometry, b: Geometry) -> bool:
+    """Whether the bytes two layouts span intersect (layouts of other element sizes)."""
+    (a0, a1), (b0, b1) = (_span(g) for g in (a, b))
+    return a0 < b1 and b0 < a1
+
+
+def _span(g: Geometry) -> tuple[int, int]:
+    extent = sum((n - 1) * abs(s) for n, s in zip(g[0], g[1], strict=True)) + 1
+    return g[2] * g[3], (g[2] + extent) * g[3]
 
 
 # Note [Foreach writes to shared memory]

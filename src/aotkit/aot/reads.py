@@ -449,16 +449,18 @@ def _with_containers(called: dict[int, nn.Module],
     def leads_to_called(m: nn.Module) -> bool:
         below = False
         for c in m._modules.values():
-            if c is None or id(c) in seen:
+            if c is None:  # a submodule set later (head = None): m's children tell
+                below = True
+                continue
+            if id(c) in seen:
                 continue
             seen.add(id(c))
             if id(c) in called:
                 below = True
-            elif c._modules and leads_to_called(c):
+            elif (leads_to_called(c) if c._modules  # or empty: filled or replaced later
+                  else isinstance(c, _CONTAINERS)):
                 found[id(c)] = c
                 below = True
-            elif not c._modules and isinstance(c, _CONTAINERS):  # empty: filled later
-                found[id(c)] = c
         return below
 
     for m in called.values():

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.autograd.graph import _MultiHandle
 from torch.utils.hooks import RemovableHandle
 
 from aotkit import compat
@@ -484,10 +485,12 @@ class _Removals:
                                       for t in self.leaf_tables)
         elif len(in_table) == total:  # all in this table, called in its order
             self.skip[key] += in_table.index(handle_id) >= done
-        else:  # decided once all are removed (a multi-grad hook's handle), else refused
-            self.pending[key] += 1
+        elif getattr(_replay, "together", False):  # a multi-grad hook's handle: removes its
+            self.pending[key] += 1  # registrations at once, decided when this backward's are
             if self.pending[key] == total:
                 self.skip[key] = total - self.calls[key]
+        else:
+            raise _which_removed(hook, total)
 
 
 def _which_removed(hook: Callable[..., Any], total: int) -> UnsupportedError:
@@ -513,7 +516,20 @@ def _noting_remove(handle: RemovableHandle) -> None:
     _original_remove(handle)
 
 
+_original_multi_remove = _MultiHandle.remove
+
+
+def _noting_multi_remove(handle: _MultiHandle) -> None:
+    """register_multi_grad_hook's handle: one function on every tensor, all removed."""
+    _replay.together = True
+    try:
+        _original_multi_remove(handle)
+    finally:
+        _replay.together = False
+
+
 def note_removed_hooks(on: bool) -> None:
     """Install (or take back) the ``RemovableHandle.remove`` of Note [Hooks removed during a
     backward]."""
     RemovableHandle.remove = _noting_remove if on else _original_remove  # type: ignore[method-assign]
+    _MultiHandle.remove = _noting_multi_remove if on else _original_multi_remove  # type: ignore[method-assign]
