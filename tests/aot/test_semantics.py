@@ -775,6 +775,47 @@ def test_custom_backwards_run_when_what_reaches_them_is_made_from_nothing(fn, pa
     torch.testing.assert_close(grads[1], grads[0])
 
 
+class _Affine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 + 1
+
+
+class _StopsFirst(torch.autograd.Function):
+    """Sends no gradient to its first input."""
+
+    @staticmethod
+    def forward(ctx, u, v):
+        return u * v
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g * 3
+
+
+@pytest.mark.parametrize("used", [1, 2])
+def test_a_custom_backward_a_none_gradient_reaches_does_not_run(used):
+    """Note [Custom backwards run on zeros]: a custom backward whose only incoming gradient is
+    the None another one sends is never run by eager; with no gradient found it was taken to
+    always run (x.grad 1 where eager's is None, or off by one)."""
+    def fn(x, y, z):
+        return _StopsFirst.apply(_Affine.apply(x), y), z * 2, (x * 5).sin()
+
+    grads = []
+    for f in (fn, aotkit.aot_function(fn, compilers.nop)):
+        torch.manual_seed(0)
+        x, y, z = (torch.randn(4, requires_grad=True) for _ in range(3))
+        f(x, y, z)[used].sum().backward()
+        grads.append(x.grad)
+    assert (grads[1] is None) == (grads[0] is None)
+    if grads[0] is not None:
+        torch.testing.assert_close(grads[1], grads[0])
+
+
 class _SinCos(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -64,10 +64,10 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
         found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
                  for g in grads if isinstance(g, FunctionalTensor)]
         incoming = [_tangent_mask(p.proxy.node, masks, reach) for p in found if p is not None]
-        # A gradient made from no tangent (a synthetic one upstream, Inductor's zeros for a
-        # round's) is one eager computes whatever is missing: it always runs then.
-        reach[id(node)] = ALWAYS if not incoming or 0 in incoming else \
-            functools.reduce(operator.or_, incoming)
+        # A gradient made from no tangent (Inductor's zeros for a round's) is taken for one
+        # eager computes whatever is missing: it always runs then; with none (None from the
+        # custom backward after it), never.
+        reach[id(node)] = ALWAYS if 0 in incoming else functools.reduce(operator.or_, incoming, 0)
         running.append(guard.custom_backward)
         guard.custom_backward = id(node)
 
