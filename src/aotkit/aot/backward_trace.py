@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
+from aotkit.aot.frames import AOTKIT_DIR, TORCH_DIR
 from aotkit.compat import FunctionalTensor
 
 
@@ -144,8 +145,8 @@ def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int], reach: dict[int, int
 # hook the engine runs for that node (``torch.allclose(g, 0)`` in a tensor hook) is the user's
 # Python, called from no frame of the engine's caller, and is refused as before.
 ALLCLOSE = torch.ops.aten.allclose.default
-_PASSED_THROUGH = ("torch/_dynamo/eval_frame.py", "torch/_compile.py", "torch/_ops.py",
-                   "torch/utils/_python_dispatch.py", "/aotkit/")
+_PASSED_THROUGH = tuple(os.path.join(TORCH_DIR, *path.split("/")) for path in (
+    "_dynamo/eval_frame.py", "_compile.py", "_ops.py", "utils/_python_dispatch.py"))
 
 
 def formula_running() -> bool:
@@ -155,8 +156,8 @@ def formula_running() -> bool:
     if node is None or isinstance(node, torch.autograd.function.BackwardCFunction):
         return False
     frame = sys._getframe(1)
-    while frame is not None and any(
-            part in frame.f_code.co_filename.replace(os.sep, "/") for part in _PASSED_THROUGH):
+    while frame is not None and (frame.f_code.co_filename in _PASSED_THROUGH
+                                 or frame.f_code.co_filename.startswith(AOTKIT_DIR)):
         frame = frame.f_back
     return frame is not None and frame.f_code.co_name == "_engine_run_backward"
 
