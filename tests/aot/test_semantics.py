@@ -844,6 +844,52 @@ def test_backward_variants_compile_with_inductor(fn):
     torch.testing.assert_close(grads[1], grads[0])
 
 
+class _Unmaterialized(torch.autograd.Function):
+    """Affine backward, given None for a missing gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 + ctx.saved_tensors[0] * 0.5
+
+
+class _CallsBackInside(torch.autograd.Function):
+    """A backward running autograd.grad through the graph before it (a fused activation)."""
+
+    @staticmethod
+    def forward(ctx, h, x):
+        ctx.save_for_backward(h, x)
+        return h.sin(), h.cos()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        h, x = ctx.saved_tensors
+        with torch.enable_grad():
+            gx, = torch.autograd.grad(h, x, grad_outputs=ga * h.cos(), retain_graph=True)
+        return ga * h.cos() - gb * h.sin(), gx + torch.ones_like(x) * 0.25
+
+
+def test_custom_backwards_no_gradient_reaches_do_not_run_nested_or_unmaterialized():
+    """Neither a custom backward given None for missing gradients (set_materialize_grads
+    (False)) nor one run by autograd.grad inside another runs when no gradient reaches them:
+    their affine terms reached x (0.5 * x, 0.25)."""
+    def f(x):
+        h = _Unmaterialized.apply(x)
+        return (*_CallsBackInside.apply(h, x), (x * 3).sum())
+
+    grads = []
+    for fn in (f, aotkit.aot_function(f, compilers.nop)):
+        x = torch.linspace(-1, 1, 4, requires_grad=True)
+        fn(x)[2].backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_a_gradient_made_from_a_missing_one_is_not_an_inputs_memory():
     """``x + gb`` with gb missing became x itself, the input: autograd.grad returned the
     parameter as its own gradient (requires_grad, ``g is w``), and scaling the gradient in

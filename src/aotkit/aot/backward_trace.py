@@ -45,9 +45,10 @@ def unmaterialized() -> Iterator[list[Any]]:
 def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized: list[Any],
                              guard: Any) -> Iterator[dict[int, int]]:
     """While the backward is traced: per custom autograd.Function node it runs, by id, a bit
-    mask of the tangents its incoming gradients depend on (Note [Custom backwards run on
-    zeros]); not for those in ``unmaterialized``, whose backward eager gives None. Sets
-    ``guard.custom_backward`` to the running one's id, whose ops the guard tags."""
+    mask of the tangents whose presence makes it run (Note [Custom backwards run on zeros]),
+    and under minus its id ``FORMULA`` for those in ``unmaterialized``, whose backward eager
+    gives None for the missing ones. Sets ``guard.custom_backward`` to the running one's id,
+    whose ops the guard tags."""
     reach: dict[int, int] = {}
     mode = get_proxy_mode()
     if mode is None or guard is None:
@@ -60,8 +61,7 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
     running: list[int | None] = []  # the custom backwards a nested backward interrupted
 
     def reached(node: Any, grads: tuple[Any, ...]) -> None:
-        if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros
-            return
+        running.append(guard.custom_backward)
         found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
                  for g in grads if isinstance(g, FunctionalTensor)]
         incoming = [_tangent_mask(p.proxy.node, masks, reach) for p in found if p is not None]
@@ -69,7 +69,8 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
         # eager computes whatever is missing: it always runs then; with none (None from the
         # custom backward after it), never.
         reach[id(node)] = ALWAYS if 0 in incoming else functools.reduce(operator.or_, incoming, 0)
-        running.append(guard.custom_backward)
+        if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros: a
+            reach[-id(node)] = FORMULA  # formula where it runs
         guard.custom_backward = id(node)
 
     def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
@@ -112,6 +113,8 @@ def _custom_nodes(outs: list[Any]) -> list[Any]:
 
 #: The mask of a custom backward that runs whichever tangents are missing.
 ALWAYS = -1
+#: Marks a custom backward given None for missing gradients (set_materialize_grads(False)).
+FORMULA = 0
 
 
 def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int], reach: dict[int, int]) -> int:

@@ -261,7 +261,8 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # Inductor's zeros for ``round``). The variant follows eager: a custom backward none of those
 # tangents reaches is absent whole (a synthetic gradient it makes too); one they reach
 # computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
-# ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None.
+# ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None;
+# one given None for them (``set_materialize_grads(False)``) is a formula where it runs.
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -333,6 +334,8 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             continue
         inputs = node.all_input_nodes
         custom = node.meta.get("custom_backward")  # Note [Custom backwards run on zeros]
+        if custom is not None and custom & present and node.meta.get("custom_formula"):
+            custom = None  # given None for the missing gradients: a formula
         if custom is not None and custom & present:
             _on_zeros(node, absent)
         elif (custom is not None) or (absent.intersection(inputs) and _absent(node, absent)):

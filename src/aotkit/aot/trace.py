@@ -749,6 +749,7 @@ def trace_joint(
         node.meta["in_backward"] = True
         if (custom := node.meta.pop("custom_backward", None)) in reach:
             node.meta["custom_backward"] = reach[custom]
+            node.meta["custom_formula"] = -custom in reach  # given None, not zeros
     _split_token_chains(gm)
     _tag_sides(gm, len(primals))
     name_tangent_sizes_after_outputs(gm, len(tangents), differentiable)
