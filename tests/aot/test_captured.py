@@ -1943,3 +1943,23 @@ def test_an_empty_list_replaced_or_a_head_set_later_traces_again() -> None:
     torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
     model.head = torch.nn.Linear(4, 4).requires_grad_(False)
     torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+
+
+class _EncoderWithHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.head = torch.nn.Module()
+        self.head.register_module("adapter", None)
+        self.head.dense = torch.nn.Linear(4, 2)
+
+
+def test_parts_of_a_model_the_function_never_reaches_are_not_watched() -> None:
+    """An encoder-only function of a model whose unused head has a None child: the head was
+    watched, and its dense layer made anew per fold traced again each time (the limit)."""
+    model = _EncoderWithHead()
+    compiled, x = aotkit.aot_function(lambda x: model.encoder(x), compilers.nop), torch.randn(2, 4)
+    for _ in range(2 * aotkit.config.recompile_limit):
+        model.head.dense = torch.nn.Linear(4, 2)
+        torch.testing.assert_close(compiled(x), model.encoder(x), rtol=0, atol=0)
+    assert counters.counters["aot"]["traces"] == 1

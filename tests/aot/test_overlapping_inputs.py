@@ -416,3 +416,21 @@ def test_many_interleaved_columns_are_compared_at_once(with_row):
     (m, views), (want_m, want_views) = arguments(), arguments()
     torch.testing.assert_close(compiled(*views), step(*want_views))
     torch.testing.assert_close(m, want_m)
+
+
+def test_a_view_in_another_dtype_beside_interleaved_columns_is_not_refused():
+    """A written column, the column beside it and a half-precision view of the same buffer
+    overlapping only the second: the pair of columns was taken to overlap by their spans (a
+    refusal for views of different dtypes) where their elements are apart."""
+    def f(a, b, c):
+        a.mul_(2)
+        return b + 1, c * 1
+
+    def make():
+        buf = torch.arange(20, dtype=torch.float32)
+        pairs = buf[0:8].view(4, 2)
+        return buf, [pairs[:, 0], pairs[:, 1], buf.view(torch.float16)[15:20]]
+
+    (buf, args), (want_buf, want_args) = make(), make()
+    torch.testing.assert_close(aotkit.aot_function(f, compilers.nop)(*args), f(*want_args))
+    torch.testing.assert_close(buf, want_buf)

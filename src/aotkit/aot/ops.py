@@ -80,14 +80,7 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one storage share an element: first by the byte ranges they span,
     then, where those intersect (``kv[:, 0]`` and ``kv[:, 1]`` interleave), element by element
     for tensors of one element size and at most ``_EXACT_LIMIT`` elements."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = bytes_spanned(a), bytes_spanned(b)
-    if not (a0 < b1 and b0 < a1):
-        return False
-    if a.element_size() != b.element_size() or max(a.numel(), b.numel()) > _EXACT_LIMIT:
-        return True
-    return _share_elements(_geometry(a), _geometry(b))
+    return a.numel() != 0 and b.numel() != 0 and _meet(geometry(a), geometry(b))
 
 
 _EXACT_LIMIT = 1 << 22
@@ -137,7 +130,7 @@ def any_shared(layouts: tuple[Geometry, ...], roles: tuple[Any, ...],
     pair; computed once per set of layouts (the same views at every call)."""
     sizes = [math.prod(g[0]) for g in layouts]
     if len({g[3] for g in layouts}) > 1 or max(sizes) > _EXACT_LIMIT:
-        return any(matters(roles[i], roles[j]) and _spans_meet(a, b)
+        return any(matters(roles[i], roles[j]) and _meet(a, b)
                    for i, a in enumerate(layouts) for j, b in enumerate(layouts) if i < j)
     flat = torch.cat([_offsets(g[:3]) for g in layouts])
     owners = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
@@ -155,10 +148,15 @@ def any_shared(layouts: tuple[Geometry, ...], roles: tuple[Any, ...],
     return False
 
 
-def _spans_meet(a: Geometry, b: Geometry) -> bool:
-    """Whether the bytes two layouts span intersect (layouts of other element sizes)."""
+def _meet(a: Geometry, b: Geometry) -> bool:
+    """Whether two layouts may share an element: the bytes they span intersect, and, for one
+    element size and at most ``_EXACT_LIMIT`` elements, an element is common."""
     (a0, a1), (b0, b1) = (_span(g) for g in (a, b))
-    return a0 < b1 and b0 < a1
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a[3] != b[3] or max(math.prod(a[0]), math.prod(b[0])) > _EXACT_LIMIT:
+        return True
+    return _share_elements(a[:3], b[:3])
 
 
 def _span(g: Geometry) -> tuple[int, int]:

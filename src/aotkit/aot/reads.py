@@ -442,34 +442,40 @@ def _with_containers(called: dict[int, nn.Module],
                      roots: Iterable[nn.Module] = ()) -> list[tuple[int, nn.Module]]:
     """The modules called, then the ones between them, or between ``roots`` and them, the
     function reached without calling (a ModuleList it loops over, whose ``append`` the graph
-    would not see; one empty then), by id."""
+    would not see), and the empty containers and None children of those it holds or calls
+    (only there: a model's unused parts cost nothing per call), by id."""
     found = dict(called)
     seen: set[int] = set()
 
     def leads_to_called(m: nn.Module) -> bool:
         below = False
         for c in m._modules.values():
-            if c is None:  # a submodule set later (head = None): m's children tell
-                below = True
-                continue
-            if id(c) in seen:
+            if c is None or id(c) in seen:
                 continue
             seen.add(id(c))
             if id(c) in called:
                 below = True
-            elif (leads_to_called(c) if c._modules  # or empty: filled or replaced later
-                  else isinstance(c, _CONTAINERS)):
+            elif c._modules and leads_to_called(c):
                 found[id(c)] = c
                 below = True
         return below
 
     for m in called.values():
         leads_to_called(m)
+        found.update((id(c), c) for c in m._modules.values() if _placeholder(c))
     for m in roots:
         if id(m) not in found and not _scripted(m) and (
-                leads_to_called(m) or (not m._modules and isinstance(m, _CONTAINERS))):
+                leads_to_called(m) or _placeholder(m) or any(
+                    c is None or _placeholder(c) for c in m._modules.values())):
             found[id(m)] = m
+            found.update((id(c), c) for c in m._modules.values() if _placeholder(c))
     return list(found.items())
+
+
+def _placeholder(m: nn.Module | None) -> bool:
+    """An empty container, filled later (an adapter list): its own children tell. A None child
+    of a module the function holds or calls (a head set later) is told by that module's."""
+    return m is not None and not m._modules and isinstance(m, _CONTAINERS)
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
