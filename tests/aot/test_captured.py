@@ -1954,6 +1954,26 @@ class _EncoderWithHead(torch.nn.Module):
         self.head.dense = torch.nn.Linear(4, 2)
 
 
+def test_an_empty_list_below_a_module_never_called_is_watched() -> None:
+    """``model.extra.adapters``, empty at the first call, under a module nothing below which
+    was called: an append was not seen for one commit (empty containers watched only below
+    modules the function calls or holds)."""
+    model = torch.nn.Module()
+    model.body, model.extra = torch.nn.Linear(4, 4).requires_grad_(False), torch.nn.Module()
+    model.extra.adapters = torch.nn.ModuleList()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x = model.body(x)
+        for adapter in model.extra.adapters:
+            x = adapter(x)
+        return x
+
+    compiled, x = aotkit.aot_function(f, compilers.nop), torch.randn(2, 4)
+    compiled(x)
+    model.extra.adapters.append(torch.nn.Linear(4, 4).requires_grad_(False))
+    torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+
+
 def test_parts_of_a_model_the_function_never_reaches_are_not_watched() -> None:
     """An encoder-only function of a model whose unused head has a None child: the head was
     watched, and its dense layer made anew per fold traced again each time (the limit)."""

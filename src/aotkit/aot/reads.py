@@ -458,24 +458,24 @@ def _with_containers(called: dict[int, nn.Module],
             elif c._modules and leads_to_called(c):
                 found[id(c)] = c
                 below = True
+            elif _placeholder(c):  # its own children tell (its parent's need not be watched)
+                found[id(c)] = c
         return below
 
     for m in called.values():
         leads_to_called(m)
-        found.update((id(c), c) for c in m._modules.values() if _placeholder(c))
     for m in roots:
         if id(m) not in found and not _scripted(m) and (
-                leads_to_called(m) or _placeholder(m) or any(
-                    c is None or _placeholder(c) for c in m._modules.values())):
+                leads_to_called(m) or _placeholder(m)
+                or any(c is None for c in m._modules.values())):
             found[id(m)] = m
-            found.update((id(c), c) for c in m._modules.values() if _placeholder(c))
     return list(found.items())
 
 
-def _placeholder(m: nn.Module | None) -> bool:
-    """An empty container, filled later (an adapter list): its own children tell. A None child
-    of a module the function holds or calls (a head set later) is told by that module's."""
-    return m is not None and not m._modules and isinstance(m, _CONTAINERS)
+def _placeholder(m: nn.Module) -> bool:
+    """An empty container, filled later (an adapter list). A None child (a head set later) is
+    told by its module's children where the function holds or calls that module."""
+    return not m._modules and isinstance(m, _CONTAINERS)
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
