@@ -169,3 +169,11 @@ def last_traced_node() -> fx.Node | None:
     """The node make_fx recorded last in the graph it is tracing, if it traces."""
     mode = get_proxy_mode()
     return next(iter(reversed(mode.tracer.graph.nodes)), None) if mode is not None else None
+
+
+def note_formula(exc: BaseException) -> None:
+    """Name on ``exc`` the backward formula the engine was running when it was raised, if any
+    (``IndexPutBackward0``), for the message that says what failed."""
+    node = torch._C._current_autograd_node()
+    if node is not None and not hasattr(exc, "aotkit_backward_of"):
+        exc.aotkit_backward_of = node.name()  # type: ignore[attr-defined]

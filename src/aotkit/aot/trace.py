@@ -34,6 +34,7 @@ from aotkit.aot.backward_trace import (
     custom_backwards_reached,
     formula_running,
     last_traced_node,
+    note_formula,
     tag_custom_backward,
     unmaterialized,
 )
@@ -469,10 +470,8 @@ class _OutsideTensorGuard(TorchDispatchMode):
         last = last_traced_node() if custom is not None else None
         try:
             out = run_as_eager(func, args, kwargs, self._run)
-        except Exception as exc:  # the formula that failed, for the message
-            node = torch._C._current_autograd_node()
-            if node is not None and not hasattr(exc, "aotkit_backward_of"):
-                exc.aotkit_backward_of = node.name()  # type: ignore[attr-defined]
+        except Exception as exc:
+            note_formula(exc)
             raise
         if custom is not None:
             tag_custom_backward(custom, last)
