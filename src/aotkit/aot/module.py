@@ -312,9 +312,9 @@ class AotModule(nn.Module):
         name = f"aot_module({type(module).__name__})"
         if self._last is not None:
             why = _describe(self._last.layout, layout)
-            if self._layouts_held() >= config.recompile_limit:
+            if (held := self._layouts_held()) >= config.recompile_limit:
                 raise RecompileLimitError(
-                    f"{name} has been compiled for {self._layouts_held()} module layouts "
+                    f"{name} has been compiled for {held} module layouts "
                     "(aotkit.config.recompile_limit; layouts of submodules since freed count "
                     f"where they ran one call only); this call would compile another ({why}).\n"
                     "Fix: keep the module's layout stable (replace a submodule's parameters in "

@@ -31,13 +31,7 @@ def traced_error(what: str, exc: Exception, static: bool, symbolic: bool,
     if isinstance(exc, data_dependent_errors()):
         return data_dependent(what, exc, static=static, from_dynamo=from_dynamo)
     if isinstance(exc, PendingUnbackedSymbolNotFound):  # x[mask, idx]: a count meets an index
-        return TraceError(
-            f"{what} could not be traced with symbolic sizes: an op makes a size from tensor "
-            f"data that none of its results carries ({first_line(exc)}), which PyTorch's "
-            f"tracing cannot hold (a boolean mask indexing beside a tensor index: x[mask, idx]).\n"
-            f"  at {user_frame(exc)}\nFix: index in two steps (x[mask][:, idx]), move the op "
-            "out of the compiled function, or use torch.compile(fn, backend=\"aotkit\"), which "
-            "runs it eagerly between graphs.")
+        return _unbound_size(what, exc)
     if isinstance(exc, AttributeError) and str(exc).startswith(_TRACED_TENSORS):
         return UnsupportedError(
             f"{what} reads a Python attribute of a tensor argument ({exc}, at "
@@ -436,6 +430,16 @@ def _no_fake_kernel(what: str, exc: UnsupportedOperatorException,
         "register one with torch.library.register_fake, or call the op outside the compiled "
         "function."
     )
+
+
+def _unbound_size(what: str, exc: BaseException) -> TraceError:
+    return TraceError(
+        f"{what} could not be traced with symbolic sizes: an op makes a size from tensor "
+        f"data that none of its results carries ({first_line(exc)}), which PyTorch's "
+        f"tracing cannot hold (a boolean mask indexing beside a tensor index: x[mask, idx]).\n"
+        f"  at {user_frame(exc)}\nFix: index in two steps (x[mask][:, idx]), move the op "
+        "out of the compiled function, or use torch.compile(fn, backend=\"aotkit\"), which "
+        "runs it eagerly between graphs.")
 
 
 def _data_dependent_backward(what: str, exc: BaseException, static: bool) -> TraceError:
