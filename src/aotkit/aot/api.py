@@ -40,6 +40,7 @@ from aotkit.aot.bases import OverlapLayout
 from aotkit.aot.boxing import Compiler, checked_partition, compile_boxed, compiler_for_views
 from aotkit.aot.captured import Captured, captured_values, held_values
 from aotkit.aot.captured import key as captured_key
+from aotkit.aot.key_check import RecentKeys
 from aotkit.aot.offsets import moved_offsets, storage_offsets, traced_for_offsets
 from aotkit.aot.ops import may_overlap
 from aotkit.aot.reads import (
@@ -616,6 +617,7 @@ class AotFunction:
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({shown_name(fn)})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
+        self._keys = RecentKeys()  # Note [Keys checked in C++]
         self._once = 0  # entries dropped that served one call only: runaway recompiles
         self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
         self._told_forward_ad = False  # Note [Forward-mode AD runs eagerly]
@@ -641,8 +643,8 @@ class AotFunction:
             return self.fn(*args, **kwargs)
         if self._captured.getters:
             leaves = [*leaves, *(captured_key(get()) for get in self._captured.getters)]
-        key = signature(structure, leaves, self.options.dynamic, self._config_parts,
-                        self.static_sizes)
+        key = self._keys.key(structure, leaves, self.options.dynamic, self._config_parts,
+                             self.static_sizes)
         try:
             found = self._find(key, leaves)
         except TypeError:  # symbols in the key: another trace's (torch.export with Dim)

@@ -84,6 +84,9 @@ class CompiledGraphs:
             self.meta.intermediate_bases_requires_grad
         )
         self.non_differentiable = [i for i, d in enumerate(self.differentiable) if not d]
+        # Per tangent (differentiable output): its position among the outputs, memory format.
+        self.tangent_slots = [(i, f) for i, (d, f) in enumerate(
+            zip(self.differentiable, self.tangent_formats, strict=True)) if d]
         graph_outputs = self.meta.graph_user_outputs()
         self.graph_output_position = {flat: pos for pos, flat in enumerate(graph_outputs)}
         # Also mutations the graph keeps as copy_ (keep_inference_input_mutations).
@@ -124,15 +127,17 @@ class CompiledGraphs:
             self._reached[0] = tangent_masks(self.bw_gm, sum(self.differentiable))
         return self._reached[0]
 
-    def run_forward(self, args: list[Any]) -> Any:
+    def run_forward(self, args: Sequence[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
         when it returns views, their view functions recorded (Note [Replaying views])."""
-        with torch._C._DisableAutocast(), self.no_overrides():
-            if not self.returns_views:  # a copy of args: the graph may empty its list
+        if self.returns_views or self.no_overrides is not contextlib.nullcontext or \
+                torch._C._is_any_autocast_enabled():  # else the contexts would change nothing
+            views = torch.autograd._force_original_view_tracking(True) if self.returns_views \
+                else contextlib.nullcontext()
+            with torch._C._DisableAutocast(), self.no_overrides(), views:
                 outs = self.fw(list(args))
-            else:
-                with torch.autograd._force_original_view_tracking(True):
-                    outs = self.fw(list(args))
+        else:
+            outs = self.fw(list(args))  # a copy of args: the graph may empty its list
         for i in self.plain_outputs:  # Note [Outputs that are views only inside the graph]
             out = outs[i]
             if isinstance(out, torch.Tensor) and out._is_view() and not any(
@@ -236,7 +241,7 @@ class CompiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graphs: CompiledGraphs, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        outs = graphs.run_forward(list(args))
+        outs = graphs.run_forward(args)
         if graphs.keeps_written_values:  # Note [Checkpoint's early stop]
             _forward_values.mutations = outs[: len(graphs.returned_mutations)]
         n = graphs.num_fw_outputs
@@ -253,10 +258,11 @@ class CompiledFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # Note [Outputs backward does not reach]
         if graphs.symbolic_tangents:
             ctx.shapes = [o.shape if isinstance(o, torch.Tensor) else None for o in outs[:n]]
-        fw_outs = _distinct_non_differentiable(outs[:n], graphs.non_differentiable)
-        ctx.mark_non_differentiable(
-            *(fw_outs[i] for i in graphs.non_differentiable if isinstance(fw_outs[i], torch.Tensor))
-        )
+        fw_outs = outs[:n]
+        if graphs.non_differentiable:
+            fw_outs = _distinct_non_differentiable(fw_outs, graphs.non_differentiable)
+            ctx.mark_non_differentiable(*(fw_outs[i] for i in graphs.non_differentiable
+                                          if isinstance(fw_outs[i], torch.Tensor)))
         # For a later compiled call's backward: do these outputs have hooks? (Note [Outputs
         # backward does not reach])
         ctx.outputs = [(weakref.ref(o),) if isinstance(o, torch.Tensor) else () for o in fw_outs]
@@ -286,16 +292,20 @@ class CompiledFunction(torch.autograd.Function):
             if watch.eager_checks(ctx, grads):
                 _check_version(ref(), version, watch.index, graphs.name)
         grads = grads[:-1]  # the anchor's
-        tangents = [g for g, d in zip(grads, graphs.differentiable, strict=True) if d]
-        unreached = sum(1 << k for k, g in enumerate(tangents) if g is None)
+        unreached = 0
+        for k, (i, _) in enumerate(graphs.tangent_slots):
+            if grads[i] is None:
+                unreached |= 1 << k
         if unreached:
             quiet = _quiet_inputs(ctx, graphs)
-            if unreached == (1 << len(tangents)) - 1 and len(quiet) == len(ctx.next_functions):
+            if unreached == (1 << len(graphs.tangent_slots)) - 1 and len(quiet) == len(
+                    ctx.next_functions):
                 return (None,) * (1 + graphs.num_inputs)
             grads = _zeros_for_unreached(ctx, graphs, grads)
-        tangents = [_dense(g, f) for g, d, f in zip(grads, graphs.differentiable,
-                                                   graphs.tangent_formats, strict=True) if d]
-        backward = graphs.backward_fn(autocast_state(), unreached)  # a failed one is retried
+        tangents = [_dense(grads[i], f) for i, f in graphs.tangent_slots]
+        # a failed compile is retried at the next backward
+        backward = graphs.backward_fn(autocast_state() if torch._C._is_any_autocast_enabled()
+                                      else NO_AUTOCAST, unreached)
         try:
             saved, anchor = _saved(ctx)
         except RuntimeError as exc:
@@ -304,16 +314,14 @@ class CompiledFunction(torch.autograd.Function):
             raise _freed_by_an_earlier_backward(graphs.name) from exc
         for k, t in getattr(ctx, "written", ()):  # Note [Inputs the backward writes]
             saved.insert(k, t)
-        if isinstance(ctx, torch.autograd.function.BackwardCFunction):  # not replayed by CA
+        if isinstance(ctx, _COMPILED_NODE):  # not replayed by compiled autograd
             ctx.maybe_clear_saved_tensors()  # Note [Freeing inputs as the graph goes]
-            if hasattr(ctx, "written") and _saved_freed(ctx):  # released with the others
-                del ctx.written
+            if ctx.written and _saved_freed(ctx):  # released with the others
+                ctx.written = ()
         args = [*ctx.saved_syms, *saved, *tangents]
         del saved
-        grad_mode = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
         try:
-            with grad_mode, torch._C._DisableAutocast(), graphs.no_overrides():
-                input_grads = backward(args)
+            input_grads = _run_backward(graphs, backward, args)
         except RuntimeError as exc:
             if any(torch._C._functorch.is_legacy_batchedtensor(t)  # is_grads_batched
                    or torch._C._functorch.is_batchedtensor(t)
@@ -327,6 +335,18 @@ class CompiledFunction(torch.autograd.Function):
                            for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(unreached),
                                                              strict=True))]
         return (None, *input_grads)
+
+
+def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
+                  args: list[Any]) -> Any:
+    """``backward(args)`` under no_grad, autocast off and ``graphs.no_overrides``, entering
+    only the contexts that change something (a backward runs with grad mode off and autocast
+    off unless create_graph=True or an autocast region around backward())."""
+    if torch.is_grad_enabled() or torch._C._is_any_autocast_enabled() or \
+            graphs.no_overrides is not contextlib.nullcontext:
+        with torch.no_grad(), torch._C._DisableAutocast(), graphs.no_overrides():
+            return backward(args)
+    return backward(args)
 
 
 # Note [Outputs backward does not reach]
@@ -355,6 +375,8 @@ class CompiledFunction(torch.autograd.Function):
 # compiled-autograd graph's call of the backward (compiler_fn = torch.compile) can compare
 # with, where it refused the Function's attribute.
 _COMPILED_NODE = CompiledFunction._backward_cls
+# What a node has unless the forward set it: read at every backward, found on the class.
+_COMPILED_NODE.watched, _COMPILED_NODE.written, _COMPILED_NODE.anchor = (), (), None
 
 
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
@@ -410,7 +432,7 @@ def _save(ctx: Any, saved: Sequence[Any], anchor: torch.Tensor) -> None:
 
 def _saved(ctx: Any) -> tuple[list[Any], torch.Tensor]:
     """The saved tensors and the anchor, as :func:`_save` kept them."""
-    if not hasattr(ctx, "anchor"):
+    if getattr(ctx, "anchor", None) is None:
         *saved, anchor = ctx.saved_tensors
         return saved, anchor
     # Reading saved_tensors after a backward raises even when there were none.
@@ -543,7 +565,7 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
                 _forward_values.mutations = None
     else:
         with torch.no_grad():
-            fw_outs = graphs.run_forward(list(args))
+            fw_outs = graphs.run_forward(args)
         for i in graphs.mutated_in_graph:  # Note [Versions of inputs mutated in the graph]
             torch.autograd.graph.increment_version(args[i])
         return epilogue(graphs, args, fw_outs)
@@ -558,10 +580,24 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
 def _apply(graphs: CompiledGraphs, args: list[Any]) -> tuple[list[Any], torch.Tensor]:
     if graphs.grad_inside:  # Note [Grad mode turned on inside]
         with torch.enable_grad():
-            *fw_outs, anchor = CompiledFunction.apply(graphs, *args)
+            *fw_outs, anchor = _call_function(graphs, args)
     else:
-        *fw_outs, anchor = CompiledFunction.apply(graphs, *_cut_gradless(graphs.gradless, args))
+        *fw_outs, anchor = _call_function(graphs, _cut_gradless(graphs.gradless, args))
     return fw_outs, anchor
+
+
+# autograd.Function.apply is Python around the engine's entry: for functorch transforms (which
+# CompiledFunction does not support: it raises) and, otherwise, unwrapping tensors a transform
+# left behind ("dead" wrappers). Called at every step, that Python is done here directly.
+_ENGINE_APPLY = super(torch.autograd.Function, CompiledFunction).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _call_function(graphs: CompiledGraphs, args: list[Any]) -> Any:
+    if torch._C._are_functorch_transforms_active():
+        return CompiledFunction.apply(graphs, *args)
+    return _ENGINE_APPLY(graphs, *[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a
+                                   for a in args])
 
 
 # The values of the inputs the forward writes, for Note [Checkpoint's early stop].

@@ -384,21 +384,25 @@ def _short(text: str, limit: int = 80) -> str:
 
 def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: bool,
               config_parts: tuple[str, ...] = ("aot", "min_cut"),
-              static: Collection[int] = (),
+              static: Collection[int] = (), context: tuple[Any, ...] | None = None,
               ) -> tuple[Any, ...]:
     """The key of one call: argument structure (a TreeSpec, or the count of a call made of
-    positional tensors only), every leaf, grad/autocast modes, backend flags, and the options
-    of ``config_parts`` (:func:`aotkit.config.cache_key`). Under ``dynamic`` the leaves at the
-    positions in ``static`` (parameters and buffers) keep their sizes in the key: they are
-    traced with static sizes."""
+    positional tensors only), every leaf, and the call's :func:`call_context` (given as
+    ``context`` where read already). Under ``dynamic`` the leaves at the positions in
+    ``static`` (parameters and buffers) keep their sizes in the key: they are traced with
+    static sizes."""
     if dynamic and static:
         keys = tuple(leaf_key(x, i not in static) for i, x in enumerate(leaves))
     else:
         keys = tuple(leaf_key(x, dynamic) for x in leaves)
+    return (structure, keys, repeated_tensors(leaves),
+            *(call_context(config_parts) if context is None else context))
+
+
+def call_context(config_parts: tuple[str, ...]) -> tuple[Any, ...]:
+    """What besides its arguments decides a call's graph: grad/autocast modes, backend flags,
+    and the options of ``config_parts`` (:func:`aotkit.config.cache_key`)."""
     return (
-        structure,
-        keys,
-        repeated_tensors(leaves),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         *autocast_state(),  # CPU, CUDA

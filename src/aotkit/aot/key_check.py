@@ -1,0 +1,122 @@
+"""Telling a call's key from the last ones without computing it (Note [Keys checked in C++]).
+
+Note [Keys checked in C++]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every call of a compiled function computes its key (:func:`aotkit.aot.signature.signature`) to
+find its graph: per tensor argument its dtype, device, layout, requires_grad and leafness, shape,
+strides, conjugate and negative bits and type, each read through Python, about 1.5 us a tensor on
+this project's CPU machine. aot_module passes every parameter and buffer as an argument, so a
+model of 200 small tensors paid ~0.3 ms a call for its key alone, as much as its forward.
+
+So a key computed twice for calls made of plain tensors (no tensor subclass made of parts, no
+other value besides what the function captures) gets a check, :class:`SameKey`, that tells
+whether a later call has that very key without computing it: Dynamo's C++ tensor check
+(``TensorGuards``: Python type, dispatch keys, which hold the layout and the conjugate and
+negative bits, dtype, device, requires_grad, sizes and strides, the sizes and strides only where
+the key holds them), then in Python the leafness of the tensors requiring grad, that no tensor is
+passed twice, the call's modes and the captured values' keys. A call the check accepts has the
+key exactly; it is more strict than the key in one way (an inference-mode tensor's dispatch keys
+differ), where the call computes its key as before. A key is checked after it was computed twice
+(a key computed once per call, such as a step counter among the captured values, never pays for
+a check's construction), and the last few checks are kept, most recent first, so that calls
+alternating between two keys (training and evaluation) take the check too.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+from torch._C._dynamo.guards import TensorGuards
+
+from aotkit.aot.signature import call_context, leaf_key, signature
+from aotkit.aot.subclass import is_subclass
+
+_IS_LEAF = operator.attrgetter("is_leaf")
+_KEPT = 4  # checks kept per compiled function, and keys remembered to build them from
+
+
+class SameKey:
+    """Whether a call made of ``count`` plain tensors (and values after them) has ``key``."""
+
+    __slots__ = ("context", "count", "extras", "grad_positions", "guards", "key", "leafs")
+
+    def __init__(self, key: tuple[Any, ...], tensors: Sequence[torch.Tensor],
+                 dynamic_at: Sequence[bool]) -> None:
+        self.key, self.count, self.context = key, len(tensors), key[3:]
+        self.extras = key[1][self.count:]
+        self.guards = TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[[None] * t.dim() if d else list(t.shape)
+                                for t, d in zip(tensors, dynamic_at, strict=True)],
+            dynamic_dims_strides=[[None] * t.dim() if d else list(t.stride())
+                                  for t, d in zip(tensors, dynamic_at, strict=True)])
+        positions = [i for i, t in enumerate(tensors) if t.requires_grad]
+        self.grad_positions = operator.itemgetter(*positions) if positions else None
+        self.leafs = _leafness(self.grad_positions, tensors)
+
+    def holds(self, leaves: Sequence[Any], context: tuple[Any, ...], dynamic: bool) -> bool:
+        n = self.count
+        if len(leaves) != n + len(self.extras) or context != self.context:
+            return False
+        tensors = leaves[:n] if self.extras else leaves
+        return (self.guards.check(*tensors)
+                and _leafness(self.grad_positions, tensors) == self.leafs
+                and len(set(map(id, tensors))) == n
+                and (not self.extras
+                     or tuple(leaf_key(x, dynamic) for x in leaves[n:]) == self.extras))
+
+
+def _leafness(positions: operator.itemgetter[Any] | None, tensors: Sequence[torch.Tensor]) -> Any:
+    if positions is None:
+        return ()
+    picked = positions(tensors)
+    return tuple(map(_IS_LEAF, picked)) if isinstance(picked, tuple) else picked.is_leaf
+
+
+class RecentKeys:
+    """A compiled function's keys, checked in C++ where a recent one holds (Note [Keys
+    checked in C++])."""
+
+    def __init__(self) -> None:
+        self._checks: list[SameKey] = []
+        self._computed: list[tuple[Any, ...]] = []  # the last keys computed, latest last
+        self._static: Collection[int] = ()  # the checks' static positions under dynamic
+
+    def key(self, structure: Any, leaves: Sequence[Any], dynamic: bool,
+            config_parts: tuple[str, ...], static: Collection[int]) -> tuple[Any, ...]:
+        """``signature(structure, leaves, dynamic, config_parts, static)``."""
+        context = call_context(config_parts)
+        plain = type(structure) is int  # a call made of positional tensors only
+        if static is not self._static:  # aot_module made a buffer dynamic: keys differ now
+            self._checks, self._computed, self._static = [], [], static
+        if plain:
+            for i, check in enumerate(self._checks):
+                if check.holds(leaves, context, dynamic):
+                    if i:
+                        self._checks.insert(0, self._checks.pop(i))
+                    return check.key
+        key = signature(structure, leaves, dynamic, config_parts, static, context=context)
+        if plain:
+            self._remember(key, leaves[:structure], dynamic, static)
+        return key
+
+    def _remember(self, key: tuple[Any, ...], tensors: Sequence[Any], dynamic: bool,
+                  static: Collection[int]) -> None:
+        if any(check.key == key for check in self._checks):  # stricter than the key here
+            return
+        if key not in self._computed:
+            self._computed = [*self._computed[1 - _KEPT:], key]
+            return
+        if key[2] or not all(_checkable(t) for t in tensors):
+            return
+        dynamic_at = [dynamic and i not in static for i in range(len(tensors))]
+        self._checks = [SameKey(key, tensors, dynamic_at), *self._checks[: _KEPT - 1]]
+
+
+def _checkable(t: Any) -> bool:
+    """A plain strided tensor with sizes and strides of ints (not a trace's symbols)."""
+    return (isinstance(t, torch.Tensor) and not is_subclass(t) and t.layout is torch.strided
+            and not t.is_nested and all(type(s) is int for s in (*t.shape, *t.stride())))
