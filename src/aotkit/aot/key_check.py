@@ -13,8 +13,8 @@ other value besides what the function captures) gets a check, :class:`SameKey`, 
 whether a later call has that very key without computing it: Dynamo's C++ tensor check
 (``TensorGuards``: Python type, dispatch keys, which hold the layout and the conjugate and
 negative bits, dtype, device, requires_grad, sizes and strides, the sizes and strides only where
-the key holds them), then in Python the leafness of the tensors requiring grad, that no tensor is
-passed twice, the call's modes and the captured values' keys. A call the check accepts has the
+the key holds them, and that no tensor object is passed twice), then in Python the leafness of
+the tensors requiring grad, the call's modes and the captured values' keys. A call the check accepts has the
 key exactly; it is more strict than the key in one way (an inference-mode tensor's dispatch keys
 differ), where the call computes its key as before. A key is checked after it was computed twice
 (a key computed once per call, such as a step counter among the captured values, never pays for
@@ -64,7 +64,6 @@ class SameKey:
         tensors = leaves[:n] if self.extras else leaves
         return (self.guards.check(*tensors)
                 and _leafness(self.grad_positions, tensors) == self.leafs
-                and len(set(map(id, tensors))) == n
                 and (not self.extras
                      or tuple(leaf_key(x, dynamic) for x in leaves[n:]) == self.extras))
 
@@ -90,7 +89,8 @@ class RecentKeys:
         """``signature(structure, leaves, dynamic, config_parts, static)``."""
         context = call_context(config_parts)
         plain = type(structure) is int  # a call made of positional tensors only
-        if static is not self._static:  # aot_module made a buffer dynamic: keys differ now
+        if static is not self._static and static != self._static:  # aot_module made a
+            # buffer's size dynamic: its keys differ from now on
             self._checks, self._computed, self._static = [], [], static
         if plain:
             for i, check in enumerate(self._checks):
