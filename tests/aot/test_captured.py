@@ -1983,3 +1983,31 @@ def test_parts_of_a_model_the_function_never_reaches_are_not_watched() -> None:
         model.head.dense = torch.nn.Linear(4, 2)
         torch.testing.assert_close(compiled(x), model.encoder(x), rtol=0, atol=0)
     assert counters.counters["aot"]["traces"] == 1
+
+
+class _Ordered(torch.nn.Module):
+    """Layers registered as attributes first, then a list giving the order they run in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.order = torch.nn.ModuleList([self.enc, self.dec])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.order:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("change", ["swap", "append"])
+def test_a_list_of_modules_registered_before_it_is_watched(change: str) -> None:
+    """The list's entries were seen first as the model's own children: the list was not found
+    to lead to called modules, and a swap or an append ran the old graph."""
+    model = _Ordered().eval().requires_grad_(False)
+    compiled, x = aotkit.aot_function(lambda x: model(x), compilers.nop), torch.randn(3, 4)
+    compiled(x)
+    if change == "swap":
+        model.order[0], model.order[1] = model.dec, model.enc
+    else:
+        model.order.append(torch.nn.Linear(4, 4).requires_grad_(False))
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

@@ -1268,3 +1268,38 @@ def test_what_forward_assigns_is_set_back_as_forward_set_it():
     compiled, x = aotkit.aot_module(model, compilers.nop), torch.randn(2, 3)
     for _ in range(3):
         torch.testing.assert_close(compiled(x), eager(x))
+
+
+class _SharedLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.layers = nn.ModuleList([self.enc, self.enc, self.dec])  # ALBERT-style sharing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if layer is not None:
+                x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("change", ["share another", "swap", "child set to None"])
+def test_which_shared_module_a_slot_holds_is_part_of_the_layout(change: str) -> None:
+    """The layout key held the children's names only, and modules() lists a shared module
+    once: a slot made to hold another of them (or None) kept the old graph."""
+    model = _SharedLayers()
+    compiled = aotkit.aot_module(model, compilers.nop)
+    compiled(torch.randn(3, 4, requires_grad=True))  # the signature of the call below
+    if change == "share another":
+        model.layers[1] = model.layers[2]
+    elif change == "swap":
+        model.layers[0], model.layers[2] = model.dec, model.enc
+    else:
+        model.layers[1] = None
+    x = torch.randn(3, 4, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    out, expected = compiled(x), model(xe)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad, rtol=0, atol=0)

@@ -24,12 +24,13 @@ from aotkit.compat import FunctionalTensor
 @contextlib.contextmanager
 def unmaterialized() -> Iterator[list[Any]]:
     """The custom Functions' contexts ``ctx.set_materialize_grads(False)`` is called on
-    meanwhile (the setting cannot be read back)."""
+    meanwhile and not set back to True (the setting cannot be read back)."""
     off: list[Any] = []
     cls = torch.autograd.function.FunctionCtx
     original = cls.set_materialize_grads
 
     def recorded(ctx: Any, value: bool) -> None:
+        off[:] = [c for c in off if c is not ctx]
         if not value:
             off.append(ctx)
         original(ctx, value)

@@ -396,7 +396,9 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
     for m in root.modules():
         p, b = m._parameters, m._buffers
         cls = m.__class__
-        key.append((id(m), cls, class_forward(cls), m.training, *p, None, *b, None, *m._modules))
+        children = m._modules  # by name and by which module each holds (one may be shared)
+        key.append((id(m), cls, class_forward(cls), m.training, *p, None, *b, None, *children,
+                    None, *map(id, children.values())))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             # The hook objects, which the entry's layout holds, not their handles: pruning
             # again re-registers the same hook under a new handle.

@@ -446,17 +446,19 @@ def _with_containers(called: dict[int, nn.Module],
     (only there: a model's unused parts cost nothing per call), by id."""
     found = dict(called)
     seen: set[int] = set()
+    leading: set[int] = set()  # the containers found to lead to called modules
 
     def leads_to_called(m: nn.Module) -> bool:
         below = False
         for c in m._modules.values():
-            if c is None or id(c) in seen:
+            if c is not None and (id(c) in called or id(c) in leading):  # also seen elsewhere
+                below = True
+            if c is None or id(c) in seen or id(c) in called:
                 continue
             seen.add(id(c))
-            if id(c) in called:
-                below = True
-            elif c._modules and leads_to_called(c):
+            if c._modules and leads_to_called(c):
                 found[id(c)] = c
+                leading.add(id(c))
                 below = True
             elif _placeholder(c):  # its own children tell (its parent's need not be watched)
                 found[id(c)] = c

@@ -23,7 +23,7 @@ from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
-from aotkit.aot.simplify import ABSENT, FROM_ZEROS, without_gradients
+from aotkit.aot.simplify import ABSENT, FROM_ZEROS, runs_on_zeros, without_gradients
 from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
@@ -122,10 +122,17 @@ class CompiledGraphs:
         backward's ``gb + x`` then depends on none: eager's x, not None)."""
         if missing in self._reached:
             return self._reached[missing]
+        assert self.bw_gm is not None
         if 0 not in self._reached:
-            assert self.bw_gm is not None
             self._reached[0] = tangent_masks(self.bw_gm, sum(self.differentiable))
-        return self._reached[0]
+        if not missing:
+            return self._reached[0]
+        # Past the variants' limit (backward_fn): the whole graph ran, on zeros for the missing
+        # tangents, the custom backwards eager runs on zeros among the rest.
+        masks = tangent_masks(self.bw_gm, sum(self.differentiable), missing)
+        if len(self._reached) < 4 * config.recompile_limit:
+            self._reached[missing] = masks
+        return masks
 
     def run_forward(self, args: Sequence[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
@@ -205,19 +212,21 @@ class CompiledGraphs:
         return without_gradients(gm, [first + k for k in unused], num_tangents)
 
 
-def tangent_masks(gm: fx.GraphModule, num_tangents: int) -> list[int]:
+def tangent_masks(gm: fx.GraphModule, num_tangents: int, zeros: int = 0) -> list[int]:
     """Per output of backward graph ``gm``, whose last ``num_tangents`` placeholders are the
     tangents, a bit mask of the tangents it depends on. In a variant without some tangents
-    (Note [Custom backwards run on zeros]), what a custom backward made from their zeros
-    (``gb + 1``) depends on its other values only, and an absent value on all of them."""
+    (Note [Custom backwards run on zeros]), or in the whole graph run on zeros for the tangents
+    of bit mask ``zeros``, what a custom backward made from their zeros (``gb + 1``) depends on
+    its other values only, and an absent value on all of them."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     masks: dict[fx.Node, int] = {
         node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
     missing = sum(mask for node, mask in masks.items() if node.meta.get(ABSENT))
     computed = 1 << num_tangents  # by a custom backward eager runs: never None
+    present = (computed - 1) & ~zeros
     for node in gm.graph.nodes:
         if node.op != "placeholder":
-            made = node.meta.get(FROM_ZEROS)
+            made = node.meta.get(FROM_ZEROS) or (zeros and runs_on_zeros(node, present))
             mask = missing if node.meta.get(ABSENT) else computed if made else 0
             for arg in node.all_input_nodes:
                 if not (made and arg.meta.get(ABSENT)):

@@ -334,11 +334,10 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             continue
         inputs = node.all_input_nodes
         custom = node.meta.get("custom_backward")  # Note [Custom backwards run on zeros]
-        if custom is not None and custom & present and node.meta.get("custom_formula"):
-            custom = None  # given None for the missing gradients: a formula
-        if custom is not None and custom & present:
+        if runs_on_zeros(node, present):
             _on_zeros(node, absent)
-        elif (custom is not None) or (absent.intersection(inputs) and _absent(node, absent)):
+        elif (custom is not None and not custom & present) or (
+                absent.intersection(inputs) and _absent(node, absent)):  # or a formula
             absent.add(node)
         elif absent.intersection(inputs) and node.target in _SUMS:
             _sum_of_present(node, absent)
@@ -347,6 +346,14 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def runs_on_zeros(node: fx.Node, present: int) -> bool:
+    """Whether ``node`` is an op of a custom backward that eager runs when only the tangents of
+    bit mask ``present`` come, on zeros for the others (Note [Custom backwards run on zeros]):
+    not one given None for them (``set_materialize_grads(False)``), which is a formula."""
+    custom = node.meta.get("custom_backward")
+    return custom is not None and bool(custom & present) and not node.meta.get("custom_formula")
 
 
 def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:

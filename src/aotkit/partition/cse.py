@@ -52,7 +52,8 @@ def _key(node: fx.Node, env: dict[fx.Node, fx.Node]) -> Any:
         return None
     args = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
     key = (node.target, _frozen(args[0]), _frozen(tuple(sorted(args[1].items()))),
-           node.meta.get("custom_backward"))  # Note [Custom backwards run on zeros]
+           node.meta.get("custom_backward"),  # Note [Custom backwards run on zeros]
+           node.meta.get("custom_formula"))
     try:
         hash(key)
     except TypeError:

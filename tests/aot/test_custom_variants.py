@@ -1,0 +1,118 @@
+"""Custom autograd.Functions in backwards that bring gradients for some outputs only (Note
+[Custom backwards run on zeros]): values and None-ness as in eager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+import aotkit
+from aotkit import compilers
+
+
+def _grads(fn: Callable[..., Sequence[torch.Tensor]], used: Sequence[int],
+           make: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor | None]:
+    inputs = make()
+    outs = fn(*inputs)
+    sum(outs[i].sum() for i in used).backward()
+    return [t.grad for t in inputs]
+
+
+def _assert_same(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> None:
+    assert [g is None for g in got] == [w is None for w in want]
+    for g, w in zip(got, want, strict=True):
+        if w is not None:
+            torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
+
+
+def _make(materialize: bool) -> type[torch.autograd.Function]:
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            if not materialize:
+                ctx.set_materialize_grads(False)
+            ctx.save_for_backward(y)
+            return x * 3, y * 2 + x
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            (y,) = ctx.saved_tensors
+            if gb is None:
+                return ga * 3, None
+            return ga * 3 + gb / y, gb * 2
+
+    return Fn
+
+
+_MATERIALIZED, _GIVEN_NONE = _make(True), _make(False)
+
+
+def _both_kinds(x1, y1, x2, y2, y):
+    a1, b1 = _MATERIALIZED.apply(x1, y1)
+    a2, b2 = _GIVEN_NONE.apply(x2, y2)
+    a3, b3 = _MATERIALIZED.apply(x1, y)  # the same ops as the other kind's below
+    a4, b4 = _GIVEN_NONE.apply(x2, y)
+    return a1 + a2 + a3 + a4, b1 + b2 + b3 + b4
+
+
+def _five() -> list[torch.Tensor]:
+    x1, x2 = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    y1, y2 = (torch.tensor([1.0, 2.0, 3.0], requires_grad=True) for _ in range(2))
+    return [x1, y1, x2, y2, torch.tensor([0.0, 1.0, 2.0])]
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_common_ops_of_two_kinds_of_custom_backward_stay_apart(partition: str) -> None:
+    """Min-cut's CSE merged an op of a custom backward given zeros with the same op of one
+    given None: one of them took the other's kind (None for zeros, NaN dropped)."""
+    kw = {"partition_fn": aotkit.min_cut_rematerialization_partition} if partition == "min_cut" else {}
+    compiled = aotkit.aot_function(_both_kinds, compilers.nop, **kw)
+    _assert_same(_grads(compiled, [0], _five), _grads(_both_kinds, [0], _five))
+
+
+class _MaterializedAgain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(True)  # eager gives zeros again
+        ctx.save_for_backward(y)
+        return x * 2, y * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        (y,) = ctx.saved_tensors
+        return ga * 2 + gb / y, gb * 3
+
+
+def test_materialize_grads_set_back_to_true_gives_zeros() -> None:
+    def make() -> list[torch.Tensor]:
+        return [torch.ones(3, requires_grad=True), torch.tensor([0.0, 1.0, 2.0], requires_grad=True)]
+
+    compiled = aotkit.aot_function(_MaterializedAgain.apply, compilers.nop)
+    for used in ([0], [1]):
+        _assert_same(_grads(compiled, used, make), _grads(_MaterializedAgain.apply, used, make))
+
+
+class _Affine3(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, z):
+        return x * 2, y * 3, z * 4
+
+    @staticmethod
+    def backward(ctx, ga, gb, gc):
+        return ga * 2 + 1, gb * 3 + 1, gc * 4 + 1
+
+
+def test_past_the_variants_limit_custom_backwards_run_on_zeros_give_values() -> None:
+    """Past recompile_limit sets of unused outputs the whole graph runs on zeros; which
+    gradients are None was read off the whole graph, which has no custom backward's ones
+    (``ga * 2 + 1`` is 1 on zeros, not None)."""
+    def make() -> list[torch.Tensor]:
+        return [torch.zeros(2, requires_grad=True) for _ in range(3)]
+
+    compiled = aotkit.aot_function(_Affine3.apply, compilers.nop)
+    with aotkit.config.patch(recompile_limit=2):
+        for used in ([0], [1], [2], [0, 2]):
+            _assert_same(_grads(compiled, used, make), _grads(_Affine3.apply, used, make))
