@@ -116,3 +116,76 @@ def test_past_the_variants_limit_custom_backwards_run_on_zeros_give_values() -> 
     with aotkit.config.patch(recompile_limit=2):
         for used in ([0], [1], [2], [0, 2]):
             _assert_same(_grads(compiled, used, make), _grads(_Affine3.apply, used, make))
+
+
+class _Affine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 2 * x + 1  # eager calls it with zeros where no gradient comes
+
+
+class _Gate(torch.autograd.Function):
+    """Sends no gradient to its first input."""
+
+    @staticmethod
+    def forward(ctx, d, q):
+        ctx.save_for_backward(d)
+        return d * q
+
+    @staticmethod
+    def backward(ctx, g):
+        (d,) = ctx.saved_tensors
+        return None, g * d
+
+
+def test_a_custom_backward_given_only_none_runs_when_the_one_after_it_runs() -> None:
+    """The Function behind a gate gets None; eager runs it (on zeros) whenever the gate runs:
+    the variant for the unused second output dropped it (x.grad None, not ones)."""
+    def f(x, q, z):
+        return _Gate.apply(_Affine.apply(x), q), z.sin()
+
+    def make() -> list[torch.Tensor]:
+        return [torch.ones(3, requires_grad=True) for _ in range(3)]
+
+    compiled = aotkit.aot_function(f, compilers.nop)
+    for used in ([0, 1], [0], [1]):
+        _assert_same(_grads(compiled, used, make), _grads(f, used, make))
+
+
+class _DifferentiatesInside(torch.autograd.Function):
+    """Two outputs; the backward runs autograd.grad through the Function before it."""
+
+    @staticmethod
+    def forward(ctx, h, x):
+        ctx.save_for_backward(h, x)
+        return h.sin(), x.cos()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        h, x = ctx.saved_tensors
+        with torch.enable_grad():
+            (gx,) = torch.autograd.grad(h, x, ga, retain_graph=True)
+        return None, gx * 1 - gb * x.sin()
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_a_custom_backward_run_twice_keeps_each_runs_reach(partition: str) -> None:
+    """The affine Function runs inside the other's autograd.grad and again on the main path:
+    one reach per node, the second run's, made the variants drop or keep both runs' ops."""
+    def f(x):
+        return _DifferentiatesInside.apply(_Affine.apply(x), x)
+
+    def make() -> list[torch.Tensor]:
+        return [torch.linspace(-1, 1, 3, requires_grad=True)]
+
+    kw = {"partition_fn": aotkit.min_cut_rematerialization_partition} if partition == "min_cut" else {}
+    compiled = aotkit.aot_function(f, compilers.nop, **kw)
+    for used in ([0, 1], [0], [1]):
+        got, want = _grads(compiled, used, make), _grads(f, used, make)
+        torch.testing.assert_close(got[0], want[0])

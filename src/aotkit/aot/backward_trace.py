@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 import os
 import sys
@@ -45,11 +46,12 @@ def unmaterialized() -> Iterator[list[Any]]:
 @contextlib.contextmanager
 def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized: list[Any],
                              guard: Any) -> Iterator[dict[int, int]]:
-    """While the backward is traced: per custom autograd.Function node it runs, by id, a bit
+    """While the backward is traced: per run of a custom autograd.Function's backward (a
+    number, ``guard.custom_backward`` while it runs, whose ops the guard tags with it), a bit
     mask of the tangents whose presence makes it run (Note [Custom backwards run on zeros]),
-    and under minus its id ``FORMULA`` for those in ``unmaterialized``, whose backward eager
-    gives None for the missing ones. Sets ``guard.custom_backward`` to the running one's id,
-    whose ops the guard tags."""
+    and under minus that number ``FORMULA`` for those in ``unmaterialized``, whose backward
+    eager gives None for the missing ones. One node may run twice (also inside another's
+    ``autograd.grad``), with other incoming gradients each time."""
     reach: dict[int, int] = {}
     mode = get_proxy_mode()
     if mode is None or guard is None:
@@ -58,26 +60,34 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
     graph = mode.tracer.graph
     tangents = list(graph.find_nodes(op="placeholder"))[-num_tangents:] if num_tangents else []
     masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(tangents)}
-
     running: list[int | None] = []  # the custom backwards a nested backward interrupted
+    runs = itertools.count(1)
+    last_run: dict[int, int] = {}  # node id -> its latest run
+    paths = _Paths(outs)
 
     def reached(node: Any, grads: tuple[Any, ...]) -> None:
-        running.append(guard.custom_backward)
+        outer = guard.custom_backward
+        running.append(outer)
         found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
                  for g in grads if isinstance(g, FunctionalTensor)]
         incoming = [_tangent_mask(p.proxy.node, masks, reach) for p in found if p is not None]
-        # A gradient made from no tangent (Inductor's zeros for a round's) is taken for one
-        # eager computes whatever is missing: it always runs then; with none (None from the
-        # custom backward after it), never.
-        reach[id(node)] = ALWAYS if 0 in incoming else functools.reduce(operator.or_, incoming, 0)
+        run = last_run[id(node)] = next(runs)
+        # Inside another custom backward (its autograd.grad): whenever that one runs, on the
+        # values it has, zeros for missing gradients. A gradient made from no tangent
+        # (Inductor's zeros for a round's) is taken for one eager computes whatever is
+        # missing: it always runs then. With none (None from the backwards after it), eager
+        # runs it whenever one of those runs.
+        reach[run] = reach[outer] if outer is not None else ALWAYS if 0 in incoming else \
+            functools.reduce(operator.or_, incoming, 0) if incoming else \
+            paths.reach(node, reach, last_run)
         if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros: a
-            reach[-id(node)] = FORMULA  # formula where it runs
-        guard.custom_backward = id(node)
+            reach[-run] = FORMULA  # formula where it runs
+        guard.custom_backward = run
 
     def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
         guard.custom_backward = running.pop() if running else None
 
-    nodes = _custom_nodes(outs)  # held: their ids are not reused meanwhile
+    nodes = _custom_nodes(outs)
     handles = [h for node in nodes for h in (
         node.register_prehook(functools.partial(reached, node)), node.register_hook(ran))]
     try:
@@ -86,6 +96,52 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
         guard.custom_backward = None
         for handle in handles:
             handle.remove()
+
+
+class _Paths:
+    """The autograd graph behind the outputs, walked backward from a node: when the engine
+    runs it (Note [Custom backwards run on zeros])."""
+
+    def __init__(self, outs: list[Any]) -> None:
+        self.outs = outs
+        self.parents: dict[int, list[Any]] | None = None  # built when first asked
+        self.roots: dict[int, int] = {}  # a node an output comes from -> those outputs' bits
+
+    def reach(self, node: Any, reach: dict[int, int], last_run: dict[int, int]) -> int:
+        """The tangents whose presence makes the engine run ``node``: those of the outputs it
+        comes from, and those that make the nodes before it run (a custom backward's as it
+        ran; others', the same way, further up)."""
+        parents = self._parents()
+        memo: dict[int, int] = {}
+        todo = [node]
+        while todo:
+            last = todo[-1]
+            if id(last) in last_run and last is not node:
+                memo[id(last)] = reach[last_run[id(last)]]
+            if id(last) in memo:
+                todo.pop()
+                continue
+            unknown = [p for p in parents.get(id(last), ()) if id(p) not in memo]
+            if unknown:
+                todo.extend(unknown)
+                continue
+            memo[id(last)] = functools.reduce(
+                operator.or_, (memo[id(p)] for p in parents.get(id(last), ())),
+                self.roots.get(id(last), 0))
+            todo.pop()
+        return memo[id(node)]
+
+    def _parents(self) -> dict[int, list[Any]]:
+        if self.parents is None:
+            self.parents = {}
+            for k, out in enumerate(self.outs):
+                if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                    self.roots[id(out.grad_fn)] = self.roots.get(id(out.grad_fn), 0) | 1 << k
+            for node in _graph(self.outs):
+                for child, _ in node.next_functions:
+                    if child is not None:
+                        self.parents.setdefault(id(child), []).append(node)
+        return self.parents
 
 
 def tag_custom_backward(custom: int, last: fx.Node | None) -> None:
@@ -98,6 +154,12 @@ def tag_custom_backward(custom: int, last: fx.Node | None) -> None:
 
 def _custom_nodes(outs: list[Any]) -> list[Any]:
     """The custom autograd.Function nodes behind ``outs``."""
+    return [node for node in _graph(outs)
+            if isinstance(node, torch.autograd.function.BackwardCFunction)]
+
+
+def _graph(outs: list[Any]) -> list[Any]:
+    """The autograd nodes behind ``outs``, each once."""
     seen: set[int] = set()
     todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     found = []
@@ -106,8 +168,7 @@ def _custom_nodes(outs: list[Any]) -> list[Any]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            found.append(node)
+        found.append(node)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return found
 

@@ -254,11 +254,15 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # Note [Custom backwards run on zeros]
 # A custom autograd.Function's backward is not a formula of PyTorch's: eager runs it when any of
 # its outputs gets a gradient, on zeros for the others (materialized), and not at all when none
-# does. The trace tags the ops each one recorded (``custom_backward``, between the hooks the
-# engine calls around it) with the tangents whose presence makes its incoming gradients ones
-# eager computes: those they depend on, those that make the custom backward that made them
-# run, or all (``ALWAYS``) where one is made from no tangent (a synthetic loss's gradient,
-# Inductor's zeros for ``round``). The variant follows eager: a custom backward none of those
+# does. The trace tags the ops each run of one recorded (``custom_backward``, between the hooks
+# the engine calls around it; a node may run twice, inside another's ``autograd.grad`` too)
+# with the tangents whose presence makes its incoming gradients ones eager computes: those
+# they depend on, those that make the custom backward that made them run, or all (``ALWAYS``)
+# where one is made from no tangent (a synthetic loss's gradient, Inductor's zeros for
+# ``round``). A run inside another custom backward runs whenever that one does; one given only
+# None (the Function after it sends none) whenever a node after it runs, as eager's engine
+# runs every node it reaches (on zeros). Past the variants' limit the whole graph runs on zeros
+# and ``tangent_masks`` applies the same rule to it. The variant follows eager: a custom backward none of those
 # tangents reaches is absent whole (a synthetic gradient it makes too); one they reach
 # computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
 # ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None;
