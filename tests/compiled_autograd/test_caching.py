@@ -589,3 +589,16 @@ def test_an_error_eager_raises_too_is_not_blamed_on_a_replay_for_new_sizes() -> 
     want = _expanded_grad_backward()
     with aotkit.compiled_autograd.enable(aotkit.compiled_autograd.nop):
         assert _expanded_grad_backward() == want
+
+
+def test_anomaly_nan_checks_are_refused_on_a_replay_too() -> None:
+    """The engine's cache key leaves anomaly mode out: a backward captured before it was
+    turned on replayed without eager's NaN check, leaving NaN in .grad silently."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        (w * torch.ones(3)).sqrt().sum().backward()  # captured outside anomaly mode
+        w.grad = None
+        with torch.autograd.detect_anomaly(), \
+                pytest.raises(aotkit.errors.UnsupportedError, match="check_nan=False"):
+            (w * torch.tensor([0.0, -1.0, 1.0])).sqrt().sum().backward()
+    assert w.grad is None

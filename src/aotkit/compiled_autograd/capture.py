@@ -31,11 +31,12 @@ from aotkit.compiled_autograd import session as session_state
 from aotkit.compiled_autograd.builder import GraphBuilder
 from aotkit.compiled_autograd.lower import Example
 from aotkit.compiled_autograd.session import (
-    CREATE_GRAPH_MESSAGE,
+    NAN_CHECK_MESSAGE,
     CompiledBackward,
     Session,
     log,
     make_variant,
+    refuse_unsupported_modes,
 )
 from aotkit.errors import UnsupportedError
 
@@ -70,14 +71,9 @@ class Capture(GraphBuilder):
                       check_nans: bool = False, *rest: Any) -> tuple[str, list[Any], list[Any],
                                                                       list[Any]]:
         """Start a graph: fake the inputs and turn sizes and scalars into symbols."""
-        if torch.is_grad_enabled():
-            # The engine runs a create_graph=True backward with grad mode on.
-            raise UnsupportedError(CREATE_GRAPH_MESSAGE)
+        refuse_unsupported_modes()  # the engine runs a create_graph=True backward with grad on
         if check_nans:
-            raise UnsupportedError(
-                "aotkit.compiled_autograd does not check for NaNs per node (anomaly mode). "
-                "Workaround: debug under aotkit.compiled_autograd.disable()."
-            )
+            raise UnsupportedError(NAN_CHECK_MESSAGE)
         self.id = next(_ids)
         # The nodes in the order eager would run them: See Note [Eager node order].
         self.eager_order, self.order_unknown = engine_order.execution_order()

@@ -27,6 +27,23 @@ CREATE_GRAPH_MESSAGE = (
     "Workaround: run this backward under aotkit.compiled_autograd.disable(), or compute "
     "higher-order gradients with torch.autograd.grad outside the enable() block."
 )
+NAN_CHECK_MESSAGE = (
+    "aotkit.compiled_autograd does not check each node's gradients for NaN (anomaly mode: "
+    "torch.autograd.detect_anomaly() or set_detect_anomaly(True), with check_nan): eager would "
+    "raise at the node that made one, a captured graph would leave it in .grad. Fix: run the "
+    "backward under aotkit.compiled_autograd.disable() while debugging, or pass "
+    "check_nan=False."
+)
+
+
+def refuse_unsupported_modes() -> None:
+    """What a backward cannot be captured or replayed under: create_graph=True (grad mode is
+    on in its backward) and anomaly mode's NaN checks (not in the engine's cache key: a
+    backward captured before anomaly mode was turned on replayed without them)."""
+    if torch.is_grad_enabled():
+        raise UnsupportedError(CREATE_GRAPH_MESSAGE)
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        raise UnsupportedError(NAN_CHECK_MESSAGE)
 
 
 # A formula replayed for a size that decides its structure fails on sizes (Note in
@@ -368,8 +385,7 @@ class CompiledBackward:
 
     def __call__(self, _engine_fn: Any, inputs: list[Any], sizes: Any, scalars: Any,
                  hooks: Any, packed_data: Any) -> Any:
-        if torch.is_grad_enabled():
-            raise UnsupportedError(CREATE_GRAPH_MESSAGE)
+        refuse_unsupported_modes()
         self._check_grad_dtypes(inputs)
         example = Example(inputs, list(sizes), list(scalars))
         fn = self.compiled_for(active(), example)
