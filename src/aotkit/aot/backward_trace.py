@@ -87,7 +87,7 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
     def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
         guard.custom_backward = running.pop() if running else None
 
-    nodes = _custom_nodes(outs)
+    nodes = _custom_nodes(outs)  # held: their ids (last_run's keys) are not reused meanwhile
     handles = [h for node in nodes for h in (
         node.register_prehook(functools.partial(reached, node)), node.register_hook(ran))]
     try:

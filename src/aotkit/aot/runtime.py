@@ -134,11 +134,16 @@ class CompiledGraphs:
             self._reached[missing] = masks
         return masks
 
+    def contexts_matter(self) -> bool:
+        """Whether turning autocast and ``no_overrides`` off around a graph changes anything
+        now (entering the contexts costs a few microseconds a call)."""
+        return self.no_overrides is not contextlib.nullcontext or \
+            torch._C._is_any_autocast_enabled()
+
     def run_forward(self, args: Sequence[Any]) -> Any:
         """The compiled forward on ``args``, with autocast off (Note [Autocast is traced]) and,
         when it returns views, their view functions recorded (Note [Replaying views])."""
-        if self.returns_views or self.no_overrides is not contextlib.nullcontext or \
-                torch._C._is_any_autocast_enabled():  # else the contexts would change nothing
+        if self.returns_views or self.contexts_matter():
             views = torch.autograd._force_original_view_tracking(True) if self.returns_views \
                 else contextlib.nullcontext()
             with torch._C._DisableAutocast(), self.no_overrides(), views:
@@ -351,8 +356,7 @@ def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
     """``backward(args)`` under no_grad, autocast off and ``graphs.no_overrides``, entering
     only the contexts that change something (a backward runs with grad mode off and autocast
     off unless create_graph=True or an autocast region around backward())."""
-    if torch.is_grad_enabled() or torch._C._is_any_autocast_enabled() or \
-            graphs.no_overrides is not contextlib.nullcontext:
+    if torch.is_grad_enabled() or graphs.contexts_matter():
         with torch.no_grad(), torch._C._DisableAutocast(), graphs.no_overrides():
             return backward(args)
     return backward(args)

@@ -261,12 +261,13 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # where one is made from no tangent (a synthetic loss's gradient, Inductor's zeros for
 # ``round``). A run inside another custom backward runs whenever that one does; one given only
 # None (the Function after it sends none) whenever a node after it runs, as eager's engine
-# runs every node it reaches (on zeros). Past the variants' limit the whole graph runs on zeros
-# and ``tangent_masks`` applies the same rule to it. The variant follows eager: a custom backward none of those
-# tangents reaches is absent whole (a synthetic gradient it makes too); one they reach
+# runs every node it reaches (on zeros). The variant follows eager: a custom backward none of
+# those tangents reaches is absent whole (a synthetic gradient it makes too); one they reach
 # computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
 # ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None;
-# one given None for them (``set_materialize_grads(False)``) is a formula where it runs.
+# one given None for them (``set_materialize_grads(False)``) is a formula where it runs. Past
+# the variants' limit the whole graph runs on zeros, and which gradients are None follows the
+# same rule (``tangent_masks``).
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
