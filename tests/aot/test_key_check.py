@@ -96,3 +96,25 @@ def test_a_call_after_the_check_was_built_sees_every_change() -> None:
     with torch.no_grad():
         out = f(x)
     assert out.grad_fn is None
+
+
+def test_a_symbolic_call_after_eager_ones_adds_no_guard() -> None:
+    """A key of a trace's symbolic sizes compared with a remembered one guarded the symbol
+    (``s0 == 3``): a call under a FakeTensorMode with a ShapeEnv came back with static size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    f = aotkit.aot_function(lambda t: t * 2, aotkit.compilers.nop)
+    for _ in range(3):
+        f(torch.randn(3))
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    fake = mode.from_tensor(torch.randn(3), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC]))
+    with mode:
+        out = f(fake)
+    assert isinstance(out.shape[0], torch.SymInt) and not env.guards

@@ -32,7 +32,6 @@ import torch
 from torch._C._dynamo.guards import TensorGuards
 
 from aotkit.aot.signature import call_context, leaf_key, signature
-from aotkit.aot.subclass import is_subclass
 
 _IS_LEAF = operator.attrgetter("is_leaf")
 _KEPT = 4  # checks kept per compiled function, and keys remembered to build them from
@@ -105,18 +104,21 @@ class RecentKeys:
 
     def _remember(self, key: tuple[Any, ...], tensors: Sequence[Any], dynamic: bool,
                   static: Collection[int]) -> None:
+        # First: comparing a key of a trace's symbolic sizes would guard them (``s0 == 3``).
+        if key[2] or not all(_checkable(t) for t in tensors):
+            return
         if any(check.key == key for check in self._checks):  # stricter than the key here
             return
         if key not in self._computed:
             self._computed = [*self._computed[1 - _KEPT:], key]
             return
-        if key[2] or not all(_checkable(t) for t in tensors):
-            return
         dynamic_at = [dynamic and i not in static for i in range(len(tensors))]
         self._checks = [SameKey(key, tensors, dynamic_at), *self._checks[: _KEPT - 1]]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 def _checkable(t: Any) -> bool:
-    """A plain strided tensor with sizes and strides of ints (not a trace's symbols)."""
-    return (isinstance(t, torch.Tensor) and not is_subclass(t) and t.layout is torch.strided
-            and not t.is_nested and all(type(s) is int for s in (*t.shape, *t.stride())))
+    """A plain strided tensor: no subclass (a trace's fake or functional tensors are)."""
+    return type(t) in _PLAIN and t.layout is torch.strided and not t.is_nested
