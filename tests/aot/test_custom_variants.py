@@ -189,3 +189,51 @@ def test_a_custom_backward_run_twice_keeps_each_runs_reach(partition: str) -> No
     for used in ([0, 1], [0], [1]):
         got, want = _grads(compiled, used, make), _grads(f, used, make)
         torch.testing.assert_close(got[0], want[0])
+
+
+class _GivenNoneInner(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return None if g is None else g * 2 * x + 1
+
+
+class _GivenNoneOuter(torch.autograd.Function):
+    """Differentiates through the inner Function only when its first gradient comes."""
+
+    @staticmethod
+    def forward(ctx, h, x):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(h, x)
+        return h.sin(), x * 2
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        h, x = ctx.saved_tensors
+        gx = None
+        if ga is not None:
+            with torch.enable_grad():
+                (gx,) = torch.autograd.grad(h, x, ga * h.cos(), retain_graph=True)
+        if gb is not None:
+            gx = gb * 2 if gx is None else gx + gb * 2
+        return None, gx
+
+
+def test_a_run_inside_a_given_none_backward_runs_only_with_what_it_passes() -> None:
+    """The outer backward skips its autograd.grad when its gradient is None: the inner run
+    took the outer's reach and added its ``+ 1`` where eager never runs it."""
+    def f(x):
+        return _GivenNoneOuter.apply(_GivenNoneInner.apply(x), x)
+
+    def make() -> list[torch.Tensor]:
+        return [torch.linspace(0.5, 1.5, 3).requires_grad_()]
+
+    compiled = aotkit.aot_function(f, compilers.nop)
+    for used in ([0, 1], [0], [1]):
+        _assert_same(_grads(compiled, used, make), _grads(f, used, make))

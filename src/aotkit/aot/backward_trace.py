@@ -59,10 +59,11 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
         return
     graph = mode.tracer.graph
     tangents = list(graph.find_nodes(op="placeholder"))[-num_tangents:] if num_tangents else []
-    masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(tangents)}
+    tangent_bits = {node: 1 << k for k, node in enumerate(tangents)}
+    masks: dict[fx.Node, int] = dict(tangent_bits)
     running: list[int | None] = []  # the custom backwards a nested backward interrupted
     runs = itertools.count(1)
-    last_run: dict[int, int] = {}  # node id -> its latest run
+    runs_of: dict[int, int] = {}  # node id -> the tangents that make any of its runs run
     paths = _Paths(outs)
 
     def reached(node: Any, grads: tuple[Any, ...]) -> None:
@@ -70,16 +71,22 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
         running.append(outer)
         found = [get_proxy_slot(torch._from_functional_tensor(g.elem), mode.tracer, None)
                  for g in grads if isinstance(g, FunctionalTensor)]
-        incoming = [_tangent_mask(p.proxy.node, masks, reach) for p in found if p is not None]
-        run = last_run[id(node)] = next(runs)
+        materialized_outer = outer is not None and -outer not in reach
+        if outer is not None and not materialized_outer:  # by what that one's values read
+            incoming = [_tangent_mask(p.proxy.node, dict(tangent_bits), reach, outer)
+                        for p in found if p is not None]
+        else:
+            incoming = [_tangent_mask(p.proxy.node, masks, reach) for p in found if p is not None]
+        run = next(runs)
         # Inside another custom backward (its autograd.grad): whenever that one runs, on the
-        # values it has, zeros for missing gradients. A gradient made from no tangent
+        # values it has, zeros for missing gradients (given None instead, it may skip the
+        # call: then by the gradients it passes, as any other). A gradient made from no tangent
         # (Inductor's zeros for a round's) is taken for one eager computes whatever is
         # missing: it always runs then. With none (None from the backwards after it), eager
         # runs it whenever one of those runs.
-        reach[run] = reach[outer] if outer is not None else ALWAYS if 0 in incoming else \
-            functools.reduce(operator.or_, incoming, 0) if incoming else \
-            paths.reach(node, reach, last_run)
+        reach[run] = reach[outer] if materialized_outer else ALWAYS if 0 in incoming else \
+            functools.reduce(operator.or_, incoming, 0) if incoming else paths.reach(node, runs_of)
+        runs_of[id(node)] = runs_of.get(id(node), 0) | reach[run]
         if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros: a
             reach[-run] = FORMULA  # formula where it runs
         guard.custom_backward = run
@@ -87,7 +94,7 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
     def ran(*_: Any) -> None:  # before the engine adds what it returned into the next nodes'
         guard.custom_backward = running.pop() if running else None
 
-    nodes = _custom_nodes(outs)  # held: their ids (last_run's keys) are not reused meanwhile
+    nodes = _custom_nodes(outs)  # held: their ids (runs_of's keys) are not reused meanwhile
     handles = [h for node in nodes for h in (
         node.register_prehook(functools.partial(reached, node)), node.register_hook(ran))]
     try:
@@ -106,30 +113,33 @@ class _Paths:
         self.outs = outs
         self.parents: dict[int, list[Any]] | None = None  # built when first asked
         self.roots: dict[int, int] = {}  # a node an output comes from -> those outputs' bits
+        self.memo: dict[int, int] = {}
 
-    def reach(self, node: Any, reach: dict[int, int], last_run: dict[int, int]) -> int:
+    def reach(self, node: Any, ran: dict[int, int]) -> int:
         """The tangents whose presence makes the engine run ``node``: those of the outputs it
-        comes from, and those that make the nodes before it run (a custom backward's as it
-        ran; others', the same way, further up)."""
+        comes from, and those that make the nodes before it run (``ran``: custom backwards'
+        as they ran; others', the same way, further up)."""
         parents = self._parents()
-        memo: dict[int, int] = {}
+        memo = self.memo  # builtin nodes' answers, kept: the nodes before them ran already
         todo = [node]
         while todo:
             last = todo[-1]
-            if id(last) in last_run and last is not node:
-                memo[id(last)] = reach[last_run[id(last)]]
-            if id(last) in memo:
+            if last is not node and (id(last) in ran or id(last) in memo):
                 todo.pop()
                 continue
-            unknown = [p for p in parents.get(id(last), ()) if id(p) not in memo]
+            unknown = [p for p in parents.get(id(last), ())
+                       if id(p) not in memo and id(p) not in ran]
             if unknown:
                 todo.extend(unknown)
                 continue
-            memo[id(last)] = functools.reduce(
-                operator.or_, (memo[id(p)] for p in parents.get(id(last), ())),
-                self.roots.get(id(last), 0))
+            mask = functools.reduce(
+                operator.or_, (ran[id(p)] if id(p) in ran else memo[id(p)]
+                               for p in parents.get(id(last), ())), self.roots.get(id(last), 0))
+            if last is node:
+                return mask
+            memo[id(last)] = mask
             todo.pop()
-        return memo[id(node)]
+        raise AssertionError("unreachable")
 
     def _parents(self) -> dict[int, list[Any]]:
         if self.parents is None:
@@ -179,17 +189,19 @@ ALWAYS = -1
 FORMULA = 0
 
 
-def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int], reach: dict[int, int]) -> int:
+def _tangent_mask(node: fx.Node, masks: dict[fx.Node, int], reach: dict[int, int],
+                  through: int | None = None) -> int:
     """The tangents whose presence makes traced node ``node`` a value eager computes, as a bit
-    mask (``masks`` is the memo): those it depends on, or, made by a custom backward, those
-    that make that one run (on zeros for the rest)."""
+    mask (``masks`` is the memo): those it depends on, or, made by a custom backward (but run
+    ``through``, whose values are taken by what they read), those that make that one run (on
+    zeros for the rest)."""
     todo = [node]
     while todo:
         last = todo[-1]
         if last in masks:
             todo.pop()
             continue
-        if (custom := last.meta.get("custom_backward")) in reach:
+        if (custom := last.meta.get("custom_backward")) in reach and custom != through:
             masks[last] = reach[custom]
             todo.pop()
             continue
