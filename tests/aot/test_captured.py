@@ -2011,3 +2011,25 @@ def test_a_list_of_modules_registered_before_it_is_watched(change: str) -> None:
     else:
         model.order.append(torch.nn.Linear(4, 4).requires_grad_(False))
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+def test_a_container_the_function_never_reads_is_not_watched() -> None:
+    """A bookkeeping list over layers the function runs through another list: found to lead
+    to called modules, it was watched, and each append traced again (the limit at the ninth)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(
+        [torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(12)])
+    model.calibrated = torch.nn.ModuleList()  # filled as layers are calibrated, never read
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        for layer in model.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+    compiled, x = aotkit.aot_function(f, compilers.nop), torch.randn(2, 4)
+    for step in range(12):
+        if step:
+            model.calibrated.append(model.layers[step - 1])
+        torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+    assert counters.counters["aot"]["traces"] <= 2  # the empty list filled once: watched
+    assert torch.nn.ModuleList.__iter__.__module__ == "torch.nn.modules.container"

@@ -366,8 +366,10 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     nn.Module.train = train  # type: ignore[method-assign]
     token = _ACTIVE.set((constants, grad_constants, after_writes))
+    read: set[int] = set()  # the containers of modules the function read
     try:
-        yield reads
+        with _reading_containers(read, thread):
+            yield reads
     finally:
         _ACTIVE.reset(token)
         handle.remove()
@@ -376,7 +378,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         # A module the function switches itself, or one it does not call, keeps no flag.
         reads.flags = [_flag(m, m.training if i in called and i not in switched else None,
                              i in called)
-                       for i, m in _with_containers(called, roots)]
+                       for i, m in _with_containers(called, read, roots)]
         reads.global_hooks = global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
@@ -438,12 +440,13 @@ def modules_held(values: Iterable[Any]) -> list[nn.Module]:
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def _with_containers(called: dict[int, nn.Module],
+def _with_containers(called: dict[int, nn.Module], read: set[int],
                      roots: Iterable[nn.Module] = ()) -> list[tuple[int, nn.Module]]:
     """The modules called, then the ones between them, or between ``roots`` and them, the
     function reached without calling (a ModuleList it loops over, whose ``append`` the graph
-    would not see), and the empty containers and None children of those it holds or calls
-    (only there: a model's unused parts cost nothing per call), by id."""
+    would not see: not one of the containers it never ``read``, a list kept for bookkeeping
+    over modules it reaches otherwise), and the empty containers and None children of those it
+    holds or calls (only there: a model's unused parts cost nothing per call), by id."""
     found = dict(called)
     seen: set[int] = set()
     leading: set[int] = set()  # the containers found to lead to called modules
@@ -456,6 +459,8 @@ def _with_containers(called: dict[int, nn.Module],
             if c is None or id(c) in seen or id(c) in called:
                 continue
             seen.add(id(c))
+            if isinstance(c, _CONTAINERS) and c._modules and id(c) not in read:
+                continue
             if c._modules and leads_to_called(c):
                 found[id(c)] = c
                 leading.add(id(c))
@@ -472,6 +477,44 @@ def _with_containers(called: dict[int, nn.Module],
                 or any(c is None for c in m._modules.values())):
             found[id(m)] = m
     return list(found.items())
+
+
+# The container methods that hand out what a container holds: a container none of them was
+# called on while tracing is one the function never read (Note [What a trace reads besides
+# its inputs]). Traces run one at a time (Note [One compile at a time]), so no other
+# recording's patch is undone under this one.
+_CONTAINER_READS = ("__getitem__", "__iter__", "__len__", "__contains__", "__getattr__", "keys",
+                    "items", "values", "children", "named_children", "modules", "named_modules",
+                    "parameters", "named_parameters", "buffers", "named_buffers")
+
+
+@contextlib.contextmanager
+def _reading_containers(read: set[int], thread: int) -> Iterator[None]:
+    """Note in ``read`` the ids of the containers of modules read in this thread meanwhile."""
+    patched = []
+    for cls in _CONTAINERS:
+        for name in _CONTAINER_READS:
+            if (method := getattr(cls, name, None)) is not None:
+                patched.append((cls, name, cls.__dict__.get(name)))
+                setattr(cls, name, _noting_read(method, read, thread))
+    try:
+        yield
+    finally:
+        for cls, name, own in reversed(patched):
+            if own is None:  # inherited
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+
+
+def _noting_read(method: Callable[..., Any], read: set[int], thread: int) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def noting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and threading.get_ident() == thread:
+            read.add(id(self))
+        return method(self, *args, **kwargs)
+
+    return noting
 
 
 def _placeholder(m: nn.Module) -> bool:
