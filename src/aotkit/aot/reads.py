@@ -59,6 +59,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.hooks import RemovableHandle
 
 from aotkit import compat, counters
+from aotkit.aot.containers import reading_containers, scripted, with_containers
 from aotkit.aot.hook_watch import (
     global_hook_ids,
     hooks_of,
@@ -349,7 +350,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         # inside our trace) and cannot trace get_ident: the modules such a branch calls stay
         # unrecorded.
         if torch.compiler.is_compiling() or threading.get_ident() != thread \
-                or id(module) in own or id(module) in called or _scripted(module):
+                or id(module) in own or id(module) in called or scripted(module):
             return
         if uninitialized(module):
             raise lazy_refusal("the compiled function", [type(module).__name__])
@@ -368,7 +369,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
     token = _ACTIVE.set((constants, grad_constants, after_writes))
     read: set[int] = set()  # the containers of modules the function read
     try:
-        with _reading_containers(read, thread):
+        with reading_containers(read, thread):
             yield reads
     finally:
         _ACTIVE.reset(token)
@@ -378,7 +379,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         # A module the function switches itself, or one it does not call, keeps no flag.
         reads.flags = [_flag(m, m.training if i in called and i not in switched else None,
                              i in called)
-                       for i, m in _with_containers(called, read, roots)]
+                       for i, m in with_containers(called, read, roots)]
         reads.global_hooks = global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
@@ -435,92 +436,6 @@ def modules_held(values: Iterable[Any]) -> list[nn.Module]:
             if type(attributes) is dict:  # not one of its own making
                 found += [a for a in attributes.values() if issubclass(type(a), nn.Module)]
     return [m for m in found if "_modules" in m.__dict__]  # not one whose __init__ never ran
-
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _with_containers(called: dict[int, nn.Module], read: set[int],
-                     roots: Iterable[nn.Module] = ()) -> list[tuple[int, nn.Module]]:
-    """The modules called, then the ones between them, or between ``roots`` and them, the
-    function reached without calling (a ModuleList it loops over, whose ``append`` the graph
-    would not see: not one of the containers it never ``read``, a list kept for bookkeeping
-    over modules it reaches otherwise), and the empty containers and None children of those it
-    holds or calls (only there: a model's unused parts cost nothing per call), by id."""
-    found = dict(called)
-    seen: set[int] = set()
-    leading: set[int] = set()  # the containers found to lead to called modules
-
-    def leads_to_called(m: nn.Module) -> bool:
-        below = False
-        for c in m._modules.values():
-            if c is not None and (id(c) in called or id(c) in leading):  # also seen elsewhere
-                below = True
-            if c is None or id(c) in seen or id(c) in called:
-                continue
-            seen.add(id(c))
-            if isinstance(c, _CONTAINERS) and c._modules and id(c) not in read:
-                continue
-            if c._modules and leads_to_called(c):
-                found[id(c)] = c
-                leading.add(id(c))
-                below = True
-            elif _placeholder(c):  # its own children tell (its parent's need not be watched)
-                found[id(c)] = c
-        return below
-
-    for m in called.values():
-        leads_to_called(m)
-    for m in roots:
-        if id(m) not in found and not _scripted(m) and (
-                leads_to_called(m) or _placeholder(m)
-                or any(c is None for c in m._modules.values())):
-            found[id(m)] = m
-    return list(found.items())
-
-
-# The container methods that hand out what a container holds: a container none of them was
-# called on while tracing is one the function never read (Note [What a trace reads besides
-# its inputs]). Traces run one at a time (Note [One compile at a time]), so no other
-# recording's patch is undone under this one.
-_CONTAINER_READS = ("__getitem__", "__iter__", "__len__", "__contains__", "__getattr__", "keys",
-                    "items", "values", "children", "named_children", "modules", "named_modules",
-                    "parameters", "named_parameters", "buffers", "named_buffers")
-
-
-@contextlib.contextmanager
-def _reading_containers(read: set[int], thread: int) -> Iterator[None]:
-    """Note in ``read`` the ids of the containers of modules read in this thread meanwhile."""
-    patched = []
-    for cls in _CONTAINERS:
-        for name in _CONTAINER_READS:
-            if (method := getattr(cls, name, None)) is not None:
-                patched.append((cls, name, cls.__dict__.get(name)))
-                setattr(cls, name, _noting_read(method, read, thread))
-    try:
-        yield
-    finally:
-        for cls, name, own in reversed(patched):
-            if own is None:  # inherited
-                delattr(cls, name)
-            else:
-                setattr(cls, name, own)
-
-
-def _noting_read(method: Callable[..., Any], read: set[int], thread: int) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def noting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and threading.get_ident() == thread:
-            read.add(id(self))
-        return method(self, *args, **kwargs)
-
-    return noting
-
-
-def _placeholder(m: nn.Module) -> bool:
-    """An empty container, filled later (an adapter list). A None child (a head set later) is
-    told by its module's children where the function holds or calls that module."""
-    return not m._modules and isinstance(m, _CONTAINERS)
 
 
 def _put_back_tracing_tensors(held: Iterable[_Slot]) -> None:
@@ -612,7 +527,7 @@ def module_containers(modules: Iterable[tuple[str, torch.nn.Module]],
     levels, with their copies (put back with a decision, not a refusal); what several hold
     (a config) once."""
     classes: dict[type, list[str]] = {}
-    return _walk([item for where, m in modules if not _scripted(m)
+    return _walk([item for where, m in modules if not scripted(m)
                   for item in _module_items(where, m, classes)], 0, tensors, classes)
 
 
@@ -678,7 +593,7 @@ def _walked(level: list[tuple[str, Any, str]], first: int, tensors: HeldTensors 
             if module:  # a module and its submodules' own attributes (not TorchScript's)
                 prefix = where if left > 0 else type(v).__name__
                 for sub, m in torch.nn.Module.named_modules(v, prefix=prefix):
-                    if _scripted(m) or (m is not v and id(m) in seen):
+                    if scripted(m) or (m is not v and id(m) in seen):
                         continue
                     seen.add(id(m))
                     held += [(sub, m.__dict__, _ModuleAttributes(m.__dict__, recomputed(m))),
@@ -747,11 +662,6 @@ def _copy(container: Any, where: str, owner: str, joiner: str) -> Any:
             if isinstance(container, (list, collections.deque)) else \
             _ModuleAttributes(container, held_in=held_in, joiner=joiner)
     return _Attributes(container) if joiner == "." else container.copy()
-
-
-def _scripted(m: Any) -> bool:
-    """A TorchScript module, whose attributes live in C++ (its ``__dict__`` is no module's)."""
-    return issubclass(type(m), torch.jit.ScriptModule)
 
 
 class _Length(int):

@@ -23,7 +23,7 @@ from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
-from aotkit.aot.simplify import ABSENT, FROM_ZEROS, runs_on_zeros, without_gradients
+from aotkit.aot.simplify import tangent_masks, without_gradients
 from aotkit.aot.state import GlobalState
 from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
@@ -215,30 +215,6 @@ class CompiledGraphs:
             "outputs, counted from 0); the backward graph is compiled without them, as eager "
             "never runs their formulas (Note [Gradients backward does not bring])"), logger=log)
         return without_gradients(gm, [first + k for k in unused], num_tangents)
-
-
-def tangent_masks(gm: fx.GraphModule, num_tangents: int, zeros: int = 0) -> list[int]:
-    """Per output of backward graph ``gm``, whose last ``num_tangents`` placeholders are the
-    tangents, a bit mask of the tangents it depends on. In a variant without some tangents
-    (Note [Custom backwards run on zeros]), or in the whole graph run on zeros for the tangents
-    of bit mask ``zeros``, what a custom backward made from their zeros (``gb + 1``) depends on
-    its other values only, and an absent value on all of them."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    masks: dict[fx.Node, int] = {
-        node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
-    missing = sum(mask for node, mask in masks.items() if node.meta.get(ABSENT))
-    computed = 1 << num_tangents  # by a custom backward eager runs: never None
-    present = (computed - 1) & ~zeros
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            made = node.meta.get(FROM_ZEROS) or (zeros and runs_on_zeros(node, present))
-            mask = missing if node.meta.get(ABSENT) else computed if made else 0
-            for arg in node.all_input_nodes:
-                if not (made and arg.meta.get(ABSENT)):
-                    mask |= masks.get(arg, 0)
-            masks[node] = mask
-    return [masks.get(g, 0) if isinstance(g, fx.Node) else 0
-            for g in gm.graph.output_node().args[0]]
 
 
 def _dense(grad: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:

@@ -430,3 +430,27 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
         and va.dtype == vb.dtype and known_equal(va.shape, vb.shape) \
         and known_equal(va.stride(), vb.stride())
+
+
+def tangent_masks(gm: fx.GraphModule, num_tangents: int, zeros: int = 0) -> list[int]:
+    """Per output of backward graph ``gm``, whose last ``num_tangents`` placeholders are the
+    tangents, a bit mask of the tangents it depends on. In a variant without some tangents
+    (Note [Custom backwards run on zeros]), or in the whole graph run on zeros for the tangents
+    of bit mask ``zeros``, what a custom backward made from their zeros (``gb + 1``) depends on
+    its other values only, and an absent value on all of them."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    masks: dict[fx.Node, int] = {
+        node: 1 << k for k, node in enumerate(placeholders[len(placeholders) - num_tangents:])}
+    missing = sum(mask for node, mask in masks.items() if node.meta.get(ABSENT))
+    computed = 1 << num_tangents  # by a custom backward eager runs: never None
+    present = (computed - 1) & ~zeros
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            made = node.meta.get(FROM_ZEROS) or (zeros and runs_on_zeros(node, present))
+            mask = missing if node.meta.get(ABSENT) else computed if made else 0
+            for arg in node.all_input_nodes:
+                if not (made and arg.meta.get(ABSENT)):
+                    mask |= masks.get(arg, 0)
+            masks[node] = mask
+    return [masks.get(g, 0) if isinstance(g, fx.Node) else 0
+            for g in gm.graph.output_node().args[0]]
