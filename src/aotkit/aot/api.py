@@ -349,15 +349,7 @@ def _compile_graphs(flat_fn: FlatFn, args: Sequence[Any], options: AotOptions, n
         new_fw_gm, new_bw_gm = _partition(options.partition_fn, simplify(joint), args,
                                           meta.num_fw_outputs, name)
         if new_fw_gm.code != fw_code:
-            who = getattr(options.partition_fn, "__name__", "partition_fn")
-            raise UnsupportedError(
-                f"{name}: backward() runs under torch.autocast, and with its backward traced "
-                f"under autocast the partitioner {who} saves other tensors in the forward, which "
-                "has already run.\nFix: call backward() outside torch.autocast (as PyTorch "
-                "recommends), or partition with aotkit.default_partition, which saves what the "
-                "backward reads (partition_fn= for aot_function/aot_module; "
-                "options={'partition': 'default'} for torch.compile)."
-            )
+            raise _forward_differs_under_autocast(name, options.partition_fn)
         _log_graphs(name, **{"backward (autocast)": new_bw_gm})
         return new_bw_gm
 
@@ -530,6 +522,22 @@ def _refuse_grad_without_inputs(meta: AotMeta, name: str) -> None:
             "tensors that require grad outside the function and pass them in, and call the "
             "function in the grad mode it needs instead of switching inside it."
         )
+
+
+def _forward_differs_under_autocast(name: str, partition_fn: Any) -> UnsupportedError:
+    """The forward traced again for a backward() under autocast saves other tensors than the
+    one that ran (Note [Autocast around backward])."""
+    who = getattr(partition_fn, "__name__", "partition_fn")
+    fix = ("call backward() outside torch.autocast (as PyTorch recommends), or partition with "
+           "aotkit.default_partition, which saves what the backward reads (partition_fn= for "
+           "aot_function/aot_module; options={'partition': 'default'} for torch.compile)")
+    if partition_fn is default_partition:  # symbolic sizes and Inductor's decompositions
+        fix = ("call backward() outside torch.autocast (as PyTorch recommends), or compile "
+               "with static sizes (dynamic=False)")
+    return UnsupportedError(
+        f"{name}: backward() runs under torch.autocast, and with its backward traced under "
+        f"autocast the partitioner {who} saves other tensors in the forward, which has "
+        f"already run.\nFix: {fix}.")
 
 
 def _compile_inference(gm: fx.GraphModule, meta: Any, options: AotOptions, name: str,
