@@ -2013,13 +2013,13 @@ def test_a_list_of_modules_registered_before_it_is_watched(change: str) -> None:
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
 
 
-def test_a_container_the_function_never_reads_is_not_watched() -> None:
-    """A bookkeeping list over layers the function runs through another list: found to lead
-    to called modules, it was watched, and each append traced again (the limit at the ninth)."""
+def test_a_list_on_the_way_to_called_modules_is_named_as_such_when_it_changes() -> None:
+    """A bookkeeping list over layers the function runs through another list cannot be told
+    from one it loops over: its changes trace again, and the reason says what it is."""
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(
-        [torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(12)])
-    model.calibrated = torch.nn.ModuleList()  # filled as layers are calibrated, never read
+        [torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(3)])
+    model.calibrated = torch.nn.ModuleList([model.layers[0]])
 
     def f(x: torch.Tensor) -> torch.Tensor:
         for layer in model.layers:
@@ -2027,9 +2027,46 @@ def test_a_container_the_function_never_reads_is_not_watched() -> None:
         return x
 
     compiled, x = aotkit.aot_function(f, compilers.nop), torch.randn(2, 4)
-    for step in range(12):
-        if step:
-            model.calibrated.append(model.layers[step - 1])
-        torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
-    assert counters.counters["aot"]["traces"] <= 2  # the empty list filled once: watched
-    assert torch.nn.ModuleList.__iter__.__module__ == "torch.nn.modules.container"
+    compiled(x)
+    model.calibrated.append(model.layers[1])
+    torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+    assert "a list kept for bookkeeping" in aotkit.explain().of_kind("recompile")[-1].why
+
+
+class _OwnIteration(torch.nn.ModuleList):
+    def __iter__(self):  # not through ModuleList's own methods
+        return iter(self._modules.values())
+
+
+def _loop_modules(x: torch.Tensor, layers: torch.nn.Module) -> torch.Tensor:
+    for layer in layers._modules.values():
+        x = torch.tanh(layer(x))
+    return x
+
+
+_LAYERS = torch.nn.ModuleList([torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(2)])
+
+
+def _with_default(x: torch.Tensor, layers: torch.nn.Module = _LAYERS) -> torch.Tensor:
+    return _loop_modules(x, layers)
+
+
+@pytest.mark.parametrize("how", ["subclass iterating _modules", "argument", "default value"])
+def test_a_list_of_modules_changed_after_the_first_call_runs_the_new_modules(how: str) -> None:
+    """A model passed as an argument and a list held as a default value were no roots of the
+    watch: a list the function loops over (and never calls) kept the old layers."""
+    if how == "default value":
+        layers, compiled = _LAYERS, aotkit.aot_function(_with_default, compilers.nop)
+        call = lambda x: compiled(x)  # noqa: E731
+    else:
+        layers = (_OwnIteration if how.startswith("subclass") else torch.nn.ModuleList)(
+            [torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(2)])
+        compiled = aotkit.aot_function(_loop_modules, compilers.nop)
+        call = lambda x: compiled(x, layers)  # noqa: E731
+    x = torch.randn(2, 4)
+    call(x)
+    layers.append(torch.nn.Linear(4, 4).requires_grad_(False))
+    torch.testing.assert_close(call(x), _loop_modules(x, layers), rtol=0, atol=0)
+    layers[0] = torch.nn.Linear(4, 4).requires_grad_(False)
+    torch.testing.assert_close(call(x), _loop_modules(x, layers), rtol=0, atol=0)
+    del layers[-1]  # _LAYERS as it was, for another run

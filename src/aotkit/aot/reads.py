@@ -59,7 +59,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.hooks import RemovableHandle
 
 from aotkit import compat, counters
-from aotkit.aot.containers import reading_containers, scripted, with_containers
+from aotkit.aot.containers import scripted, with_containers
 from aotkit.aot.hook_watch import (
     global_hook_ids,
     hooks_of,
@@ -221,8 +221,14 @@ class Reads:
             if flag.training not in (None, m.training):
                 changes.append(f"the training flag of {called}, traced with its flag, changed: "
                                f"{flag.training} -> {m.training}")
-            if not _same_children(flag, m):
+            if not _same_children(flag, m) and flag.called:
                 changes.append(f"the submodules of {called} were replaced, added or removed")
+            elif not _same_children(flag, m):  # a container, or a module holding the called
+                changes.append(
+                    f"the submodules of {(traced or type(m)).__name__} (on the way to modules "
+                    "the function calls: a list it may loop over, or one it never reads, such "
+                    "as a list kept for bookkeeping, which cannot be told apart) were "
+                    "replaced, added or removed")
             if flag.called and not same_objects(flag.hooks, hooks_of(m)):
                 changes.append(f"the hooks or the instance forward of {called} changed")
         if self.flags and global_hook_ids() != self.global_hooks:
@@ -367,10 +373,8 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
     handle = nn.modules.module.register_module_forward_pre_hook(record)
     nn.Module.train = train  # type: ignore[method-assign]
     token = _ACTIVE.set((constants, grad_constants, after_writes))
-    read: set[int] = set()  # the containers of modules the function read
     try:
-        with reading_containers(read, thread):
-            yield reads
+        yield reads
     finally:
         _ACTIVE.reset(token)
         handle.remove()
@@ -379,7 +383,7 @@ def recording(own_modules: Callable[[], Iterable[tuple[str, nn.Module]]] | None 
         # A module the function switches itself, or one it does not call, keeps no flag.
         reads.flags = [_flag(m, m.training if i in called and i not in switched else None,
                              i in called)
-                       for i, m in with_containers(called, read, roots)]
+                       for i, m in with_containers(called, roots)]
         reads.global_hooks = global_hook_ids()
         # Only the tensors the graph holds: one functional_call swapped in while tracing, or
         # one the function never reads, may change freely.
