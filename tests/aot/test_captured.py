@@ -2051,22 +2051,22 @@ def _with_default(x: torch.Tensor, layers: torch.nn.Module = _LAYERS) -> torch.T
     return _loop_modules(x, layers)
 
 
-@pytest.mark.parametrize("how", ["subclass iterating _modules", "argument", "default value"])
+_OWN = _OwnIteration([torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(2)])
+
+
+def _with_own(x: torch.Tensor) -> torch.Tensor:
+    return _loop_modules(x, _OWN)
+
+
+@pytest.mark.parametrize("how", ["subclass iterating _modules", "default value"])
 def test_a_list_of_modules_changed_after_the_first_call_runs_the_new_modules(how: str) -> None:
-    """A model passed as an argument and a list held as a default value were no roots of the
-    watch: a list the function loops over (and never calls) kept the old layers."""
-    if how == "default value":
-        layers, compiled = _LAYERS, aotkit.aot_function(_with_default, compilers.nop)
-        call = lambda x: compiled(x)  # noqa: E731
-    else:
-        layers = (_OwnIteration if how.startswith("subclass") else torch.nn.ModuleList)(
-            [torch.nn.Linear(4, 4).requires_grad_(False) for _ in range(2)])
-        compiled = aotkit.aot_function(_loop_modules, compilers.nop)
-        call = lambda x: compiled(x, layers)  # noqa: E731
-    x = torch.randn(2, 4)
-    call(x)
+    """A list held as a default value was no root of the watch: a list the function loops over
+    (and never calls) kept the old layers."""
+    layers, fn = (_LAYERS, _with_default) if how == "default value" else (_OWN, _with_own)
+    compiled, x = aotkit.aot_function(fn, compilers.nop), torch.randn(2, 4)
+    compiled(x)
     layers.append(torch.nn.Linear(4, 4).requires_grad_(False))
-    torch.testing.assert_close(call(x), _loop_modules(x, layers), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(x), _loop_modules(x, layers), rtol=0, atol=0)
     layers[0] = torch.nn.Linear(4, 4).requires_grad_(False)
-    torch.testing.assert_close(call(x), _loop_modules(x, layers), rtol=0, atol=0)
-    del layers[-1]  # _LAYERS as it was, for another run
+    torch.testing.assert_close(compiled(x), _loop_modules(x, layers), rtol=0, atol=0)
+    del layers[-1]  # as long as it was, for another run

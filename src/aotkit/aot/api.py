@@ -780,8 +780,7 @@ class AotFunction:
             keep_stack_traces_of(self.fn)
         try:
             with dynamo_frames_off(), recording(self._own_modules, modules_held(
-                    [*(v for _, v in (*held_by_fn, *captured)), *self._captured.owners,
-                     *(a for a in leaves if issubclass(type(a), nn.Module))])) as reads:
+                    [*(v for _, v in (*held_by_fn, *captured)), *self._captured.owners])) as reads:
                 graphs = compile_graphs(flat_fn, fakes, self.options, self.name, mode)
         except BaseException as exc:
             put_back_containers(held)
