@@ -5451,3 +5451,37 @@ def test_an_integer_exponent_read_from_data_is_refused_naming_the_fix():
 
     with pytest.raises(TraceError, match=r"x\.pow\(k\), not x\.pow\(k\.item\(\)\)"):
         aotkit.aot_function(f, compilers.nop, dynamic=True)(rand(4, grad=True), torch.tensor(2))
+
+
+def _feeding(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    a = x @ y.t()
+    return {"a": a, "b": a.relu() * 3, "v": a.relu()[0], "s": y.sin()}
+
+
+@pytest.mark.parametrize("dependent", ["b", "v"])
+@pytest.mark.parametrize("watch", ["hook", "retain_grad"])
+def test_a_hook_on_an_output_others_are_computed_from(watch: str, dependent: str) -> None:
+    """Note [Outputs other outputs are computed from]: ``b``'s (or the view ``v``'s) gradient
+    reaches ``a``'s inputs inside the compiled backward, never through ``a``: a hook or
+    retain_grad on ``a`` missed it (a ``g * 0`` hook left ``x.grad`` as if it were not
+    there). Refused where the loss uses ``b``; where it does not, ``a`` sees what eager's sees."""
+    compiled = aotkit.aot_function(_feeding, aotkit.compilers.nop)
+
+    def run(fn: Any, loss_of: str) -> tuple[Any, Any]:
+        x, y = torch.randn(4, 3, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+        out = fn(x, y)
+        if watch == "hook":
+            out["a"].register_hook(lambda g: g * 0)
+        else:
+            out["a"].retain_grad()
+        sum(out[k].sum() for k in loss_of).backward()
+        return x.grad, out["a"].grad
+
+    torch.manual_seed(0)
+    want = run(_feeding, "as")
+    torch.manual_seed(0)
+    got = run(compiled, "as")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(aotkit.errors.UnsupportedError, match=rf"output\(s\) \[{1 if dependent == 'b' else 2}\]"):
+        run(compiled, "a" + dependent)

@@ -120,6 +120,9 @@ class OutputInfo:
     # Made by nn.Parameter(...) or nn.Buffer(...) inside: "parameter", "buffer" or "buffer
     # (not persistent)"; eager returns one (Note [Leaves made inside]).
     made_as: str | None = None
+    # The outputs computed from this one inside the function, a bit mask of their positions
+    # (Note [Outputs other outputs are computed from]).
+    feeds: int = 0
 
     @property
     def made_leaf(self) -> bool:
@@ -666,9 +669,61 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     _check_leaves_made_inside(infos, f_outs)
-    infos = [dataclasses.replace(info, made_as=made) if (made := _made_as(out)) else info
-             for info, out in zip(infos, f_outs, strict=True)]
+    feeds = _outputs_feeding_others(infos, f_outs, bases)
+    infos = [dataclasses.replace(info, made_as=made, feeds=feeds.get(k, 0))
+             if (made := _made_as(out)) or k in feeds else info
+             for k, (info, out) in enumerate(zip(infos, f_outs, strict=True))]
     return infos, bases
+
+
+# Note [Outputs other outputs are computed from]
+# One autograd node stands for all of a compiled call's outputs, so where the function computes
+# an output from another (``a = x * 2; return a, a.relu()``), the gradient ``b`` brings to
+# ``a`` stays inside the backward graph: it never passes ``a``'s own edge. Eager's hooks on
+# ``a`` and ``a.retain_grad()`` see it; here they would see only what comes into ``a`` from
+# outside. The runtime refuses a backward that brings a gradient to such an output's
+# dependents while the output has a hook or retains its gradient (an output viewing another is
+# made outside the node, and is no such dependent).
+def _outputs_feeding_others(infos: list[OutputInfo], f_outs: list[Any],
+                            bases: list[torch.Tensor]) -> dict[int, int]:
+    """Per output computed into another, the bit mask of the outputs computed from it (bit
+    ``len(f_outs) + i``: intermediate base ``i``, which outputs view)."""
+    made = [o if info.alias is Alias.NONE else None for o, info in zip(f_outs, infos, strict=True)]
+    edges = {(o.grad_fn, o.output_nr): k for k, o in enumerate([*made, *bases])
+             if isinstance(o, torch.Tensor) and o.grad_fn is not None}
+    if len(edges) < 2:
+        return {}
+    reach: dict[Any, int] = {}  # an autograd node -> the outputs whose backward runs it
+    for (node, _), k in edges.items():
+        reach[node] = reach.get(node, 0) | 1 << k
+    order = _nodes_in_order(list(reach))
+    feeds: dict[int, int] = {}
+    for node in order:
+        for edge in node.next_functions:
+            if edge[0] is None:
+                continue
+            reach[edge[0]] = reach.get(edge[0], 0) | reach.get(node, 0)
+            if (k := edges.get(edge)) is not None and k < len(f_outs) and \
+                    reach.get(node, 0) & ~(1 << k):
+                feeds[k] = feeds.get(k, 0) | reach[node] & ~(1 << k)
+    return feeds
+
+
+def _nodes_in_order(roots: list[Any]) -> list[Any]:
+    """The autograd nodes behind ``roots``, each before every node it leads to."""
+    seen: set[Any] = set()
+    post: list[Any] = []
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                post.append(node)
+            elif node not in seen:
+                seen.add(node)
+                stack.append((node, True))
+                stack.extend((n, False) for n, _ in node.next_functions if n is not None)
+    return post[::-1]
 
 
 def _made_as(out: Any) -> str | None:

@@ -63,7 +63,9 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
     masks: dict[fx.Node, int] = dict(tangent_bits)
     running: list[int | None] = []  # the custom backwards a nested backward interrupted
     runs = itertools.count(1)
-    runs_of: dict[int, int] = {}  # node id -> the tangents that make any of its runs run
+    # node id -> the tangents that make its runs in the backward itself run (not those nested
+    # in another's autograd.grad, a graph task of its own)
+    runs_of: dict[int, int] = {}
     paths = _Paths(outs)
 
     def reached(node: Any, grads: tuple[Any, ...]) -> None:
@@ -80,13 +82,22 @@ def custom_backwards_reached(outs: list[Any], num_tangents: int, unmaterialized:
         run = next(runs)
         # Inside another custom backward (its autograd.grad): whenever that one runs, on the
         # values it has, zeros for missing gradients (given None instead, it may skip the
-        # call: then by the gradients it passes, as any other). A gradient made from no tangent
-        # (Inductor's zeros for a round's) is taken for one eager computes whatever is
-        # missing: it always runs then. With none (None from the backwards after it), eager
-        # runs it whenever one of those runs.
-        reach[run] = reach[outer] if materialized_outer else ALWAYS if 0 in incoming else \
-            functools.reduce(operator.or_, incoming, 0) if incoming else paths.reach(node, runs_of)
-        runs_of[id(node)] = runs_of.get(id(node), 0) | reach[run]
+        # call: then by the gradients it passes, as any other; with none, whenever a node
+        # after it runs). A gradient made from no tangent (Inductor's zeros for a round's) is
+        # taken for one eager computes whatever is missing: it always runs then. In the
+        # backward itself, eager's engine runs it whenever a node after it runs, also one that
+        # sends it None: the structural walk says when (nested runs, another graph task, not
+        # counted).
+        if materialized_outer:
+            reach[run] = reach[outer]
+        elif 0 in incoming:
+            reach[run] = ALWAYS
+        elif outer is None:
+            reach[run] = functools.reduce(operator.or_, incoming, paths.reach(node, runs_of))
+            runs_of[id(node)] = runs_of.get(id(node), 0) | reach[run]
+        else:
+            reach[run] = functools.reduce(operator.or_, incoming, 0) if incoming else \
+                paths.reach(node, runs_of)
         if any(node is ctx for ctx in unmaterialized):  # eager passes None, not zeros: a
             reach[-run] = FORMULA  # formula where it runs
         guard.custom_backward = run

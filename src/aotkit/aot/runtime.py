@@ -112,8 +112,22 @@ class CompiledGraphs:
                                      for spec in self.tangent_specs)
         self._reached: dict[int, list[int]] = {}  # Note [Outputs backward does not reach]
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
+        # Note [Outputs other outputs are computed from]: (output, those computed from it), as
+        # the user counts them, each with its position among the Function's outputs.
+        n = len(self.meta.outputs)  # intermediate base i: bit n + i, named by its views
+        position = {k: start + self.graph_output_position[k] for k, o in
+                    enumerate(self.meta.outputs) if o.alias is Alias.NONE}
+        position.update({n + i: at for i, at in enumerate(bases)})
+        self.feeding = [((k, position[k]), [(j, position[j]) for j in position if o.feeds >> j & 1])
+                        for k, o in enumerate(self.meta.outputs) if o.feeds]
         self.watched = [_Watch.of(self, i, where) for i, where
                         in self.meta.saved_after_write.items()] if self.training else []
+
+    def named_as_output(self, j: int) -> list[int]:
+        """Output ``j``, or the outputs viewing intermediate base ``j - len(outputs)``."""
+        n = len(self.meta.outputs)
+        return [j] if j < n else [k for k, o in enumerate(self.meta.outputs)
+                                  if o.alias is Alias.OF_INTERMEDIATE and o.base == j - n]
 
     def reached_by(self, missing: int = 0) -> list[int]:
         """Per backward output (an input's gradient), a bit mask of the tangents it depends on
@@ -165,7 +179,8 @@ class CompiledGraphs:
         See Note [Autocast around backward], Note [Gradients backward does not bring]."""
         compiled = self._bw.get((autocast, missing))
         if compiled is None and missing and sum(map(bool, (m for _, m in self._bw))) \
-                >= config.recompile_limit:  # a random subset of heads per step: not 2**heads
+                >= config.recompile_limit and not self._skips_custom_backward(missing):
+            # a random subset of heads per step: not 2**heads
             if (autocast, -1) not in self._bw:
                 counters.record("backward_variant", self.name, (
                     f"backwards brought no gradient for {config.recompile_limit} different sets "
@@ -180,6 +195,20 @@ class CompiledGraphs:
                     self._compile_backward(autocast, missing)
                 self._bw[(autocast, missing)] = compiled
         return compiled
+
+    def _skips_custom_backward(self, missing: int) -> bool:
+        """Whether eager runs no custom backward of the graph's when the tangents of bit mask
+        ``missing`` are missing, which the whole graph on zeros would run: past the variants'
+        limit, that set is compiled as a variant still (Note [Custom backwards run on
+        zeros])."""
+        present = ~missing & ((1 << sum(self.differentiable)) - 1)
+        return any(not custom & present for custom in self._custom_reaches)
+
+    @functools.cached_property
+    def _custom_reaches(self) -> frozenset[int]:
+        assert self.bw_gm is not None
+        return frozenset(custom for node in self.bw_gm.graph.nodes
+                         if (custom := node.meta.get("custom_backward")) is not None)
 
     def _compile_backward(self, autocast: AutocastState, missing: int) -> Callable[[list[Any]], Any]:
         assert self.bw_gm is not None and self.bw_compiler is not None
@@ -282,6 +311,8 @@ class CompiledFunction(torch.autograd.Function):
             if watch.eager_checks(ctx, grads):
                 _check_version(ref(), version, watch.index, graphs.name)
         grads = grads[:-1]  # the anchor's
+        if graphs.feeding:
+            _refuse_hooks_missing_inner_gradients(ctx, graphs, grads)
         unreached = 0
         for k, (i, _) in enumerate(graphs.tangent_slots):
             if grads[i] is None:
@@ -325,6 +356,26 @@ class CompiledFunction(torch.autograd.Function):
                            for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(unreached),
                                                              strict=True))]
         return (None, *input_grads)
+
+
+def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
+                                          grads: Sequence[Any]) -> None:
+    """Note [Outputs other outputs are computed from] in aotkit.aot.analysis."""
+    for (k, at), dependents in graphs.feeding:
+        out = ctx.outputs[at][0]()
+        if out is None or not (out._backward_hooks or out.retains_grad):
+            continue
+        reached = sorted({v for j, position in dependents if grads[position] is not None
+                          for v in graphs.named_as_output(j)})
+        if reached:
+            raise UnsupportedError(
+                f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook "
+                f"or retain_grad(), and output(s) {reached}, computed from it inside the "
+                "compiled function, got a gradient in this backward: that part of its "
+                f"gradient flows inside the compiled backward, never through output {k} "
+                "itself, so its hook or .grad would miss it (eager's sees it).\nFix: compute "
+                f"those outputs from output {k} outside the compiled function, or read the "
+                "gradient elsewhere (a hook on an input).")
 
 
 def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],

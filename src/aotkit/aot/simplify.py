@@ -265,9 +265,11 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # those tangents reaches is absent whole (a synthetic gradient it makes too); one they reach
 # computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
 # ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None;
-# one given None for them (``set_materialize_grads(False)``) is a formula where it runs. Past
-# the variants' limit the whole graph runs on zeros, and which gradients are None follows the
-# same rule (``tangent_masks``).
+# one given None for them (``set_materialize_grads(False)``) is a formula where it runs. An op
+# that computes reads zeros in place of an absent value it reads (one eager never computes:
+# an absent custom backward's ``g * 2 + 0.5`` is no zero). Past the variants' limit the whole
+# graph runs on zeros, and which gradients are None follows the same rule (``tangent_masks``),
+# unless a custom backward is absent: that set is compiled as a variant still.
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -346,6 +348,8 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             absent.add(node)
         elif absent.intersection(inputs) and node.target in _SUMS:
             _sum_of_present(node, absent)
+        if node not in absent and absent.intersection(node.all_input_nodes):
+            _read_zeros(node, absent)  # what eager never computes is no value to read
     for node in absent:
         node.meta[ABSENT] = True
     gm.graph.eliminate_dead_code()
@@ -364,6 +368,14 @@ def runs_on_zeros(node: fx.Node, present: int) -> bool:
 def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:
     """Make custom backward op ``node`` read zeros for the absent values it reads, as eager's
     materialized ones (the missing tangents are passed as zeros already)."""
+    _read_zeros(node, absent, FROM_ZEROS)
+    node.meta[FROM_ZEROS] = True  # a value eager computes (Note [Custom backwards run on zeros])
+
+
+def _read_zeros(node: fx.Node, absent: set[fx.Node], kind: str = ABSENT) -> None:
+    """Make ``node`` read zeros (marked ``kind``) for the absent values it reads but the
+    missing tangents, which are passed as zeros: an absent value may be a custom backward's
+    that eager does not run (``g * 2 + 0.5`` is not zero on zeros) or ``0 * inf``."""
     for value in [a for a in node.all_input_nodes if a in absent]:
         if value.op != "placeholder" and isinstance(val := value.meta.get("val"), torch.Tensor):
             graph = node.graph
@@ -372,12 +384,13 @@ def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:
                          if isinstance(n, torch.SymInt) else n for d, n in enumerate(val.shape)]
                 for d, size in enumerate(sizes):
                     if isinstance(size, fx.Node):
-                        size.meta.update(val=val.shape[d], **{FROM_ZEROS: True})
+                        size.meta.update(val=val.shape[d], **{kind: True})
                 zeros = graph.call_function(_aten.full.default, (sizes, 0), {
                     "dtype": val.dtype, "device": val.device})
-            zeros.meta.update(val=val.new_zeros(val.shape), **{FROM_ZEROS: True})
+            zeros.meta.update(val=val.new_zeros(val.shape), **{kind: True})
             node.replace_input_with(value, zeros)
-    node.meta[FROM_ZEROS] = True  # a value eager computes (Note [Custom backwards run on zeros])
+            if kind == ABSENT:
+                absent.add(zeros)
 
 
 def _sum_of_present(node: fx.Node, absent: set[fx.Node]) -> None:
