@@ -45,7 +45,7 @@ _CASES = list(itertools.permutations(_variants(), 2))
 @pytest.mark.parametrize(("first", "then"), _CASES, ids=[f"{a}->{b}" for a, b in _CASES])
 def test_a_checked_key_is_the_computed_key(first: str, then: str, dynamic: bool) -> None:
     variants = _variants()
-    keys = RecentKeys()
+    keys = RecentKeys("f")
 
     def both(leaves: list[object]) -> tuple[object, object]:
         count = sum(isinstance(x, torch.Tensor) for x in leaves)
@@ -75,7 +75,8 @@ def test_calls_alternating_between_two_keys_take_their_checks() -> None:
     for _ in range(3):
         torch.testing.assert_close(f(a), a.sin() * 2)
         torch.testing.assert_close(f(b), b.sin() * 2)
-    assert [c.key for c in f._keys._checks] == [f._keys._computed[-1], f._keys._computed[-2]]
+    assert [c.hash for c in f._keys._checks] == [f._keys._computed[-1], f._keys._computed[-2]]
+    assert all(c.hits for c in f._keys._checks)
     assert f.num_entries == 2
 
 
@@ -118,3 +119,54 @@ def test_a_symbolic_call_after_eager_ones_adds_no_guard() -> None:
     with mode:
         out = f(fake)
     assert isinstance(out.shape[0], torch.SymInt) and not env.guards
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count calls of ``aotkit.aot.key_check.<name>`` from now on."""
+    import aotkit.aot.key_check as key_check
+
+    calls = [0]
+    original = getattr(key_check, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(key_check, name, counted)
+    return calls
+
+
+def test_checks_dropped_unused_stop_being_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six batch sizes in turn, each called twice: every check was built and dropped before
+    it held once, costing more than computing the keys (a fallback decision says it stops)."""
+    aotkit.counters.reset()
+    built = _counting(monkeypatch, "SameKey")
+    keys = RecentKeys("six sizes")
+    w = torch.randn(4, 4)
+    for _ in range(10):
+        for n in range(2, 8):
+            x = torch.randn(n, 4)
+            for _ in range(2):
+                assert keys.key(2, [x, w], False, ("aot",), ()) == signature(2, [x, w], False, ("aot",))
+    assert built[0] <= 12  # eight dropped unused, four kept; 60 before (one per pair)
+    assert any(d.what == "six sizes" for d in aotkit.explain().of_kind("fallback"))
+
+
+def test_a_check_built_under_a_dispatch_mode_does_not_stick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built under the mode, the check held the mode's dispatch key: no later plain call
+    passed it, and no other was built for the same key."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    computed = _counting(monkeypatch, "signature")
+    keys = RecentKeys("f")
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    with Passing():
+        for _ in range(3):
+            keys.key(2, [x, w], False, ("aot",), ())
+    for _ in range(3):
+        keys.key(2, [x, w], False, ("aot",), ())
+    assert computed[0] == 5  # three under the mode, two to build the check; then checked

@@ -625,7 +625,7 @@ class AotFunction:
         hide_from_dynamo_if_loaded()  # Note [aotkit's code is not user code to Dynamo]
         self.name = name or f"aot_function({shown_name(fn)})"
         self._entries: dict[tuple[Any, ...], list[_Entry]] = {}
-        self._keys = RecentKeys()  # Note [Keys checked in C++]
+        self._keys = RecentKeys(self.name)  # Note [Keys checked in C++]
         self._once = 0  # entries dropped that served one call only: runaway recompiles
         self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
         self._told_forward_ad = False  # Note [Forward-mode AD runs eagerly]

@@ -19,11 +19,16 @@ key exactly; it is more strict than the key in one way (an inference-mode tensor
 differ), where the call computes its key as before. A key is checked after it was computed twice
 (a key computed once per call, such as a step counter among the captured values, never pays for
 a check's construction), and the last few checks are kept, most recent first, so that calls
-alternating between two keys (training and evaluation) take the check too.
+alternating between two keys (training and evaluation) take the check too. Where checks keep
+being dropped before they ever hold (more keys recurring than are kept, bucketed batch sizes),
+building them costs more than it saves: after a few, the function stops building them, a
+``fallback`` decision at DEBUG level. None is built under a dispatch mode (it would check the
+mode's dispatch key too).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -31,27 +36,34 @@ from typing import Any
 import torch
 from torch._C._dynamo.guards import TensorGuards
 
+from aotkit import counters
 from aotkit.aot.signature import call_context, leaf_key, signature
 
 _IS_LEAF = operator.attrgetter("is_leaf")
 _KEPT = 4  # checks kept per compiled function, and keys remembered to build them from
+_UNUSED_LIMIT = 8  # checks dropped without holding once, after which no more are built
+log = logging.getLogger("aotkit.aot")
 
 
 class SameKey:
     """Whether a call made of ``count`` plain tensors (and values after them) has ``key``."""
 
-    __slots__ = ("context", "count", "extras", "grad_positions", "guards", "key", "leafs")
+    __slots__ = ("context", "count", "extras", "grad_positions", "guards", "hash", "hits", "key",
+                 "leafs")
 
-    def __init__(self, key: tuple[Any, ...], tensors: Sequence[torch.Tensor],
+    def __init__(self, key: tuple[Any, ...], key_hash: int, tensors: Sequence[torch.Tensor],
                  dynamic_at: Sequence[bool]) -> None:
-        self.key, self.count, self.context = key, len(tensors), key[3:]
+        self.key, self.hash, self.hits = key, key_hash, 0
+        self.count, self.context = len(tensors), key[3:]
         self.extras = key[1][self.count:]
+        # Last first: aot_module's arguments follow its parameters, and a call of another
+        # key differs in them mostly.
         self.guards = TensorGuards(
-            *tensors,
+            *tensors[::-1],
             dynamic_dims_sizes=[[None] * t.dim() if d else list(t.shape)
-                                for t, d in zip(tensors, dynamic_at, strict=True)],
+                                for t, d in zip(tensors[::-1], dynamic_at[::-1], strict=True)],
             dynamic_dims_strides=[[None] * t.dim() if d else list(t.stride())
-                                  for t, d in zip(tensors, dynamic_at, strict=True)])
+                                  for t, d in zip(tensors[::-1], dynamic_at[::-1], strict=True)])
         positions = [i for i, t in enumerate(tensors) if t.requires_grad]
         self.grad_positions = operator.itemgetter(*positions) if positions else None
         self.leafs = _leafness(self.grad_positions, tensors)
@@ -61,7 +73,7 @@ class SameKey:
         if len(leaves) != n + len(self.extras) or context != self.context:
             return False
         tensors = leaves[:n] if self.extras else leaves
-        return (self.guards.check(*tensors)
+        return (self.guards.check(*tensors[::-1])
                 and _leafness(self.grad_positions, tensors) == self.leafs
                 and (not self.extras
                      or tuple(leaf_key(x, dynamic) for x in leaves[n:]) == self.extras))
@@ -78,10 +90,12 @@ class RecentKeys:
     """A compiled function's keys, checked in C++ where a recent one holds (Note [Keys
     checked in C++])."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self._checks: list[SameKey] = []
-        self._computed: list[tuple[Any, ...]] = []  # the last keys computed, latest last
+        self._computed: list[int] = []  # the hashes of the last keys computed, latest last
         self._static: Collection[int] = ()  # the checks' static positions under dynamic
+        self._unused = 0  # checks dropped without ever holding; at _UNUSED_LIMIT, no more
 
     def key(self, structure: Any, leaves: Sequence[Any], dynamic: bool,
             config_parts: tuple[str, ...], static: Collection[int]) -> tuple[Any, ...]:
@@ -94,6 +108,7 @@ class RecentKeys:
         if plain:
             for i, check in enumerate(self._checks):
                 if check.holds(leaves, context, dynamic):
+                    check.hits += 1
                     if i:
                         self._checks.insert(0, self._checks.pop(i))
                     return check.key
@@ -105,15 +120,27 @@ class RecentKeys:
     def _remember(self, key: tuple[Any, ...], tensors: Sequence[Any], dynamic: bool,
                   static: Collection[int]) -> None:
         # First: comparing a key of a trace's symbolic sizes would guard them (``s0 == 3``).
-        if key[2] or not all(_checkable(t) for t in tensors):
+        if key[2] or self._unused >= _UNUSED_LIMIT or not all(_checkable(t) for t in tensors):
             return
-        if any(check.key == key for check in self._checks):  # stricter than the key here
+        if torch._C._len_torch_dispatch_stack():  # the mode's key would be checked too
             return
-        if key not in self._computed:
-            self._computed = [*self._computed[1 - _KEPT:], key]
+        key_hash = hash(key)
+        if key_hash not in self._computed:
+            self._computed = [*self._computed[1 - _KEPT:], key_hash]
             return
+        # A check of this key that did not hold (an inference tensor's dispatch keys) is
+        # replaced, and counts as unused.
+        kept = [c for c in self._checks if c.hash != key_hash or c.key != key]
+        replaced = len(self._checks) - len(kept)
         dynamic_at = [dynamic and i not in static for i in range(len(tensors))]
-        self._checks = [SameKey(key, tensors, dynamic_at), *self._checks[: _KEPT - 1]]
+        self._checks = [SameKey(key, key_hash, tensors, dynamic_at), *kept[: _KEPT - 1]]
+        self._unused += replaced + sum(not c.hits for c in kept[_KEPT - 1:])
+        if self._unused >= _UNUSED_LIMIT:
+            counters.record("fallback", self.name, (
+                f"{_UNUSED_LIMIT} key checks were dropped unused (more than {_KEPT} keys "
+                "recur, or a key's tensors change dispatch keys): its calls compute their "
+                "keys in Python from now on (Note [Keys checked in C++])"), logger=log,
+                level=logging.DEBUG)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
