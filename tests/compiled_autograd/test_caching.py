@@ -602,3 +602,16 @@ def test_anomaly_nan_checks_are_refused_on_a_replay_too() -> None:
                 pytest.raises(aotkit.errors.UnsupportedError, match="check_nan=False"):
             (w * torch.tensor([0.0, -1.0, 1.0])).sqrt().sum().backward()
     assert w.grad is None
+
+
+def test_a_refused_replay_says_the_forward_must_run_again() -> None:
+    """The engine released the graph before the refusal: retrying the same backward outside
+    anomaly mode raised "a second time", which the message did not say."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        (w * 2).sum().backward()
+        w.grad = None
+        loss = (w * 2).sum()
+        with torch.autograd.detect_anomaly(), \
+                pytest.raises(aotkit.errors.UnsupportedError, match="run the forward again"):
+            loss.backward()

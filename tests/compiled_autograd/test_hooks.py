@@ -222,6 +222,39 @@ def test_custom_backward_may_return_extra_nones() -> None:
     assert torch.equal(actual, expected)
 
 
+def test_materialized_backward_handed_none_is_refused_with_the_fix() -> None:
+    """Eager hands a materialized backward zeros where the Function after it sends None; the
+    engine under compiled autograd hands it None, and the backward's arithmetic failed with a
+    bare TypeError."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            (x,) = ctx.saved_tensors
+            return grad * 2 * x + 1
+
+    class Gate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(d)
+            return d * q
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            (d,) = ctx.saved_tensors
+            return None, grad * d
+
+    x, q = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop), \
+            pytest.raises(UnsupportedError, match=r"Square.backward failed on None .* \[0\]"):
+        Gate.apply(Square.apply(x), q).sum().backward()
+
+
 def test_accumulate_into_existing_grads_and_retain_graph() -> None:
     def step(log: list[str]) -> Any:
         w = torch.randn(3, requires_grad=True)

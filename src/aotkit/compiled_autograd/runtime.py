@@ -81,8 +81,25 @@ def call_backward(ctx: Any, saved_tensors: Sequence[torch.Tensor], *grads: Any,
     :func:`defines_vjp`) with the graph's saved tensors; ``tensor_inputs`` says which forward
     inputs were tensors, for eager's checks of what the backward returns."""
     user = ctx._forward_cls.vjp if vjp else ctx._forward_cls.backward
-    out = _as_the_engine_would(user, compat.replay_ctx(ctx, list(saved_tensors)), *grads)
+    try:
+        out = _as_the_engine_would(user, compat.replay_ctx(ctx, list(saved_tensors)), *grads)
+    except (TypeError, AttributeError) as exc:
+        if all(g is not None for g in grads):
+            raise
+        raise _given_none(ctx, grads) from exc
     return _checked_grads(ctx, out if isinstance(out, tuple) else (out,), tensor_inputs)
+
+
+def _given_none(ctx: Any, grads: Sequence[Any]) -> UnsupportedError:
+    """Why a custom backward failed on None: compiled autograd cannot materialize it."""
+    missing = [k for k, g in enumerate(grads) if g is None]
+    return UnsupportedError(
+        f"{ctx._forward_cls.__name__}.backward failed on None as the gradient of output(s) "
+        f"{missing}, which got no gradient in this backward. Eager hands such a backward "
+        "zeros (materialize_grads, the default); under compiled autograd the engine passes None "
+        "and whether the Function materializes cannot be read (PyTorch's compiled autograd "
+        "passes None too).\nFix: treat None as zeros in the backward (`if g is None: g = "
+        "torch.zeros_like(out)`), or run this backward under aotkit.compiled_autograd.disable().")
 
 
 def defines_vjp(cls: type) -> bool:

@@ -36,14 +36,17 @@ NAN_CHECK_MESSAGE = (
 )
 
 
-def refuse_unsupported_modes() -> None:
+def refuse_unsupported_modes(replay: bool = False) -> None:
     """What a backward cannot be captured or replayed under: create_graph=True (grad mode is
     on in its backward) and anomaly mode's NaN checks (not in the engine's cache key: a
-    backward captured before anomaly mode was turned on replayed without them)."""
+    backward captured before anomaly mode was turned on replayed without them; the engine has
+    released the autograd graph's saved tensors by then)."""
     if torch.is_grad_enabled():
         raise UnsupportedError(CREATE_GRAPH_MESSAGE)
     if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
-        raise UnsupportedError(NAN_CHECK_MESSAGE)
+        raise UnsupportedError(NAN_CHECK_MESSAGE + (
+            " The engine has released this backward's graph already (unless retain_graph=True"
+            "): run the forward again before retrying." if replay else ""))
 
 
 # A formula replayed for a size that decides its structure fails on sizes (Note in
@@ -385,7 +388,7 @@ class CompiledBackward:
 
     def __call__(self, _engine_fn: Any, inputs: list[Any], sizes: Any, scalars: Any,
                  hooks: Any, packed_data: Any) -> Any:
-        refuse_unsupported_modes()
+        refuse_unsupported_modes(replay=True)
         self._check_grad_dtypes(inputs)
         example = Example(inputs, list(sizes), list(scalars))
         fn = self.compiled_for(active(), example)
