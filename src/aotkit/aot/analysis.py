@@ -681,31 +681,47 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # an output from another (``a = x * 2; return a, a.relu()``), the gradient ``b`` brings to
 # ``a`` stays inside the backward graph: it never passes ``a``'s own edge. Eager's hooks on
 # ``a`` and ``a.retain_grad()`` see it; here they would see only what comes into ``a`` from
-# outside. The runtime refuses a backward that brings a gradient to such an output's
-# dependents while the output has a hook or retains its gradient (an output viewing another is
-# made outside the node, and is no such dependent).
+# outside. The same holds for an output that is a view (made outside the node) other outputs
+# are computed from inside, or other views of one base (made from the base, side by side);
+# only views the runtime makes from an output itself pass through it. The runtime refuses a
+# backward that brings a gradient to such an output's dependents (into the node: a view's
+# through its base) while the output has a hook or retains its gradient.
+_COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
+_ROOTS = (Alias.NONE, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)  # their gradients enter the node
+
+
 def _outputs_feeding_others(infos: list[OutputInfo], f_outs: list[Any],
                             bases: list[torch.Tensor]) -> dict[int, int]:
-    """Per output computed into another, the bit mask of the outputs computed from it (bit
-    ``len(f_outs) + i``: intermediate base ``i``, which outputs view)."""
-    made = [o if info.alias is Alias.NONE else None for o, info in zip(f_outs, infos, strict=True)]
-    edges = {(o.grad_fn, o.output_nr): k for k, o in enumerate([*made, *bases])
-             if isinstance(o, torch.Tensor) and o.grad_fn is not None}
-    if len(edges) < 2:
+    """Per output computed into another, the bit mask of the gradients entering the node that
+    reach it: an output's (bit k), or intermediate base ``i``'s (bit ``len(f_outs) + i``),
+    through which the views of it get theirs."""
+    def graded(o: Any) -> bool:
+        return isinstance(o, torch.Tensor) and o.grad_fn is not None
+
+    sources = {(o.grad_fn, o.output_nr): k for k, (o, info) in enumerate(zip(f_outs, infos,
+                                                                            strict=True))
+               if info.alias in _COMPUTED_OR_VIEWS and graded(o)}
+    reach: dict[Any, int] = {}  # an autograd node -> the gradients that reach it
+    made_from: dict[int, int] = {}  # an output -> the views the runtime makes from it
+    for k, (o, info) in enumerate(zip(f_outs, infos, strict=True)):
+        if info.alias in _ROOTS and graded(o):
+            reach[o.grad_fn] = reach.get(o.grad_fn, 0) | 1 << k
+        if info.alias is Alias.OF_OUTPUT:
+            made_from[info.base] = made_from.get(info.base, 0) | 1 << k  # type: ignore[index]
+    for i, base in enumerate(bases, start=len(f_outs)):
+        if graded(base):
+            reach[base.grad_fn] = reach.get(base.grad_fn, 0) | 1 << i
+    if len(reach) + len(sources) < 3:  # one output and its views
         return {}
-    reach: dict[Any, int] = {}  # an autograd node -> the outputs whose backward runs it
-    for (node, _), k in edges.items():
-        reach[node] = reach.get(node, 0) | 1 << k
-    order = _nodes_in_order(list(reach))
     feeds: dict[int, int] = {}
-    for node in order:
+    for node in _nodes_in_order(list(reach)):
         for edge in node.next_functions:
             if edge[0] is None:
                 continue
             reach[edge[0]] = reach.get(edge[0], 0) | reach.get(node, 0)
-            if (k := edges.get(edge)) is not None and k < len(f_outs) and \
-                    reach.get(node, 0) & ~(1 << k):
-                feeds[k] = feeds.get(k, 0) | reach[node] & ~(1 << k)
+            if (k := sources.get(edge)) is not None and \
+                    (missed := reach.get(node, 0) & ~made_from.get(k, 0)):
+                feeds[k] = feeds.get(k, 0) | missed
     return feeds
 
 

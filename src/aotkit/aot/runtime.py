@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -111,14 +112,19 @@ class CompiledGraphs:
         self.symbolic_tangents = any(spec is not None and spec[0] is None
                                      for spec in self.tangent_specs)
         self._reached: dict[int, list[int]] = {}  # Note [Outputs backward does not reach]
+        self._variant_graphs: dict[int, fx.GraphModule] = {}  # by missing tangents
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
         # Note [Outputs other outputs are computed from]: (output, those computed from it), as
         # the user counts them, each with its position among the Function's outputs.
         n = len(self.meta.outputs)  # intermediate base i: bit n + i, named by its views
-        position = {k: start + self.graph_output_position[k] for k, o in
-                    enumerate(self.meta.outputs) if o.alias is Alias.NONE}
-        position.update({n + i: at for i, at in enumerate(bases)})
-        self.feeding = [((k, position[k]), [(j, position[j]) for j in position if o.feeds >> j & 1])
+        position = {n + i: at for i, at in enumerate(bases)}
+        for k, o in enumerate(self.meta.outputs):  # where a gradient into k enters the node
+            if o.alias is Alias.NONE or o.alias is Alias.OF_OUTPUT:
+                position[k] = start + self.graph_output_position[
+                    k if o.alias is Alias.NONE else o.base]
+            elif o.alias is Alias.OF_INTERMEDIATE:
+                position[k] = position[n + o.base]
+        self.feeding = [(k, [(j, at) for j, at in position.items() if o.feeds >> j & 1])
                         for k, o in enumerate(self.meta.outputs) if o.feeds]
         self.watched = [_Watch.of(self, i, where) for i, where
                         in self.meta.saved_after_write.items()] if self.training else []
@@ -141,9 +147,14 @@ class CompiledGraphs:
             self._reached[0] = tangent_masks(self.bw_gm, sum(self.differentiable))
         if not missing:
             return self._reached[0]
-        # Past the variants' limit (backward_fn): the whole graph ran, on zeros for the missing
-        # tangents, the custom backwards eager runs on zeros among the rest.
-        masks = tangent_masks(self.bw_gm, sum(self.differentiable), missing)
+        # Past the variants' limit (backward_fn): the whole graph ran, or the variant without
+        # the custom backwards eager skips, on zeros for the other missing tangents (the custom
+        # backwards eager runs on zeros among the rest).
+        skipped = self._skipped_tangents(missing)
+        gm = self._variant_graphs.get(skipped, self.bw_gm) if skipped else self.bw_gm
+        if gm is self.bw_gm:
+            skipped = 0
+        masks = tangent_masks(gm, sum(self.differentiable), missing & ~skipped)
         if len(self._reached) < 4 * config.recompile_limit:
             self._reached[missing] = masks
         return masks
@@ -178,31 +189,42 @@ class CompiledGraphs:
         bit mask ``missing``, compiled on first use (the forward may never be differentiated).
         See Note [Autocast around backward], Note [Gradients backward does not bring]."""
         compiled = self._bw.get((autocast, missing))
-        if compiled is None and missing and sum(map(bool, (m for _, m in self._bw))) \
-                >= config.recompile_limit and not self._skips_custom_backward(missing):
-            # a random subset of heads per step: not 2**heads
+        variants = sum(map(bool, (m for _, m in self._bw)))
+        if compiled is None and missing and variants >= config.recompile_limit:
+            # a random subset of heads per step: not 2**heads; what eager skips stays out, to
+            # twice the limit
+            skipped = self._skipped_tangents(missing)
+            if skipped and (variants < 2 * config.recompile_limit or (autocast, skipped) in self._bw):
+                return self._bw.get((autocast, skipped)) or self._compiled(autocast, skipped)
             if (autocast, -1) not in self._bw:
                 counters.record("backward_variant", self.name, (
                     f"backwards brought no gradient for {config.recompile_limit} different sets "
                     "of outputs (aotkit.config.recompile_limit); from now on others run the "
                     "whole backward graph with zeros for them, as PyTorch's AOT autograd does "
-                    "(an infinite derivative on their path makes NaN there)"), logger=log)
+                    "(an infinite derivative on their path makes NaN there), except custom "
+                    "Functions' backwards eager skips, to twice the limit of such sets: past it, "
+                    "those run on zeros too (one not zero on zeros, adding a constant, then "
+                    "changes the gradients)"), logger=log)
                 self._bw[(autocast, -1)] = self.backward_fn(autocast)
             return self._bw[(autocast, -1)]
-        if compiled is None:
-            with COMPILE_LOCK:  # Note [One compile at a time]
-                compiled = self._bw.get((autocast, missing)) or \
-                    self._compile_backward(autocast, missing)
-                self._bw[(autocast, missing)] = compiled
+        return compiled if compiled is not None else self._compiled(autocast, missing)
+
+    def _compiled(self, autocast: AutocastState, missing: int) -> Callable[[list[Any]], Any]:
+        with COMPILE_LOCK:  # Note [One compile at a time]
+            compiled = self._bw.get((autocast, missing)) or \
+                self._compile_backward(autocast, missing)
+            self._bw[(autocast, missing)] = compiled
         return compiled
 
-    def _skips_custom_backward(self, missing: int) -> bool:
-        """Whether eager runs no custom backward of the graph's when the tangents of bit mask
-        ``missing`` are missing, which the whole graph on zeros would run: past the variants'
-        limit, that set is compiled as a variant still (Note [Custom backwards run on
-        zeros])."""
-        present = ~missing & ((1 << sum(self.differentiable)) - 1)
-        return any(not custom & present for custom in self._custom_reaches)
+    def _skipped_tangents(self, missing: int) -> int:
+        """Past the variants' limit, the whole graph on zeros would run the custom backwards
+        eager skips when the tangents of bit mask ``missing`` are missing (Note [Custom
+        backwards run on zeros]): the tangents that make those run, a subset of ``missing``
+        whose variant leaves them out and runs the rest on zeros (0: none is skipped)."""
+        every = (1 << sum(self.differentiable)) - 1
+        present = ~missing & every
+        return functools.reduce(operator.or_, (custom & every for custom in self._custom_reaches
+                                               if not custom & present), 0)
 
     @functools.cached_property
     def _custom_reaches(self) -> frozenset[int]:
@@ -224,6 +246,8 @@ class CompiledGraphs:
         if missing:
             gm = self._without_tangents(gm, missing)
             self._reached[missing] = tangent_masks(gm, sum(self.differentiable))
+            if self._custom_reaches:  # read past the variants' limit (reached_by)
+                self._variant_graphs.setdefault(missing, gm)
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         # backward() may run under Dynamo's frame callback (a compiled training step's
         # loss.backward()): the compiler's own frames are not user code to compile.
@@ -361,8 +385,8 @@ class CompiledFunction(torch.autograd.Function):
 def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
                                           grads: Sequence[Any]) -> None:
     """Note [Outputs other outputs are computed from] in aotkit.aot.analysis."""
-    for (k, at), dependents in graphs.feeding:
-        out = ctx.outputs[at][0]()
+    for (k, dependents), ref in zip(graphs.feeding, ctx.fed, strict=False):
+        out = ref()
         if out is None or not (out._backward_hooks or out.retains_grad):
             continue
         reached = sorted({v for j, position in dependents if grads[position] is not None
@@ -371,9 +395,10 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
             raise UnsupportedError(
                 f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook "
                 f"or retain_grad(), and output(s) {reached}, computed from it inside the "
-                "compiled function, got a gradient in this backward: that part of its "
-                f"gradient flows inside the compiled backward, never through output {k} "
-                "itself, so its hook or .grad would miss it (eager's sees it).\nFix: compute "
+                "compiled function, got a gradient in this backward (a view of a base that "
+                "got one may have): that part of its gradient flows inside the compiled "
+                f"backward or beside it, never through output {k} itself, so its hook or "
+                ".grad would miss it (eager's sees it).\nFix: compute "
                 f"those outputs from output {k} outside the compiled function, or read the "
                 "gradient elsewhere (a hook on an input).")
 
@@ -417,6 +442,7 @@ def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
 _COMPILED_NODE = CompiledFunction._backward_cls
 # What a node has unless the forward set it: read at every backward, found on the class.
 _COMPILED_NODE.watched, _COMPILED_NODE.written, _COMPILED_NODE.anchor = (), (), None
+_COMPILED_NODE.fed = ()
 
 
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
@@ -610,6 +636,8 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
             torch.autograd.graph.increment_version(args[i])
         return epilogue(graphs, args, fw_outs)
     outs = epilogue(graphs, args, fw_outs)
+    if graphs.feeding and anchor.grad_fn is not None:  # Note [Outputs other outputs are
+        anchor.grad_fn.fed = [weakref.ref(outs[k]) for k, _ in graphs.feeding]  # computed from]
     if graphs.watched and anchor.grad_fn is not None:  # the node backward gets as ctx
         # Note [Inputs saved after a write]; weak: the caller's tensor leads back to the node.
         anchor.grad_fn.watched = [(w, weakref.ref(args[w.index]), args[w.index]._version)

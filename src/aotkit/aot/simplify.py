@@ -266,10 +266,12 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
 # ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None;
 # one given None for them (``set_materialize_grads(False)``) is a formula where it runs. An op
-# that computes reads zeros in place of an absent value it reads (one eager never computes:
-# an absent custom backward's ``g * 2 + 0.5`` is no zero). Past the variants' limit the whole
-# graph runs on zeros, and which gradients are None follows the same rule (``tangent_masks``),
-# unless a custom backward is absent: that set is compiled as a variant still.
+# that computes reads zeros in place of a value made by an absent custom backward, or from
+# one (``g * 2 + 0.5`` on zeros is no zero; other absent values are zeros computed). Past the
+# variants' limit the whole graph runs on zeros, and which gradients are None follows the
+# same rule (``tangent_masks``), except custom backwards eager skips: the variant without
+# just the tangents that make them run (on zeros for the other missing ones) leaves them
+# out, up to twice the limit.
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -336,6 +338,7 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
     absent = {placeholders[k] for k in missing}
     first = len(placeholders) - num_tangents
     present = sum(1 << k for k in range(num_tangents) if first + k not in missing)
+    skipped: set[fx.Node] = set()  # absent values that are no zeros: a skipped custom's
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":
             continue
@@ -346,10 +349,12 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
         elif (custom is not None and not custom & present) or (
                 absent.intersection(inputs) and _absent(node, absent)):  # or a formula
             absent.add(node)
+            if custom is not None or skipped.intersection(inputs):
+                skipped.add(node)
         elif absent.intersection(inputs) and node.target in _SUMS:
             _sum_of_present(node, absent)
-        if node not in absent and absent.intersection(node.all_input_nodes):
-            _read_zeros(node, absent)  # what eager never computes is no value to read
+        if node not in absent and skipped.intersection(node.all_input_nodes):
+            _read_zeros(node, skipped, absent)
     for node in absent:
         node.meta[ABSENT] = True
     gm.graph.eliminate_dead_code()
@@ -368,15 +373,17 @@ def runs_on_zeros(node: fx.Node, present: int) -> bool:
 def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:
     """Make custom backward op ``node`` read zeros for the absent values it reads, as eager's
     materialized ones (the missing tangents are passed as zeros already)."""
-    _read_zeros(node, absent, FROM_ZEROS)
+    _read_zeros(node, absent)
     node.meta[FROM_ZEROS] = True  # a value eager computes (Note [Custom backwards run on zeros])
 
 
-def _read_zeros(node: fx.Node, absent: set[fx.Node], kind: str = ABSENT) -> None:
-    """Make ``node`` read zeros (marked ``kind``) for the absent values it reads but the
-    missing tangents, which are passed as zeros: an absent value may be a custom backward's
-    that eager does not run (``g * 2 + 0.5`` is not zero on zeros) or ``0 * inf``."""
-    for value in [a for a in node.all_input_nodes if a in absent]:
+def _read_zeros(node: fx.Node, values: set[fx.Node], absent: set[fx.Node] | None = None) -> None:
+    """Make ``node`` read zeros for the ``values`` it reads but placeholders (the missing
+    tangents, passed as zeros), marked made from zeros, or absent with ``absent``: a
+    formula's reading a value eager never computes, a skipped custom backward's (``g * 2 +
+    0.5`` on zeros is no zero)."""
+    kind = FROM_ZEROS if absent is None else ABSENT
+    for value in [a for a in node.all_input_nodes if a in values]:
         if value.op != "placeholder" and isinstance(val := value.meta.get("val"), torch.Tensor):
             graph = node.graph
             with graph.inserting_before(node):  # full: lowered by Inductor too, unlike zeros_like
@@ -389,7 +396,7 @@ def _read_zeros(node: fx.Node, absent: set[fx.Node], kind: str = ABSENT) -> None
                     "dtype": val.dtype, "device": val.device})
             zeros.meta.update(val=val.new_zeros(val.shape), **{kind: True})
             node.replace_input_with(value, zeros)
-            if kind == ABSENT:
+            if absent is not None:
                 absent.add(zeros)
 
 
