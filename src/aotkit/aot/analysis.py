@@ -669,7 +669,7 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     _check_leaves_made_inside(infos, f_outs)
-    feeds = _outputs_feeding_others(infos, f_outs, bases)
+    feeds = _outputs_feeding_others(infos, f_outs)
     infos = [dataclasses.replace(info, made_as=made, feeds=feeds.get(k, 0))
              if (made := _made_as(out)) or k in feeds else info
              for k, (info, out) in enumerate(zip(infos, f_outs, strict=True))]
@@ -681,38 +681,32 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # an output from another (``a = x * 2; return a, a.relu()``), the gradient ``b`` brings to
 # ``a`` stays inside the backward graph: it never passes ``a``'s own edge. Eager's hooks on
 # ``a`` and ``a.retain_grad()`` see it; here they would see only what comes into ``a`` from
-# outside. The same holds for an output that is a view (made outside the node) other outputs
-# are computed from inside, or other views of one base (made from the base, side by side);
-# only views the runtime makes from an output itself pass through it. The runtime refuses a
-# backward that brings a gradient to such an output's dependents (into the node: a view's
-# through its base) while the output has a hook or retains its gradient.
+# outside. The same holds for an output that is a view other outputs are computed from, and
+# for views of one base computed one from another (``v, v[:5]``): the runtime makes each from
+# the base, side by side; only views it makes from an output itself pass through it. So the
+# runtime refuses a backward that brings such dependents a gradient (read off the node's
+# incoming gradients, or, for a view, off whether the engine runs its node) while the output
+# has a hook or retains its gradient. Not seen: hooks registered before the output was changed
+# in place (they stay on the node's edge), outputs of a tensor subclass (README).
 _COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
-_ROOTS = (Alias.NONE, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)  # their gradients enter the node
 
 
-def _outputs_feeding_others(infos: list[OutputInfo], f_outs: list[Any],
-                            bases: list[torch.Tensor]) -> dict[int, int]:
-    """Per output computed into another, the bit mask of the gradients entering the node that
-    reach it: an output's (bit k), or intermediate base ``i``'s (bit ``len(f_outs) + i``),
-    through which the views of it get theirs."""
-    def graded(o: Any) -> bool:
-        return isinstance(o, torch.Tensor) and o.grad_fn is not None
+def _outputs_feeding_others(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int, int]:
+    """Per output others are computed from, the bit mask of those outputs."""
+    def graded(k: int) -> bool:
+        return infos[k].alias in _COMPUTED_OR_VIEWS and isinstance(f_outs[k], torch.Tensor) \
+            and f_outs[k].grad_fn is not None
 
-    sources = {(o.grad_fn, o.output_nr): k for k, (o, info) in enumerate(zip(f_outs, infos,
-                                                                            strict=True))
-               if info.alias in _COMPUTED_OR_VIEWS and graded(o)}
-    reach: dict[Any, int] = {}  # an autograd node -> the gradients that reach it
-    made_from: dict[int, int] = {}  # an output -> the views the runtime makes from it
-    for k, (o, info) in enumerate(zip(f_outs, infos, strict=True)):
-        if info.alias in _ROOTS and graded(o):
-            reach[o.grad_fn] = reach.get(o.grad_fn, 0) | 1 << k
-        if info.alias is Alias.OF_OUTPUT:
-            made_from[info.base] = made_from.get(info.base, 0) | 1 << k  # type: ignore[index]
-    for i, base in enumerate(bases, start=len(f_outs)):
-        if graded(base):
-            reach[base.grad_fn] = reach.get(base.grad_fn, 0) | 1 << i
-    if len(reach) + len(sources) < 3:  # one output and its views
+    outputs = [k for k in range(len(f_outs)) if graded(k)]
+    if len(outputs) < 2:
         return {}
+    sources = {(f_outs[k].grad_fn, f_outs[k].output_nr): k for k in outputs}
+    reach: dict[Any, int] = {}  # an autograd node -> the outputs whose gradient reaches it
+    made_from: dict[int, int] = {}  # an output -> the views the runtime makes from it
+    for k in outputs:
+        reach[f_outs[k].grad_fn] = reach.get(f_outs[k].grad_fn, 0) | 1 << k
+        if infos[k].alias is Alias.OF_OUTPUT:
+            made_from[infos[k].base] = made_from.get(infos[k].base, 0) | 1 << k  # type: ignore[index]
     feeds: dict[int, int] = {}
     for node in _nodes_in_order(list(reach)):
         for edge in node.next_functions:

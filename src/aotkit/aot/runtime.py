@@ -113,27 +113,19 @@ class CompiledGraphs:
                                      for spec in self.tangent_specs)
         self._reached: dict[int, list[int]] = {}  # Note [Outputs backward does not reach]
         self._variant_graphs: dict[int, fx.GraphModule] = {}  # by missing tangents
+        self._told_skipped_on_zeros = False
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
-        # Note [Outputs other outputs are computed from]: (output, those computed from it), as
-        # the user counts them, each with its position among the Function's outputs.
-        n = len(self.meta.outputs)  # intermediate base i: bit n + i, named by its views
-        position = {n + i: at for i, at in enumerate(bases)}
-        for k, o in enumerate(self.meta.outputs):  # where a gradient into k enters the node
-            if o.alias is Alias.NONE or o.alias is Alias.OF_OUTPUT:
-                position[k] = start + self.graph_output_position[
-                    k if o.alias is Alias.NONE else o.base]
-            elif o.alias is Alias.OF_INTERMEDIATE:
-                position[k] = position[n + o.base]
-        self.feeding = [(k, [(j, at) for j, at in position.items() if o.feeds >> j & 1])
+        # Note [Outputs other outputs are computed from]: (output, those computed from it,
+        # each with its position among the Function's outputs, None for a view).
+        self.feeding = [(k, [(j, start + self.graph_output_position[j]
+                              if self.meta.outputs[j].alias is Alias.NONE else None)
+                             for j in range(len(self.meta.outputs)) if o.feeds >> j & 1])
                         for k, o in enumerate(self.meta.outputs) if o.feeds]
+        # the outputs whose tensors the check reads
+        self.fed = sorted({j for k, deps in self.feeding for j in (k, *(j for j, at in deps
+                                                                        if at is None))})
         self.watched = [_Watch.of(self, i, where) for i, where
                         in self.meta.saved_after_write.items()] if self.training else []
-
-    def named_as_output(self, j: int) -> list[int]:
-        """Output ``j``, or the outputs viewing intermediate base ``j - len(outputs)``."""
-        n = len(self.meta.outputs)
-        return [j] if j < n else [k for k, o in enumerate(self.meta.outputs)
-                                  if o.alias is Alias.OF_INTERMEDIATE and o.base == j - n]
 
     def reached_by(self, missing: int = 0) -> list[int]:
         """Per backward output (an input's gradient), a bit mask of the tangents it depends on
@@ -189,22 +181,28 @@ class CompiledGraphs:
         bit mask ``missing``, compiled on first use (the forward may never be differentiated).
         See Note [Autocast around backward], Note [Gradients backward does not bring]."""
         compiled = self._bw.get((autocast, missing))
-        variants = sum(map(bool, (m for _, m in self._bw)))
+        variants = len({m for _, m in self._bw if m > 0})  # sets, under any autocast
         if compiled is None and missing and variants >= config.recompile_limit:
             # a random subset of heads per step: not 2**heads; what eager skips stays out, to
-            # twice the limit
+            # twice the limit of variants in all
             skipped = self._skipped_tangents(missing)
             if skipped and (variants < 2 * config.recompile_limit or (autocast, skipped) in self._bw):
                 return self._bw.get((autocast, skipped)) or self._compiled(autocast, skipped)
+            if skipped and not self._told_skipped_on_zeros:
+                counters.record("backward_variant", self.name, (
+                    f"{2 * config.recompile_limit} backward variants were compiled (twice "
+                    "aotkit.config.recompile_limit): custom Functions' backwards eager does "
+                    "not run now run on zeros with the rest of the graph (one not zero on "
+                    "zeros, adding a constant, changes the gradients)"), logger=log)
+                self._told_skipped_on_zeros = True
             if (autocast, -1) not in self._bw:
                 counters.record("backward_variant", self.name, (
                     f"backwards brought no gradient for {config.recompile_limit} different sets "
                     "of outputs (aotkit.config.recompile_limit); from now on others run the "
                     "whole backward graph with zeros for them, as PyTorch's AOT autograd does "
-                    "(an infinite derivative on their path makes NaN there), except custom "
-                    "Functions' backwards eager skips, to twice the limit of such sets: past it, "
-                    "those run on zeros too (one not zero on zeros, adding a constant, then "
-                    "changes the gradients)"), logger=log)
+                    "(an infinite derivative on their path makes NaN there), but for custom "
+                    "Functions' backwards eager does not run, left out until twice the limit"),
+                    logger=log)
                 self._bw[(autocast, -1)] = self.backward_fn(autocast)
             return self._bw[(autocast, -1)]
         return compiled if compiled is not None else self._compiled(autocast, missing)
@@ -385,22 +383,39 @@ class CompiledFunction(torch.autograd.Function):
 def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
                                           grads: Sequence[Any]) -> None:
     """Note [Outputs other outputs are computed from] in aotkit.aot.analysis."""
-    for (k, dependents), ref in zip(graphs.feeding, ctx.fed, strict=False):
-        out = ref()
+    if not ctx.fed:  # not recorded: a subclass boundary, inputs laid over one another
+        return
+    for k, dependents in graphs.feeding:
+        out = _alive(ctx.fed[k])
         if out is None or not (out._backward_hooks or out.retains_grad):
-            continue
-        reached = sorted({v for j, position in dependents if grads[position] is not None
-                          for v in graphs.named_as_output(j)})
+            continue  # changed in place since: its hooks are the new value's, as in eager
+        reached = [j for j, at in dependents if (grads[at] is not None if at is not None
+                                                 else _view_runs(ctx.fed.get(j)))]
         if reached:
             raise UnsupportedError(
-                f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook "
-                f"or retain_grad(), and output(s) {reached}, computed from it inside the "
-                "compiled function, got a gradient in this backward (a view of a base that "
-                "got one may have): that part of its gradient flows inside the compiled "
-                f"backward or beside it, never through output {k} itself, so its hook or "
-                ".grad would miss it (eager's sees it).\nFix: compute "
-                f"those outputs from output {k} outside the compiled function, or read the "
-                "gradient elsewhere (a hook on an input).")
+                f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook, "
+                f"retain_grad() or is among backward()'s inputs, and output(s) {reached}, "
+                "computed from it inside the compiled function, got a gradient in this "
+                "backward: that part of its gradient flows inside the compiled backward or "
+                f"beside it, never through output {k} itself, so its hook or .grad would "
+                "miss it (eager's sees it).\nFix: compute those outputs from output "
+                f"{k} outside the compiled function, or read the gradient elsewhere (a hook on "
+                "an input).")
+
+
+def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
+    """The output tensor recorded, if alive and not changed in place since."""
+    ref, version = fed
+    out = ref()
+    return out if out is not None and out._version == version else None
+
+
+def _view_runs(fed: tuple[Any, int] | None) -> bool:
+    """Whether the engine runs the node of a view output (gone: it may)."""
+    out = fed[0]() if fed is not None else None
+    if out is None or out.grad_fn is None:
+        return out is None
+    return unreached.runs_node(out.grad_fn) is not False
 
 
 def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
@@ -442,7 +457,7 @@ def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
 _COMPILED_NODE = CompiledFunction._backward_cls
 # What a node has unless the forward set it: read at every backward, found on the class.
 _COMPILED_NODE.watched, _COMPILED_NODE.written, _COMPILED_NODE.anchor = (), (), None
-_COMPILED_NODE.fed = ()
+_COMPILED_NODE.fed = {}
 
 
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
@@ -636,8 +651,9 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
             torch.autograd.graph.increment_version(args[i])
         return epilogue(graphs, args, fw_outs)
     outs = epilogue(graphs, args, fw_outs)
-    if graphs.feeding and anchor.grad_fn is not None:  # Note [Outputs other outputs are
-        anchor.grad_fn.fed = [weakref.ref(outs[k]) for k, _ in graphs.feeding]  # computed from]
+    if graphs.fed and anchor.grad_fn is not None:  # Note [Outputs other outputs are computed
+        anchor.grad_fn.fed = {j: (weakref.ref(outs[j]), outs[j]._version)  # from]
+                              for j in graphs.fed}
     if graphs.watched and anchor.grad_fn is not None:  # the node backward gets as ctx
         # Note [Inputs saved after a write]; weak: the caller's tensor leads back to the node.
         anchor.grad_fn.watched = [(w, weakref.ref(args[w.index]), args[w.index]._version)

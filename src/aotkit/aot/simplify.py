@@ -266,12 +266,12 @@ def detach_new_values(gm: fx.GraphModule, new_values: list[int], replayed: set[i
 # computes everything it does, on zeros for the absent values it reads (``ga + 1`` is 1,
 # ``x + gb`` is x, ``gb / x`` NaN where x is 0, as in eager), and what it makes is never None;
 # one given None for them (``set_materialize_grads(False)``) is a formula where it runs. An op
-# that computes reads zeros in place of a value made by an absent custom backward, or from
-# one (``g * 2 + 0.5`` on zeros is no zero; other absent values are zeros computed). Past the
+# that computes reads zeros in place of an absent value (one made by an absent custom backward
+# is no zero: ``g * 2 + 0.5``; ``0 / 0`` in another is NaN), laid out as traced. Past the
 # variants' limit the whole graph runs on zeros, and which gradients are None follows the
 # same rule (``tangent_masks``), except custom backwards eager skips: the variant without
 # just the tangents that make them run (on zeros for the other missing ones) leaves them
-# out, up to twice the limit.
+# out, until twice the limit of variants in all.
 _aten, _prims = torch.ops.aten, torch.ops.prims
 #: Absent when any tensor argument is: products.
 _ABSENT_IF_ANY = frozenset([_aten.mul.Tensor, _aten.mm.default, _aten.bmm.default,
@@ -353,8 +353,8 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
                 skipped.add(node)
         elif absent.intersection(inputs) and node.target in _SUMS:
             _sum_of_present(node, absent)
-        if node not in absent and skipped.intersection(node.all_input_nodes):
-            _read_zeros(node, skipped, absent)
+        if node not in absent and absent.intersection(node.all_input_nodes):
+            _read_zeros(node, absent, absent, skipped)  # what eager never computes
     for node in absent:
         node.meta[ABSENT] = True
     gm.graph.eliminate_dead_code()
@@ -377,27 +377,51 @@ def _on_zeros(node: fx.Node, absent: set[fx.Node]) -> None:
     node.meta[FROM_ZEROS] = True  # a value eager computes (Note [Custom backwards run on zeros])
 
 
-def _read_zeros(node: fx.Node, values: set[fx.Node], absent: set[fx.Node] | None = None) -> None:
+def _read_zeros(node: fx.Node, values: set[fx.Node], absent: set[fx.Node] | None = None,
+                skipped: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> None:
     """Make ``node`` read zeros for the ``values`` it reads but placeholders (the missing
-    tangents, passed as zeros), marked made from zeros, or absent with ``absent``: a
-    formula's reading a value eager never computes, a skipped custom backward's (``g * 2 +
-    0.5`` on zeros is no zero)."""
+    tangents, passed as zeros), marked made from zeros; with ``absent`` (a formula reading
+    values eager never computes: ``0 / 0`` in one made NaN of the rest), marked absent and
+    laid out as traced, which a value of symbolic sizes that is not contiguous cannot be
+    without a guard: that one is read as before, unless a ``skipped`` custom backward made it
+    (``g * 2 + 0.5`` on zeros is no zero)."""
     kind = FROM_ZEROS if absent is None else ABSENT
     for value in [a for a in node.all_input_nodes if a in values]:
         if value.op != "placeholder" and isinstance(val := value.meta.get("val"), torch.Tensor):
-            graph = node.graph
-            with graph.inserting_before(node):  # full: lowered by Inductor too, unlike zeros_like
-                sizes = [graph.call_function(_aten.sym_size.int, (value, d))
-                         if isinstance(n, torch.SymInt) else n for d, n in enumerate(val.shape)]
-                for d, size in enumerate(sizes):
-                    if isinstance(size, fx.Node):
-                        size.meta.update(val=val.shape[d], **{kind: True})
-                zeros = graph.call_function(_aten.full.default, (sizes, 0), {
-                    "dtype": val.dtype, "device": val.device})
-            zeros.meta.update(val=val.new_zeros(val.shape), **{kind: True})
+            laid_out = absent is not None and not known_equal(
+                val.stride(), make_contiguous_strides_for(val.shape))
+            static = not free_symbols((val.shape, val.stride()))
+            if laid_out and not static and value not in skipped:
+                continue
+            with node.graph.inserting_before(node):
+                zeros = _zeros(node.graph, value, val, kind, laid_out and static)
             node.replace_input_with(value, zeros)
             if absent is not None:
                 absent.add(zeros)
+
+
+def _zeros(graph: fx.Graph, value: fx.Node, val: torch.Tensor, kind: str,
+           strided: bool) -> fx.Node:
+    """Zeros of ``value``'s traced sizes, contiguous or with its (static) strides (full:
+    lowered by Inductor too, unlike zeros_like)."""
+    options = {"dtype": val.dtype, "device": val.device}
+    if strided:
+        extent = 1 + sum((n - 1) * st for n, st in zip(val.shape, val.stride(), strict=True))
+        flat = graph.call_function(_aten.full.default, ([extent if val.numel() else 0], 0), options)
+        flat.meta.update(val=val.new_zeros(flat.args[0][0]), **{kind: True})
+        zeros = graph.call_function(_aten.as_strided.default, (flat, list(val.shape),
+                                                               list(val.stride())))
+        zeros.meta.update(val=val.new_zeros(flat.args[0][0]).as_strided(
+            val.shape, val.stride()), **{kind: True})
+        return zeros
+    sizes = [graph.call_function(_aten.sym_size.int, (value, d))
+             if isinstance(n, torch.SymInt) else n for d, n in enumerate(val.shape)]
+    for d, size in enumerate(sizes):
+        if isinstance(size, fx.Node):
+            size.meta.update(val=val.shape[d], **{kind: True})
+    zeros = graph.call_function(_aten.full.default, (sizes, 0), options)
+    zeros.meta.update(val=val.new_zeros(val.shape), **{kind: True})
+    return zeros
 
 
 def _sum_of_present(node: fx.Node, absent: set[fx.Node]) -> None:

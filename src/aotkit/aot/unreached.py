@@ -92,7 +92,7 @@ def _enter(edge: tuple[Any, int], memo: dict[Hashable, tuple[bool, Any]],
 def _look(node: Any, slot: int, compiled: type) -> bool | None:
     """What None sent into ``node`` at ``slot`` does: False, it reaches a hook, or a Function
     that materializes zeros; True, it stops there; None, the node passes it on."""
-    if (runs := _runs(node)) is False:  # autograd.grad(..., inputs=) does not run it, nor its hooks
+    if (runs := runs_node(node)) is False:  # autograd.grad(..., inputs=) does not run it, nor its hooks
         return True
     if isinstance(node, compiled):  # that call applies the same rule
         refs = node.outputs[slot] if slot < len(node.outputs) else ()
@@ -110,7 +110,7 @@ def _look(node: Any, slot: int, compiled: type) -> bool | None:
     return None
 
 
-def _runs(node: Any) -> bool | None:
+def runs_node(node: Any) -> bool | None:
     """Whether the engine runs ``node``; None where it does not say: a leaf's AccumulateGrad
     under autograd.grad (which captures the gradient: the tensor's hooks run, post-accumulate
     ones never), or outside the engine (a compiled-autograd replay)."""
