@@ -5509,3 +5509,32 @@ def test_a_hook_on_a_view_output_others_are_computed_from() -> None:
     for used, named in (([0, 1], r"\[1\]"), ([0, 2], r"\[2\]")):
         with pytest.raises(aotkit.errors.UnsupportedError, match=r"output\(s\) " + named):
             run(compiled, used)
+
+
+def _hidden_and_view(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a = x @ w
+    return a, (a * 3).t()
+
+
+def test_dropped_or_changed_view_dependents_of_a_hooked_output() -> None:
+    """A view dependent dropped at once (``f(x)[0]``, or freed between Dynamo's graphs) was
+    taken for used: every hooked backward was refused. One changed in place after the loss
+    used it was asked about its new node, which the gradient had not gone through: silent."""
+    compiled = aotkit.aot_function(_hidden_and_view, aotkit.compilers.nop)
+
+    def dropped(fn: Any) -> torch.Tensor:
+        torch.manual_seed(0)
+        x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+        a = fn(x, w)[0]
+        a.retain_grad()
+        (a * 2).sum().backward()
+        return a.grad
+
+    torch.testing.assert_close(dropped(compiled), dropped(_hidden_and_view))
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    a, v = compiled(x, w)
+    a.retain_grad()
+    loss = a.sum() + (v * 2).sum()
+    v.mul_(5)
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"output\(s\) \[1\]"):
+        loss.backward()

@@ -117,13 +117,20 @@ class CompiledGraphs:
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
         # Note [Outputs other outputs are computed from]: (output, those computed from it,
         # each with its position among the Function's outputs, None for a view).
-        self.feeding = [(k, [(j, start + self.graph_output_position[j]
-                              if self.meta.outputs[j].alias is Alias.NONE else None)
-                             for j in range(len(self.meta.outputs)) if o.feeds >> j & 1])
+        # A dependent's gradient is read off the node's incoming one; a view made from the
+        # node's outputs runs before the node (a hook notes it, "ran"); one of an input, the
+        # engine is asked ("input").
+        def where(j: int) -> int | str:
+            alias = self.meta.outputs[j].alias
+            return start + self.graph_output_position[j] if alias is Alias.NONE \
+                else "input" if alias is Alias.OF_INPUT else "ran"
+
+        self.feeding = [(k, [(j, where(j)) for j in range(len(self.meta.outputs))
+                             if o.feeds >> j & 1])
                         for k, o in enumerate(self.meta.outputs) if o.feeds]
-        # the outputs whose tensors the check reads
-        self.fed = sorted({j for k, deps in self.feeding for j in (k, *(j for j, at in deps
-                                                                        if at is None))})
+        self.fed = sorted({k for k, _ in self.feeding})  # the hooked outputs' tensors, read
+        self.fed_views = sorted({j for _, deps in self.feeding for j, at in deps
+                                 if isinstance(at, str)})
         self.watched = [_Watch.of(self, i, where) for i, where
                         in self.meta.saved_after_write.items()] if self.training else []
 
@@ -389,8 +396,9 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
         out = _alive(ctx.fed[k])
         if out is None or not (out._backward_hooks or out.retains_grad):
             continue  # changed in place since: its hooks are the new value's, as in eager
-        reached = [j for j, at in dependents if (grads[at] is not None if at is not None
-                                                 else _view_runs(ctx.fed.get(j)))]
+        reached = [j for j, at in dependents if (
+            grads[at] is not None if isinstance(at, int) else _view_runs(ctx.fed.get(j))
+            if at == "input" else j in ctx.fed_ran or _changed(ctx.fed.get(j)))]
         if reached:
             raise UnsupportedError(
                 f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook, "
@@ -403,6 +411,23 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
                 "an input).")
 
 
+def _note_fed(node: Any, graphs: CompiledGraphs, outs: Sequence[Any]) -> None:
+    """Keep on the call's node what its backward's check reads: the hooked outputs' tensors
+    (weakly, with their versions), and for the view dependents, which of them ran."""
+    node.fed = {j: (weakref.ref(outs[j]), outs[j]._version) for j in (*graphs.fed,
+                                                                       *graphs.fed_views)}
+    node.fed_ran = ran = set()
+    for j in graphs.fed_views:
+        view = outs[j]
+        if view.grad_fn is not None and view.grad_fn is not node:
+            view.grad_fn.register_prehook(functools.partial(_ran, ran, j))
+
+
+def _ran(ran: set[int], j: int, grads: tuple[Any, ...]) -> None:
+    if any(g is not None for g in grads):  # a node after it may send None, another compiled call
+        ran.add(j)
+
+
 def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
     """The output tensor recorded, if alive and not changed in place since."""
     ref, version = fed
@@ -410,12 +435,21 @@ def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
     return out if out is not None and out._version == version else None
 
 
+def _changed(fed: tuple[Any, int] | None) -> bool:
+    """Whether a view output changed in place since the call (then its gradient may have
+    bypassed the node noting it)."""
+    out = fed[0]() if fed is not None else None
+    return out is not None and out._version != fed[1]  # type: ignore[index]
+
+
 def _view_runs(fed: tuple[Any, int] | None) -> bool:
-    """Whether the engine runs the node of a view output (gone: it may)."""
+    """Whether the engine runs the node of a view output: changed in place since the call, it
+    may have, through its old node; gone, it is taken for unused (``f(x)[0]``), as a loss
+    holding its node while the tensor is gone cannot be told (README)."""
     out = fed[0]() if fed is not None else None
     if out is None or out.grad_fn is None:
-        return out is None
-    return unreached.runs_node(out.grad_fn) is not False
+        return False
+    return _changed(fed) or unreached.runs_node(out.grad_fn) is not False
 
 
 def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
@@ -457,7 +491,7 @@ def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
 _COMPILED_NODE = CompiledFunction._backward_cls
 # What a node has unless the forward set it: read at every backward, found on the class.
 _COMPILED_NODE.watched, _COMPILED_NODE.written, _COMPILED_NODE.anchor = (), (), None
-_COMPILED_NODE.fed = {}
+_COMPILED_NODE.fed, _COMPILED_NODE.fed_ran = {}, frozenset()
 
 
 def _quiet_inputs(ctx: Any, graphs: CompiledGraphs) -> set[int]:
@@ -652,8 +686,7 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         return epilogue(graphs, args, fw_outs)
     outs = epilogue(graphs, args, fw_outs)
     if graphs.fed and anchor.grad_fn is not None:  # Note [Outputs other outputs are computed
-        anchor.grad_fn.fed = {j: (weakref.ref(outs[j]), outs[j]._version)  # from]
-                              for j in graphs.fed}
+        _note_fed(anchor.grad_fn, graphs, outs)  # from]
     if graphs.watched and anchor.grad_fn is not None:  # the node backward gets as ctx
         # Note [Inputs saved after a write]; weak: the caller's tensor leads back to the node.
         anchor.grad_fn.watched = [(w, weakref.ref(args[w.index]), args[w.index]._version)
