@@ -239,35 +239,7 @@ def test_a_run_inside_a_given_none_backward_runs_only_with_what_it_passes() -> N
         _assert_same(_grads(compiled, used, make), _grads(f, used, make))
 
 
-class _PlusOne(torch.autograd.Function):
-    """Materialized; on zeros its backward gives ones: eager's engine runs it or not."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * 2 * x + 1
-
-
-class _Gate(torch.autograd.Function):
-    """Sends its first input None: eager's engine still runs what made it."""
-
-    @staticmethod
-    def forward(ctx, d, q):
-        ctx.save_for_backward(d)
-        return d * q
-
-    @staticmethod
-    def backward(ctx, g):
-        (d,) = ctx.saved_tensors
-        return None, g * d
-
-
-class _Affine(torch.autograd.Function):
+class _AffineHalf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         return x * 2
@@ -282,12 +254,12 @@ def _ones_and_twos() -> list[torch.Tensor]:
 
 
 def _gate_beside(x, q):
-    h = _PlusOne.apply(x)
+    h = _Affine.apply(x)
     return _Gate.apply(h, q), h * 1
 
 
 def test_custom_backward_run_by_a_node_sending_it_none() -> None:
-    """Traced with every output's gradient, _PlusOne's gradient came from ``h * 1`` only; the
+    """Traced with every output's gradient, _Affine's gradient came from ``h * 1`` only; the
     variant for output 0 alone dropped it, where eager runs it (on zeros) because _Gate runs."""
     compiled = aotkit.aot_function(_gate_beside, compilers.nop)
     for used in ([0], [1], [0, 1]):
@@ -312,7 +284,7 @@ class _Outer(torch.autograd.Function):
 
 
 def _nested_gate(x, q, x2):
-    h = _Gate.apply(_PlusOne.apply(x), q)
+    h = _Gate.apply(_Affine.apply(x), q)
     return _Outer.apply(x2, [h], q), h * 1
 
 
@@ -321,7 +293,7 @@ def _three() -> list[torch.Tensor]:
 
 
 def test_nested_runs_do_not_count_for_the_backward_itself() -> None:
-    """_Gate also runs inside _Outer's autograd.grad (output 0's); that run made _PlusOne run
+    """_Gate also runs inside _Outer's autograd.grad (output 0's); that run made _Affine run
     on zeros in the variant of output 0 alone, where eager runs it on output 1's path only."""
     compiled = aotkit.aot_function(_nested_gate, compilers.nop)
     for used in ([0], [1], [0, 1]):
@@ -329,11 +301,11 @@ def test_nested_runs_do_not_count_for_the_backward_itself() -> None:
 
 
 def _absent_read_by_formula(x):
-    return _Affine.apply(torch.nn.functional.hardtanh(x)), x.sin()
+    return _AffineHalf.apply(torch.nn.functional.hardtanh(x)), x.sin()
 
 
 def test_formula_reads_zeros_for_an_absent_custom_backward() -> None:
-    """hardtanh's backward (not known linear) read _Affine's absent value: its backward on
+    """hardtanh's backward (not known linear) read _AffineHalf's absent value: its backward on
     zeros (0.5), not zero; eager runs neither."""
     compiled = aotkit.aot_function(_absent_read_by_formula, compilers.nop)
 
@@ -345,11 +317,11 @@ def test_formula_reads_zeros_for_an_absent_custom_backward() -> None:
 
 
 def _four_heads(z):
-    return _Affine.apply(z), z * 3, z.sin(), z.cos()
+    return _AffineHalf.apply(z), z * 3, z.sin(), z.cos()
 
 
 def test_past_the_variant_limit_a_skipped_custom_backward_still_gets_its_variant() -> None:
-    """Past recompile_limit the whole graph ran on zeros, running _Affine's backward (+0.5)
+    """Past recompile_limit the whole graph ran on zeros, running _AffineHalf's backward (+0.5)
     where eager, whose loss never uses output 0, does not."""
     compiled = aotkit.aot_function(_four_heads, compilers.nop)
 

@@ -19,9 +19,10 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import config, counters
 from aotkit.aot import unreached
-from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent, laid_out_alike
+from aotkit.aot.analysis import Alias, AotMeta, InputInfo, extent
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
+from aotkit.aot.regenerate import ViewSource, regenerate_view, replayable_on_input, same_storage
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
 from aotkit.aot.simplify import tangent_masks, without_gradients
@@ -30,7 +31,7 @@ from aotkit.aot.subclass import Boundary
 from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.aot.untraceable import SavedAfterWrite
 from aotkit.compat import StopRecomputation, dynamo_frames_off
-from aotkit.errors import ArgumentError, CompilerError, UnsupportedError
+from aotkit.errors import ArgumentError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
 
@@ -879,12 +880,12 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
         elif info.alias is Alias.SAME_AS_OUTPUT:
             results.append(results[info.base])
         elif info.alias is Alias.OF_INPUT:
-            view = _ViewSource(args[info.base], new_values.get(info.base), info.base)
+            view = ViewSource(args[info.base], new_values.get(info.base), info.base)
             results.append(regenerate_view(view, out, info, graphs.name))
         else:
             base = graph_outs[position[info.base]] if info.alias is Alias.OF_OUTPUT \
                 else bases[info.base]
-            results.append(regenerate_view(_ViewSource(base), out, info, graphs.name))
+            results.append(regenerate_view(ViewSource(base), out, info, graphs.name))
             unreached.note_view(base, results[-1], _COMPILED_NODE)
         if info.made_as and not isinstance(results[-1], (torch.nn.Parameter, torch.nn.Buffer)):
             results[-1] = _remade(results[-1], info.made_as)  # not one returned again
@@ -907,7 +908,7 @@ def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any
     inputs = graphs.meta.inputs
     for i, new in new_values.items():
         info = inputs[i]
-        if info.layout_unknown and not _same_storage(args[i], new) \
+        if info.layout_unknown and not same_storage(args[i], new) \
                 and not is_non_overlapping_and_dense_or_false(args[i]):
             raise UnsupportedError(
                 f"{graphs.name} changes the shape or strides of input {i} in place (t_(), "
@@ -919,7 +920,7 @@ def _refuse_views_of_restrided_inputs(graphs: CompiledGraphs, args: Sequence[Any
                 "shape out of place (x = x.t())."
             )
     apart = {i for i, new in new_values.items() if inputs[i].layout_after is not None
-             and not _same_storage(args[i], new) and tuple(new.stride()) != inputs[i].layout_after[1]}
+             and not same_storage(args[i], new) and tuple(new.stride()) != inputs[i].layout_after[1]}
     if apart and (viewed := sorted({o.base for o in graphs.meta.outputs
                                     if o.alias is Alias.OF_INPUT and o.base in apart})):
         raise UnsupportedError(
@@ -956,7 +957,7 @@ def apply_mutation(inp: torch.Tensor, new: torch.Tensor, info: InputInfo) -> Non
 def _layout_after(inp: torch.Tensor, new: torch.Tensor,
                   info: InputInfo) -> tuple[Sequence[int], Sequence[int], int]:
     """Size, strides and storage offset of an input whose shape the function changed."""
-    if _same_storage(inp, new):
+    if same_storage(inp, new):
         return new.size(), new.stride(), new.storage_offset()
     if info.layout_after is not None:  # Note [Layout after t_()]
         size, stride, shift = info.layout_after
@@ -1000,109 +1001,13 @@ def _resize_as_eager(inp: torch.Tensor, new: torch.Tensor) -> None:
         inp.resize_(new.shape)
 
 
-@dataclass
-class _ViewSource:
-    """What an aliased output is regenerated from: its base, and for a view of an input that
-    the function also mutates, the graph's new value of that input (see ``_view_of_new_value``)."""
-
-    base: torch.Tensor
-    new_value: torch.Tensor | None = None
-    input_index: int | None = None
-
-
-def regenerate_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
-    """``out`` as a real view of ``source.base`` with the autograd link eager would give it."""
-    base = source.base
-    if not info.is_view:  # ``x.detach()``, ``x[1:].detach()``: shares memory, is no view
-        return _as_view(source, out, info, name).detach().requires_grad_(info.requires_grad)
-    if info.cut_view and base.requires_grad:  # Note [Views cut by no_grad]
-        with torch.no_grad():
-            view = _as_view(source, out, info, name)
-        return view.view_as(view)
-    if info.linked or not base.requires_grad:
-        view = _as_view(source, out, info, name)
-        return view.requires_grad_() if info.made_leaf else view  # ``x.detach()[0].requires_grad_()``
-    if info.no_grad_view:  # eager: requires_grad, no grad_fn, still a view of base
-        with torch.no_grad():
-            return _as_view(source, out, info, name)
-    # ``x.detach()[0]`` (maybe ``.requires_grad_()`` after): a view, no autograd link
-    detached = _ViewSource(base.detach(), source.new_value, source.input_index)
-    return _as_view(detached, out, info, name).requires_grad_(info.requires_grad)
-
-
-# Note [Conjugate and negative views]
-# ``x.conj()`` and ``x.conj().imag`` are views whose values are their storage's conjugated or
-# negated: the conj/neg bit belongs to the tensor, not the storage, and as_strided drops it.
-# So the view is regenerated from the base with its bits cleared (the storage's own values, still
-# through views autograd follows) and eager's bits, recorded by the analysis, are set again.
-def _as_view(source: _ViewSource, out: torch.Tensor, info: OutputInfo, name: str) -> torch.Tensor:
-    if _replayable(out, source, info):
-        return out._view_func_unsafe(source.base)
-    if info.replay_only:
-        return _replayed_on_input(source, out, info)
-    base = _plain(source.base)
-    if out.dtype != base.dtype:
-        base = _reinterpret(base, out.dtype)
-    view = base.as_strided(*_placement(source, base, out, info, name))
-    # A view of memory the graph made (an output or intermediate base) shows its values as the
-    # graph's own output does: an op may return a root with a bit (dot of two conjugates holds
-    # the unconjugated product, its bit set, as in eager), or the graph a base eager had
-    # without one (its views then flip the bit).
-    made_inside = source.input_index is None
-    if made_inside and _same_storage(out, source.base):
-        return _with_bits(view, out.is_conj(), out.is_neg())
-    return _with_bits(view, info.is_conj != (made_inside and source.base.is_conj()),
-                      info.is_neg != (made_inside and source.base.is_neg()))
-
-
-def _with_bits(view: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
-    """``view`` (of a storage's values as they are) with conj/neg bits set as asked."""
-    view = torch._neg_view(view) if neg else view
-    return view.conj() if conj else view
-
-
-# Note [Replaying views]
-# A view regenerated with as_strided gets AsStridedBackward0, whose gradient scatters into a
-# zero-filled copy of the whole base: slower than eager's view backward (a transpose, a sum for
-# an expand), and for an overlapping view (expand) summed in another order than eager's. When the
-# compiled graph made the output with view ops straight from the very tensor it views (the nop
-# compiler runs ATen's view ops), the forward runs with view functions recorded, and the
-# epilogue replays that chain on the base outside the Function: the caller gets eager's own view
-# nodes (ExpandBackward0, TransposeBackward0). Anything else (a view of a view input, of an input
-# the function mutates, dtype or conj/neg views, compilers whose outputs carry no view function)
-# keeps as_strided.
-def _replayable(out: torch.Tensor, source: _ViewSource, info: OutputInfo) -> bool:
-    base = source.base
-    return (source.new_value is None and out._is_view() and out._base is base
-            and out.dtype == base.dtype
-            and not (info.is_neg or info.is_conj or base.is_conj() or base.is_neg()))
-
-
-def _replayed_on_input(source: _ViewSource, out: torch.Tensor, info: OutputInfo) -> torch.Tensor:
-    """See Note [Views of inputs with gaps]; ``_refuse_unplaceable_views`` checked it can."""
-    new = source.new_value
-    if out._is_view() and out._base is new:
-        return out._view_func_unsafe(source.base)
-    # the whole input (``x[...]``, ``x.detach()`` after writing x): a view of its own, in the
-    # output's dtype (``x.view(torch.int32)``), not the caller's tensor itself
-    base = _plain(source.base)
-    view = base.view_as(base) if out.dtype == base.dtype else base.view(out.dtype)
-    return _with_bits(view, info.is_conj, info.is_neg)  # Note [Conjugate and negative views]
-
-
-def _replayable_on_input(new: Any, out: torch.Tensor) -> bool:
-    return new is not None and ((out._is_view() and out._base is new) or (
-        _same_storage(out, new) and (out.shape, out.stride(), out.storage_offset())
-        == (new.shape, new.stride(), new.storage_offset())))
-
-
 def _refuse_unplaceable_views(graphs: CompiledGraphs, args: Sequence[Any],
                               new_values: Mapping[int, Any], graph_outs: Sequence[Any]) -> None:
     """Before anything is written: a view of an input with gaps the graph did not make with
     view ops from the input's new value cannot be placed (Note [Views of inputs with gaps])."""
     for flat in graphs.replayed_outputs:
         i = graphs.meta.outputs[flat].base
-        if not _replayable_on_input(new_values.get(i), graph_outs[graphs.graph_output_position[flat]]):
+        if not replayable_on_input(new_values.get(i), graph_outs[graphs.graph_output_position[flat]]):
             raise UnsupportedError(
                 f"{graphs.name}: the function mutates input {i} (strides "
                 f"{tuple(args[i].stride())}, with gaps between elements) in place and returns "
@@ -1114,80 +1019,3 @@ def _refuse_unplaceable_views(graphs: CompiledGraphs, args: Sequence[Any],
                 "x.unsqueeze(0).add_(1)), or return a clone of the view; a compiler of your own "
                 "that wraps one returning no views can say so with a returns_views = False "
                 "attribute, and aotkit then runs such graphs as traced.")
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without conj/neg bits: a view showing its storage's values as they are."""
-    if t.is_conj():
-        t = t.conj()
-    return torch._neg_view(t) if t.is_neg() else t
-
-
-def _placement(source: _ViewSource, base: torch.Tensor, out: torch.Tensor, info: OutputInfo,
-               name: str) -> tuple[Any, Any, int]:
-    """Size, stride and storage offset of ``out`` within ``base``'s storage."""
-    if _same_storage(base, out):
-        return out.size(), out.stride(), out.storage_offset()
-    if info.static_view is not None:
-        size, stride, shift = info.static_view
-        start = source.base.storage_offset() * source.base.element_size()
-        return size, stride, (start + shift) // out.element_size()
-    if source.new_value is not None and _same_storage(source.new_value, out):
-        return _view_of_new_value(source, out, name)
-    raise CompilerError(
-        f"{name}: an output that views another tensor came back from the compiled graph in "
-        "memory of its own, and with symbolic sizes aotkit cannot find its place in the tensor it "
-        "views. This happens with keep_inference_input_mutations=True for a view that changes "
-        "the dtype (x.view(torch.int32), view_as_real) of a mutated input, or with a compiler "
-        "that copies its outputs (Inductor). The input has been written already.\nFix: clone "
-        "the output in the function, compile with dynamic=False (or without "
-        "keep_inference_input_mutations), or, under torch.compile, use backend='aotkit'."
-    )
-
-
-# Note [Views of mutated inputs under dynamic shapes]
-# When the function mutates input x and returns a view of it, the graph computes x's new value
-# as a fresh tensor and the view from that tensor, not from x. The epilogue copies the new value
-# into x and needs the view's place in x's storage: with static shapes the analysis recorded it;
-# with symbolic sizes it did not, but the graph's new value and view are real tensors here. When
-# the new value is laid out like x (same sizes and strides), each element sits at the same
-# distance from its tensor's start in both storages, so the view moves by the difference of
-# the two storage offsets.
-def _view_of_new_value(source: _ViewSource, out: torch.Tensor, name: str) -> tuple[Any, Any, int]:
-    new, base = source.new_value, _plain(source.base)
-    assert new is not None
-    if not (new.dtype == base.dtype and new.size() == base.size() and laid_out_alike(new, base)):
-        raise UnsupportedError(
-            f"{name}: an output is a view of input {source.input_index}, which the function "
-            "also mutates in place; with dynamic shapes aotkit finds the view's place in the "
-            "input from the graph's new value of that input, but the compiled graph laid that "
-            f"value out differently (sizes {tuple(new.size())}, strides {new.stride()}) from "
-            f"the input (sizes {tuple(base.size())}, strides {base.stride()}).\nFix: compile "
-            "with dynamic=False, or return a clone of the view (out.clone())."
-        )
-    # Offsets count elements of each tensor's own dtype: move by bytes, in out's elements.
-    shift = (base.storage_offset() - new.storage_offset()) * base.element_size()
-    return out.size(), out.stride(), out.storage_offset() + shift // out.element_size()
-
-
-def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole storage of ``base`` as one flat tensor of ``dtype``, for views that change the
-    dtype (``view_as_real``, ``Tensor.view(dtype)``); as_strided alone cannot. A tail too
-    short for an element of the wider dtype is left out (a 7-float storage as complex)."""
-    unit = max(base.element_size(), dtype.itemsize)
-    size = base.untyped_storage().nbytes() // unit * unit // base.element_size()
-    flat = base.as_strided((size,), (1,), 0)
-    # view_as_real / view_as_complex where autograd differentiates them (half, float, double
-    # parts); a plain dtype view otherwise (an int32 input seen as complex64, as eager allows)
-    if flat.is_complex() and not dtype.is_complex and dtype in _COMPLEX_PARTS:
-        flat = torch.view_as_real(flat).flatten()
-    elif dtype.is_complex and flat.dtype in _COMPLEX_PARTS:
-        flat = torch.view_as_complex(flat.view(-1, 2))
-    return flat if flat.dtype == dtype else flat.view(dtype)
-
-
-_COMPLEX_PARTS = (torch.float16, torch.float32, torch.float64)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
