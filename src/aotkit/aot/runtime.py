@@ -117,10 +117,9 @@ class CompiledGraphs:
         self._told_skipped_on_zeros = False
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
         # Note [Outputs other outputs are computed from]: (output, those computed from it,
-        # each with its position among the Function's outputs, None for a view).
-        # A dependent's gradient is read off the node's incoming one; a view made from the
-        # node's outputs runs before the node (a hook notes it, "ran"); one of an input, the
-        # engine is asked ("input").
+        # each with where its gradient is read: the node's incoming one at its position; for a
+        # view made from the node's outputs, which runs before the node, "ran", a hook notes
+        # it; for one of an input, "input", the engine is asked).
         def where(j: int) -> int | str:
             alias = self.meta.outputs[j].alias
             return start + self.graph_output_position[j] if alias is Alias.NONE \
@@ -420,7 +419,7 @@ def _note_fed(node: Any, graphs: CompiledGraphs, outs: Sequence[Any]) -> None:
     node.fed_ran = ran = set()
     for j in graphs.fed_views:
         view = outs[j]
-        if view.grad_fn is not None and view.grad_fn is not node:
+        if view.grad_fn is not None:
             view.grad_fn.register_prehook(functools.partial(_ran, ran, j))
 
 
