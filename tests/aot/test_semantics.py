@@ -5538,3 +5538,17 @@ def test_dropped_or_changed_view_dependents_of_a_hooked_output() -> None:
     v.mul_(5)
     with pytest.raises(aotkit.errors.UnsupportedError, match=r"output\(s\) \[1\]"):
         loss.backward()
+
+
+def test_a_view_dependent_noted_in_one_backward_is_not_counted_in_the_next() -> None:
+    """retain_graph=True: the view ran in the first backward (refused), not in the second,
+    which the note kept from the first refused too."""
+    compiled = aotkit.aot_function(_hidden_and_view, aotkit.compilers.nop)
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    a, v = compiled(x, w)
+    a.retain_grad()
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"output\(s\) \[1\]"):
+        (a.sum() + (v * 2).sum()).backward(retain_graph=True)
+    a.grad = None
+    a.sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(3, 5))

@@ -392,13 +392,15 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
     """Note [Outputs other outputs are computed from] in aotkit.aot.analysis."""
     if not ctx.fed:  # not recorded: a subclass boundary, inputs laid over one another
         return
+    ran = frozenset(ctx.fed_ran)  # in this backward (retain_graph=True: another may follow)
+    ctx.fed_ran.clear()
     for k, dependents in graphs.feeding:
         out = _alive(ctx.fed[k])
         if out is None or not (out._backward_hooks or out.retains_grad):
             continue  # changed in place since: its hooks are the new value's, as in eager
         reached = [j for j, at in dependents if (
             grads[at] is not None if isinstance(at, int) else _view_runs(ctx.fed.get(j))
-            if at == "input" else j in ctx.fed_ran or _changed(ctx.fed.get(j)))]
+            if at == "input" else j in ran or _changed(ctx.fed.get(j)))]
         if reached:
             raise UnsupportedError(
                 f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook, "
