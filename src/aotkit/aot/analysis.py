@@ -123,6 +123,9 @@ class OutputInfo:
     # The outputs computed from this one inside the function, a bit mask of their positions
     # (Note [Outputs other outputs are computed from]).
     feeds: int = 0
+    # The returned view this view was taken from (``v, v[:5]``): the runtime makes it from that
+    # output, as eager does (Note [Views taken from returned views]).
+    through: int | None = None
 
     @property
     def made_leaf(self) -> bool:
@@ -669,10 +672,14 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
         else:
             infos.append(OutputInfo(Alias.NONE, None, rg, linked=out.grad_fn is not None))
     _check_leaves_made_inside(infos, f_outs)
+    infos = [dataclasses.replace(info, made_as=made) if (made := _made_as(out)) else info
+             for info, out in zip(infos, f_outs, strict=True)]
+    through = _views_taken_through(infos, f_outs)
+    infos = [dataclasses.replace(info, through=through[k]) if k in through else info
+             for k, info in enumerate(infos)]
     feeds = _outputs_feeding_others(infos, f_outs)
-    infos = [dataclasses.replace(info, made_as=made, feeds=feeds.get(k, 0))
-             if (made := _made_as(out)) or k in feeds else info
-             for k, (info, out) in enumerate(zip(infos, f_outs, strict=True))]
+    infos = [dataclasses.replace(info, feeds=feeds[k]) if k in feeds else info
+             for k, info in enumerate(infos)]
     return infos, bases
 
 
@@ -681,14 +688,57 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # an output from another (``a = x * 2; return a, a.relu()``), the gradient ``b`` brings to
 # ``a`` stays inside the backward graph: it never passes ``a``'s own edge. Eager's hooks on
 # ``a`` and ``a.retain_grad()`` see it; here they would see only what comes into ``a`` from
-# outside. The same holds for an output that is a view other outputs are computed from, and
-# for views of one base computed one from another (``v, v[:5]``): the runtime makes each from
-# the base, side by side; only views it makes from an output itself pass through it. So the
-# runtime refuses a backward that brings such dependents a gradient (read off the node's
-# incoming gradients, or, for a view, off whether the engine runs its node) while the output
-# has a hook or retains its gradient. Not seen: hooks registered before the output was changed
+# outside. The same holds for an output that is a view other outputs are computed from (the
+# runtime makes it outside the node); only views made from an output itself pass through it
+# (Note [Views taken from returned views]). So the runtime refuses a backward that brings such
+# dependents a gradient (read off the node's incoming gradients, or, for a view, off whether
+# the engine runs its node) while the output has a hook or retains its gradient. Not seen: hooks registered before the output was changed
 # in place (they stay on the node's edge), outputs of a tensor subclass (README).
 _COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
+
+
+# Note [Views taken from returned views]
+# Eager's ``v = x[2:]; return v, v[:5]`` gives ``v[:5]`` a node whose edge leads to ``v``'s: a
+# hook on ``v``, or ``v.retain_grad()``, sees the gradient ``v[:5]`` brings. Regenerated side
+# by side from their base (Note [Aliased outputs]), the second would send its gradient straight
+# to ``x``, around ``v``. So the analysis follows each view output's chain of view nodes to the
+# nearest other returned view on it, and the runtime makes the view from that output (an
+# as_strided of it at the place the view has in their shared memory), after it. Only for
+# linked views of one dtype without conj/neg bits on either side; others stay side by side
+# (``v.conj()``'s gradient does not pass ``v``'s hooks: README).
+def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int, int]:
+    """Per view output taken from another returned view, that view's position."""
+    def plain_view(k: int) -> bool:
+        info, out = infos[k], f_outs[k]
+        return info.alias in _VIEWS and info.linked and info.is_view and not (
+            info.cut_view or info.no_grad_view or info.replay_only or info.made_as
+            or info.is_conj or info.is_neg) and out.grad_fn is not None
+
+    views = {(f_outs[k].grad_fn, f_outs[k].output_nr): k for k in range(len(f_outs)) if plain_view(k)}
+    if len(views) < 2:
+        return {}
+    through = {}
+    for k in views.values():
+        out = f_outs[k]
+        root = out._base.grad_fn if out._base is not None else None
+        node = out.grad_fn
+        while node is not root and len(edges := [e for e in node.next_functions if e[0] is not None]) == 1:
+            if (j := views.get(edges[0])) is not None:
+                if f_outs[j].dtype == out.dtype:
+                    through[k] = j
+                break
+            node = edges[0][0]
+    return through
+
+
+_VIEWS = (Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
+
+
+def _made_from(info: OutputInfo) -> int | None:
+    """The output the runtime makes this one from, if any."""
+    if info.through is not None:
+        return info.through
+    return info.base if info.alias is Alias.OF_OUTPUT else None
 
 
 def _outputs_feeding_others(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int, int]:
@@ -705,8 +755,9 @@ def _outputs_feeding_others(infos: list[OutputInfo], f_outs: list[Any]) -> dict[
     made_from: dict[int, int] = {}  # an output -> the views the runtime makes from it
     for k in outputs:
         reach[f_outs[k].grad_fn] = reach.get(f_outs[k].grad_fn, 0) | 1 << k
-        if infos[k].alias is Alias.OF_OUTPUT:
-            made_from[infos[k].base] = made_from.get(infos[k].base, 0) | 1 << k  # type: ignore[index]
+        made = k
+        while (made := _made_from(infos[made])) is not None:  # v[:5] from v, v from a: from a
+            made_from[made] = made_from.get(made, 0) | 1 << k
     feeds: dict[int, int] = {}
     for node in _nodes_in_order(list(reach)):
         for edge in node.next_functions:

@@ -19,7 +19,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import config, counters
 from aotkit.aot import unreached
-from aotkit.aot.analysis import Alias, AotMeta, InputInfo, extent
+from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.regenerate import ViewSource, regenerate_view, replayable_on_input, same_storage
@@ -116,6 +116,7 @@ class CompiledGraphs:
         self._variant_graphs: dict[int, fx.GraphModule] = {}  # by missing tangents
         self._told_skipped_on_zeros = False
         self.replayed_outputs = [flat for flat, o in enumerate(self.meta.outputs) if o.replay_only]
+        self.epilogue_order = epilogue_order(self.meta.outputs)
         # Note [Outputs other outputs are computed from]: (output, those computed from it,
         # each with where its gradient is read: the node's incoming one at its position; for a
         # view made from the node's outputs, which runs before the node, "ran", a hook notes
@@ -866,31 +867,56 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
         apply_mutation(args[i], new, meta.inputs[i])
     bases = fw_outs[start + len(graph_outs) :]
     position = graphs.graph_output_position
-    results: list[Any] = []
-    for flat, info in enumerate(meta.outputs):
+    results: list[Any] = [None] * len(meta.outputs)
+    for flat in graphs.epilogue_order:
+        info = meta.outputs[flat]
         if info.alias is Alias.CONSTANT:
-            results.append(info.constant)
+            results[flat] = info.constant
             continue
         out = graph_outs[position[flat]]
         if info.fresh_leaf:  # Note [Leaves made inside]
-            results.append(out.detach().requires_grad_())
+            result = out.detach().requires_grad_()
         elif info.alias is Alias.NONE:
-            results.append(out)
+            result = out
         elif info.alias is Alias.IS_INPUT:
-            results.append(args[info.base])
+            result = args[info.base]
         elif info.alias is Alias.SAME_AS_OUTPUT:
-            results.append(results[info.base])
+            result = results[info.base]
         elif info.alias is Alias.OF_INPUT:
             view = ViewSource(args[info.base], new_values.get(info.base), info.base)
-            results.append(regenerate_view(view, out, info, graphs.name))
+            result = regenerate_view(view, out, info, graphs.name)
         else:
             base = graph_outs[position[info.base]] if info.alias is Alias.OF_OUTPUT \
                 else bases[info.base]
-            results.append(regenerate_view(ViewSource(base), out, info, graphs.name))
-            unreached.note_view(base, results[-1], _COMPILED_NODE)
-        if info.made_as and not isinstance(results[-1], (torch.nn.Parameter, torch.nn.Buffer)):
-            results[-1] = _remade(results[-1], info.made_as)  # not one returned again
+            result = regenerate_view(ViewSource(base), out, info, graphs.name)
+        if info.through is not None:  # Note [Views taken from returned views]
+            result = results[info.through].as_strided(
+                result.size(), result.stride(), result.storage_offset())
+        if info.alias in (Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE):
+            unreached.note_view(base, result, _COMPILED_NODE)
+        if info.made_as and not isinstance(result, (torch.nn.Parameter, torch.nn.Buffer)):
+            result = _remade(result, info.made_as)  # not one returned again
+        results[flat] = result
     return results
+
+
+def epilogue_order(outputs: Sequence[OutputInfo]) -> list[int]:
+    """Output positions in an order that makes each output after those it is made from
+    (Note [Views taken from returned views])."""
+    order: list[int] = []
+    placed: set[int] = set()
+
+    def place(k: int) -> None:
+        if k in placed:
+            return
+        placed.add(k)
+        if (j := outputs[k].through) is not None:
+            place(j)
+        order.append(k)
+
+    for k in range(len(outputs)):
+        place(k)
+    return order
 
 
 def _remade(out: torch.Tensor, made_as: str) -> torch.Tensor:
