@@ -5572,6 +5572,33 @@ def test_views_taken_from_returned_views_pass_their_gradient_through_them(
     torch.testing.assert_close(run(compiled), run(fn))
 
 
+def _conj_views_of_views(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    v = x.conj()[2:]
+    return v, v[1:], v.conj(), v.imag, torch.view_as_real(v.conj())[1:]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_views_taken_from_returned_views_keep_dtype_and_conj_bits(dynamic: bool) -> None:
+    """Made from the view they come from, each keeps eager's dtype (``.imag``,
+    ``view_as_real``) and conj/neg bits, and the first's ``.grad`` sees all their parts."""
+    def run(f: Any) -> tuple[Any, ...]:
+        x = torch.randn(10, dtype=torch.complex64, generator=torch.Generator().manual_seed(0),
+                        requires_grad=True)
+        outs = f(x * 1)
+        for out in outs:
+            out.retain_grad()
+        weights = [torch.arange(o.numel()).view_as(o) for o in outs]
+        sum((o * w).sum().real for o, w in zip(outs, weights, strict=True)).backward()
+        return ([(o.dtype, o.is_conj(), o.is_neg()) for o in outs],
+                [o.resolve_conj().resolve_neg().detach() for o in outs],
+                [o.grad for o in outs], x.grad)
+
+    compiled = aotkit.aot_function(_conj_views_of_views, aotkit.compilers.nop, dynamic=dynamic)
+    (got_kinds, *got), (want_kinds, *want) = run(compiled), run(_conj_views_of_views)
+    assert got_kinds == want_kinds
+    torch.testing.assert_close(got, want)
+
+
 def test_views_taken_from_returned_views_under_torch_compile() -> None:
     """Dynamo's graph returns both views; aot_module_simplified makes the second from the
     first, so ``v.retain_grad()`` sees both parts, as in eager (PyTorch's aot_eager misses it)."""

@@ -703,16 +703,17 @@ _COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTE
 # by side from their base (Note [Aliased outputs]), the second would send its gradient straight
 # to ``x``, around ``v``. So the analysis follows each view output's chain of view nodes to the
 # nearest other returned view on it, and the runtime makes the view from that output (an
-# as_strided of it at the place the view has in their shared memory), after it. Only for
-# linked views of one dtype without conj/neg bits on either side; others stay side by side
-# (``v.conj()``'s gradient does not pass ``v``'s hooks: README).
+# as_strided of it at the place the view has in their shared memory, in the view's dtype and
+# with its conj/neg bits), after it. Not from an output whose elements may share memory
+# (``x.unfold(0, 4, 2)``: see ``_known_apart``): that view stays side by side, its gradient
+# around the output's hooks (README).
 def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int, int]:
     """Per view output taken from another returned view, that view's position."""
     def plain_view(k: int) -> bool:
         info, out = infos[k], f_outs[k]
         return info.alias in _VIEWS and info.linked and info.is_view and not (
-            info.cut_view or info.no_grad_view or info.replay_only or info.made_as
-            or info.is_conj or info.is_neg) and out.grad_fn is not None
+            info.cut_view or info.no_grad_view or info.replay_only or info.made_as) \
+            and out.grad_fn is not None
 
     views = {(f_outs[k].grad_fn, f_outs[k].output_nr): k for k in range(len(f_outs)) if plain_view(k)}
     if len(views) < 2:
@@ -724,11 +725,32 @@ def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int
         node = out.grad_fn
         while node is not root and len(edges := [e for e in node.next_functions if e[0] is not None]) == 1:
             if (j := views.get(edges[0])) is not None:
-                if f_outs[j].dtype == out.dtype:
+                if _known_apart(f_outs[j]):
                     through[k] = j
                 break
             node = edges[0][0]
     return through
+
+
+def _known_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory, known without a guard: each stride, in
+    the order of the strides' hints, passes the span of the smaller ones. (as_strided's
+    backward spreads a gradient over the elements of an input that may overlap itself,
+    ``x.unfold(0, 4, 2)``, where eager's view chain picks one.)"""
+    dims = [(st, n) for n, st in zip(t.shape, t.stride(), strict=True)
+            if not statically_known_true(n <= 1)]
+    if any(_hint(st) is None for st, _ in dims):
+        return False
+    span: Any = 0
+    for st, n in sorted(dims, key=lambda d: _hint(d[0])):  # type: ignore[arg-type, return-value]
+        if not statically_known_true(st > span):
+            return False
+        span = span + (n - 1) * st
+    return True
+
+
+def _hint(n: Any) -> int | None:
+    return n if isinstance(n, int) else getattr(n.node, "hint", None)
 
 
 _VIEWS = (Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)

@@ -67,6 +67,16 @@ def _as_view(source: ViewSource, out: torch.Tensor, info: OutputInfo, name: str)
                       info.is_neg != (made_inside and source.base.is_neg()))
 
 
+def taken_from(source: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (of ``source``'s memory, made from their base) made from ``source`` instead,
+    with the same place and conj/neg bits (Note [Views taken from returned views])."""
+    plain = _plain(source)
+    if plain.dtype != view.dtype:  # ``v.imag``, ``view_as_real(v)``
+        plain = _reinterpret(plain, view.dtype)
+    taken = plain.as_strided(view.size(), view.stride(), view.storage_offset())
+    return _with_bits(taken, view.is_conj(), view.is_neg())
+
+
 def _with_bits(view: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
     """``view`` (of a storage's values as they are) with conj/neg bits set as asked."""
     view = torch._neg_view(view) if neg else view

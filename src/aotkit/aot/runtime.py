@@ -22,7 +22,13 @@ from aotkit.aot import unreached
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
-from aotkit.aot.regenerate import ViewSource, regenerate_view, replayable_on_input, same_storage
+from aotkit.aot.regenerate import (
+    ViewSource,
+    regenerate_view,
+    replayable_on_input,
+    same_storage,
+    taken_from,
+)
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
 from aotkit.aot.simplify import tangent_masks, without_gradients
@@ -890,8 +896,7 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
                 else bases[info.base]
             result = regenerate_view(ViewSource(base), out, info, graphs.name)
         if info.through is not None:  # Note [Views taken from returned views]
-            result = results[info.through].as_strided(
-                result.size(), result.stride(), result.storage_offset())
+            result = taken_from(results[info.through], result)
         if info.alias in (Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE):
             unreached.note_view(base, result, _COMPILED_NODE)
         if info.made_as and not isinstance(result, (torch.nn.Parameter, torch.nn.Buffer)):
