@@ -5599,6 +5599,36 @@ def test_views_taken_from_returned_views_keep_dtype_and_conj_bits(dynamic: bool)
     torch.testing.assert_close(got, want)
 
 
+def _windows_and_one(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.unfold(0, 4, 2)  # windows share elements: v[1] is made beside v, from x
+    return v, v[1]
+
+
+def test_a_view_made_beside_an_overlapping_view_is_refused_where_its_hooks_miss() -> None:
+    """``v[1]``'s gradient goes around ``v``: a backward bringing it one while ``v`` retains
+    its gradient is refused, also when ``v[1]`` was deleted after the loss used it (was
+    silent: the compiled node's backward, where it was checked, never runs for views of
+    inputs). Without hooks, x.grad is eager's."""
+    compiled = aotkit.aot_function(_windows_and_one, aotkit.compilers.nop)
+    for drop in (False, True):
+        x = torch.randn(10, requires_grad=True)
+        v, w = compiled(x * 1)
+        v.retain_grad()
+        loss = (w * 2).sum()
+        if drop:
+            del w
+        with pytest.raises(aotkit.errors.UnsupportedError, match=r"output 0 .*output\(s\) \[1\]"):
+            loss.backward()
+
+    def grads(f: Any) -> torch.Tensor:
+        x = torch.randn(10, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        _, w = f(x * 1)
+        (w * torch.arange(4.0)).sum().backward()
+        return x.grad
+
+    torch.testing.assert_close(grads(compiled), grads(_windows_and_one))
+
+
 def test_views_taken_from_returned_views_under_torch_compile() -> None:
     """Dynamo's graph returns both views; aot_module_simplified makes the second from the
     first, so ``v.retain_grad()`` sees both parts, as in eager (PyTorch's aot_eager misses it)."""

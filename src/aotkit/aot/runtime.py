@@ -126,7 +126,8 @@ class CompiledGraphs:
         # Note [Outputs other outputs are computed from]: (output, those computed from it,
         # each with where its gradient is read: the node's incoming one at its position; for a
         # view made from the node's outputs, which runs before the node, "ran", a hook notes
-        # it; for one of an input, "input", the engine is asked).
+        # it; for one of an input, "input", a hook on its node refuses it there, as the node's
+        # backward may never run).
         def where(j: int) -> int | str:
             alias = self.meta.outputs[j].alias
             return start + self.graph_output_position[j] if alias is Alias.NONE \
@@ -406,35 +407,50 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
         if out is None or not (out._backward_hooks or out.retains_grad):
             continue  # changed in place since: its hooks are the new value's, as in eager
         reached = [j for j, at in dependents if (
-            grads[at] is not None if isinstance(at, int) else _view_runs(ctx.fed.get(j))
-            if at == "input" else j in ran or _changed(ctx.fed.get(j)))]
+            grads[at] is not None if isinstance(at, int)
+            else at == "ran" and (j in ran or _changed(ctx.fed.get(j))))]
         if reached:
-            raise UnsupportedError(
-                f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook, "
-                f"retain_grad() or is among backward()'s inputs, and output(s) {reached}, "
-                "computed from it inside the compiled function, got a gradient in this "
-                "backward: that part of its gradient flows inside the compiled backward or "
-                f"beside it, never through output {k} itself, so its hook or .grad would "
-                "miss it (eager's sees it).\nFix: compute those outputs from output "
-                f"{k} outside the compiled function, or read the gradient elsewhere (a hook on "
-                "an input).")
+            raise _hook_misses(graphs, k, reached)
+
+
+def _hook_misses(graphs: CompiledGraphs, k: int, reached: list[int]) -> UnsupportedError:
+    return UnsupportedError(
+        f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook, "
+        f"retain_grad() or is among backward()'s inputs, and output(s) {reached}, computed "
+        "from it inside the compiled function, got a gradient in this backward: that part of "
+        "its gradient flows inside the compiled backward or beside it, never through output "
+        f"{k} itself, so its hook or .grad would miss it (eager's sees it).\nFix: compute "
+        f"those outputs from output {k} outside the compiled function, or read the gradient "
+        "elsewhere (a hook on an input).")
 
 
 def _note_fed(node: Any, graphs: CompiledGraphs, outs: Sequence[Any]) -> None:
     """Keep on the call's node what its backward's check reads: the hooked outputs' tensors
-    (weakly, with their versions), and for the view dependents, which of them ran."""
-    node.fed = {j: (weakref.ref(outs[j]), outs[j]._version) for j in (*graphs.fed,
-                                                                       *graphs.fed_views)}
+    (weakly, with their versions), and for the view dependents, which of them ran; a view of
+    an input is checked when its own node runs."""
+    node.fed = fed = {j: (weakref.ref(outs[j]), outs[j]._version)
+                      for j in (*graphs.fed, *graphs.fed_views)}
     node.fed_ran = ran = set()
-    for j in graphs.fed_views:
-        view = outs[j]
-        if view.grad_fn is not None:
-            view.grad_fn.register_prehook(functools.partial(_ran, ran, j))
+    for k, dependents in graphs.feeding:
+        for j, at in dependents:
+            if isinstance(at, str) and (view_node := outs[j].grad_fn) is not None:
+                view_node.register_prehook(functools.partial(_ran, ran, j) if at == "ran"
+                                           else functools.partial(_around, graphs, fed, k, j))
 
 
 def _ran(ran: set[int], j: int, grads: tuple[Any, ...]) -> None:
     if any(g is not None for g in grads):  # a node after it may send None, another compiled call
         ran.add(j)
+
+
+def _around(graphs: CompiledGraphs, fed: dict[int, tuple[Any, int]], k: int, j: int,
+            grads: tuple[Any, ...]) -> None:
+    """View ``j`` of an input, made beside output ``k``, gets a gradient: refused while ``k``
+    has hooks (Note [Outputs other outputs are computed from])."""
+    out = _alive(fed[k])
+    if any(g is not None for g in grads) and out is not None and (
+            out._backward_hooks or out.retains_grad):
+        raise _hook_misses(graphs, k, [j])
 
 
 def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
@@ -449,16 +465,6 @@ def _changed(fed: tuple[Any, int] | None) -> bool:
     bypassed the node noting it)."""
     out = fed[0]() if fed is not None else None
     return out is not None and out._version != fed[1]  # type: ignore[index]
-
-
-def _view_runs(fed: tuple[Any, int] | None) -> bool:
-    """Whether the engine runs the node of a view output: changed in place since the call, it
-    may have, through its old node; gone, it is taken for unused (``f(x)[0]``), as a loss
-    holding its node while the tensor is gone cannot be told (README)."""
-    out = fed[0]() if fed is not None else None
-    if out is None or out.grad_fn is None:
-        return False
-    return _changed(fed) or unreached.runs_node(out.grad_fn) is not False
 
 
 def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
