@@ -5604,12 +5604,20 @@ def _windows_and_one(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return v, v[1]
 
 
-def test_a_view_made_beside_an_overlapping_view_is_refused_where_its_hooks_miss() -> None:
+def _rows_of_an_expanded_intermediate(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = (x * 2).expand(3, 10)  # made from x * 2, v[1:] beside it
+    return v, v[1:]
+
+
+@pytest.mark.parametrize("fn", [_windows_and_one, _rows_of_an_expanded_intermediate],
+                         ids=["unfold_of_an_input", "expand_of_an_intermediate"])
+def test_a_view_made_beside_an_overlapping_view_is_refused_where_its_hooks_miss(fn: Any) -> None:
     """``v[1]``'s gradient goes around ``v``: a backward bringing it one while ``v`` retains
     its gradient is refused, also when ``v[1]`` was deleted after the loss used it (was
-    silent: the compiled node's backward, where it was checked, never runs for views of
-    inputs). Without hooks, x.grad is eager's."""
-    compiled = aotkit.aot_function(_windows_and_one, aotkit.compilers.nop)
+    silent for views of inputs: the compiled node's backward, where it was checked, never
+    runs for them). Made from ``v``, as_strided's backward spread the gradient over ``v``'s
+    shared elements (a hunt's finding). Without hooks, x.grad is eager's."""
+    compiled = aotkit.aot_function(fn, aotkit.compilers.nop)
     for drop in (False, True):
         x = torch.randn(10, requires_grad=True)
         v, w = compiled(x * 1)
@@ -5623,10 +5631,25 @@ def test_a_view_made_beside_an_overlapping_view_is_refused_where_its_hooks_miss(
     def grads(f: Any) -> torch.Tensor:
         x = torch.randn(10, generator=torch.Generator().manual_seed(0), requires_grad=True)
         _, w = f(x * 1)
-        (w * torch.arange(4.0)).sum().backward()
+        (w * torch.arange(float(w.numel())).view_as(w)).sum().backward()
         return x.grad
 
-    torch.testing.assert_close(grads(compiled), grads(_windows_and_one))
+    torch.testing.assert_close(grads(compiled), grads(fn))
+
+
+def test_the_epilogue_makes_views_after_those_they_are_taken_from() -> None:
+    """A chain longer than Python's recursion limit, each view listed before its source (the
+    order was found recursively: RecursionError at ~1,000 returned views)."""
+    from aotkit.aot.analysis import Alias, OutputInfo
+    from aotkit.aot.runtime import epilogue_order
+
+    n = 5000
+    outputs = [OutputInfo(Alias.OF_INPUT, 0, through=k + 1 if k + 1 < n else None)
+               for k in range(n)]
+    order = epilogue_order(outputs)
+    assert sorted(order) == list(range(n))
+    place = {k: i for i, k in enumerate(order)}
+    assert all(place[k] > place[k + 1] for k in range(n - 1))
 
 
 def test_views_taken_from_returned_views_under_torch_compile() -> None:

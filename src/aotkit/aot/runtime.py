@@ -916,17 +916,14 @@ def epilogue_order(outputs: Sequence[OutputInfo]) -> list[int]:
     (Note [Views taken from returned views])."""
     order: list[int] = []
     placed: set[int] = set()
-
-    def place(k: int) -> None:
-        if k in placed:
-            return
-        placed.add(k)
-        if (j := outputs[k].through) is not None:
-            place(j)
-        order.append(k)
-
     for k in range(len(outputs)):
-        place(k)
+        chain = []  # k, the view it is taken from, and so on, up to one placed or none
+        j: int | None = k
+        while j is not None and j not in placed:
+            chain.append(j)
+            placed.add(j)
+            j = outputs[j].through
+        order.extend(reversed(chain))
     return order
 
 
