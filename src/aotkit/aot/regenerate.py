@@ -52,29 +52,38 @@ def _as_view(source: ViewSource, out: torch.Tensor, info: OutputInfo, name: str)
         return out._view_func_unsafe(source.base)
     if info.replay_only:
         return _replayed_on_input(source, out, info)
-    base = _plain(source.base)
-    if out.dtype != base.dtype:
-        base = _reinterpret(base, out.dtype)
-    view = base.as_strided(*_placement(source, base, out, info, name))
+    return _strided(source.base, out.dtype, *_place(source, out, info, name))
+
+
+def view_taken_from(taken: torch.Tensor, source: ViewSource, out: torch.Tensor, info: OutputInfo,
+                    name: str) -> torch.Tensor:
+    """The view ``source`` would give (a plain linked view), made from ``taken``, a returned
+    view it was taken from that shares its memory (Note [Views taken from returned views])."""
+    return _strided(taken, out.dtype, *_place(source, out, info, name))
+
+
+def _place(source: ViewSource, out: torch.Tensor, info: OutputInfo,
+           name: str) -> tuple[tuple[Any, Any, int], bool, bool]:
+    """Where ``out`` sits in its base's storage (size, stride, offset) and its conj/neg bits."""
+    geometry = _placement(source, out, info, name)
     # A view of memory the graph made (an output or intermediate base) shows its values as the
     # graph's own output does: an op may return a root with a bit (dot of two conjugates holds
     # the unconjugated product, its bit set, as in eager), or the graph a base eager had
     # without one (its views then flip the bit).
     made_inside = source.input_index is None
     if made_inside and same_storage(out, source.base):
-        return _with_bits(view, out.is_conj(), out.is_neg())
-    return _with_bits(view, info.is_conj != (made_inside and source.base.is_conj()),
-                      info.is_neg != (made_inside and source.base.is_neg()))
+        return geometry, out.is_conj(), out.is_neg()
+    return (geometry, info.is_conj != (made_inside and source.base.is_conj()),
+            info.is_neg != (made_inside and source.base.is_neg()))
 
 
-def taken_from(source: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``view`` (of ``source``'s memory, made from their base) made from ``source`` instead,
-    with the same place and conj/neg bits (Note [Views taken from returned views])."""
-    plain = _plain(source)
-    if plain.dtype != view.dtype:  # ``v.imag``, ``view_as_real(v)``
-        plain = _reinterpret(plain, view.dtype)
-    taken = plain.as_strided(view.size(), view.stride(), view.storage_offset())
-    return _with_bits(taken, view.is_conj(), view.is_neg())
+def _strided(base: torch.Tensor, dtype: torch.dtype, geometry: tuple[Any, Any, int], conj: bool,
+             neg: bool) -> torch.Tensor:
+    """The view of ``base``'s storage at ``geometry``, in ``dtype``, with these bits."""
+    plain = _plain(base)
+    if plain.dtype != dtype:  # ``x.imag``, ``view_as_real(x)``
+        plain = _reinterpret(plain, dtype)
+    return _with_bits(plain.as_strided(*geometry), conj, neg)
 
 
 def _with_bits(view: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
@@ -125,10 +134,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return torch._neg_view(t) if t.is_neg() else t
 
 
-def _placement(source: ViewSource, base: torch.Tensor, out: torch.Tensor, info: OutputInfo,
+def _placement(source: ViewSource, out: torch.Tensor, info: OutputInfo,
                name: str) -> tuple[Any, Any, int]:
-    """Size, stride and storage offset of ``out`` within ``base``'s storage."""
-    if same_storage(base, out):
+    """Size, stride and storage offset of ``out`` within its base's storage."""
+    if same_storage(source.base, out):
         return out.size(), out.stride(), out.storage_offset()
     if info.static_view is not None:
         size, stride, shift = info.static_view

@@ -27,7 +27,7 @@ from aotkit.aot.regenerate import (
     regenerate_view,
     replayable_on_input,
     same_storage,
-    taken_from,
+    view_taken_from,
 )
 from aotkit.aot.saved import NOTHING_SAVED, Saved
 from aotkit.aot.signature import AUTOCAST_DEVICES, NO_AUTOCAST, AutocastState, autocast_state
@@ -894,15 +894,15 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
             result = args[info.base]
         elif info.alias is Alias.SAME_AS_OUTPUT:
             result = results[info.base]
-        elif info.alias is Alias.OF_INPUT:
-            view = ViewSource(args[info.base], new_values.get(info.base), info.base)
-            result = regenerate_view(view, out, info, graphs.name)
         else:
-            base = graph_outs[position[info.base]] if info.alias is Alias.OF_OUTPUT \
-                else bases[info.base]
-            result = regenerate_view(ViewSource(base), out, info, graphs.name)
-        if info.through is not None:  # Note [Views taken from returned views]
-            result = taken_from(results[info.through], result)
+            if info.alias is Alias.OF_INPUT:
+                source = ViewSource(args[info.base], new_values.get(info.base), info.base)
+            else:
+                base = graph_outs[position[info.base]] if info.alias is Alias.OF_OUTPUT \
+                    else bases[info.base]
+                source = ViewSource(base)
+            result = regenerate_view(source, out, info, graphs.name) if info.through is None \
+                else view_taken_from(results[info.through], source, out, info, graphs.name)
         if info.alias in (Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE):
             unreached.note_view(base, result, _COMPILED_NODE)
         if info.made_as and not isinstance(result, (torch.nn.Parameter, torch.nn.Buffer)):
