@@ -5652,6 +5652,31 @@ def test_the_epilogue_makes_views_after_those_they_are_taken_from() -> None:
     assert all(place[k] > place[k + 1] for k in range(n - 1))
 
 
+def _rows_of_every_other_column(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x[:, ::2]
+    return v, v[1:]
+
+
+def test_views_taken_from_returned_views_with_symbolic_strides() -> None:
+    """``x[:, ::2]``'s elements are apart for every size, which its symbolic span (a floor
+    division) cannot show without a guard: its view was made beside it and refused where a
+    hook on it missed the view's gradient (aot_function(dynamic=True) from the first call,
+    torch.compile from the second size on)."""
+    def run(f: Any, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(4, columns, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        v, w = f(x * 1)
+        v.retain_grad()
+        (w * torch.arange(float(w.numel())).view_as(w)).sum().backward()
+        return v.grad, x.grad
+
+    torch._dynamo.reset()
+    fn = _rows_of_every_other_column
+    for compiled in (aotkit.aot_function(fn, aotkit.compilers.nop, dynamic=True),
+                     torch.compile(fn, backend="aotkit")):
+        for columns in (10, 12, 7):
+            torch.testing.assert_close(run(compiled, columns), run(fn, columns))
+
+
 def test_views_taken_from_returned_views_under_torch_compile() -> None:
     """Dynamo's graph returns both views; aot_module_simplified makes the second from the
     first, so ``v.retain_grad()`` sees both parts, as in eager (PyTorch's aot_eager misses it)."""

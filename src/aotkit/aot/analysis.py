@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.early_stop import NO_EARLY_STOP, EarlyStop, SaveWatch, WriteOrder, early_stop
@@ -733,20 +733,32 @@ def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int
 
 
 def _known_apart(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` share memory, known without a guard: each stride, in
-    the order of the strides' hints, passes the span of the smaller ones. (as_strided's
-    backward spreads a gradient over the elements of an input that may overlap itself,
-    ``x.unfold(0, 4, 2)``, where eager's view chain picks one.)"""
+    """Whether no two elements of ``t`` share memory: each stride, in the order of the
+    strides' hints, passes the span of the smaller ones. (as_strided's backward spreads a
+    gradient over the elements of an input that may overlap itself, ``x.unfold(0, 4, 2)``,
+    where eager's view chain picks one.) With symbolic sizes a condition not known either way
+    is decided for these sizes, with a guard (``x[:, ::2]``'s span holds a floor division)."""
     dims = [(st, n) for n, st in zip(t.shape, t.stride(), strict=True)
             if not statically_known_true(n <= 1)]
     if any(_hint(st) is None for st, _ in dims):
         return False
     span: Any = 0
     for st, n in sorted(dims, key=lambda d: _hint(d[0])):  # type: ignore[arg-type, return-value]
-        if not statically_known_true(st > span):
+        if not _holds(st > span):
             return False
         span = span + (n - 1) * st
     return True
+
+
+def _holds(condition: Any) -> bool:
+    """``condition``, guarded on where symbolic (an entry traced for other sizes may hold another
+    answer); False where sizes read from data leave it open."""
+    if statically_known_true(condition):
+        return True
+    try:
+        return bool(condition)
+    except GuardOnDataDependentSymNode:
+        return False
 
 
 def _hint(n: Any) -> int | None:

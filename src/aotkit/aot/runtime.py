@@ -3,6 +3,7 @@ that writes input mutations back and regenerates aliased outputs (Note [Aliased 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -648,8 +649,10 @@ def _distinct_non_differentiable(outs: Sequence[Any], non_differentiable: list[i
     as a differentiable output (a mutated input's new value) and a non-differentiable one (the
     same input returned to the user), the latter must be a separate alias or both lose grads."""
     outs = list(outs)
+    held = collections.Counter(id(o) for o in outs)  # by how many positions
     for i in non_differentiable:
-        if isinstance(outs[i], torch.Tensor) and any(o is outs[i] for j, o in enumerate(outs) if j != i):
+        if isinstance(outs[i], torch.Tensor) and held[id(outs[i])] > 1:
+            held[id(outs[i])] -= 1
             outs[i] = outs[i].detach()
     return outs
 
