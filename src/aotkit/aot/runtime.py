@@ -404,9 +404,8 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
     ran = frozenset(ctx.fed_ran)  # in this backward (retain_graph=True: another may follow)
     ctx.fed_ran.clear()
     for k, dependents in graphs.feeding:
-        out = _alive(ctx.fed[k])
-        if out is None or not (out._backward_hooks or out.retains_grad):
-            continue  # changed in place since: its hooks are the new value's, as in eager
+        if not _hooked(ctx.fed[k]):
+            continue
         reached = [j for j, at in dependents if (
             grads[at] is not None if isinstance(at, int)
             else at == "ran" and (j in ran or _changed(ctx.fed.get(j))))]
@@ -448,10 +447,15 @@ def _around(graphs: CompiledGraphs, fed: dict[int, tuple[Any, int]], k: int, j: 
             grads: tuple[Any, ...]) -> None:
     """View ``j`` of an input, made beside output ``k``, gets a gradient: refused while ``k``
     has hooks (Note [Outputs other outputs are computed from])."""
-    out = _alive(fed[k])
-    if any(g is not None for g in grads) and out is not None and (
-            out._backward_hooks or out.retains_grad):
+    if any(g is not None for g in grads) and _hooked(fed[k]):
         raise _hook_misses(graphs, k, [j])
+
+
+def _hooked(fed: tuple[Any, int]) -> bool:
+    """Whether the output recorded has hooks or retains its gradient (not read where changed in
+    place since: its hooks are the new value's, as in eager)."""
+    out = _alive(fed)
+    return out is not None and bool(out._backward_hooks or out.retains_grad)
 
 
 def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
