@@ -408,7 +408,7 @@ def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
             continue
         reached = [j for j, at in dependents if (
             grads[at] is not None if isinstance(at, int)
-            else at == "ran" and (j in ran or _changed(ctx.fed.get(j))))]
+            else at == "ran" and (j in ran or _runs_changed(ctx.fed.get(j))))]
         if reached:
             raise _hook_misses(graphs, k, reached)
 
@@ -465,11 +465,12 @@ def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
     return out if out is not None and out._version == version else None
 
 
-def _changed(fed: tuple[Any, int] | None) -> bool:
-    """Whether a view output changed in place since the call (then its gradient may have
-    bypassed the node noting it)."""
+def _runs_changed(fed: tuple[Any, int] | None) -> bool:
+    """Whether a view output changed in place since the call (its gradient then bypasses the
+    node noting it: its new node leads into its base) and the engine runs its new node."""
     out = fed[0]() if fed is not None else None
-    return out is not None and out._version != fed[1]  # type: ignore[index]
+    return out is not None and out._version != fed[1] and (  # type: ignore[index]
+        out.grad_fn is not None and unreached.runs_node(out.grad_fn) is not False)
 
 
 def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
