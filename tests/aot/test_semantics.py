@@ -5661,7 +5661,7 @@ def test_views_taken_from_returned_views_with_symbolic_strides() -> None:
     """``x[:, ::2]``'s elements are apart for every size, which its symbolic span (a floor
     division) cannot show without a guard: its view was made beside it and refused where a
     hook on it missed the view's gradient (aot_function(dynamic=True) from the first call,
-    torch.compile from the second size on)."""
+    torch.compile from the second size on). Decided per call, from the real strides."""
     def run(f: Any, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(4, columns, generator=torch.Generator().manual_seed(0), requires_grad=True)
         v, w = f(x * 1)
@@ -5675,6 +5675,32 @@ def test_views_taken_from_returned_views_with_symbolic_strides() -> None:
                      torch.compile(fn, backend="aotkit")):
         for columns in (10, 12, 7):
             torch.testing.assert_close(run(compiled, columns), run(fn, columns))
+
+
+def _rows_strided_by_size(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = x.as_strided((3, 3), (x.shape[0] // 12, 1))  # rows overlap where the stride is < 3
+    return v, v[1:]
+
+
+def test_whether_a_returned_view_overlaps_is_decided_per_call() -> None:
+    """One dynamic entry serves sizes where the source's rows are apart (made from it) and
+    where they overlap (made beside it, refused under a hook): a guard on the overlap
+    compiled an entry per side."""
+    def run(f: Any, size: int, hooked: bool) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        v, w = f(x * 1)
+        if hooked:
+            v.retain_grad()
+        (w * torch.arange(6.0).view(2, 3)).sum().backward()
+        return (x.grad, v.grad) if hooked else (x.grad,)
+
+    compiled = aotkit.aot_function(_rows_strided_by_size, aotkit.compilers.nop, dynamic=True)
+    for size in (48, 60):
+        torch.testing.assert_close(run(compiled, size, True), run(_rows_strided_by_size, size, True))
+    torch.testing.assert_close(run(compiled, 24, False), run(_rows_strided_by_size, 24, False))
+    with pytest.raises(aotkit.errors.UnsupportedError, match=r"output 0 .*output\(s\) \[1\]"):
+        run(compiled, 24, True)
+    assert compiled.num_entries == 1
 
 
 def test_views_taken_from_returned_views_under_torch_compile() -> None:

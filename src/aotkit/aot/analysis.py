@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.early_stop import NO_EARLY_STOP, EarlyStop, SaveWatch, WriteOrder, early_stop
@@ -704,9 +704,12 @@ _COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTE
 # to ``x``, around ``v``. So the analysis follows each view output's chain of view nodes to the
 # nearest other returned view on it, and the runtime makes the view from that output (an
 # as_strided of it at the place the view has in their shared memory, in the view's dtype and
-# with its conj/neg bits), after it. Not from an output whose elements may share memory
-# (``x.unfold(0, 4, 2)``: see ``_known_apart``): that view stays side by side, its gradient
-# around the output's hooks (README).
+# with its conj/neg bits), after it. Not from an output whose elements share memory in this
+# call (``x.unfold(0, 4, 2)``; as_strided's backward would spread a gradient over an input's
+# shared elements, where eager's view chain picks one): decided per call from the real strides
+# (symbolic ones cannot show it without a guard: ``x[:, ::2]``), that view is made beside it,
+# from the base, with a hook on its node that refuses a gradient into it while an output it
+# was taken from has hooks (``runtime._note_beside``).
 def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int, int]:
     """Per view output taken from another returned view, that view's position."""
     def plain_view(k: int) -> bool:
@@ -725,44 +728,10 @@ def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int
         node = out.grad_fn
         while node is not root and len(edges := [e for e in node.next_functions if e[0] is not None]) == 1:
             if (j := views.get(edges[0])) is not None:
-                if _known_apart(f_outs[j]):
-                    through[k] = j
+                through[k] = j
                 break
             node = edges[0][0]
     return through
-
-
-def _known_apart(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` share memory: each stride, in the order of the
-    strides' hints, passes the span of the smaller ones. (as_strided's backward spreads a
-    gradient over the elements of an input that may overlap itself, ``x.unfold(0, 4, 2)``,
-    where eager's view chain picks one.) With symbolic sizes a condition not known either way
-    is decided for these sizes, with a guard (``x[:, ::2]``'s span holds a floor division)."""
-    dims = [(st, n) for n, st in zip(t.shape, t.stride(), strict=True)
-            if not statically_known_true(n <= 1)]
-    if any(_hint(st) is None for st, _ in dims):
-        return False
-    span: Any = 0
-    for st, n in sorted(dims, key=lambda d: _hint(d[0])):  # type: ignore[arg-type, return-value]
-        if not _holds(st > span):
-            return False
-        span = span + (n - 1) * st
-    return True
-
-
-def _holds(condition: Any) -> bool:
-    """``condition``, guarded on where symbolic (an entry traced for other sizes may hold another
-    answer); False where sizes read from data leave it open."""
-    if statically_known_true(condition):
-        return True
-    try:
-        return bool(condition)
-    except GuardOnDataDependentSymNode:
-        return False
-
-
-def _hint(n: Any) -> int | None:
-    return n if isinstance(n, int) else getattr(n.node, "hint", None)
 
 
 _VIEWS = (Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)

@@ -62,6 +62,17 @@ def view_taken_from(taken: torch.Tensor, source: ViewSource, out: torch.Tensor, 
     return _strided(taken, out.dtype, *_place(source, out, info, name))
 
 
+def elements_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory: each stride, smallest first, passes
+    the span of the smaller ones."""
+    span = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
 def _place(source: ViewSource, out: torch.Tensor, info: OutputInfo,
            name: str) -> tuple[tuple[Any, Any, int], bool, bool]:
     """Where ``out`` sits in its base's storage (size, stride, offset) and its conj/neg bits."""

@@ -25,6 +25,7 @@ from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
 from aotkit.aot.regenerate import (
     ViewSource,
+    elements_apart,
     regenerate_view,
     replayable_on_input,
     same_storage,
@@ -449,6 +450,22 @@ def _around(graphs: CompiledGraphs, fed: dict[int, tuple[Any, int]], k: int, j: 
     has hooks (Note [Outputs other outputs are computed from])."""
     if any(g is not None for g in grads) and _hooked(fed[k]):
         raise _hook_misses(graphs, k, [j])
+
+
+def _note_beside(graphs: CompiledGraphs, results: Sequence[Any], view: torch.Tensor,
+                 k: int) -> None:
+    """``view``, output ``k``, taken from another output but made beside it (Note [Views taken
+    from returned views]), refuses a gradient into it while that output, or one it was taken
+    from, has hooks: that gradient goes around them."""
+    if view.grad_fn is None:
+        return
+    chain: dict[int, tuple[Any, int]] = {}
+    j = graphs.meta.outputs[k].through
+    while j is not None:
+        chain[j] = (weakref.ref(results[j]), results[j]._version)
+        j = graphs.meta.outputs[j].through
+    for j in chain:
+        view.grad_fn.register_prehook(functools.partial(_around, graphs, chain, j, k))
 
 
 def _hooked(fed: tuple[Any, int]) -> bool:
@@ -909,8 +926,12 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
                 base = graph_outs[position[info.base]] if info.alias is Alias.OF_OUTPUT \
                     else bases[info.base]
                 source = ViewSource(base)
-            result = regenerate_view(source, out, info, graphs.name) if info.through is None \
-                else view_taken_from(results[info.through], source, out, info, graphs.name)
+            if info.through is not None and elements_apart(results[info.through]):
+                result = view_taken_from(results[info.through], source, out, info, graphs.name)
+            else:
+                result = regenerate_view(source, out, info, graphs.name)
+                if info.through is not None:
+                    _note_beside(graphs, results, result, flat)
         if info.alias in (Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE):
             unreached.note_view(base, result, _COMPILED_NODE)
         if info.made_as and not isinstance(result, (torch.nn.Parameter, torch.nn.Buffer)):
