@@ -691,9 +691,10 @@ def _output_infos(f_args: list[Any], f_outs: list[Any]) -> tuple[list[OutputInfo
 # outside. The same holds for an output that is a view other outputs are computed from (the
 # runtime makes it outside the node); only views made from an output itself pass through it
 # (Note [Views taken from returned views]). So the runtime refuses a backward that brings such
-# dependents a gradient (read off the node's incoming gradients, or, for a view, off whether
-# the engine runs its node) while the output has a hook or retains its gradient. Not seen: hooks registered before the output was changed
-# in place (they stay on the node's edge), outputs of a tensor subclass (README).
+# dependents a gradient (read off the node's incoming gradients, or, for a view, off a hook on
+# the view's node) while the output has a hook or retains its gradient. Not seen: hooks
+# registered before the output was changed in place (they stay on the node's edge), outputs of
+# a tensor subclass (README).
 _COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE)
 
 

@@ -446,8 +446,9 @@ def _ran(ran: set[int], j: int, grads: tuple[Any, ...]) -> None:
 
 def _around(graphs: CompiledGraphs, fed: dict[int, tuple[Any, int]], k: int, j: int,
             grads: tuple[Any, ...]) -> None:
-    """View ``j`` of an input, made beside output ``k``, gets a gradient: refused while ``k``
-    has hooks (Note [Outputs other outputs are computed from])."""
+    """View ``j``, made beside output ``k`` (from an input, or from a base ``k`` views), gets
+    a gradient: refused while ``k`` has hooks (Note [Outputs other outputs are computed
+    from])."""
     if any(g is not None for g in grads) and _hooked(fed[k]):
         raise _hook_misses(graphs, k, [j])
 
