@@ -5703,6 +5703,18 @@ def test_whether_a_returned_view_overlaps_is_decided_per_call() -> None:
     assert compiled.num_entries == 1
 
 
+def test_elements_apart() -> None:
+    """Which sources a returned view may be made from (Note [Views taken from returned views]);
+    an empty view was taken for overlapping (refused under a hook where eager runs)."""
+    from aotkit.aot.regenerate import elements_apart
+
+    x = torch.zeros(24)
+    assert elements_apart(x.view(4, 6)[:, ::2]) and elements_apart(x.view(4, 6).t())
+    assert elements_apart(x[:1].expand(3, 5)[:0]) and elements_apart(x[:1].expand(1, 5)[:, :1])
+    assert not elements_apart(x.unfold(0, 4, 2)) and not elements_apart(x[:3].expand(2, 3))
+    assert not elements_apart(x.as_strided((3, 2), (2, 3)))  # apart, but not by the span test
+
+
 def test_views_taken_from_returned_views_under_torch_compile() -> None:
     """Dynamo's graph returns both views; aot_module_simplified makes the second from the
     first, so ``v.retain_grad()`` sees both parts, as in eager (PyTorch's aot_eager misses it)."""

@@ -63,8 +63,11 @@ def view_taken_from(taken: torch.Tensor, source: ViewSource, out: torch.Tensor, 
 
 
 def elements_apart(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` share memory: each stride, smallest first, passes
-    the span of the smaller ones."""
+    """Whether no two elements of ``t`` share memory: none, or each stride, smallest first,
+    passes the span of the smaller ones (interleaved strides, ``as_strided((3, 2), (2, 3))``,
+    count as sharing)."""
+    if t.numel() == 0:
+        return True
     span = 0
     for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
         if stride <= span:
