@@ -710,7 +710,7 @@ _COMPUTED_OR_VIEWS = (Alias.NONE, Alias.OF_INPUT, Alias.OF_OUTPUT, Alias.OF_INTE
 # shared elements, where eager's view chain picks one): decided per call from the real strides
 # (symbolic ones cannot show it without a guard: ``x[:, ::2]``), that view is made beside it,
 # from the base, with a hook on its node that refuses a gradient into it while an output it
-# was taken from has hooks (``runtime._note_beside``).
+# was taken from has hooks (``feeding.note_beside``).
 def _views_taken_through(infos: list[OutputInfo], f_outs: list[Any]) -> dict[int, int]:
     """Per view output taken from another returned view, that view's position."""
     def plain_view(k: int) -> bool:

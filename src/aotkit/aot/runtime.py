@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from aotkit import config, counters
-from aotkit.aot import unreached
+from aotkit.aot import feeding, unreached
 from aotkit.aot.analysis import Alias, AotMeta, InputInfo, OutputInfo, extent
 from aotkit.aot.bases import OverlapLayout, overlap_layout
 from aotkit.aot.boxing import Compiler, compile_boxed
@@ -351,7 +351,7 @@ class CompiledFunction(torch.autograd.Function):
                 _check_version(ref(), version, watch.index, graphs.name)
         grads = grads[:-1]  # the anchor's
         if graphs.feeding:
-            _refuse_hooks_missing_inner_gradients(ctx, graphs, grads)
+            feeding.refuse_hooks_missing_inner_gradients(ctx, graphs, grads)
         unreached = 0
         for k, (i, _) in enumerate(graphs.tangent_slots):
             if grads[i] is None:
@@ -395,100 +395,6 @@ class CompiledFunction(torch.autograd.Function):
                            for i, (g, mask) in enumerate(zip(input_grads, graphs.reached_by(unreached),
                                                              strict=True))]
         return (None, *input_grads)
-
-
-def _refuse_hooks_missing_inner_gradients(ctx: Any, graphs: CompiledGraphs,
-                                          grads: Sequence[Any]) -> None:
-    """Note [Outputs other outputs are computed from] in aotkit.aot.analysis."""
-    if not ctx.fed:  # not recorded: a subclass boundary, inputs laid over one another
-        return
-    ran = frozenset(ctx.fed_ran)  # in this backward (retain_graph=True: another may follow)
-    ctx.fed_ran.clear()
-    for k, dependents in graphs.feeding:
-        if not _hooked(ctx.fed[k]):
-            continue
-        reached = [j for j, at in dependents if (
-            grads[at] is not None if isinstance(at, int)
-            else at == "ran" and (j in ran or _runs_changed(ctx.fed.get(j))))]
-        if reached:
-            raise _hook_misses(graphs, k, reached)
-
-
-def _hook_misses(graphs: CompiledGraphs, k: int, reached: list[int]) -> UnsupportedError:
-    return UnsupportedError(
-        f"output {k} of {graphs.name} (counted over the flattened outputs) has a hook, "
-        f"retain_grad() or is among backward()'s inputs, and output(s) {reached}, computed "
-        "from it inside the compiled function, got a gradient in this backward: that part of "
-        "its gradient flows inside the compiled backward or beside it, never through output "
-        f"{k} itself, so its hook or .grad would miss it (eager's sees it).\nFix: compute "
-        f"those outputs from output {k} outside the compiled function, or read the gradient "
-        "elsewhere (a hook on an input).")
-
-
-def _note_fed(node: Any, graphs: CompiledGraphs, outs: Sequence[Any]) -> None:
-    """Keep on the call's node what its backward's check reads: the hooked outputs' tensors
-    (weakly, with their versions), and for the view dependents, which of them ran; a view of
-    an input is checked when its own node runs."""
-    node.fed = fed = {j: (weakref.ref(outs[j]), outs[j]._version)
-                      for j in (*graphs.fed, *graphs.fed_views)}
-    node.fed_ran = ran = set()
-    for k, dependents in graphs.feeding:
-        for j, at in dependents:
-            if isinstance(at, str) and (view_node := outs[j].grad_fn) is not None:
-                view_node.register_prehook(functools.partial(_ran, ran, j) if at == "ran"
-                                           else functools.partial(_around, graphs, fed, k, j))
-
-
-def _ran(ran: set[int], j: int, grads: tuple[Any, ...]) -> None:
-    if any(g is not None for g in grads):  # a node after it may send None, another compiled call
-        ran.add(j)
-
-
-def _around(graphs: CompiledGraphs, fed: dict[int, tuple[Any, int]], k: int, j: int,
-            grads: tuple[Any, ...]) -> None:
-    """View ``j``, made beside output ``k`` (from an input, or from a base ``k`` views), gets
-    a gradient: refused while ``k`` has hooks (Note [Outputs other outputs are computed
-    from])."""
-    if any(g is not None for g in grads) and _hooked(fed[k]):
-        raise _hook_misses(graphs, k, [j])
-
-
-def _note_beside(graphs: CompiledGraphs, results: Sequence[Any], view: torch.Tensor,
-                 k: int) -> None:
-    """``view``, output ``k``, taken from another output but made beside it (Note [Views taken
-    from returned views]), refuses a gradient into it while that output, or one it was taken
-    from, has hooks: that gradient goes around them."""
-    if view.grad_fn is None:
-        return
-    chain: dict[int, tuple[Any, int]] = {}
-    j = graphs.meta.outputs[k].through
-    while j is not None:
-        chain[j] = (weakref.ref(results[j]), results[j]._version)
-        j = graphs.meta.outputs[j].through
-    for j in chain:
-        view.grad_fn.register_prehook(functools.partial(_around, graphs, chain, j, k))
-
-
-def _hooked(fed: tuple[Any, int]) -> bool:
-    """Whether the output recorded has hooks or retains its gradient (not read where changed in
-    place since: its hooks are the new value's, as in eager)."""
-    out = _alive(fed)
-    return out is not None and bool(out._backward_hooks or out.retains_grad)
-
-
-def _alive(fed: tuple[Any, int]) -> torch.Tensor | None:
-    """The output tensor recorded, if alive and not changed in place since."""
-    ref, version = fed
-    out = ref()
-    return out if out is not None and out._version == version else None
-
-
-def _runs_changed(fed: tuple[Any, int] | None) -> bool:
-    """Whether a view output changed in place since the call (its gradient then bypasses the
-    node noting it: its new node leads into its base) and the engine runs its new node."""
-    out = fed[0]() if fed is not None else None
-    return out is not None and out._version != fed[1] and (  # type: ignore[index]
-        out.grad_fn is not None and unreached.runs_node(out.grad_fn) is not False)
 
 
 def _run_backward(graphs: CompiledGraphs, backward: Callable[[list[Any]], Any],
@@ -727,7 +633,7 @@ def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
         return epilogue(graphs, args, fw_outs)
     outs = epilogue(graphs, args, fw_outs)
     if graphs.fed and anchor.grad_fn is not None:  # Note [Outputs other outputs are computed
-        _note_fed(anchor.grad_fn, graphs, outs)  # from]
+        feeding.note_fed(anchor.grad_fn, graphs, outs)  # from]
     if graphs.watched and anchor.grad_fn is not None:  # the node backward gets as ctx
         # Note [Inputs saved after a write]; weak: the caller's tensor leads back to the node.
         anchor.grad_fn.watched = [(w, weakref.ref(args[w.index]), args[w.index]._version)
@@ -932,7 +838,7 @@ def epilogue(graphs: CompiledGraphs, args: Sequence[Any], fw_outs: Sequence[Any]
             else:
                 result = regenerate_view(source, out, info, graphs.name)
                 if info.through is not None:
-                    _note_beside(graphs, results, result, flat)
+                    feeding.note_beside(graphs, results, result, flat)
         if info.alias in (Alias.OF_OUTPUT, Alias.OF_INTERMEDIATE):
             unreached.note_view(base, result, _COMPILED_NODE)
         if info.made_as and not isinstance(result, (torch.nn.Parameter, torch.nn.Buffer)):
