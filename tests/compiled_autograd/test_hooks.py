@@ -953,6 +953,45 @@ def test_callbacks_of_a_backward_inside_a_hook_run_when_that_backward_ends() -> 
     torch.testing.assert_close(actual, expected)
 
 
+def test_backwards_run_inside_replays_run_eagerly() -> None:
+    """Note [Backwards inside a replay]: a hook's autograd.grad, a reentrant checkpoint's
+    backward and one a compiler's callable runs are eager's on every replay, not captured."""
+    inner: list[torch.Tensor] = []
+
+    def compiler(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            z = torch.ones(2, requires_grad=True)
+            with torch.enable_grad():
+                inner.append(torch.autograd.grad((z * 3).sum(), z)[0])
+            return gm(*args)
+        return run
+
+    def step(log: list[str]) -> Any:
+        layer = torch.nn.Linear(3, 3)
+        x = torch.randn(2, 3, requires_grad=True)
+
+        def hook(g: torch.Tensor) -> None:
+            v = torch.randn(3, requires_grad=True)
+            with torch.enable_grad():
+                log.append(str(torch.autograd.grad(v.exp().sum(), v)[0]))
+
+        for _ in range(3):
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+            y.register_hook(hook)
+            y.tanh().sum().backward()
+        return [x.grad, layer.weight.grad, layer.bias.grad]
+
+    eager_log, compiled_log, expected, actual = both(step, compiler)
+    assert compiled_log == eager_log and len(eager_log) == 3
+    torch.testing.assert_close(actual, expected)
+    assert len(inner) == 3 and all(g.tolist() == [3.0, 3.0] for g in inner)
+    captures, _ = counts()
+    # The first backward, and the second for the .grad it left (the engine's key): nothing
+    # run inside a replay is captured.
+    assert captures == 2
+    assert not aotkit.compat.compiled_autograd_is_off()
+
+
 def test_the_engine_is_put_back_after_enable() -> None:
     engine = torch.autograd.Variable._execution_engine
     with aotkit.compiled_autograd.enable(nop):

@@ -185,7 +185,9 @@ def _forget_other_compilers(new: session.Session) -> None:
     that changes what is captured (``compiled_autograd_lower``)."""
     global _last_session
     last = _last_session
-    if last is not None and not session.same_compiler(last.identity, new.identity):
+    if last is not None and session.same_compiler(last.identity, new.identity):
+        new.identity = last.identity  # one object, which a replay tells by ``is`` (a block a step)
+    if last is not None and new.identity is not last.identity:
         change = f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}"
     elif last is not None and last.dynamic != new.dynamic:
         change = f"dynamic changed from {last.dynamic} to {new.dynamic}"

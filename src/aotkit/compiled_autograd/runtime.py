@@ -363,6 +363,16 @@ IMPURE = frozenset({call_backward, call_hook, call_accumulate_grad, call_cpp_ten
 _replay = threading.local()  # .queued: the running replay's callbacks; None outside a replay
 
 
+# Note [Backwards inside a replay]
+# A hook or custom backward in a replayed graph may run a backward of its own (a hook calling
+# autograd.grad, a reentrant checkpoint). That one runs in the plain engine: a nested capture
+# is refused by PyTorch's engine. The engine's compiler slot is emptied for it only then, when
+# ``Engine.run_backward`` is entered on a thread that is replaying, not around every replay:
+# emptying and refilling the slot cost ~15-20 us per replay on the project's CPU machine, for
+# graphs that mostly run no user code at all. Backwards started from C++ inside a hook do not
+# pass through ``Engine`` and meet PyTorch's refusal of nested compiled autograd.
+
+
 # Note [Cache entries without a graph]
 # The engine caches graphs in a tree keyed by the autograd nodes a backward visits. A capture
 # that failed (create_graph=True, a compiler that raises) leaves its entry without a graph, and
@@ -400,6 +410,13 @@ class Engine:
             queued.append(callback)
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_replay, "queued", None) is not None:
+            # Note [Backwards inside a replay]
+            with compat.compiled_autograd_off():
+                return self._run_backward(*args, **kwargs)
+        return self._run_backward(*args, **kwargs)
+
+    def _run_backward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_backward()
         queued, _replay.queued = getattr(_replay, "queued", None), None
         try:
@@ -429,8 +446,9 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
     the positions in ``inputs`` of the leaves whose ``.grad`` the graph accumulates."""
     queued: list[Callable[[], None]] = []
     outer = getattr(_replay, "queued", None), getattr(_replay, "removals", None)
-    leaves = [inputs[i] for i in accumulated] if hooks else []
-    _replay.queued, _replay.removals = queued, _Removals(hooks, leaves)
+    # Without hooks there is nothing a removal could skip.
+    removals = _Removals(hooks, [inputs[i] for i in accumulated]) if hooks else None
+    _replay.queued, _replay.removals = queued, removals
     try:
         out = fn(inputs, sizes, scalars, hooks, packed_data)
         i = 0

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from aotkit import compat, config, counters
+from aotkit import config, counters
 from aotkit.compiled_autograd import runtime
 from aotkit.compiled_autograd.lower import Example, Lowered, changed_value, lower
 from aotkit.errors import AotkitError, CompilerError, UnsupportedError
@@ -352,13 +352,15 @@ class CompiledBackward:
                 "two cannot share a process (reset() does not undo that).\nFix: use one of "
                 "them per process."
             )
+        if session.identity is self._identity:
+            return session
         if not same_compiler(session.identity, self._identity):
             counters.record("recompile", "compiled_autograd",
                             f"compiler changed to {session.compiler_fn!r}; compiling the captured "
                             "graph again", logger=log)
             for variant in self.variants:
                 variant.compiled = compile_graph(variant.gm, session.compiler_fn)
-            self._identity = session.identity
+        self._identity = session.identity
         return session
 
     def compiled_for(self, session: Session | None, example: Example) -> Callable[..., Any]:
@@ -394,11 +396,9 @@ class CompiledBackward:
         fn = self.compiled_for(active(), example)
         for i in self.to_cuda:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
-        # A hook inside the graph may run its own backward: that one runs eagerly.
-        try:
-            with compat.compiled_autograd_off():
-                return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks,
-                                      packed_data, self.accumulated)
+        try:  # a backward run inside it runs eagerly (Note [Backwards inside a replay])
+            return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks,
+                                  packed_data, self.accumulated)
         except RuntimeError as exc:
             changed = changed_value(example, self.captured_for, made="captured")
             if changed is None or isinstance(exc, AotkitError) or runtime.raised_by_user(exc) \
