@@ -954,7 +954,7 @@ def test_callbacks_of_a_backward_inside_a_hook_run_when_that_backward_ends() -> 
 
 
 def test_backwards_run_inside_replays_run_eagerly() -> None:
-    """Note [Backwards inside a replay]: a hook's autograd.grad, a reentrant checkpoint's
+    """Note [Backwards during a replay]: a hook's autograd.grad, a reentrant checkpoint's
     backward and one a compiler's callable runs are eager's on every replay, not captured."""
     inner: list[torch.Tensor] = []
 
@@ -990,6 +990,38 @@ def test_backwards_run_inside_replays_run_eagerly() -> None:
     # run inside a replay is captured.
     assert captures == 2
     assert not aotkit.compat.compiled_autograd_is_off()
+
+
+def test_a_backward_of_another_thread_during_a_replay_runs_eagerly() -> None:
+    import threading
+    results: list[Any] = []
+
+    def other_thread() -> None:
+        v = torch.arange(3.0, requires_grad=True)
+        try:
+            (v * v).sum().backward()
+            results.append(v.grad)
+        except Exception as exc:  # reported below
+            results.append(exc)
+
+    def compiler(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join(timeout=60)
+            return gm(*args)
+        return run
+
+    w = torch.ones(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(compiler):
+        for _ in range(2):
+            (w * 2).sum().backward()
+    assert len(results) == 2, results
+    for got in results:
+        assert isinstance(got, torch.Tensor), got  # the engine refused it beside the replay
+        torch.testing.assert_close(got, torch.tensor([0.0, 2.0, 4.0]))
+    torch.testing.assert_close(w.grad, torch.full((3,), 4.0))
+    assert counts()[0] == 2  # w's two backwards (the second adds into w.grad); none of the thread's
 
 
 def test_the_engine_is_put_back_after_enable() -> None:

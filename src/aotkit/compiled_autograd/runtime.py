@@ -363,14 +363,16 @@ IMPURE = frozenset({call_backward, call_hook, call_accumulate_grad, call_cpp_ten
 _replay = threading.local()  # .queued: the running replay's callbacks; None outside a replay
 
 
-# Note [Backwards inside a replay]
-# A hook or custom backward in a replayed graph may run a backward of its own (a hook calling
-# autograd.grad, a reentrant checkpoint). That one runs in the plain engine: a nested capture
-# is refused by PyTorch's engine. The engine's compiler slot is emptied for it only then, when
-# ``Engine.run_backward`` is entered on a thread that is replaying, not around every replay:
-# emptying and refilling the slot cost ~15-20 us per replay on the project's CPU machine, for
-# graphs that mostly run no user code at all. Backwards started from C++ inside a hook do not
-# pass through ``Engine`` and meet PyTorch's refusal of nested compiled autograd.
+# Note [Backwards during a replay]
+# A backward that starts while a compiled graph replays runs in the plain engine: one a hook or
+# custom backward of the graph runs (a hook calling autograd.grad, a reentrant checkpoint), and
+# one another thread runs meanwhile; the engine refuses a compiled backward inside or beside
+# another ("compiled autograd within another compiled autograd call"). The engine's compiler
+# slot is emptied for such a backward only, when ``Engine.run_backward`` is entered while some
+# thread replays, not around every replay: emptying and refilling the slot cost ~15-20 us per
+# replay on the project's CPU machine, for graphs that mostly run no user code. A backward
+# started from C++ does not pass through ``Engine`` and meets the engine's refusal.
+_replaying: list[None] = []  # one item per replay running, in any thread (append/pop are atomic)
 
 
 # Note [Cache entries without a graph]
@@ -410,8 +412,7 @@ class Engine:
             queued.append(callback)
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_replay, "queued", None) is not None:
-            # Note [Backwards inside a replay]
+        if _replaying:  # Note [Backwards during a replay]
             with compat.compiled_autograd_off():
                 return self._run_backward(*args, **kwargs)
         return self._run_backward(*args, **kwargs)
@@ -449,6 +450,7 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
     # Without hooks there is nothing a removal could skip.
     removals = _Removals(hooks, [inputs[i] for i in accumulated]) if hooks else None
     _replay.queued, _replay.removals = queued, removals
+    _replaying.append(None)
     try:
         out = fn(inputs, sizes, scalars, hooks, packed_data)
         i = 0
@@ -457,6 +459,7 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
             i += 1
         return out
     finally:
+        _replaying.pop()
         _replay.queued, _replay.removals = outer
 
 

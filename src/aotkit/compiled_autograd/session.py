@@ -396,7 +396,7 @@ class CompiledBackward:
         fn = self.compiled_for(active(), example)
         for i in self.to_cuda:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
-        try:  # a backward run inside it runs eagerly (Note [Backwards inside a replay])
+        try:  # a backward run inside it runs eagerly (Note [Backwards during a replay])
             return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks,
                                   packed_data, self.accumulated)
         except RuntimeError as exc:
