@@ -191,6 +191,7 @@ def _engine() -> Any:
 _slot_lock = new_lock()
 _slot_off = 0  # off windows open, in all threads
 _slot_wanted: tuple[Any, bool] = (None, False)  # the compiler to hold once none is open
+_logger_wanted: Any = None  # the engine's verbose logger, as last set
 
 
 def set_autograd_compiler(factory: Any, dynamic: bool) -> tuple[Any, bool]:
@@ -211,6 +212,20 @@ def pytorch_disable_is_open() -> bool:
     in one around their ``autograd.grad`` (Note [Compiler cleared inside enable()])."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(module, "active_disable_ctx", False))
+
+
+def keep_pytorch_compiled_autograd_off() -> None:
+    """Undo what PyTorch's off window does to its own flag inside enable(). Leaving
+    ``torch._dynamo.compiled_autograd._disable()`` (``torch.func``'s transforms and AOT compiles
+    open one) sets ``compiled_autograd_enabled`` whenever the engine's slot held a compiler, ours
+    included; Dynamo then traces hooks for PyTorch's compiled autograd (``BackwardState``), and
+    a later ``torch.compile`` of a function with a hook on an intermediate failed, even after
+    the block. Called at each backward, after each replay and when the block ends (a function
+    Dynamo traces between such a window and the next backward still sees the flag set).
+    PyTorch's own enable() (``depth``) is left alone."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is not None and module.compiled_autograd_enabled and not module.depth:
+        module.compiled_autograd_enabled = False
 
 
 def compiled_autograd_is_off() -> bool:
@@ -235,6 +250,8 @@ def compiled_autograd_off() -> Iterator[None]:
             _slot_off -= 1
             if not _slot_off:
                 _engine().set_autograd_compiler(*_slot_wanted)
+                # torch._dynamo.reset() inside the window emptied the logger too
+                _engine().set_verbose_logger(_logger_wanted)
 
 
 def clear_autograd_cache() -> None:
@@ -245,7 +262,9 @@ def clear_autograd_cache() -> None:
 def set_autograd_verbose_logger(logger: Any) -> None:
     """Give the engine a ``logging.Logger`` (or ``None``). With one set, the engine also reports
     why its cache missed through ``log_compile_reasons``; it must be a real Logger (other
-    objects crash the process on 2.13)."""
+    objects crash the process on 2.13). Set again when an off window closes."""
+    global _logger_wanted
+    _logger_wanted = logger
     _engine().set_verbose_logger(logger)
 
 

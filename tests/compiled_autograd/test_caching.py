@@ -570,6 +570,92 @@ def test_a_dynamo_reset_inside_enable_keeps_capturing() -> None:
     assert "torch._dynamo.reset()" in decision.why
 
 
+def test_a_dynamo_reset_inside_an_off_window_keeps_the_engines_reasons() -> None:
+    """The off window put the compiler back but not the engine's verbose logger, which
+    torch._dynamo.reset() empties too: every later capture said "no reason reported"."""
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(nop):
+        _step(w, 2)
+        with aotkit.compiled_autograd.disable():
+            torch._dynamo.reset()
+        _step(w, 2)
+    reasons = [d.why for d in aotkit.explain() if d.kind in ("capture", "recapture")]
+    assert len(reasons) == 2 and not any("no reason reported" in why for why in reasons), reasons
+
+
+def test_each_recording_compiler_compiles_its_own_graph() -> None:
+    """Note [Compiler identity]: a compiler appending to a list made for its block. A block whose
+    compiler compiled nothing used to stand for all later ones, so blocks after the second
+    replayed the second's graph (their lists stayed empty)."""
+    w = torch.randn(3, requires_grad=True)
+    recorded: list[list[fx.GraphModule]] = []
+    for step in range(5):
+        graphs: list[fx.GraphModule] = []
+        recorded.append(graphs)
+        with aotkit.compiled_autograd.enable(lambda gm, graphs=graphs: graphs.append(gm) or gm):
+            if step > 0:
+                w.grad = None
+                (w * 2).sin().sum().backward()
+    assert [len(graphs) for graphs in recorded] == [0, 1, 1, 1, 1]
+    torch.testing.assert_close(w.grad, 2 * (w * 2).cos().detach())
+
+
+def test_a_compiler_may_run_a_backward() -> None:
+    """A compiler checking what it made with a backward of its own: that backward runs eagerly,
+    where the engine refused it as one compiled backward inside another."""
+    checked: list[torch.Tensor] = []
+
+    def compiler(gm: fx.GraphModule) -> Callable[..., Any]:
+        v = torch.ones(2, requires_grad=True)
+        with torch.enable_grad():
+            (v * 3).sum().backward()
+        checked.append(v.grad)
+        return gm
+
+    w = torch.randn(3, requires_grad=True)
+    with aotkit.compiled_autograd.enable(compiler):
+        for _ in range(3):
+            w.grad = None
+            (w * 2).sin().sum().backward()
+    torch.testing.assert_close(w.grad, 2 * (w * 2).cos().detach())
+    assert counts() == (1, 1) and [g.tolist() for g in checked] == [[3.0, 3.0]]
+
+
+@pytest.mark.parametrize("where", ["hook", "block"])
+def test_pytorchs_compiled_autograd_flag_stays_off(where: str) -> None:
+    """torch.func's transforms open PyTorch's off window, which on leaving sets PyTorch's
+    compiled_autograd_enabled when the engine's slot held a compiler (ours): a torch.compile of
+    a function with a hook on an intermediate then failed, even after the block."""
+    import torch._dynamo.compiled_autograd as pytorch_ca
+
+    def square_grad(g: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda u: (u ** 2).sum())(g)
+
+    w = torch.linspace(-1, 1, 4).requires_grad_()
+    with aotkit.compiled_autograd.enable(nop):
+        for _ in range(3):
+            w.grad = None
+            y = w.exp()
+            if where == "hook":
+                y.register_hook(lambda g: g + square_grad(g))
+            y.sum().backward()
+            assert not pytorch_ca.compiled_autograd_enabled  # set back at each backward
+            if where == "block":
+                square_grad(torch.ones(2))
+    assert not pytorch_ca.compiled_autograd_enabled  # and when the block ends
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin() * 2
+        y.register_hook(lambda g: g * 3)
+        return y.cos().sum()
+
+    x = torch.linspace(-1, 1, 4).requires_grad_()
+    f(x).backward()
+    expected, x.grad = x.grad, None
+    torch.compile(f, backend="aotkit")(x).backward()
+    torch.testing.assert_close(x.grad, expected)
+
+
 def _expanded_grad_backward() -> list[str]:
     """An earlier backward of other sizes, then one whose leaf's .grad is expanded: eager's own
     in-place accumulation into it fails."""

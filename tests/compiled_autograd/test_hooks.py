@@ -992,6 +992,35 @@ def test_backwards_run_inside_replays_run_eagerly() -> None:
     assert not aotkit.compat.compiled_autograd_is_off()
 
 
+@torch.jit.script
+def _scripted_grad(v: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad([(v * v).sum()], [v])
+    assert g is not None
+    return g
+
+
+def test_a_backward_started_from_cpp_inside_a_hook_runs_eagerly() -> None:
+    """Note [Backwards during a replay]: a graph calling hooks is replayed with the engine's
+    slot empty, so a TorchScript function's autograd.grad, which does not pass through Python's
+    engine object, runs as in eager."""
+    def step(log: list[str]) -> Any:
+        w = torch.linspace(-1, 1, 4).requires_grad_()
+
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                return g + _scripted_grad(torch.arange(4.0).requires_grad_())
+
+        for _ in range(3):
+            w.grad = None
+            y = w.exp()
+            y.register_hook(hook)
+            y.sum().backward()
+        return w.grad
+
+    _, _, expected, actual = both(step)
+    torch.testing.assert_close(actual, expected)
+
+
 def test_a_backward_of_another_thread_during_a_replay_runs_eagerly() -> None:
     import threading
     results: list[Any] = []

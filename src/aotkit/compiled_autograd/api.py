@@ -96,6 +96,7 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)
         compat.set_autograd_compiler(*prior)
+        compat.keep_pytorch_compiled_autograd_off()
 
 
 def _check_arguments(compiler_fn: Any, dynamic: Any) -> None:
@@ -186,8 +187,8 @@ def _forget_other_compilers(new: session.Session) -> None:
     global _last_session
     last = _last_session
     if last is not None and session.same_compiler(last.identity, new.identity):
-        new.identity = last.identity  # one object, which a replay tells by ``is`` (a block a step)
-    if last is not None and new.identity is not last.identity:
+        new.lineage = last.lineage
+    if last is not None and new.lineage is not last.lineage:
         change = f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}"
     elif last is not None and last.dynamic != new.dynamic:
         change = f"dynamic changed from {last.dynamic} to {new.dynamic}"

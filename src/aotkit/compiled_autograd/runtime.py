@@ -367,12 +367,28 @@ _replay = threading.local()  # .queued: the running replay's callbacks; None out
 # A backward that starts while a compiled graph replays runs in the plain engine: one a hook or
 # custom backward of the graph runs (a hook calling autograd.grad, a reentrant checkpoint), and
 # one another thread runs meanwhile; the engine refuses a compiled backward inside or beside
-# another ("compiled autograd within another compiled autograd call"). The engine's compiler
-# slot is emptied for such a backward only, when ``Engine.run_backward`` is entered while some
-# thread replays, not around every replay: emptying and refilling the slot cost ~15-20 us per
-# replay on the project's CPU machine, for graphs that mostly run no user code. A backward
-# started from C++ does not pass through ``Engine`` and meets the engine's refusal.
+# another ("compiled autograd within another compiled autograd call"). So the engine's compiler
+# slot is emptied around the replay of a graph that runs user code (``runs_user_code``), where
+# such a backward may also start from C++ (a TorchScript function's autograd.grad). A graph of
+# ATen ops alone starts none itself, and emptying and refilling the slot around it cost ~15-20 us
+# per replay on the project's CPU machine; there the slot is emptied only for a backward that
+# enters ``Engine.run_backward`` while some thread replays, another thread's. (One started from
+# C++ in another thread at that moment meets the engine's refusal.) A compiler is called with
+# the slot empty too: one may run a backward to check what it made.
 _replaying: list[None] = []  # one item per replay running, in any thread (append/pop are atomic)
+#: What a graph calls that runs no user code (hooks, custom backwards and formulas called
+#: opaquely, a C++ custom Function's among them, may start a backward from C++).
+_NO_USER_CODE = frozenset({operator.getitem, add_gradients, call_accumulate_grad,
+                           call_cpp_tensor_pre_hooks, copy_slices_prologue, copy_slices_epilogue})
+
+
+def runs_user_code(gm: fx.GraphModule) -> bool:
+    """Whether running ``gm`` may run user code, which may start a backward of its own: such a
+    graph is replayed with the engine's compiler slot empty (Note [Backwards during a replay])."""
+    return any(node.op not in ("placeholder", "output", "get_attr") and not (
+        node.op == "call_function" and (isinstance(node.target, torch._ops.OpOverload)
+                                        or node.target in _NO_USER_CODE))
+        for node in gm.graph.nodes)
 
 
 # Note [Cache entries without a graph]
@@ -412,6 +428,7 @@ class Engine:
             queued.append(callback)
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        compat.keep_pytorch_compiled_autograd_off()
         if _replaying:  # Note [Backwards during a replay]
             with compat.compiled_autograd_off():
                 return self._run_backward(*args, **kwargs)
@@ -461,6 +478,7 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
     finally:
         _replaying.pop()
         _replay.queued, _replay.removals = outer
+        compat.keep_pytorch_compiled_autograd_off()  # a hook's torch.func call turned it on
 
 
 # Note [Hooks removed during a backward]

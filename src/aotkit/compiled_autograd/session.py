@@ -8,13 +8,14 @@ import re
 import threading
 import types
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
 
-from aotkit import config, counters
+from aotkit import compat, config, counters
 from aotkit.compiled_autograd import runtime
 from aotkit.compiled_autograd.lower import Example, Lowered, changed_value, lower
 from aotkit.errors import AotkitError, CompilerError, UnsupportedError
@@ -63,6 +64,9 @@ class Session:
     captures: int = 0
     #: See Note [Compiler identity].
     identity: tuple[Any, ...] = field(init=False)
+    #: One object for consecutive blocks whose compilers compile alike (a block per training
+    #: step): a replay tells its compiler unchanged by ``is``. Set by enable().
+    lineage: object = field(init=False, default_factory=object)
     #: The aotkit.config options that change what is captured, as the block began.
     options: tuple[tuple[str, Any], ...] = field(init=False)
     #: The thread that entered the block (the engine's compiler slot is one per process).
@@ -223,7 +227,8 @@ def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callab
     """Compile a captured backward once; counted under ``compiled_autograd.compiles``."""
     counters.bump("compiled_autograd", "compiles")
     try:
-        compiled = compiler_fn(gm)
+        with compat.compiled_autograd_off():  # a compiler running a backward: eagerly
+            compiled = compiler_fn(gm)
     except Exception as exc:
         raise CompilerError(
             f"compiled autograd: compiler {compiler_fn!r} failed on graph {gm.__class__.__name__}: "
@@ -272,6 +277,11 @@ class Variant:
     gm: fx.GraphModule
     lowered: Lowered | None
     compiled: Callable[..., Any]
+    #: Whether the graph may run user code (Note [Backwards during a replay]).
+    user_code: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.user_code = runtime.runs_user_code(self.gm)
 
 
 def make_variant(captured: fx.GraphModule, example: Example, session: Session,
@@ -323,6 +333,7 @@ class CompiledBackward:
         self.to_cuda = to_cuda
         self.captured_for = captured_for  # the capturing backward's sizes and scalars
         self._identity = session.identity
+        self._lineage = session.lineage
         self.accumulated = runtime.accumulated_inputs(captured)  # the leaves taking .grad
         self.grad_dtypes = grad_dtypes  # (input position, grad_dtype) of those leaves
 
@@ -352,7 +363,7 @@ class CompiledBackward:
                 "two cannot share a process (reset() does not undo that).\nFix: use one of "
                 "them per process."
             )
-        if session.identity is self._identity:
+        if session.lineage is self._lineage:
             return session
         if not same_compiler(session.identity, self._identity):
             counters.record("recompile", "compiled_autograd",
@@ -360,16 +371,16 @@ class CompiledBackward:
                             "graph again", logger=log)
             for variant in self.variants:
                 variant.compiled = compile_graph(variant.gm, session.compiler_fn)
-        self._identity = session.identity
+        self._identity, self._lineage = session.identity, session.lineage
         return session
 
-    def compiled_for(self, session: Session | None, example: Example) -> Callable[..., Any]:
-        """The callable to run ``example`` with: the first graph whose guard accepts it, else a
-        new one. See Note [Lowering captured backwards]."""
+    def compiled_for(self, session: Session | None, example: Example) -> Variant:
+        """The graph to run ``example`` with: the first whose guard accepts it, else a new one.
+        See Note [Lowering captured backwards]."""
         session = self._check_compiler(session)
         for variant in self.variants:
             if variant.lowered is None or variant.lowered.guard.accepts(example):
-                return variant.compiled
+                return variant
         lowered = [v.lowered for v in self.variants if v.lowered is not None]
         why = lowered[-1].guard.why_not(example)
         name = self.captured.__class__.__name__
@@ -386,19 +397,20 @@ class CompiledBackward:
                             logger=log)
             variant = make_variant(self.captured, example, session)
         self.variants.append(variant)
-        return variant.compiled
+        return variant
 
     def __call__(self, _engine_fn: Any, inputs: list[Any], sizes: Any, scalars: Any,
                  hooks: Any, packed_data: Any) -> Any:
         refuse_unsupported_modes(replay=True)
         self._check_grad_dtypes(inputs)
         example = Example(inputs, list(sizes), list(scalars))
-        fn = self.compiled_for(active(), example)
+        variant = self.compiled_for(active(), example)
         for i in self.to_cuda:
             inputs[i] = inputs[i].to("cuda", non_blocking=True)
         try:  # a backward run inside it runs eagerly (Note [Backwards during a replay])
-            return runtime.replay(fn, inputs, example.sizes, example.scalars, hooks,
-                                  packed_data, self.accumulated)
+            with compat.compiled_autograd_off() if variant.user_code else nullcontext():
+                return runtime.replay(variant.compiled, inputs, example.sizes, example.scalars,
+                                      hooks, packed_data, self.accumulated)
         except RuntimeError as exc:
             changed = changed_value(example, self.captured_for, made="captured")
             if changed is None or isinstance(exc, AotkitError) or runtime.raised_by_user(exc) \
