@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import refused_call
-from aotkit.aot.signature import identity_keyed_parts, leaf_names
+from aotkit.aot.signature import flatten_with_paths, identity_keyed_parts, leaf_names
 from aotkit.aot.subclass import is_subclass, overrides_torch_function
 from aotkit.aot.trace import FlatFn, refuse_kept_outputs
 from aotkit.aot.untraceable import NOT_AN_ARGUMENT
@@ -246,8 +246,8 @@ def changed_leaves(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpe
     argument objects]), matched by their place in them (keys may have been reordered)."""
     from aotkit.aot.reads import same_value
 
-    before = dict(pytree.tree_flatten_with_path(pytree.tree_unflatten(full, spec))[0])
-    after = pytree.tree_flatten_with_path((args, kwargs))[0]
+    before = dict(flatten_with_paths(pytree.tree_unflatten(full, spec)))
+    after = flatten_with_paths((args, kwargs))
     return [name for name, (path, new) in zip(namer(args, kwargs), after, strict=True)
             if path in before and not same_value(before[path], new, unset_counts=True)]
 
@@ -311,7 +311,7 @@ def check_outputs(out: Any, flat: list[Any], name: str) -> None:
     """Raise OutputTypeError naming the first output that is not a tensor or simple value."""
     if all(isinstance(x, _OUTPUT_LEAVES) for x in flat):
         return
-    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+    for path, leaf in flatten_with_paths(out):
         if not isinstance(leaf, _OUTPUT_LEAVES):
             where = "output" + "".join(str(k) for k in path)
             if inspect.isgenerator(leaf) or inspect.iscoroutine(leaf) or inspect.isasyncgen(leaf):

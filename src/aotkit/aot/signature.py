@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config
 from aotkit.aot.subclass import is_subclass, layout_of, parts
-from aotkit.compat import guard_globals, source_name
+from aotkit.compat import guard_globals, source_name, treespec_children
 from aotkit.errors import UnsupportedError
 
 
@@ -66,9 +66,24 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         return contents
     if issubclass(type(leaf), torch.nn.Module):  # not by its __eq__; freed with its next fold
         return Collectable(leaf)
+    if isinstance(leaf, enum.Enum):
+        return (type(leaf), leaf)
+    if _plain_object(leaf):  # by attributes even where hashable: Note [Keys compared by ==]
+        return _object_key(leaf, 0, _Walk())
     if _by_identity(leaf) or not _hashable(leaf):
-        return _object_key(leaf, 0, _Walk()) if _plain_object(leaf) else _Identity(leaf)
+        return _Identity(leaf)
     return (type(leaf), leaf)
+
+
+# Note [Keys compared by ==]
+# A key part compared with its own ``==`` says 1 == 1.0 == True and 0.0 == -0.0, yet a graph
+# traced for one computes in another dtype or sign (``torch.full((2,), k)``, ``1 / k``), and it
+# never matches a NaN it holds (a recompile at every call). So values are keyed with their type,
+# floats by repr, and what holds them by its parts: a frozen dataclass by its attributes, as any
+# plain object is, a frozenset, range or slice by its items (``_contents_key``), and the dict
+# keys and custom nodes' contexts of the argument structure, which its TreeSpec compares with
+# ``==``, in a ``_Structure`` beside it. Only contexts ``==`` cannot mislead (None, a class, a
+# list of strings: almost every call's) are left to the TreeSpec.
 
 
 # Note [Objects as arguments]
@@ -362,7 +377,9 @@ def _contents_key(value: Any) -> _Contents | None:
     if kind is slice:
         parts = (value.start, value.stop, value.step)
         return _Contents((kind, repr(value), tuple(_attribute_key(p, _DEPTH, _Walk()) for p in parts)))
-    if kind is set and len(value) <= _ITEMS:
+    if kind is range:
+        return _Contents((kind, repr(value), (value.start, value.stop, value.step)))
+    if (kind is set or kind is frozenset) and len(value) <= _ITEMS:
         items = frozenset(_attribute_key(v, 1, _Walk()) for v in value)
         return _Contents((kind, _short(repr(value)), items))
     if kind in (torch.finfo, torch.iinfo):
@@ -395,8 +412,45 @@ def signature(structure: pytree.TreeSpec | int, leaves: Sequence[Any], dynamic: 
         keys = tuple(leaf_key(x, i not in static) for i, x in enumerate(leaves))
     else:
         keys = tuple(leaf_key(x, dynamic) for x in leaves)
+    if type(structure) is not int and (contexts := _inexact_contexts(structure)):
+        structure = _Structure(structure, contexts)  # type: ignore[assignment]
     return (structure, keys, repeated_tensors(leaves),
             *(call_context(config_parts) if context is None else context))
+
+
+class _Structure:
+    """An argument structure with the keys of its contexts that ``==`` could mislead (Note
+    [Keys compared by ==])."""
+
+    __slots__ = ("contexts", "spec")
+
+    def __init__(self, spec: pytree.TreeSpec, contexts: tuple[Any, ...]) -> None:
+        self.spec, self.contexts = spec, contexts
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Structure and self.contexts == other.contexts \
+            and self.spec == other.spec
+
+    def __hash__(self) -> int:
+        return hash((self.spec, self.contexts))
+
+
+def _inexact_contexts(spec: pytree.TreeSpec) -> tuple[Any, ...]:
+    """Keys of the node contexts of ``spec`` that are not None, a class or a list of strings."""
+    found = []
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        context = node.context
+        if not (context is None or isinstance(context, type) or (
+                type(context) is list and all(type(k) is str for k in context))):
+            found.append(_attribute_key(context, 1, _Walk()))
+        stack.extend(treespec_children(node))
+    return tuple(found)
+
+
+def _spec(structure: Any) -> Any:
+    return structure.spec if type(structure) is _Structure else structure
 
 
 def call_context(config_parts: tuple[str, ...]) -> tuple[Any, ...]:
@@ -505,6 +559,10 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...], names: Sequence[str]
     """One phrase per difference between two signatures (the structure's, if it differs, alone:
     leaves of different structures do not correspond). ``skip``: leading positional arguments
     the caller did not pass (aot_module's parameters and buffers)."""
+    if old[0] != new[0] and _spec(old[0]) == _spec(new[0]):
+        return ["a dict key or a pytree node's context changed in type or sign "
+                "(1 -> 1.0 -> True, 0.0 -> -0.0), which == does not tell apart"]
+    old, new = (_spec(old[0]), *old[1:]), (_spec(new[0]), *new[1:])
     if old[0] != new[0] and isinstance(old[0], int) != isinstance(new[0], int) \
             and len(old[1]) == len(new[1]):  # a tensor argument became a value, or back
         found = [f"{name} changed: {_show(a)} -> {_show(b)}"
@@ -680,7 +738,7 @@ def _first_spec_difference(a: pytree.TreeSpec, b: pytree.TreeSpec, path: str,
         return path, _container(a), _container(b)
     keys = a.context if isinstance(a.context, list) and len(a.context) == a.num_children \
         else range(a.num_children)
-    for key, x, y in zip(keys, a.children_specs, b.children_specs, strict=True):
+    for key, x, y in zip(keys, treespec_children(a), treespec_children(b), strict=True):
         if x != y:
             return _first_spec_difference(x, y, f"{path}[{key!r}]")
     return path, _container(a), _container(b)
@@ -740,9 +798,31 @@ def _repr(value: Any) -> str:
         return f"of {value.bit_length()} bits" if isinstance(value, int) else "?"
 
 
+def flatten_with_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``pytree.tree_flatten_with_path(tree)[0]``, also for pytree nodes registered without a
+    ``flatten_with_keys_fn`` (optional in PyTorch), whose children are named by position."""
+    try:
+        return pytree.tree_flatten_with_path(tree)[0]
+    except ValueError:  # "Did not find a flatten_with_keys_fn"
+        leaves, spec = pytree.tree_flatten(tree)
+        return list(zip(_paths(spec, ()), leaves, strict=True))
+
+
+def _paths(spec: pytree.TreeSpec, prefix: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    if spec.is_leaf():
+        return [prefix]
+    children = treespec_children(spec)
+    keyed = issubclass(spec.type, dict) and isinstance(spec.context, list) \
+        and len(spec.context) == len(children)
+    keys = [pytree.MappingKey(k) for k in spec.context] if keyed \
+        else [pytree.SequenceKey(i) for i in range(len(children))]
+    return [path for key, child in zip(keys, children, strict=True)
+            for path in _paths(child, (*prefix, key))]
+
+
 def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     """Readable names of the flattened arguments, e.g. ``x``, ``args[1]['w']``."""
-    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    paths = flatten_with_paths((args, kwargs))
     names = []
     for path, _leaf in paths:
         head, *rest = path

@@ -122,6 +122,8 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
     ``name``: the argument, for the error when fake tensors cannot copy it (quantized)."""
     from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
 
+    if t.is_inference() and t.requires_grad and not torch.is_inference_mode_enabled():
+        t = _without_inference_grad(t, name)
     grad = t.grad if t.is_leaf else None
     if grad is not None and grad.dtype != t.dtype:
         # ``grad_dtype=None`` lets .grad differ (bf16 accumulation for an fp32 weight), which the
@@ -155,6 +157,20 @@ def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
             "that needs it outside the compiled function; torch.compile runs such code "
             "eagerly for you."
         ) from exc
+
+
+def _without_inference_grad(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A tensor made under ``torch.inference_mode()`` that requires grad (a model built there)
+    and is used outside it: its functional wrapper cannot take requires_grad. Under no_grad
+    nothing reads it, so it is traced detached; with grad on it is refused."""
+    if not torch.is_grad_enabled():
+        return t.detach()
+    raise UnsupportedError(
+        f"{name} is an inference tensor (made under torch.inference_mode(), as the parameters "
+        "of a model built there are) that requires grad, and grad mode is on: aotkit cannot "
+        "trace it for autograd.\nFix: build the model under torch.no_grad() instead, or make "
+        "its tensors normal ones: model.load_state_dict({k: v.clone() for k, v in "
+        "model.state_dict().items()}, assign=True); or call it under torch.no_grad().")
 
 
 # Note [Python dispatcher]
