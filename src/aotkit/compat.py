@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -220,12 +221,37 @@ def keep_pytorch_compiled_autograd_off() -> None:
     open one) sets ``compiled_autograd_enabled`` whenever the engine's slot held a compiler, ours
     included; Dynamo then traces hooks for PyTorch's compiled autograd (``BackwardState``), and
     a later ``torch.compile`` of a function with a hook on an intermediate failed, even after
-    the block. Called at each backward, after each replay and when the block ends (a function
-    Dynamo traces between such a window and the next backward still sees the flag set).
-    PyTorch's own enable() (``depth``) is left alone."""
+    the block. Called before each Dynamo compile (:func:`pytorch_compiled_autograd_kept_off`),
+    at each backward, after each replay and when the block ends. PyTorch's own enable()
+    (``depth``) is left alone."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     if module is not None and module.compiled_autograd_enabled and not module.depth:
         module.compiled_autograd_enabled = False
+
+
+@contextlib.contextmanager
+def pytorch_compiled_autograd_kept_off() -> Iterator[None]:
+    """:func:`keep_pytorch_compiled_autograd_off` before every frame Dynamo compiles inside the
+    block (an evaluation step compiled by ``aot_eager`` opens PyTorch's off window, and the
+    training step traced next took the flag's path), and when the block ends."""
+    load_dynamo()
+    handler = torch._dynamo.callback_handler
+
+    def callback(_args: Any) -> None:
+        keep_pytorch_compiled_autograd_off()
+
+    handler.register_start_callback(callback)
+    try:
+        yield
+    finally:
+        if callback in handler.start_callbacks:  # torch._dynamo.reset() drops callbacks
+            handler.remove_start_callback(callback)
+        keep_pytorch_compiled_autograd_off()
+
+
+def engine_cache_is_empty() -> bool:
+    """Whether the engine holds no captured graph (``torch._dynamo.reset()`` empties it)."""
+    return _engine().is_cache_empty()
 
 
 def compiled_autograd_is_off() -> bool:
@@ -400,9 +426,12 @@ def inductor_joint_graph_passes(gm: Any, device: torch.device | None) -> Any:
 
 
 def treespec_children(spec: Any) -> list[Any]:
-    """The child specs of a pytree TreeSpec (2.13 deprecates ``children_specs``)."""
-    children = getattr(spec, "children", None)
-    return list(children()) if callable(children) else list(spec.children_specs)
+    """The child specs of a pytree TreeSpec (2.13 deprecates ``children_specs``); not to be
+    changed (a key's walk reads them at every call)."""
+    return spec.children() if _TREESPEC_HAS_CHILDREN else spec.children_specs
+
+
+_TREESPEC_HAS_CHILDREN = callable(getattr(pytree.TreeSpec, "children", None))
 
 
 def keep_stack_traces_of(fn: Any) -> None:

@@ -67,6 +67,39 @@ def test_arguments_equal_by_eq_but_traced_otherwise_trace_again(case: str) -> No
     assert len(aotkit.explain().of_kind("recompile")) == len(makes) - 1
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlottedCfg:
+    v: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    v: float
+
+
+pytree.register_constant(Mode)
+CASES.update({
+    "slotted frozen dataclass": (lambda x, c: torch.full((2,), c.v) / x,
+                                 [lambda x: (x, SlottedCfg(1)), lambda x: (x, SlottedCfg(1.0)),
+                                  lambda x: (x, SlottedCfg(-0.0))]),
+    "register_constant": (lambda x, m: torch.full((2,), m.v) / x,
+                          [lambda x: (x, Mode(1)), lambda x: (x, Mode(1.0))]),
+})
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ({k: torch.ones(2) for k in range(65)},),  # a context past the walk's limits
+    lambda: (torch.ones(2), Mode(2.0)),  # register_constant: a context made at every flatten
+    lambda: (torch.ones(2), Cfg(float("nan"))),
+], ids=["65 int keys", "register_constant", "nan field"])
+def test_equal_arguments_made_anew_reuse_their_graph(make: Callable[[], tuple[Any, ...]]) -> None:
+    """Keys that refine == must not compare by identity: each call's context is new."""
+    compiled = aotkit.aot_function(lambda *a: pytree.tree_leaves(a)[0] * 2, compilers.nop)
+    for _ in range(5):
+        compiled(*make())
+    assert aotkit.counters.counters["aot"]["traces"] == 1
+
+
 def test_a_changed_dict_key_type_is_named_in_the_recompile_reason() -> None:
     compiled = aotkit.aot_function(_first_key, compilers.nop)
     compiled({1: torch.ones(2)})

@@ -546,6 +546,7 @@ def test_a_bound_method_or_partial_compiler_per_block_reuses_the_graph() -> None
     for make in (lambda: backend.compile, lambda: functools.partial(lambda gm, tag: gm, tag="x")):
         aotkit.compiled_autograd.reset()
         aotkit.counters.reset()
+        w.grad = torch.zeros(3)
         for _ in range(3):
             with aotkit.compiled_autograd.enable(make()):
                 _step(w, 2)
@@ -619,6 +620,100 @@ def test_a_compiler_may_run_a_backward() -> None:
             (w * 2).sin().sum().backward()
     torch.testing.assert_close(w.grad, 2 * (w * 2).cos().detach())
     assert counts() == (1, 1) and [g.tolist() for g in checked] == [[3.0, 3.0]]
+
+
+def test_equal_partials_holding_functions_made_every_step_are_one_compiler() -> None:
+    """Note [Compiler identity]: a container holding anything but plain values was compared by
+    identity, so ``partial(compile_with, passes=(pass_a,))`` made each step cleared the engine's
+    cache and captured the backward again at every step."""
+    import functools
+
+    def pass_a(gm: fx.GraphModule) -> fx.GraphModule:
+        return gm
+
+    def compile_with(gm: fx.GraphModule, passes: Any = (), opts: Any = None) -> fx.GraphModule:
+        for p in passes:
+            gm = p(gm)
+        return gm
+
+    w = torch.randn(3, requires_grad=True)
+    for make in (lambda: functools.partial(compile_with, passes=(pass_a,)),
+                 lambda: functools.partial(compile_with, passes=[pass_a]),
+                 lambda: functools.partial(compile_with, opts={"p": pass_a})):
+        aotkit.compiled_autograd.reset()
+        aotkit.counters.reset()
+        w.grad = torch.zeros(3)
+        for _ in range(3):
+            with aotkit.compiled_autograd.enable(make()):
+                _step(w, 2)
+        assert counts() == (1, 1)
+        assert not aotkit.explain().of_kind("cache_clear")
+
+
+def test_a_new_compiler_equal_to_a_changed_one_compiles_again() -> None:
+    """Note [Compiler identity]: an options dict changed between blocks is the same compiler
+    (its graph stays), but a new compiler made with the new options must not run the graph
+    compiled with the old ones (a chain of 'same as the last block' had linked them)."""
+    ran: list[int] = []
+
+    def make(opts: dict[str, int]) -> Callable[..., Any]:
+        def compiler(gm: fx.GraphModule) -> Callable[..., Any]:
+            v = opts["v"]
+            return lambda *args: ran.append(v) or gm(*args)
+        return compiler
+
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    opts = {"v": 1}
+    same = make(opts)
+    for compiler in (same, same, make({"v": 2})):
+        with aotkit.compiled_autograd.enable(compiler):
+            _step(w, 2)
+        opts["v"] = 2
+    assert ran == [1, 1, 2]
+
+
+def test_a_compiler_resetting_dynamo_is_recorded() -> None:
+    """A reset inside an off window (here the compiler's own) left the compiler slot as it
+    was: the next backward captured again with no decision saying why."""
+    def compiler(gm: fx.GraphModule) -> fx.GraphModule:
+        torch._dynamo.reset()
+        return gm
+
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(compiler):
+        for _ in range(3):
+            _step(w, 2)
+    assert counts() == (3, 3)  # each compile empties the engine's cache
+    clears = aotkit.explain().of_kind("cache_clear")
+    assert len(clears) == 2 and all("torch._dynamo.reset()" in d.why for d in clears)
+
+
+def test_a_dynamo_compile_after_pytorchs_off_window_in_the_block() -> None:
+    """An evaluation step compiled by aot_eager opens PyTorch's off window; on leaving it set
+    PyTorch's compiled-autograd flag, and the training step Dynamo traced next took that flag's
+    path: a raw TypeError about BackwardState."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+
+    def train(x: torch.Tensor) -> torch.Tensor:
+        y = lin(x).sin()
+        y.register_hook(lambda g: g * 3)
+        return y.cos().sum()
+
+    evaluate = torch.compile(lambda x: lin(x).relu().sum(), backend="aot_eager")
+    x = torch.randn(2, 4)
+    train(x).backward()
+    expected = lin.weight.grad.clone()
+    compiled_train = torch.compile(train, backend="aotkit")
+    with aotkit.compiled_autograd.enable(nop):
+        for _ in range(2):
+            with torch.no_grad():
+                evaluate(x)
+            lin.zero_grad()
+            compiled_train(x).backward()
+            torch.testing.assert_close(lin.weight.grad, expected)
 
 
 @pytest.mark.parametrize("where", ["hook", "block"])

@@ -59,31 +59,58 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
             type(leaf),  # Note [Subclasses with __torch_function__]
         )
     # -0.0 == 0.0 but 1 / -0.0 is -inf; nan != nan. NumPy's float scalars too (np.float32).
+    # Decimal("-0") == Decimal("0") too.
     if isinstance(leaf, (float, complex)) or (
-            isinstance(leaf, numbers.Complex) and not isinstance(leaf, (int, numbers.Rational))):
+            isinstance(leaf, numbers.Number) and not isinstance(leaf, numbers.Rational)):
         return (type(leaf), repr(leaf))
     if (contents := _contents_key(leaf)) is not None:
         return contents
     if issubclass(type(leaf), torch.nn.Module):  # not by its __eq__; freed with its next fold
         return Collectable(leaf)
-    if isinstance(leaf, enum.Enum):
-        return (type(leaf), leaf)
-    if _plain_object(leaf):  # by attributes even where hashable: Note [Keys compared by ==]
-        return _object_key(leaf, 0, _Walk())
     if _by_identity(leaf) or not _hashable(leaf):
-        return _Identity(leaf)
+        return _object_key(leaf, 0, _Walk()) if _plain_object(leaf) else _Identity(leaf)
+    if (values := _dataclass_values(leaf)) is not None:  # Note [Keys compared by ==]
+        return (type(leaf), values)
     return (type(leaf), leaf)
 
 
 # Note [Keys compared by ==]
 # A key part compared with its own ``==`` says 1 == 1.0 == True and 0.0 == -0.0, yet a graph
 # traced for one computes in another dtype or sign (``torch.full((2,), k)``, ``1 / k``), and it
-# never matches a NaN it holds (a recompile at every call). So values are keyed with their type,
-# floats by repr, and what holds them by its parts: a frozen dataclass by its attributes, as any
-# plain object is, a frozenset, range or slice by its items (``_contents_key``), and the dict
-# keys and custom nodes' contexts of the argument structure, which its TreeSpec compares with
-# ``==``, in a ``_Structure`` beside it. Only contexts ``==`` cannot mislead (None, a class, a
-# list of strings: almost every call's) are left to the TreeSpec.
+# never matches a NaN it holds (a recompile at every call). So numbers are keyed with their type,
+# floats by repr; a frozenset, range or slice by its items (``_contents_key``); a hashable
+# dataclass whose fields are such values (``Cfg(lr=0.1)``) by their keys; other hashable objects
+# still by their own ``==``, as are the contexts of the argument structure's nodes (dict keys,
+# custom nodes' contexts), which its TreeSpec compares. Those get a ``_Structure`` beside the
+# TreeSpec that adds what ``==`` misses, the types of the values and the signs of the floats
+# (``_typed``): it refines ``==`` and never compares by identity, since flattening makes
+# contexts anew at every call. Contexts ``==`` cannot mislead (None, a class, a list of
+# strings: almost every call's) are left to the TreeSpec.
+def _dataclass_values(leaf: Any) -> tuple[Any, ...] | None:
+    """The keys of a dataclass's fields, where each is a number, string, bool, None or enum (or
+    a tuple or dataclass of such); None otherwise, or for anything else."""
+    if getattr(type(leaf), "__dataclass_fields__", None) is None:
+        return None
+    return _typed(leaf, plain_only=True)
+
+
+def _typed(value: Any, depth: int = 0, plain_only: bool = False) -> Any:
+    """What ``==`` does not see of ``value``: its type, a float's repr, a list's or tuple's items
+    alike. With ``plain_only``, None where it holds anything but such values, strings, bytes,
+    None and enums (those by value)."""
+    kind = type(value)
+    if kind is float or kind is complex:
+        return (kind, repr(value))
+    if (kind is list or kind is tuple) and depth < _DEPTH and len(value) <= _BUDGET:
+        items = [_typed(v, depth + 1, plain_only) for v in value]
+        return None if plain_only and None in items else (kind, *items)
+    fields = getattr(kind, "__dataclass_fields__", None)
+    if fields is not None and depth < _DEPTH:  # register_constant's ConstantNode(value=Cfg(1))
+        items = [_typed(getattr(value, name, None), depth + 1, plain_only) for name in fields]
+        return None if plain_only and None in items else (kind, *items)
+    if not plain_only:
+        return kind
+    return (kind, value) if kind in _PLAIN or isinstance(value, enum.Enum) else None
 
 
 # Note [Objects as arguments]
@@ -436,7 +463,8 @@ class _Structure:
 
 
 def _inexact_contexts(spec: pytree.TreeSpec) -> tuple[Any, ...]:
-    """Keys of the node contexts of ``spec`` that are not None, a class or a list of strings."""
+    """``_typed`` of the node contexts of ``spec`` that are not None, a class or a list of
+    strings (Note [Keys compared by ==])."""
     found = []
     stack = [spec]
     while stack:
@@ -444,8 +472,10 @@ def _inexact_contexts(spec: pytree.TreeSpec) -> tuple[Any, ...]:
         context = node.context
         if not (context is None or isinstance(context, type) or (
                 type(context) is list and all(type(k) is str for k in context))):
-            found.append(_attribute_key(context, 1, _Walk()))
-        stack.extend(treespec_children(node))
+            found.append(_typed(context))
+        for child in treespec_children(node):
+            if not child.is_leaf():  # a constant (register_constant) has no children
+                stack.append(child)
     return tuple(found)
 
 
@@ -753,7 +783,9 @@ def _container(spec: pytree.TreeSpec) -> str:
     article = "an" if name[0].lower() in "aeiou" else "a"
     if isinstance(spec.context, list):
         return f"{article} {name} with keys {spec.context}"
-    return f"{article} {name} of {spec.num_children}"
+    shown = "" if spec.context is None or isinstance(spec.context, type) \
+        else f" (context {_short(_repr(spec.context), 60)})"  # a custom node's
+    return f"{article} {name} of {spec.num_children}{shown}"
 
 
 def _argument_path(path: str, skip: int) -> str:

@@ -88,7 +88,8 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         runtime.note_removed_hooks(True)
     try:
         # Multithreaded device queues would call the capture object from several threads.
-        with torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(False), \
+                compat.pytorch_compiled_autograd_kept_off():
             yield
     finally:
         runtime.note_removed_hooks(False)
@@ -96,7 +97,6 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         session.set_active(None)
         compat.set_autograd_verbose_logger(None)
         compat.set_autograd_compiler(*prior)
-        compat.keep_pytorch_compiled_autograd_off()
 
 
 def _check_arguments(compiler_fn: Any, dynamic: Any) -> None:
@@ -126,12 +126,21 @@ def _check_arguments(compiler_fn: Any, dynamic: Any) -> None:
 # decision says so. Another compiler in the slot is left alone, and so is the slot emptied by
 # PyTorch's own off window (``torch._dynamo.compiled_autograd._disable()``), which
 # ``torch.func.grad``/``vjp``/``jacrev`` open around their ``autograd.grad(create_graph=True)``:
-# setting it again captured that backward and failed it as a double backward.
+# setting it again captured that backward and failed it as a double backward. A reset while the
+# slot was set aside (an off window: a compiler, a hook's replay, disable()) leaves the slot as
+# it was; the engine's emptied cache says so.
 def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
     if compat.compiled_autograd_is_off():
         return
     prior = compat.set_autograd_compiler(factory, dynamic)
     if prior[0] is factory:
+        if session.graphs_cached and compat.engine_cache_is_empty():  # not by us: we count 0
+            session.graphs_cached = 0
+            counters.record("cache_clear", "compiled_autograd",
+                            "the engine's cached graphs were dropped inside enable() while its "
+                            "compiler slot was set aside (torch._dynamo.reset() or "
+                            "torch.compiler.reset() in a compiler, a hook or a disable() block); "
+                            "backward graphs are captured anew", logger=log)
         return
     if prior[0] is not None or compat.pytorch_disable_is_open():
         compat.set_autograd_compiler(*prior)
@@ -186,9 +195,7 @@ def _forget_other_compilers(new: session.Session) -> None:
     that changes what is captured (``compiled_autograd_lower``)."""
     global _last_session
     last = _last_session
-    if last is not None and session.same_compiler(last.identity, new.identity):
-        new.lineage = last.lineage
-    if last is not None and new.lineage is not last.lineage:
+    if last is not None and not session.same_compiler(last.identity, new.identity):
         change = f"compiler changed from {last.compiler_fn!r} to {new.compiler_fn!r}"
     elif last is not None and last.dynamic != new.dynamic:
         change = f"dynamic changed from {last.dynamic} to {new.dynamic}"

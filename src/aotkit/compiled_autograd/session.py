@@ -64,9 +64,6 @@ class Session:
     captures: int = 0
     #: See Note [Compiler identity].
     identity: tuple[Any, ...] = field(init=False)
-    #: One object for consecutive blocks whose compilers compile alike (a block per training
-    #: step): a replay tells its compiler unchanged by ``is``. Set by enable().
-    lineage: object = field(init=False, default_factory=object)
     #: The aotkit.config options that change what is captured, as the block began.
     options: tuple[tuple[str, Any], ...] = field(init=False)
     #: The thread that entered the block (the engine's compiler slot is one per process).
@@ -98,8 +95,9 @@ def set_active(session: Session | None) -> None:
 # closed-over objects and values of the globals they read (``enable(lambda gm: gm)`` in a
 # training loop makes a new, identical lambda every step; a lambda reading a global that changed
 # between blocks compiles differently). Objects are compared by identity, numbers, strings and
-# devices by value, and lists, tuples and dicts of such values (up to 64 items, 4 levels deep)
-# item by item (``partial(torch.compile, options={...})`` made anew every step). Bound methods
+# devices by value, and lists, tuples and dicts (up to 64 items, 4 levels deep) item by item
+# (``partial(torch.compile, options={...})`` or ``partial(f, passes=(pass_a,))`` made anew
+# every step). Bound methods
 # (``enable(backend.compile)`` makes a new one at every attribute access) compare by their
 # object and function, ``functools.partial``s by their function and arguments. Those values are
 # read when the block starts, so a compiler is compared as it was when its block began. One
@@ -153,20 +151,19 @@ def _values(xs: Iterable[Any]) -> tuple[Any, ...]:
 
 
 def _snapshot(x: Any, depth: int = 0) -> Any:
-    """A container of plain values (options) as its contents; anything else as itself (a list
-    a recording compiler appends graphs to stays one compiler)."""
+    """A list, tuple or dict as its contents, items other than plain values and containers
+    compared by identity (``partial(compile_with, passes=(pass_a,))`` made anew every step is
+    one compiler); anything else as itself. A list a recording compiler appends graphs to is
+    one compiler while it is the same list (Note [Compiler identity])."""
     if type(x) in (list, tuple, dict) and depth < 4 and len(x) <= 64:
         items = [i for pair in x.items() for i in pair] if type(x) is dict else list(x)
-        contents = tuple(_snapshot(i, depth + 1) for i in items)
-        if all(type(i) in _PLAIN or type(i) is _Contents for i in contents):
-            return _Contents(x, contents)
+        return _Contents(x, tuple(_snapshot(i, depth + 1) for i in items))
     return x
 
 
 #: Immutable values compared by value: a compiler made anew with ``float("0.5")`` or a string
 #: built at run time compiles as one made with an equal object.
 _BY_VALUE = (int, float, complex, str, bytes, torch.device)
-_PLAIN = (*_BY_VALUE, bool, type(None))
 
 
 def _identical(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
@@ -333,7 +330,7 @@ class CompiledBackward:
         self.to_cuda = to_cuda
         self.captured_for = captured_for  # the capturing backward's sizes and scalars
         self._identity = session.identity
-        self._lineage = session.lineage
+        self._checked = session  # the block whose compiler built the callables, or was compared
         self.accumulated = runtime.accumulated_inputs(captured)  # the leaves taking .grad
         self.grad_dtypes = grad_dtypes  # (input position, grad_dtype) of those leaves
 
@@ -363,7 +360,7 @@ class CompiledBackward:
                 "two cannot share a process (reset() does not undo that).\nFix: use one of "
                 "them per process."
             )
-        if session.lineage is self._lineage:
+        if session is self._checked:  # once per block and entry
             return session
         if not same_compiler(session.identity, self._identity):
             counters.record("recompile", "compiled_autograd",
@@ -371,7 +368,8 @@ class CompiledBackward:
                             "graph again", logger=log)
             for variant in self.variants:
                 variant.compiled = compile_graph(variant.gm, session.compiler_fn)
-        self._identity, self._lineage = session.identity, session.lineage
+            self._identity = session.identity
+        self._checked = session
         return session
 
     def compiled_for(self, session: Session | None, example: Example) -> Variant:
