@@ -85,7 +85,10 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # TreeSpec that adds what ``==`` misses, the types of the values and the signs of the floats
 # (``_typed``): it refines ``==`` and never compares by identity, since flattening makes
 # contexts anew at every call. Contexts ``==`` cannot mislead (None, a class, a list of
-# strings: almost every call's) are left to the TreeSpec.
+# strings: almost every call's) are left to the TreeSpec. Still compared by ``==`` alone, so
+# 1 and 1.0 share a graph there: hashable objects that are not dataclasses of plain values (a
+# slotted class with its own ``__eq__``, a tuple subclass registered as a leaf) and frozensets
+# past 64 items; a NaN in a context never matches (the TreeSpec's ``==``), so it traces again.
 def _dataclass_values(leaf: Any) -> tuple[Any, ...] | None:
     """The keys of a dataclass's fields, where each is a number, string, bool, None or enum (or
     a tuple or dataclass of such); None otherwise, or for anything else."""
