@@ -25,6 +25,7 @@ from aotkit.aot.signature import flatten_with_paths, identity_keyed_parts, leaf_
 from aotkit.aot.subclass import is_subclass, overrides_torch_function
 from aotkit.aot.trace import FlatFn, refuse_kept_outputs
 from aotkit.aot.untraceable import NOT_AN_ARGUMENT
+from aotkit.compat import FakeTensorMode
 from aotkit.errors import ArgumentError, OutputTypeError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -382,3 +383,60 @@ def _freed_module(name: str, where: str) -> UnsupportedError:
         "compiled function holds module arguments weakly, so that a model of each fold is "
         "freed with its graphs).\nFix: keep a reference to the module until backward() has "
         "run, or call backward() outside torch.autocast.")
+
+
+def make_fake(mode: FakeTensorMode, t: torch.Tensor, index: int, dynamic: bool,
+              name: str) -> torch.Tensor:
+    """A fake copy of ``t`` (same leafness and requires_grad); symbolic sizes when ``dynamic``.
+    ``name``: the argument, for the error when fake tensors cannot copy it (quantized)."""
+    from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
+
+    if t.is_inference() and t.requires_grad and not torch.is_inference_mode_enabled():
+        t = _without_inference_grad(t, name)
+    grad = t.grad if t.is_leaf else None
+    if grad is not None and grad.dtype != t.dtype:
+        # ``grad_dtype=None`` lets .grad differ (bf16 accumulation for an fp32 weight), which the
+        # fake copy's .grad refuses; tracing never reads .grad (aotkit refuses that).
+        t.grad = None
+        try:
+            return make_fake(mode, t, index, dynamic, name)
+        finally:
+            t.grad = grad
+    try:
+        if not dynamic:  # no symbols to name, and torch._dynamo.source would load all of Dynamo
+            return mode.from_tensor(t, static_shapes=True)
+        from torch._dynamo.source import LocalSource
+
+        fake = mode.from_tensor(t, static_shapes=False, source=LocalSource(f"arg{index}"))
+        fake.item_memo = None  # its value is data, not a guarded size: Note [Data-dependent sizes]
+        return fake
+    except AssertionError as exc:
+        if "shape_env must not be None" not in str(exc):
+            raise
+        raise UnsupportedError(  # faked as a jagged tensor's offsets: a ragged-size symbol
+            f"{name} cannot be traced without dynamic shapes: it served as the offsets of a "
+            "jagged nested tensor (nested_tensor_from_jagged), so PyTorch fakes it with a "
+            "ragged-size symbol.\nFix: pass the nested tensor itself, pass a copy "
+            "(offsets.clone()), or use dynamic=True.") from exc
+    except UnsupportedFakeTensorException as exc:
+        raise UnsupportedError(
+            f"{name} cannot be traced: PyTorch's fake tensors cannot copy it ({exc.reason}; "
+            f"a {t.dtype} tensor{' (quantized)' if t.is_quantized else ''}).\nFix: convert "
+            "it before the call (x.dequantize() for a quantized tensor) or keep the code "
+            "that needs it outside the compiled function; torch.compile runs such code "
+            "eagerly for you."
+        ) from exc
+
+
+def _without_inference_grad(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A tensor made under ``torch.inference_mode()`` that requires grad (a model built there)
+    and is used outside it: its functional wrapper cannot take requires_grad. Under no_grad
+    nothing reads it, so it is traced detached; with grad on it is refused."""
+    if not torch.is_grad_enabled():
+        return t.detach()
+    raise UnsupportedError(
+        f"{name} is an inference tensor (made under torch.inference_mode(), as the parameters "
+        "of a model built there are) that requires grad, and grad mode is on: aotkit cannot "
+        "trace it for autograd.\nFix: build the model under torch.no_grad() instead, or make "
+        "its tensors normal ones: model.load_state_dict({k: v.clone() for k, v in "
+        "model.state_dict().items()}, assign=True); or call it under torch.no_grad().")
