@@ -541,16 +541,8 @@ def test_a_bound_method_or_partial_compiler_per_block_reuses_the_graph() -> None
     import functools
 
     backend = _Backend()
-    w = torch.randn(3, requires_grad=True)
-    w.grad = torch.zeros(3)
-    for make in (lambda: backend.compile, lambda: functools.partial(lambda gm, tag: gm, tag="x")):
-        aotkit.compiled_autograd.reset()
-        aotkit.counters.reset()
-        w.grad = torch.zeros(3)
-        for _ in range(3):
-            with aotkit.compiled_autograd.enable(make()):
-                _step(w, 2)
-        assert counts() == (1, 1)
+    w = _captured_once_each([lambda: backend.compile,
+                             lambda: functools.partial(lambda gm, tag: gm, tag="x")])
     with aotkit.compiled_autograd.enable(_Backend().compile):  # another object: a new compiler
         _step(w, 2)
     assert counts() == (2, 2)
@@ -636,10 +628,16 @@ def test_equal_partials_holding_functions_made_every_step_are_one_compiler() -> 
             gm = p(gm)
         return gm
 
+    _captured_once_each([lambda: functools.partial(compile_with, passes=(pass_a,)),
+                         lambda: functools.partial(compile_with, passes=[pass_a]),
+                         lambda: functools.partial(compile_with, opts={"p": pass_a})])
+
+
+def _captured_once_each(makes: list[Callable[[], Any]]) -> torch.Tensor:
+    """Three blocks for each compiler maker, a compiler made anew per block: one capture and
+    compile each, no cache clear. Returns the leaf the backwards accumulated into."""
     w = torch.randn(3, requires_grad=True)
-    for make in (lambda: functools.partial(compile_with, passes=(pass_a,)),
-                 lambda: functools.partial(compile_with, passes=[pass_a]),
-                 lambda: functools.partial(compile_with, opts={"p": pass_a})):
+    for make in makes:
         aotkit.compiled_autograd.reset()
         aotkit.counters.reset()
         w.grad = torch.zeros(3)
@@ -648,6 +646,7 @@ def test_equal_partials_holding_functions_made_every_step_are_one_compiler() -> 
                 _step(w, 2)
         assert counts() == (1, 1)
         assert not aotkit.explain().of_kind("cache_clear")
+    return w
 
 
 def test_a_new_compiler_equal_to_a_changed_one_compiles_again() -> None:
