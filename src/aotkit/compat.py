@@ -229,24 +229,32 @@ def keep_pytorch_compiled_autograd_off() -> None:
         module.compiled_autograd_enabled = False
 
 
+def _before_dynamo_compiles(_args: Any) -> None:
+    keep_pytorch_compiled_autograd_off()
+
+
 @contextlib.contextmanager
 def pytorch_compiled_autograd_kept_off() -> Iterator[None]:
     """:func:`keep_pytorch_compiled_autograd_off` before every frame Dynamo compiles inside the
     block (an evaluation step compiled by ``aot_eager`` opens PyTorch's off window, and the
     training step traced next took the flag's path), and when the block ends."""
     load_dynamo()
-    handler = torch._dynamo.callback_handler
-
-    def callback(_args: Any) -> None:
-        keep_pytorch_compiled_autograd_off()
-
-    handler.register_start_callback(callback)
+    keep_pytorch_compiled_autograd_off_at_compiles()
     try:
         yield
     finally:
-        if callback in handler.start_callbacks:  # torch._dynamo.reset() drops callbacks
-            handler.remove_start_callback(callback)
+        handler = torch._dynamo.callback_handler
+        if _before_dynamo_compiles in handler.start_callbacks:
+            handler.remove_start_callback(_before_dynamo_compiles)
         keep_pytorch_compiled_autograd_off()
+
+
+def keep_pytorch_compiled_autograd_off_at_compiles() -> None:
+    """Register Dynamo's start-of-compile callback of :func:`pytorch_compiled_autograd_kept_off`
+    where it is missing: ``torch._dynamo.reset()`` drops every callback."""
+    handler = torch._dynamo.callback_handler
+    if _before_dynamo_compiles not in handler.start_callbacks:
+        handler.register_start_callback(_before_dynamo_compiles)
 
 
 def engine_cache_is_empty() -> bool:

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -78,7 +79,32 @@ class Mode:
 
 
 pytree.register_constant(Mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithTensor:
+    v: Any
+    t: torch.Tensor
+
+
+class Box:
+    def __init__(self, x: torch.Tensor, meta: dict[str, Any]) -> None:
+        self.x, self.meta = x, meta
+
+
+pytree.register_pytree_node(Box, lambda b: ([b.x], b.meta), lambda xs, meta: Box(xs[0], meta))
+_T = torch.ones(1)
 CASES.update({
+    "dataclass with a numpy field": (
+        lambda x, c: x / torch.full((2,), float(c.v)),
+        [lambda x: (x, Cfg(np.float64(0.0))), lambda x: (x, Cfg(np.float64(-0.0)))]),
+    "dataclass holding a tensor": (
+        lambda x, c: torch.full((2,), c.v) / x,
+        [lambda x: (x, WithTensor(1, _T)), lambda x: (x, WithTensor(1.0, _T)),
+         lambda x: (x, WithTensor(-0.0, _T))]),
+    "dict context": (lambda b: torch.full((2,), b.meta["v"]) / b.x,
+                     [lambda x: (Box(x, {"v": 1}),), lambda x: (Box(x, {"v": 1.0}),),
+                      lambda x: (Box(x, {"v": -0.0}),)]),
     "slotted frozen dataclass": (lambda x, c: torch.full((2,), c.v) / x,
                                  [lambda x: (x, SlottedCfg(1)), lambda x: (x, SlottedCfg(1.0)),
                                   lambda x: (x, SlottedCfg(-0.0))]),

@@ -672,6 +672,39 @@ def test_a_new_compiler_equal_to_a_changed_one_compiles_again() -> None:
     assert ran == [1, 1, 2]
 
 
+_compiles_seen = 0
+
+
+def _counting_compiler(gm: fx.GraphModule) -> fx.GraphModule:
+    global _compiles_seen
+    _compiles_seen += 1
+    return gm
+
+
+def test_a_compiler_counting_its_compiles_in_a_global_is_one_compiler() -> None:
+    """Note [Compiler identity]: the values of the globals a compiler reads were part of its
+    identity, those it assigns too, so a compile count made every block another compiler."""
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for _ in range(3):
+        with aotkit.compiled_autograd.enable(_counting_compiler):
+            _step(w, 2)
+    assert counts() == (1, 1) and not aotkit.explain().of_kind("cache_clear")
+
+
+def test_a_dynamo_reset_between_blocks_is_no_reset_inside_one() -> None:
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    with aotkit.compiled_autograd.enable(nop):
+        _step(w, 2)
+    torch._dynamo.reset()
+    with aotkit.compiled_autograd.enable(nop):
+        _step(w, 2)
+    assert counts() == (2, 2)
+    assert not aotkit.explain().of_kind("cache_clear")
+    assert [d.kind for d in aotkit.explain().of_kind("capture")] == ["capture", "capture"]
+
+
 def test_a_compiler_resetting_dynamo_is_recorded() -> None:
     """A reset inside an off window (here the compiler's own) left the compiler slot as it
     was: the next backward captured again with no decision saying why."""
@@ -689,10 +722,12 @@ def test_a_compiler_resetting_dynamo_is_recorded() -> None:
     assert len(clears) == 2 and all("torch._dynamo.reset()" in d.why for d in clears)
 
 
-def test_a_dynamo_compile_after_pytorchs_off_window_in_the_block() -> None:
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_dynamo_compile_after_pytorchs_off_window_in_the_block(reset: bool) -> None:
     """An evaluation step compiled by aot_eager opens PyTorch's off window; on leaving it set
     PyTorch's compiled-autograd flag, and the training step Dynamo traced next took that flag's
-    path: a raw TypeError about BackwardState."""
+    path: a raw TypeError about BackwardState. Also after torch._dynamo.reset() in the block,
+    which drops Dynamo's callbacks."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 4)
 
@@ -707,6 +742,10 @@ def test_a_dynamo_compile_after_pytorchs_off_window_in_the_block() -> None:
     expected = lin.weight.grad.clone()
     compiled_train = torch.compile(train, backend="aotkit")
     with aotkit.compiled_autograd.enable(nop):
+        if reset:
+            torch._dynamo.reset()
+            lin.zero_grad()
+            train(x).backward()
         for _ in range(2):
             with torch.no_grad():
                 evaluate(x)

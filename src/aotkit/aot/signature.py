@@ -69,8 +69,9 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
         return Collectable(leaf)
     if _by_identity(leaf) or not _hashable(leaf):
         return _object_key(leaf, 0, _Walk()) if _plain_object(leaf) else _Identity(leaf)
-    if (values := _dataclass_values(leaf)) is not None:  # Note [Keys compared by ==]
-        return (type(leaf), values)
+    if getattr(type(leaf), "__dataclass_fields__", None) is not None:  # Note [Keys compared
+        values = _typed(leaf, plain_only=True)  # by ==]
+        return (type(leaf), values) if values is not None else (type(leaf), leaf, _typed(leaf))
     return (type(leaf), leaf)
 
 
@@ -79,37 +80,36 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # traced for one computes in another dtype or sign (``torch.full((2,), k)``, ``1 / k``), and it
 # never matches a NaN it holds (a recompile at every call). So numbers are keyed with their type,
 # floats by repr; a frozenset, range or slice by its items (``_contents_key``); a hashable
-# dataclass whose fields are such values (``Cfg(lr=0.1)``) by their keys; other hashable objects
-# still by their own ``==``, as are the contexts of the argument structure's nodes (dict keys,
-# custom nodes' contexts), which its TreeSpec compares. Those get a ``_Structure`` beside the
-# TreeSpec that adds what ``==`` misses, the types of the values and the signs of the floats
-# (``_typed``): it refines ``==`` and never compares by identity, since flattening makes
+# dataclass whose fields are such values (``Cfg(lr=0.1)``) by them. Other hashable objects are
+# still compared by their own ``==``, and so are the contexts of the argument structure's nodes
+# (dict keys, custom nodes' contexts), which its TreeSpec compares; a dataclass holding other
+# objects, and those contexts (in a ``_Structure`` beside the TreeSpec), add what ``==``
+# misses: the types of the values and the signs of the floats, through containers
+# (``_typed``). That refines ``==`` and never compares by identity, since flattening makes
 # contexts anew at every call. Contexts ``==`` cannot mislead (None, a class, a list of
 # strings: almost every call's) are left to the TreeSpec. Still compared by ``==`` alone, so
 # 1 and 1.0 share a graph there: hashable objects that are not dataclasses of plain values (a
 # slotted class with its own ``__eq__``, a tuple subclass registered as a leaf) and frozensets
 # past 64 items; a NaN in a context never matches (the TreeSpec's ``==``), so it traces again.
-def _dataclass_values(leaf: Any) -> tuple[Any, ...] | None:
-    """The keys of a dataclass's fields, where each is a number, string, bool, None or enum (or
-    a tuple or dataclass of such); None otherwise, or for anything else."""
-    if getattr(type(leaf), "__dataclass_fields__", None) is None:
-        return None
-    return _typed(leaf, plain_only=True)
-
-
 def _typed(value: Any, depth: int = 0, plain_only: bool = False) -> Any:
-    """What ``==`` does not see of ``value``: its type, a float's repr, a list's or tuple's items
-    alike. With ``plain_only``, None where it holds anything but such values, strings, bytes,
-    None and enums (those by value)."""
+    """What ``==`` does not see of ``value``: its type, a float's (or any non-rational number's,
+    NumPy's too) repr, and the same of the items of lists, tuples, dicts, sets and dataclass
+    fields. With ``plain_only``, also the values of ints, strings, bytes, None and enums, and
+    None where ``value`` holds anything else (it is then compared by its own ``==``)."""
     kind = type(value)
-    if kind is float or kind is complex:
+    if isinstance(value, numbers.Number) and not isinstance(value, numbers.Rational):
         return (kind, repr(value))
-    if (kind is list or kind is tuple) and depth < _DEPTH and len(value) <= _BUDGET:
-        items = [_typed(v, depth + 1, plain_only) for v in value]
-        return None if plain_only and None in items else (kind, *items)
-    fields = getattr(kind, "__dataclass_fields__", None)
-    if fields is not None and depth < _DEPTH:  # register_constant's ConstantNode(value=Cfg(1))
+    items: list[Any] | None = None
+    if depth < _DEPTH and kind in (list, tuple, dict, set, frozenset) and len(value) <= _BUDGET:
+        if kind is dict:
+            items = [_typed(v, depth + 1, plain_only) for pair in value.items() for v in pair]
+        else:
+            items = [_typed(v, depth + 1, plain_only) for v in value]
+            if kind is not list and kind is not tuple:  # unordered: as a set of keys
+                items = [frozenset(items)] if not (plain_only and None in items) else [None]
+    elif depth < _DEPTH and (fields := getattr(kind, "__dataclass_fields__", None)) is not None:
         items = [_typed(getattr(value, name, None), depth + 1, plain_only) for name in fields]
+    if items is not None:
         return None if plain_only and None in items else (kind, *items)
     if not plain_only:
         return kind
@@ -673,11 +673,40 @@ def _leaf_change(name: str, a: Any, b: Any) -> str:
                          for f, x, y in changed)
     if _is_subclass_key(a) or _is_subclass_key(b):
         return f"{name} changed: {_kind(a)} -> {_kind(b)}"
+    if (fields := _dataclass_field_changes(name, a, b)) is not None:
+        return fields
     if isinstance(a, _Object) and isinstance(b, _Object) and a[:2] == b[:2]:
         return "; ".join(_attribute_changes(name, a, b))
     if _same_container(a, b) and (items := _item_changes(name, a, b)):  # a captured dict
         return "; ".join(items)
     return f"{name} changed: {_show(a)} -> {_show(b)}"
+
+
+def _dataclass_field_changes(name: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> str | None:
+    """e.g. ``field scale of args[1] changed: int 1 -> float 1.0``, for two keys of one
+    dataclass by its fields' ``_typed`` (Note [Keys compared by ==]); None for other keys."""
+    cls = a[0]
+    fields = getattr(cls, "__dataclass_fields__", None) if isinstance(cls, type) else None
+    if fields is None or b[0] is not cls:
+        return None
+    typed = [k[-1] for k in (a, b)]
+    if not all(isinstance(t, tuple) and t[:1] == (cls,) for t in typed):
+        return None
+    changes = [f"field {field} of {name} changed: {_typed_text(x)} -> {_typed_text(y)}"
+               for field, x, y in zip(fields, typed[0][1:], typed[1][1:], strict=True) if x != y]
+    return "; ".join(changes) or f"{name} changed: {_show(a[1])} -> {_show(b[1])}"
+
+
+def _typed_text(typed: Any) -> str:
+    """A ``_typed`` value as text: ``float 1.0``, ``int``, ``a tuple of 2 item(s)``."""
+    if isinstance(typed, type):
+        return typed.__name__
+    if isinstance(typed, tuple) and len(typed) == 2 and isinstance(typed[0], type) \
+            and not isinstance(typed[1], tuple):
+        return f"{typed[0].__name__} {_short(str(typed[1]), 60)}"
+    if isinstance(typed, tuple) and typed and isinstance(typed[0], type):
+        return f"a {typed[0].__name__} of {len(typed) - 1} item(s)"
+    return _short(repr(typed), 60)
 
 
 def _attribute_changes(name: str, a: _Object, b: _Object) -> list[str]:

@@ -74,6 +74,8 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
                 "another compiled autograd (torch._dynamo.compiled_autograd) is active; "
                 "aotkit.compiled_autograd.enable() cannot run inside it. Leave that context first."
             )
+        if compat.engine_cache_is_empty():  # torch._dynamo.reset() since the last block
+            session.graphs_cached = 0
         _forget_other_compilers(new)
         compat.set_autograd_verbose_logger(_engine_log)
         if compat.compiled_autograd_is_off():
@@ -130,6 +132,7 @@ def _check_arguments(compiler_fn: Any, dynamic: Any) -> None:
 # slot was set aside (an off window: a compiler, a hook's replay, disable()) leaves the slot as
 # it was; the engine's emptied cache says so.
 def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
+    compat.keep_pytorch_compiled_autograd_off_at_compiles()  # a reset dropped it
     if compat.compiled_autograd_is_off():
         return
     prior = compat.set_autograd_compiler(factory, dynamic)
@@ -151,6 +154,7 @@ def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
                             "eagerly", logger=log)
         return
     compat.set_autograd_verbose_logger(_engine_log)  # emptied too
+    session.graphs_cached = 0
     counters.record("cache_clear", "compiled_autograd",
                     "the engine's compiler slot was emptied inside enable() (torch._dynamo.reset() "
                     "or torch.compiler.reset() does that); it is set again and backward graphs "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dis
 import functools
 import logging
 import re
@@ -155,8 +156,8 @@ def _snapshot(x: Any, depth: int = 0) -> Any:
     compared by identity (``partial(compile_with, passes=(pass_a,))`` made anew every step is
     one compiler); anything else as itself. A list a recording compiler appends graphs to is
     one compiler while it is the same list (Note [Compiler identity])."""
-    if type(x) in (list, tuple, dict) and depth < 4 and len(x) <= 64:
-        items = [i for pair in x.items() for i in pair] if type(x) is dict else list(x)
+    if isinstance(x, (list, tuple, dict)) and depth < 4 and len(x) <= 64:  # namedtuples too
+        items = [i for pair in x.items() for i in pair] if isinstance(x, dict) else list(x)
         return _Contents(x, tuple(_snapshot(i, depth + 1) for i in items))
     return x
 
@@ -194,30 +195,47 @@ def _same_value(x: Any, y: Any) -> bool:
 
 def _globals_read(fn: types.FunctionType) -> list[Any]:
     """The names of the globals ``fn``'s code reads (nested functions included), each followed by
-    its current value; a name not defined in the module's globals (a builtin) by itself."""
+    its current value; a name not defined in the module's globals (a builtin), or one the code
+    assigns (a count of its compiles: its state, not an option), by itself."""
     names: set[str] = set()
-    codes = [fn.__code__]
-    while codes:
-        code = codes.pop()
+    for code in _codes(fn.__code__):
         names.update(code.co_names)
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    written = _written(fn.__code__)
     found = []
     for name in sorted(names):
         found.append(name)
-        if name in fn.__globals__:
+        if name in fn.__globals__ and name not in written:
             found.append(_snapshot(fn.__globals__[name]))
     return found
 
 
 def _cells(fn: types.FunctionType) -> list[Any]:
-    """The objects ``fn`` closes over (a cell not yet assigned counts as itself)."""
+    """The objects ``fn`` closes over; a cell not yet assigned, or one the code assigns
+    (``nonlocal count; count += 1``), counts as the cell itself."""
+    written = _written(fn.__code__)
     contents = []
-    for cell in fn.__closure__ or ():
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         try:
-            contents.append(cell.cell_contents)
+            contents.append(cell if name in written else cell.cell_contents)
         except ValueError:
             contents.append(cell)
     return contents
+
+
+def _codes(code: types.CodeType) -> list[types.CodeType]:
+    """``code`` and the code of the functions defined in it, at any depth."""
+    codes, found = [code], []
+    while codes:
+        found.append(code := codes.pop())
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _written(code: types.CodeType) -> frozenset[str]:
+    """The global and closed-over names ``code`` (nested functions included) assigns."""
+    return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c)
+                     if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF"))
 
 
 def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callable[..., Any]:
