@@ -221,9 +221,9 @@ def keep_pytorch_compiled_autograd_off() -> None:
     open one) sets ``compiled_autograd_enabled`` whenever the engine's slot held a compiler, ours
     included; Dynamo then traces hooks for PyTorch's compiled autograd (``BackwardState``), and
     a later ``torch.compile`` of a function with a hook on an intermediate failed, even after
-    the block. Called before each Dynamo compile (:func:`pytorch_compiled_autograd_kept_off`),
-    at each backward, after each replay and when the block ends. PyTorch's own enable()
-    (``depth``) is left alone."""
+    the block. Only Dynamo reads the flag, when it compiles: this runs before each of its
+    compiles in the block (:func:`pytorch_compiled_autograd_kept_off`) and when the block ends.
+    PyTorch's own enable() (``depth``) is left alone."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     if module is not None and module.compiled_autograd_enabled and not module.depth:
         module.compiled_autograd_enabled = False

@@ -428,7 +428,6 @@ class Engine:
             queued.append(callback)
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
-        compat.keep_pytorch_compiled_autograd_off()
         if _replaying:  # Note [Backwards during a replay]
             with compat.compiled_autograd_off():
                 return self._run_backward(*args, **kwargs)
@@ -478,7 +477,6 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
     finally:
         _replaying.pop()
         _replay.queued, _replay.removals = outer
-        compat.keep_pytorch_compiled_autograd_off()  # a hook's torch.func call turned it on
 
 
 # Note [Hooks removed during a backward]
