@@ -102,6 +102,8 @@ CASES.update({
         lambda x, c: torch.full((2,), c.v) / x,
         [lambda x: (x, WithTensor(1, _T)), lambda x: (x, WithTensor(1.0, _T)),
          lambda x: (x, WithTensor(-0.0, _T))]),
+    "set context": (lambda b: torch.full((1,), min(b.meta["s"])) * b.x[:1],
+                    [lambda x: (Box(x, {"s": {True, 0}}),), lambda x: (Box(x, {"s": {1, False}}),)]),
     "dict context": (lambda b: torch.full((2,), b.meta["v"]) / b.x,
                      [lambda x: (Box(x, {"v": 1}),), lambda x: (Box(x, {"v": 1.0}),),
                       lambda x: (Box(x, {"v": -0.0}),)]),
@@ -192,3 +194,15 @@ def test_a_model_built_under_inference_mode_is_refused_for_training_with_the_fix
     aotkit.aot_module(model, compilers.nop)(x).sum().backward()
     reference(x).sum().backward()
     torch.testing.assert_close(model.weight.grad, reference.weight.grad)
+
+
+def test_a_frozen_dataclass_holding_another_tensor_traces_again() -> None:
+    """Compared by its ==, a tensor field with more than one element raised a raw 'Boolean
+    value of Tensor ... is ambiguous'."""
+    def f(x: torch.Tensor, c: WithTensor) -> torch.Tensor:
+        return x * c.t
+
+    compiled = aotkit.aot_function(f, compilers.nop)
+    x = torch.ones(2)
+    for t in (torch.tensor([2.0, 3.0]), torch.tensor([5.0, 7.0])):
+        torch.testing.assert_close(compiled(x, WithTensor(1, t)), f(x, WithTensor(1, t)))

@@ -672,24 +672,75 @@ def test_a_new_compiler_equal_to_a_changed_one_compiles_again() -> None:
     assert ran == [1, 1, 2]
 
 
-_compiles_seen = 0
+FACTOR = 1.0
 
 
-def _counting_compiler(gm: fx.GraphModule) -> fx.GraphModule:
-    global _compiles_seen
-    _compiles_seen += 1
-    return gm
+def _factor_compiler(gm: fx.GraphModule) -> Callable[..., Any]:
+    def unrelated() -> Callable[[], int]:
+        FACTOR = 0  # a local cell of the nested function, not the global
+        return lambda: FACTOR
+    factor = FACTOR
+    return lambda inputs, *rest: gm([inputs[0] * factor, *inputs[1:]], *rest)  # the loss's grad
 
 
-def test_a_compiler_counting_its_compiles_in_a_global_is_one_compiler() -> None:
-    """Note [Compiler identity]: the values of the globals a compiler reads were part of its
-    identity, those it assigns too, so a compile count made every block another compiler."""
+def test_a_compiler_counting_its_compiles_in_a_closure_is_one_compiler() -> None:
+    """Note [Compiler identity]: a variable the compiler assigns (``nonlocal``) is its state:
+    its value made every block another compiler."""
+    def make() -> Callable[..., Any]:
+        count = 0
+
+        def compiler(gm: fx.GraphModule) -> fx.GraphModule:
+            nonlocal count
+            count += 1
+            return gm
+        return compiler
+
+    compiler = make()
     w = torch.randn(3, requires_grad=True)
     w.grad = torch.zeros(3)
     for _ in range(3):
-        with aotkit.compiled_autograd.enable(_counting_compiler):
+        with aotkit.compiled_autograd.enable(compiler):
             _step(w, 2)
     assert counts() == (1, 1) and not aotkit.explain().of_kind("cache_clear")
+
+
+graph = 0  # a global named as an attribute the compiler reads (gm.graph)
+
+
+def _attribute_reader(gm: fx.GraphModule) -> fx.GraphModule:
+    assert gm.graph is not None
+    return gm
+
+
+def test_attribute_names_a_compiler_reads_are_not_globals() -> None:
+    """``gm.graph`` named the global ``graph`` in the compiler's identity: changed between
+    blocks (a training script's ``for data, target in loader``), the engine's cache was
+    cleared and the backward compiled again at every block."""
+    global graph
+    w = torch.randn(3, requires_grad=True)
+    w.grad = torch.zeros(3)
+    for graph in range(3):  # noqa: B007
+        with aotkit.compiled_autograd.enable(_attribute_reader):
+            _step(w, 2)
+    graph = 0
+    assert counts() == (1, 1)
+
+
+def test_a_global_the_compiler_reads_is_compared_though_a_nested_function_assigns_its_name(
+) -> None:
+    global FACTOR
+    w = torch.ones(3, requires_grad=True)
+    grads = []
+    try:
+        for FACTOR in (1.0, 5.0):  # noqa: B007
+            w.grad = None
+            with aotkit.compiled_autograd.enable(_factor_compiler):
+                (w * 2).sum().backward()
+            grads.append(w.grad.clone())
+    finally:
+        FACTOR = 1.0
+    assert counts()[1] == 2
+    torch.testing.assert_close(grads[1], grads[0] * 5)
 
 
 def test_a_dynamo_reset_between_blocks_is_no_reset_inside_one() -> None:

@@ -70,9 +70,37 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     if _by_identity(leaf) or not _hashable(leaf):
         return _object_key(leaf, 0, _Walk()) if _plain_object(leaf) else _Identity(leaf)
     if getattr(type(leaf), "__dataclass_fields__", None) is not None:  # Note [Keys compared
-        values = _typed(leaf, plain_only=True)  # by ==]
-        return (type(leaf), values) if values is not None else (type(leaf), leaf, _typed(leaf))
+        values = _typed(leaf, _Walk(), plain_only=True)  # by ==]
+        if values is not None:
+            return (type(leaf), values)
+        return (type(leaf), _ByEq(leaf), _typed(leaf, _Walk()))
     return (type(leaf), leaf)
+
+
+class _ByEq:
+    """A key part compared by its value's own ``==``, an error or a non-bool answer (a tensor
+    field of a frozen dataclass) counting as unequal: traced again, not a raw error."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not _ByEq:
+            return False
+        if other.value is self.value:
+            return True
+        try:
+            return bool(self.value == other.value)
+        except Exception:
+            return False
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 # Note [Keys compared by ==]
@@ -91,29 +119,35 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
 # 1 and 1.0 share a graph there: hashable objects that are not dataclasses of plain values (a
 # slotted class with its own ``__eq__``, a tuple subclass registered as a leaf) and frozensets
 # past 64 items; a NaN in a context never matches (the TreeSpec's ``==``), so it traces again.
-def _typed(value: Any, depth: int = 0, plain_only: bool = False) -> Any:
-    """What ``==`` does not see of ``value``: its type, a float's (or any non-rational number's,
-    NumPy's too) repr, and the same of the items of lists, tuples, dicts, sets and dataclass
-    fields. With ``plain_only``, also the values of ints, strings, bytes, None and enums, and
-    None where ``value`` holds anything else (it is then compared by its own ``==``)."""
+def _typed(value: Any, walk: _Walk, depth: int = 0, plain_only: bool = False) -> Any:
+    """What ``==`` does not see of ``value``: the type of each value it holds, with ints,
+    strings, bytes, None, enums and the like by value and floats (any non-rational number, NumPy's
+    too) by repr, through lists, tuples, dicts, sets and dataclass fields, ``walk.left`` values
+    in all. Other objects, and what lies past those limits, count by their type alone, or, with
+    ``plain_only``, make the answer None (then compared by their own ``==``)."""
+    walk.left -= 1
     kind = type(value)
     if isinstance(value, numbers.Number) and not isinstance(value, numbers.Rational):
         return (kind, repr(value))
+    if kind in _PLAIN or isinstance(value, (enum.Enum, numbers.Rational)):
+        return (kind, value)
     items: list[Any] | None = None
-    if depth < _DEPTH and kind in (list, tuple, dict, set, frozenset) and len(value) <= _BUDGET:
+    if depth >= _DEPTH or walk.left < 0:
+        pass
+    elif kind in (list, tuple, dict, set, frozenset) and len(value) <= walk.left:
         if kind is dict:
-            items = [_typed(v, depth + 1, plain_only) for pair in value.items() for v in pair]
+            items = [_typed(v, walk, depth + 1, plain_only)
+                     for pair in value.items() for v in pair]
         else:
-            items = [_typed(v, depth + 1, plain_only) for v in value]
-            if kind is not list and kind is not tuple:  # unordered: as a set of keys
-                items = [frozenset(items)] if not (plain_only and None in items) else [None]
-    elif depth < _DEPTH and (fields := getattr(kind, "__dataclass_fields__", None)) is not None:
-        items = [_typed(getattr(value, name, None), depth + 1, plain_only) for name in fields]
-    if items is not None:
-        return None if plain_only and None in items else (kind, *items)
-    if not plain_only:
-        return kind
-    return (kind, value) if kind in _PLAIN or isinstance(value, enum.Enum) else None
+            items = [_typed(v, walk, depth + 1, plain_only) for v in value]
+            if kind is not list and kind is not tuple:  # unordered
+                items = [None] if None in items else [frozenset(items)]
+    elif (fields := getattr(kind, "__dataclass_fields__", None)) is not None:
+        items = [_typed(getattr(value, name, None), walk, depth + 1, plain_only)
+                 for name in fields]
+    if items is not None and not (plain_only and None in items):
+        return (kind, *items)
+    return None if plain_only else kind
 
 
 # Note [Objects as arguments]
@@ -475,7 +509,7 @@ def _inexact_contexts(spec: pytree.TreeSpec) -> tuple[Any, ...]:
         context = node.context
         if not (context is None or isinstance(context, type) or (
                 type(context) is list and all(type(k) is str for k in context))):
-            found.append(_typed(context))
+            found.append(_typed(context, _Walk()))
         for child in treespec_children(node):
             if not child.is_leaf():  # a constant (register_constant) has no children
                 stack.append(child)

@@ -105,6 +105,10 @@ def set_active(session: Session | None) -> None:
 # object stays one, whatever it holds now (a list a recording compiler appends to, a dict
 # counting its calls), as for PyTorch's compiled autograd; a container that changed since its
 # block began belongs to a compiler that writes to it, and an equal new one is another compiler.
+# A variable the compiler itself assigns (``nonlocal``) is its state: it counts as the cell.
+# Globals count by the names the code loads (``LOAD_GLOBAL``, not attribute names: ``gm.graph``
+# reads no global ``graph``), with their values, also those it assigns: a default it sets
+# lazily may be changed by the user later.
 def compiler_identity(fn: Callable[..., Any]) -> tuple[Any, ...]:
     """What decides how ``fn`` compiles, compared object by object by :func:`same_compiler`.
     See Note [Compiler identity]."""
@@ -195,24 +199,19 @@ def _same_value(x: Any, y: Any) -> bool:
 
 def _globals_read(fn: types.FunctionType) -> list[Any]:
     """The names of the globals ``fn``'s code reads (nested functions included), each followed by
-    its current value; a name not defined in the module's globals (a builtin), or one the code
-    assigns (a count of its compiles: its state, not an option), by itself."""
-    names: set[str] = set()
-    for code in _codes(fn.__code__):
-        names.update(code.co_names)
-    written = _written(fn.__code__)
+    its current value; a name not defined in the module's globals (a builtin) by itself."""
     found = []
-    for name in sorted(names):
+    for name in sorted(_names_read(fn.__code__)):
         found.append(name)
-        if name in fn.__globals__ and name not in written:
+        if name in fn.__globals__:
             found.append(_snapshot(fn.__globals__[name]))
     return found
 
 
 def _cells(fn: types.FunctionType) -> list[Any]:
-    """The objects ``fn`` closes over; a cell not yet assigned, or one the code assigns
-    (``nonlocal count; count += 1``), counts as the cell itself."""
-    written = _written(fn.__code__)
+    """The objects ``fn`` closes over; a cell not yet assigned, or one ``fn`` itself assigns
+    (``nonlocal count; count += 1``: its state, not an option), counts as the cell itself."""
+    written = _cells_written(fn.__code__)
     contents = []
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         try:
@@ -222,20 +221,25 @@ def _cells(fn: types.FunctionType) -> list[Any]:
     return contents
 
 
-def _codes(code: types.CodeType) -> list[types.CodeType]:
-    """``code`` and the code of the functions defined in it, at any depth."""
-    codes, found = [code], []
+@functools.lru_cache(maxsize=256)
+def _names_read(code: types.CodeType) -> frozenset[str]:
+    """The global names ``code`` and the functions defined in it load (not attribute names:
+    ``node.target`` reads no global ``target``)."""
+    names: set[str] = set()
+    codes = [code]
     while codes:
-        found.append(code := codes.pop())
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return found
+        c = codes.pop()
+        names.update(i.argval for i in dis.get_instructions(c)
+                     if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+        codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return frozenset(names)
 
 
 @functools.lru_cache(maxsize=256)
-def _written(code: types.CodeType) -> frozenset[str]:
-    """The global and closed-over names ``code`` (nested functions included) assigns."""
-    return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c)
-                     if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF"))
+def _cells_written(code: types.CodeType) -> frozenset[str]:
+    """The free variables ``code`` assigns (``nonlocal``)."""
+    return frozenset(i.argval for i in dis.get_instructions(code)
+                     if i.opname == "STORE_DEREF" and i.argval in code.co_freevars)
 
 
 def compile_graph(gm: fx.GraphModule, compiler_fn: Callable[..., Any]) -> Callable[..., Any]:
