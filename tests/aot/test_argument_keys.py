@@ -206,3 +206,17 @@ def test_a_frozen_dataclass_holding_another_tensor_traces_again() -> None:
     x = torch.ones(2)
     for t in (torch.tensor([2.0, 3.0]), torch.tensor([5.0, 7.0])):
         torch.testing.assert_close(compiled(x, WithTensor(1, t)), f(x, WithTensor(1, t)))
+
+
+@dataclasses.dataclass(unsafe_hash=True)
+class Chain:
+    v: float
+    next: Any = None
+
+
+def test_a_hashable_dataclass_holding_itself_is_an_argument() -> None:
+    """Hashing it recursed until a raw RecursionError; eager never hashes it."""
+    link = Chain(2.0)
+    link.next = link
+    compiled = aotkit.aot_function(lambda x, c: x * c.next.v, compilers.nop)
+    torch.testing.assert_close(compiled(torch.ones(2), link), torch.full((2,), 2.0))

@@ -205,7 +205,7 @@ def _by_identity(value: Any) -> bool:
 def _hashable(value: Any) -> bool:
     try:
         hash(value)
-    except TypeError:  # a frozen dataclass holding a list
+    except (TypeError, RecursionError):  # a frozen dataclass holding a list; one holding itself
         return False
     return True
 
