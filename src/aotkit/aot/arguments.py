@@ -21,11 +21,11 @@ from torch.utils import _pytree as pytree
 
 from aotkit import counters
 from aotkit.aot.boxing import refused_call
-from aotkit.aot.signature import flatten_with_paths, identity_keyed_parts, leaf_names
+from aotkit.aot.signature import identity_keyed_parts
 from aotkit.aot.subclass import is_subclass, overrides_torch_function
 from aotkit.aot.trace import FlatFn, refuse_kept_outputs
 from aotkit.aot.untraceable import NOT_AN_ARGUMENT
-from aotkit.compat import FakeTensorMode
+from aotkit.compat import FakeTensorMode, treespec_children
 from aotkit.errors import ArgumentError, OutputTypeError, UnsupportedError
 
 log = logging.getLogger("aotkit.aot")
@@ -239,6 +239,39 @@ def stored_tensor(name: str, where: str, why: str = _PUT_BACK) -> UnsupportedErr
         f"or the module it runs as); {why}.\nFix: return the tensor and store it outside the compiled "
         "function, or use torch.compile(fn, backend='aotkit'), which replays such stores (a "
         "module's own attributes: aot_module(model) sets them after each call too).")
+
+
+def flatten_with_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``pytree.tree_flatten_with_path(tree)[0]``, also for pytree nodes registered without a
+    ``flatten_with_keys_fn`` (optional in PyTorch), whose children are named by position."""
+    try:
+        return pytree.tree_flatten_with_path(tree)[0]
+    except ValueError:  # "Did not find a flatten_with_keys_fn"
+        leaves, spec = pytree.tree_flatten(tree)
+        return list(zip(_paths(spec, ()), leaves, strict=True))
+
+
+def _paths(spec: pytree.TreeSpec, prefix: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    if spec.is_leaf():
+        return [prefix]
+    children = treespec_children(spec)
+    keyed = issubclass(spec.type, dict) and isinstance(spec.context, list) \
+        and len(spec.context) == len(children)
+    keys = [pytree.MappingKey(k) for k in spec.context] if keyed \
+        else [pytree.SequenceKey(i) for i in range(len(children))]
+    return [path for key, child in zip(keys, children, strict=True)
+            for path in _paths(child, (*prefix, key))]
+
+
+def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """Readable names of the flattened arguments, e.g. ``x``, ``args[1]['w']``."""
+    paths = flatten_with_paths((args, kwargs))
+    names = []
+    for path, _leaf in paths:
+        head, *rest = path
+        prefix = "args" if getattr(head, "idx", 1) == 0 else "kwargs"
+        names.append(prefix + "".join(str(k) for k in rest))
+    return names
 
 
 def changed_leaves(args: Any, kwargs: Any, full: list[Any], spec: pytree.TreeSpec,

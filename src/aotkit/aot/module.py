@@ -17,10 +17,11 @@ from torch.utils import _pytree as pytree
 
 from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
+from aotkit.aot.arguments import leaf_names
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.hook_watch import global_hook_tables, hook_identity, hook_tables
 from aotkit.aot.reads import lazy_refusal, uninitialized
-from aotkit.aot.signature import class_forward, leaf_names
+from aotkit.aot.signature import class_forward
 from aotkit.aot.trace import tracing_active
 from aotkit.errors import ArgumentError, RecompileLimitError, UnsupportedError
 from aotkit.locks import new_lock

@@ -896,39 +896,6 @@ def _repr(value: Any) -> str:
         return f"of {value.bit_length()} bits" if isinstance(value, int) else "?"
 
 
-def flatten_with_paths(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """``pytree.tree_flatten_with_path(tree)[0]``, also for pytree nodes registered without a
-    ``flatten_with_keys_fn`` (optional in PyTorch), whose children are named by position."""
-    try:
-        return pytree.tree_flatten_with_path(tree)[0]
-    except ValueError:  # "Did not find a flatten_with_keys_fn"
-        leaves, spec = pytree.tree_flatten(tree)
-        return list(zip(_paths(spec, ()), leaves, strict=True))
-
-
-def _paths(spec: pytree.TreeSpec, prefix: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-    if spec.is_leaf():
-        return [prefix]
-    children = treespec_children(spec)
-    keyed = issubclass(spec.type, dict) and isinstance(spec.context, list) \
-        and len(spec.context) == len(children)
-    keys = [pytree.MappingKey(k) for k in spec.context] if keyed \
-        else [pytree.SequenceKey(i) for i in range(len(children))]
-    return [path for key, child in zip(keys, children, strict=True)
-            for path in _paths(child, (*prefix, key))]
-
-
-def leaf_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-    """Readable names of the flattened arguments, e.g. ``x``, ``args[1]['w']``."""
-    paths = flatten_with_paths((args, kwargs))
-    names = []
-    for path, _leaf in paths:
-        head, *rest = path
-        prefix = "args" if getattr(head, "idx", 1) == 0 else "kwargs"
-        names.append(prefix + "".join(str(k) for k in rest))
-    return names
-
-
 def _static_sizes(shape_env: Any, fakes: Sequence[Any]) -> list[str]:
     """Guards for the sizes and strides the graph bakes in: traced as plain ints (sizes 0 and 1
     are specialized) or made constant while tracing (``int(x.shape[0])``, a size compared with a
