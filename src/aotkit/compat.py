@@ -243,23 +243,35 @@ def pytorch_compiled_autograd_kept_off() -> Iterator[None]:
     try:
         yield
     finally:
-        handler = torch._dynamo.callback_handler
-        if _before_dynamo_compiles in handler.start_callbacks:
-            handler.remove_start_callback(_before_dynamo_compiles)
+        callbacks = _dynamo_start_callbacks()
+        if _before_dynamo_compiles in callbacks:
+            callbacks.remove(_before_dynamo_compiles)
         keep_pytorch_compiled_autograd_off()
 
 
 def keep_pytorch_compiled_autograd_off_at_compiles() -> None:
     """Register Dynamo's start-of-compile callback of :func:`pytorch_compiled_autograd_kept_off`
     where it is missing: ``torch._dynamo.reset()`` drops every callback."""
-    handler = torch._dynamo.callback_handler
-    if _before_dynamo_compiles not in handler.start_callbacks:
-        handler.register_start_callback(_before_dynamo_compiles)
+    callbacks = _dynamo_start_callbacks()
+    if _before_dynamo_compiles not in callbacks:
+        callbacks.append(_before_dynamo_compiles)
+
+
+def _dynamo_start_callbacks() -> list[Callable[[Any], None]]:
+    """Dynamo's list of functions called as a compile starts (``callback_handler``; a list no
+    one reads on a release without it)."""
+    handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+    return getattr(handler, "start_callbacks", _NO_CALLBACKS)
+
+
+_NO_CALLBACKS: list[Callable[[Any], None]] = []
 
 
 def engine_cache_is_empty() -> bool:
-    """Whether the engine holds no captured graph (``torch._dynamo.reset()`` empties it)."""
-    return _engine().is_cache_empty()
+    """Whether the engine holds no captured graph (``torch._dynamo.reset()`` empties it); False
+    on a release that cannot tell."""
+    is_empty = getattr(_engine(), "is_cache_empty", None)
+    return bool(is_empty()) if is_empty is not None else False
 
 
 def compiled_autograd_is_off() -> bool:
