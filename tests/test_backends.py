@@ -213,6 +213,22 @@ def test_options_pick_the_min_cut_partition_and_its_budget() -> None:
     assert decision.why.startswith("min_cut_rematerialization_partition: saved")
 
 
+def test_a_numpy_budget_is_a_number() -> None:
+    """np.float32(0.5) lies in [0, 1]: refused as 'not a number', with a fix asking for what
+    was given, by the backend's options, the partitioner and aotkit.config alike."""
+    np = pytest.importorskip("numpy")
+    model = Net()
+    x = torch.randn(3, 8)
+    compiled = torch.compile(model, backend="aotkit", options={
+        "partition": "min_cut", "activation_memory_budget": np.float32(0.0)})
+    compiled(x).sum().backward()
+    assert aotkit.explain().of_kind("partition")[-1].why.startswith("min_cut_rematerialization")
+    with aotkit.config.patch(activation_memory_budget=np.float32(0.5), recompile_limit=np.int64(3)):
+        assert type(aotkit.config.activation_memory_budget) is float
+        assert aotkit.config.activation_memory_budget == 0.5
+        assert type(aotkit.config.recompile_limit) is int
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_options_changed_after_compiling_recompile_and_say_why(dynamic: bool) -> None:
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

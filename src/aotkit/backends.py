@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -66,7 +67,7 @@ def partition_from(options: Mapping[str, Any] | None, default: str = "default") 
     if "activation_memory_budget" not in options:
         return _PARTITIONS[name]
     budget = options["activation_memory_budget"]
-    if name != "min_cut" or isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+    if name != "min_cut" or isinstance(budget, bool) or not isinstance(budget, numbers.Real) \
             or not 0 <= budget <= 1:
         raise ArgumentError(
             f"activation_memory_budget={budget!r} with partition={name!r}.\nFix: give a number "

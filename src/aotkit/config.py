@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import numbers
 import os
 import sys
 import threading
@@ -117,8 +118,11 @@ def _parse(option: Option, text: str) -> Any:
 
 
 def _check(option: Option, value: Any) -> Any:
-    if option.type is float and isinstance(value, int) and not isinstance(value, bool):
+    # NumPy's scalars (np.float32(0.5), np.int64(8)) are numbers too
+    if option.type is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = float(value)
+    if option.type is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
     if option.type is str and isinstance(value, os.PathLike):  # debug_dir=Path(...)
         value = os.fspath(value)
     if option.type is str and value == "":

@@ -876,11 +876,14 @@ def test_a_multi_grad_hook_removing_its_handle_runs_once() -> None:
     torch.testing.assert_close(actual, expected)
 
 
+@pytest.mark.parametrize("compiler", [nop, _dynamo_eager], ids=["nop", "torch.compile-eager"])
 @pytest.mark.parametrize("step", _REMOVALS.values(), ids=_REMOVALS.keys())
-def test_hook_removed_by_an_earlier_hook_is_not_called(step: Callable[[list[str]], Any]) -> None:
-    """Note [Hooks removed during a backward]: on the capturing backward and on a replay."""
+def test_hook_removed_by_an_earlier_hook_is_not_called(step: Callable[[list[str]], Any],
+                                                       compiler: Callable[..., Any]) -> None:
+    """Note [Hooks removed during a backward]: on the capturing backward and on a replay, also
+    where Dynamo traces the graph's hook calls."""
     for _ in range(2):
-        eager_log, compiled_log, expected, actual = both(step)
+        eager_log, compiled_log, expected, actual = both(step, compiler)
         assert compiled_log == eager_log
         torch.testing.assert_close(actual, expected)
     assert counts()[0] == 1
@@ -893,6 +896,35 @@ def test_remove_is_restored_after_enable() -> None:
     with aotkit.compiled_autograd.enable(nop):
         assert RemovableHandle.remove is not remove
     assert RemovableHandle.remove is remove
+
+
+def test_hooks_made_anew_each_step_do_not_make_dynamo_compile_the_graph_again() -> None:
+    """A module's full backward hooks are closures made per forward, and so is a hook
+    registered on an activation in forward. The removal bookkeeping read id(hook), so Dynamo
+    tracing the graph guarded on each hook's identity: a compile per step until its recompile
+    limit, then the backward ran uncompiled."""
+    frames: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        frames.append(gm)
+        return gm.forward
+
+    def compiler(gm: torch.fx.GraphModule) -> Any:
+        return torch.compile(gm, backend=backend)
+
+    def step(log: list[str]) -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        model[2].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 2,))
+        for _ in range(5):
+            h = model[0](torch.randn(4, 6))
+            h.register_hook(lambda g: g * 0.5)
+            model[2](model[1](h)).square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    _, _, expected, actual = both(step, compiler)
+    torch.testing.assert_close(actual, expected)
+    assert counts() == (2, 2) and len(frames) == 2  # the first step finds no .grad yet
 
 
 def test_callbacks_queued_by_hooks_run_after_the_backward_like_eager() -> None:

@@ -156,7 +156,11 @@ def test_ts_compile_symbolic_sizes_one_entry() -> None:
     lambda x: x / x.shape[-1] ** 0.5,  # attention's scale
     lambda x: x * math.sqrt(x.shape[0]) + max(x.shape[0], x.shape[1]),
     lambda x: x * x.shape[0] ** 2,  # TorchScript's int ** int is a float: a raw error
-], ids=["std", "scale", "sqrt_max", "int_pow"])
+    # builtins TorchScript lacks; round(5 / 2) is 2 (half to even), TorchScript's 3.0
+    lambda x: x * round(x.shape[0] / 2) + round(x.shape[1]),
+    lambda x: x * abs(x.shape[0] - 7) + abs(x.shape[1] / 2 - 5),
+    lambda x: x * math.trunc(x.shape[1] / 4),
+], ids=["std", "scale", "sqrt_max", "int_pow", "round", "abs", "trunc"])
 @pytest.mark.parametrize("compile_with", ["ts_compile", "memory_efficient_fusion"])
 def test_torchscript_compilers_take_size_arithmetic(fn: Any, compile_with: str) -> None:
     compiled = (aotkit.aot_function(fn, ts_compile, dynamic=True) if compile_with == "ts_compile"

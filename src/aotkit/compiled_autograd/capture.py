@@ -227,7 +227,7 @@ class Capture(GraphBuilder):
 
     def _hook(self, hook_id: int, *args: Any, hook_type: str) -> fx.Proxy:
         return self._call(runtime.call_hook, (self.hooks_p[hook_id], *args),
-                          {"hook_type": hook_type})
+                          {"hook_type": hook_type, "hook_id": hook_id})
 
     def tensor_pre_hook(self, inputs: list[Any], hook_id: int, i: int) -> list[Any]:
         """Record a ``Tensor.register_hook`` hook on gradient ``i``."""

@@ -147,15 +147,16 @@ def add_gradients(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.T
     return torch.add(new, old) if old.layout is not torch.strided else torch.add(old, new)
 
 
-def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str) -> Any:
-    """Run a user hook; a hook returning ``None`` leaves its first argument unchanged, and so
-    does a hook removed earlier in this backward (Note [Hooks removed during a backward])."""
-    removals = getattr(_replay, "removals", None)
-    if removals is not None and not removals.runs(hook):
+def call_hook(hook: Callable[..., Any], *args: Any, hook_type: str, hook_id: int) -> Any:
+    """Run a user hook, ``hooks[hook_id]`` of the backward; a hook returning ``None`` leaves its
+    first argument unchanged, and so does a hook removed earlier in this backward (Note [Hooks
+    removed during a backward])."""
+    removals = _replay.removals
+    if removals is not None and not removals.runs(hook, hook_id):
         return args[0]
     if hook_type in ("pre_hook", "post_hook"):  # eager hands node hooks tuples
         args = tuple(map(tuple, args))
-    running, _replay.running = getattr(_replay, "running", None), hook
+    running, _replay.running = _replay.running, hook
     try:
         result = _as_the_engine_would(hook, *args)
     finally:
@@ -360,7 +361,19 @@ IMPURE = frozenset({call_backward, call_hook, call_accumulate_grad, call_cpp_ten
 # runs them after its graph, in order, including callbacks they queue, as eager does. A
 # backward started inside the graph (a hook calling ``autograd.grad``) is the real engine's,
 # and so are its callbacks.
-_replay = threading.local()  # .queued: the running replay's callbacks; None outside a replay
+class _ReplayState(threading.local):
+    """What the replay running on this thread has going. ``__init__`` runs in each thread that
+    reads it, so every attribute is always there: a compiler tracing the graph with Dynamo
+    guards on a missing attribute, and the first replay setting it compiled the graph again."""
+
+    def __init__(self) -> None:
+        self.queued: list[Callable[[], None]] | None = None  # the replay's callbacks
+        self.removals: _Removals | None = None  # its hook-call bookkeeping, if it calls hooks
+        self.running: Callable[..., Any] | None = None  # the user hook it is calling
+        self.together = False  # a multi-grad hook's handle is removing its registrations
+
+
+_replay = _ReplayState()
 
 
 # Note [Backwards during a replay]
@@ -421,7 +434,7 @@ class Engine:
         self.verbose_logger = verbose_logger
 
     def queue_callback(self, callback: Callable[[], None]) -> None:
-        queued = getattr(_replay, "queued", None)
+        queued = _replay.queued
         if queued is None:
             self.engine.queue_callback(callback)
         else:
@@ -435,7 +448,7 @@ class Engine:
 
     def _run_backward(self, *args: Any, **kwargs: Any) -> Any:
         self.before_backward()
-        queued, _replay.queued = getattr(_replay, "queued", None), None
+        queued, _replay.queued = _replay.queued, None
         try:
             try:
                 return self.engine.run_backward(*args, **kwargs)
@@ -462,7 +475,7 @@ def replay(fn: Callable[..., Any], inputs: list[Any], sizes: Any, scalars: Any, 
     noting the hooks removed meanwhile (Note [Hooks removed during a backward]). ``accumulated``:
     the positions in ``inputs`` of the leaves whose ``.grad`` the graph accumulates."""
     queued: list[Callable[[], None]] = []
-    outer = getattr(_replay, "queued", None), getattr(_replay, "removals", None)
+    outer = _replay.queued, _replay.removals
     # Without hooks there is nothing a removal could skip.
     removals = _Removals(hooks, [inputs[i] for i in accumulated]) if hooks else None
     _replay.queued, _replay.removals = queued, removals
@@ -502,18 +515,23 @@ class _Removals:
 
     def __init__(self, hooks: Sequence[Any], leaves: Sequence[torch.Tensor]) -> None:
         self.hooks = hooks  # the registrations this backward calls (held: ids stay theirs)
-        self.totals = Counter(map(id, hooks))  # id(hook) -> its calls in this backward
-        self.calls: Counter[int] = Counter()  # id(hook) -> calls made or skipped so far
-        self.skip: Counter[int] = Counter()   # id(hook) -> calls still to skip
-        self.pending: Counter[int] = Counter()  # id(hook) -> registrations removed, undecided
+        # A function is keyed by the first position it has in ``hooks``. The graph names its
+        # call by position: a compiler tracing the graph with Dynamo would guard on id(hook),
+        # and compile again for each new closure (a module's backward hooks, made per forward).
+        self.key_of: dict[int, int] = {}  # id(hook) -> its key
+        self.keys = [self.key_of.setdefault(id(h), i) for i, h in enumerate(hooks)]
+        self.totals = Counter(self.keys)  # key -> its calls in this backward
+        self.calls: Counter[int] = Counter()  # key -> calls made or skipped so far
+        self.skip: Counter[int] = Counter()   # key -> calls still to skip
+        self.pending: Counter[int] = Counter()  # key -> registrations removed, undecided
         # the hook tables of the leaves the graph accumulates into
         self.leaf_tables = [table for t in leaves
                             for table in (t._backward_hooks, t._post_accumulate_grad_hooks)
                             if table]
 
-    def runs(self, hook: Callable[..., Any]) -> bool:
-        """Count a call of ``hook``; whether it is to be made."""
-        key = id(hook)
+    def runs(self, hook: Callable[..., Any], hook_id: int) -> bool:
+        """Count a call of ``hook``, ``hooks[hook_id]``; whether it is to be made."""
+        key = self.keys[hook_id]
         if self.pending and 0 < self.pending[key] < self.totals[key]:
             raise _which_removed(hook, self.totals[key])
         self.calls[key] += 1
@@ -524,11 +542,11 @@ class _Removals:
 
     def removed(self, hook: Callable[..., Any], table: Mapping[Any, Any], handle_id: Any) -> None:
         """``hook``'s registration under ``handle_id`` in ``table`` is being removed."""
-        running = getattr(_replay, "running", None)  # registered once: this table's, if here
-        if running is not None and self.totals[id(running)] == 1 \
+        running = _replay.running  # registered once: this table's, if here
+        if running is not None and self.totals[self.key_of.get(id(running))] == 1 \
                 and any(h is running for h in table.values()):
             return  # the engine calls a table's hooks from a copy: removed from the next backward
-        key = id(hook)
+        key = self.key_of.get(id(hook))  # None: not called in this backward
         total = self.totals[key]  # not counted per removal: one-shot hooks were quadratic
         if total - self.calls[key] - self.skip[key] <= 0:
             return  # every call already ran: the removed one ran too, or is outside
@@ -539,7 +557,7 @@ class _Removals:
                                       for t in self.leaf_tables)
         elif len(in_table) == total:  # all in this table, called in its order
             self.skip[key] += in_table.index(handle_id) >= done
-        elif getattr(_replay, "together", False):  # a multi-grad hook's handle: removes its
+        elif _replay.together:  # a multi-grad hook's handle: removes its
             self.pending[key] += 1  # registrations at once, decided when this backward's are
             if self.pending[key] == total:
                 self.skip[key] = total - self.calls[key]
@@ -562,7 +580,7 @@ _original_remove = RemovableHandle.remove
 
 
 def _noting_remove(handle: RemovableHandle) -> None:
-    removals = getattr(_replay, "removals", None)
+    removals = _replay.removals
     if removals is not None:
         table = handle.hooks_dict_ref()
         if table is not None and handle.id in table:

@@ -130,6 +130,8 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
     for node in graph.nodes:  # size arithmetic: x / x.shape[-1] ** 0.5, std's backward
         if node.op == "call_function" and node.target in _SIZE_FUNCTIONS:
             node.target = _SIZE_FUNCTIONS[node.target]
+        elif node.op == "call_function" and node.target in _BUILTINS_OF_SIZES:
+            _script_builtin(node)
         elif node.target is operator.pow and isinstance(node.meta.get("val"), (int, torch.SymInt)):
             node.target = _int_pow  # TorchScript's int ** int is a float
     for node in list(graph.nodes):  # FX writes a NaN as ``nan``, a name TorchScript lacks
@@ -159,6 +161,39 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
 _SIZE_FUNCTIONS: dict[Any, Any] = {torch.sym_float: float, torch.sym_int: int,
                                    torch.sym_max: max, torch.sym_min: min,
                                    torch.sym_sqrt: math.sqrt}
+
+
+#: Python builtins a graph calls on symbolic sizes that TorchScript lacks or types otherwise
+#: (its round(float) is a float, rounding halves away from zero).
+_BUILTINS_OF_SIZES = (round, abs, operator.abs, math.trunc)
+
+
+def _script_builtin(node: fx.Node) -> None:
+    """``round(n / 2)``, ``abs(n - 7)``, ``math.trunc(n / 2)`` of sizes, as functions
+    TorchScript compiles, typed by what the argument is (an int or a float)."""
+    is_int = isinstance(node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node)
+                        else node.args[0], (int, torch.SymInt))
+    if node.target is round and node.args[1:] in ((), (None,)):
+        node.target, node.args = (int if is_int else _round_half_to_even), node.args[:1]
+    elif node.target in (abs, operator.abs):
+        node.target = _abs_int if is_int else _abs_float
+    elif node.target is math.trunc:
+        node.target = int
+
+
+def _round_half_to_even(x: float) -> int:
+    """Python's ``round(x)``: the nearest int, a half to the even one."""
+    low = math.floor(x)
+    rest = x - low
+    return low + 1 if rest > 0.5 or (rest == 0.5 and low % 2 == 1) else low
+
+
+def _abs_int(x: int) -> int:
+    return -x if x < 0 else x
+
+
+def _abs_float(x: float) -> float:
+    return -x if x < 0 else x
 
 
 def _int_pow(base: int, exponent: int) -> int:

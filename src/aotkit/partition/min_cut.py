@@ -43,6 +43,7 @@ it reads there are recomputed from the region's inputs, as eager's selective che
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -126,7 +127,7 @@ def min_cut_rematerialization_partition(
     """
     budget = config.activation_memory_budget if activation_memory_budget is None \
         else activation_memory_budget
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 <= budget <= 1:
         raise ConfigError(
             f"activation_memory_budget must be a number in [0, 1], got {budget!r}.\nFix: 1 keeps "
             "the default cut, 0 recomputes everything but random ops; values between trade the two."
