@@ -13,6 +13,7 @@ import torch.fx as fx
 from aotkit import counters
 from aotkit.compat import hide_from_dynamo
 from aotkit.errors import AotkitError, ArgumentError, CompilerError
+from aotkit.partition.graph import is_impure
 
 if TYPE_CHECKING:
     from aotkit.aot.analysis import AotMeta
@@ -304,7 +305,7 @@ def _drop_dead_forward_draws(backward: fx.GraphModule) -> None:
                 and torch.Tag.nondeterministic_seeded in n.target.tags]
         for node in dead:
             graph.erase_node(node)
-        if not (graph.eliminate_dead_code() or dead):
+        if not (graph.eliminate_dead_code(is_impure_node=is_impure) or dead):
             break
         dropped = True
     if dropped:

@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from aotkit import compat, counters
+from aotkit.partition.graph import is_impure
 
 
 # Note [Views that undo themselves]
@@ -357,7 +358,7 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             _read_zeros(node, absent, absent, skipped)  # what eager never computes
     for node in absent:
         node.meta[ABSENT] = True
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
     gm.recompile()
     return gm
 

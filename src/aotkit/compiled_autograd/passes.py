@@ -18,15 +18,16 @@ from aotkit.compiled_autograd.runtime import (
     call_cpp_tensor_pre_hooks,
     call_hook,
 )
+from aotkit.partition.graph import is_impure
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """Drop unused values (size reads, dummy getitems) but keep every call with effects."""
 
-    def is_impure(node: fx.Node) -> bool:
-        return (node.op == "call_function" and node.target in IMPURE) or node.is_impure()
+    def impure(node: fx.Node) -> bool:
+        return (node.op == "call_function" and node.target in IMPURE) or is_impure(node)
 
-    graph.eliminate_dead_code(is_impure)
+    graph.eliminate_dead_code(impure)
 
 
 def _is_input_read(node: fx.Node) -> bool:
