@@ -152,6 +152,23 @@ def test_checks_dropped_unused_stop_being_built(monkeypatch: pytest.MonkeyPatch)
     assert any(d.what == "six sizes" for d in aotkit.explain().of_kind("fallback"))
 
 
+def test_checks_are_built_again_once_one_key_settles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up over bucketed batch sizes gave the checks up; training at one size afterwards
+    computed every key in Python for good (~3 us a tensor at every call)."""
+    keys = RecentKeys("warm-up, then one size")
+    w = torch.randn(4, 4)
+    for n in [2, 3, 4, 5, 6, 7] * 10:
+        for _ in range(2):
+            keys.key(2, [torch.randn(n, 4), w], False, ("aot",), ())
+    x = torch.randn(3, 4)
+    for _ in range(70):  # past _SETTLED calls in a row
+        expected = keys.key(2, [x, w], False, ("aot",), ())
+    computed = _counting(monkeypatch, "signature")
+    for _ in range(5):
+        assert keys.key(2, [x, w], False, ("aot",), ()) == expected
+    assert computed[0] == 0  # the check held: no key computed
+
+
 def test_a_check_built_under_a_dispatch_mode_does_not_stick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Built under the mode, the check held the mode's dispatch key: no later plain call
     passed it, and no other was built for the same key."""

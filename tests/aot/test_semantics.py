@@ -2141,7 +2141,10 @@ def test_dynamic_guard_that_is_a_disjunction_does_not_swallow_the_others():
     assert any(" or " in g for g in guard.guards)
 
 
-def test_dynamic_recompile_names_the_line_that_fixed_the_size():
+@pytest.mark.parametrize("batch", [(), (2,)], ids=["2d", "3d"])
+def test_dynamic_recompile_names_the_line_that_fixed_the_size(batch):
+    """3-d: the first guard failing was a stride guard derived from the fixed size
+    (``stride()[0] == 4*size()[1]``), which named neither the size nor the line."""
     import math
 
     def fn(x):
@@ -2149,10 +2152,10 @@ def test_dynamic_recompile_names_the_line_that_fixed_the_size():
 
     f = aotkit.aot_function(fn, compilers.nop, dynamic=True)
     for cols in (4, 5):
-        x = rand(3, cols)
+        x = rand(*batch, 3, cols)
         torch.testing.assert_close(f(x), fn(x))
     (reason,) = aotkit.explain().of_kind("recompile")
-    assert "args[0].size()[1] == 4" in reason.why
+    assert f"args[0].size()[{len(batch) + 1}] == 4" in reason.why
     if torch.__version__ >= "2.13":  # older ShapeEnvs record aotkit's frame, not the user's
         assert f"the trace fixed it at {__file__}:" in reason.why and "in fn" in reason.why
 

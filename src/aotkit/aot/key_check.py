@@ -22,8 +22,9 @@ a check's construction), and the last few checks are kept, most recent first, so
 alternating between two keys (training and evaluation) take the check too. Where checks keep
 being dropped before they ever hold (more keys recurring than are kept, bucketed batch sizes),
 building them costs more than it saves: after a few, the function stops building them, a
-``fallback`` decision at DEBUG level. None is built under a dispatch mode (it would check the
-mode's dispatch key too).
+``fallback`` decision at DEBUG level, until one key comes ``_SETTLED`` calls in a row (a warm-up
+over bucketed lengths, then training at one length), when it starts again. None is built under a
+dispatch mode (it would check the mode's dispatch key too).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from aotkit.aot.signature import call_context, leaf_key, signature
 
 _IS_LEAF = operator.attrgetter("is_leaf")
 _KEPT = 4  # checks kept per compiled function, and keys remembered to build them from
-_UNUSED_LIMIT = 8  # checks dropped without holding once, after which no more are built
+_UNUSED_LIMIT = 8  # checks dropped without holding once, after which no more are built...
+_SETTLED = 64  # ...until one key comes this many calls in a row
 log = logging.getLogger("aotkit.aot")
 
 
@@ -96,6 +98,7 @@ class RecentKeys:
         self._computed: list[int] = []  # the hashes of the last keys computed, latest last
         self._static: Collection[int] = ()  # the checks' static positions under dynamic
         self._unused = 0  # checks dropped without ever holding; at _UNUSED_LIMIT, no more
+        self._last_hash, self._streak = 0, 0  # then: the last key, and how many calls in a row
 
     def key(self, structure: Any, leaves: Sequence[Any], dynamic: bool,
             config_parts: tuple[str, ...], static: Collection[int]) -> tuple[Any, ...]:
@@ -120,11 +123,16 @@ class RecentKeys:
     def _remember(self, key: tuple[Any, ...], tensors: Sequence[Any], dynamic: bool,
                   static: Collection[int]) -> None:
         # First: comparing a key of a trace's symbolic sizes would guard them (``s0 == 3``).
-        if key[2] or self._unused >= _UNUSED_LIMIT or not all(_checkable(t) for t in tensors):
+        if key[2]:
             return
-        if torch._C._len_torch_dispatch_stack():  # the mode's key would be checked too
+        try:
+            key_hash = hash(key)
+        except TypeError:  # a fake tensor's symbolic size (it is not checkable either)
             return
-        key_hash = hash(key)
+        if self._unused >= _UNUSED_LIMIT and not self._settled(key_hash):
+            return
+        if not all(_checkable(t) for t in tensors) or torch._C._len_torch_dispatch_stack():
+            return  # under a mode, its dispatch key would be checked too
         if key_hash not in self._computed:
             self._computed = [*self._computed[1 - _KEPT:], key_hash]
             return
@@ -139,8 +147,22 @@ class RecentKeys:
             counters.record("fallback", self.name, (
                 f"{_UNUSED_LIMIT} key checks were dropped unused (more than {_KEPT} keys "
                 "recur, or a key's tensors change dispatch keys): its calls compute their "
-                "keys in Python from now on (Note [Keys checked in C++])"), logger=log,
+                f"keys in Python until one key comes {_SETTLED} calls in a row (Note [Keys "
+                "checked in C++])"), logger=log,
                 level=logging.DEBUG)
+
+
+    def _settled(self, key_hash: int) -> bool:
+        """With checks given up: whether this key came ``_SETTLED`` calls in a row; if so,
+        checks are built again."""
+        self._streak = self._streak + 1 if key_hash == self._last_hash else 1
+        self._last_hash = key_hash
+        if self._streak < _SETTLED:
+            return False
+        self._unused = self._streak = 0
+        log.debug("%s: one key for %d calls in a row: key checks are built again", self.name,
+                  _SETTLED)
+        return True
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)

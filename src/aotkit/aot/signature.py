@@ -936,17 +936,21 @@ class ShapeGuard:
         return bool(eval(self._compiled, self._globals, env))
 
     def explain(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> str:
-        """Which guard ``tensors`` fail, in the caller's argument names."""
-        for guard in self.guards:
-            if not self.shape_env.evaluate_guards_expression(guard, tensors):
-                readable = re.sub(r"L\['t(\d+)'\]", lambda m: names[int(m.group(1))], guard)
-                read = sorted({int(i) for i in re.findall(r"L\['t(\d+)'\]", guard)})
-                shapes = ", ".join(f"{names[i]}: {tuple(tensors[i].shape)}" for i in read)
-                origin = self._origin(guard)
-                where = f"; the trace fixed it at {origin}" if origin else ""
-                return (f"sizes fail the shape guard {readable} of the dynamic entry "
-                        f"({shapes}){where}")
-        return "sizes fail the shape guards of the dynamic entry"
+        """Which guard ``tensors`` fail, in the caller's argument names: one whose origin in
+        the user's code is known first (a size fixed by ``math.sqrt(x.shape[-1])`` fails its
+        own guard and a stride guard derived from it, which names neither the size nor the
+        line)."""
+        failing = [g for g in self.guards
+                   if not self.shape_env.evaluate_guards_expression(g, tensors)]
+        if not failing:
+            return "sizes fail the shape guards of the dynamic entry"
+        guard, origin = next(((g, o) for g in failing if (o := self._origin(g)) is not None),
+                             (failing[0], None))
+        readable = re.sub(r"L\['t(\d+)'\]", lambda m: names[int(m.group(1))], guard)
+        read = sorted({int(i) for i in re.findall(r"L\['t(\d+)'\]", guard)})
+        shapes = ", ".join(f"{names[i]}: {tuple(tensors[i].shape)}" for i in read)
+        where = f"; the trace fixed it at {origin}" if origin else ""
+        return f"sizes fail the shape guard {readable} of the dynamic entry ({shapes}){where}"
 
     def _origin(self, guard: str) -> str | None:
         """The user's line where the trace compared or fixed the sizes ``guard`` reads
