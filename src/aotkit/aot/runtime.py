@@ -253,8 +253,8 @@ class CompiledGraphs:
         if autocast != NO_AUTOCAST:
             on = ", ".join(f"{d}: {dtype}" for d, dtype in zip(AUTOCAST_DEVICES, autocast,
                                                                 strict=True) if dtype)
-            counters.record("recompile", "aot", (
-                f"{self.name}: backward() runs under torch.autocast ({on}); its backward is "
+            counters.record("recompile", self.name, (
+                f"backward() runs under torch.autocast ({on}); its backward is "
                 "traced again under autocast, as eager runs its backward's ops"), logger=log)
             assert self.backward_under is not None
             gm = self.backward_under(autocast)

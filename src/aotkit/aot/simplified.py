@@ -3,6 +3,7 @@ and ShapeEnv."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from aotkit.compat import (
     hide_from_dynamo,
     new_fake_mode,
 )
-from aotkit.errors import AotkitError, ArgumentError, RecompileLimitError
+from aotkit.errors import AotkitError, ArgumentError, RecompileLimitError, UnsupportedError
 from aotkit.partition.default import default_partition
 
 log = logging.getLogger("aotkit.aot")
@@ -67,6 +68,12 @@ def aot_module_simplified(
             "aot_module_simplified(mod, args, ...) takes an nn.Module (or GraphModule) and the "
             f"list of its example inputs, got {type(mod).__name__} and {type(args).__name__}."
             "\nFix: pass [x] for one input; use aotkit.aot_function for plain functions.")
+    if isinstance(mod, fx.GraphModule) and any(isinstance(a, (list, tuple)) for a in args):
+        flat_mod, flat_args, flatten = _flatten_list_inputs(mod, args)
+        compiled = aot_module_simplified(flat_mod, flat_args, fw_compiler, bw_compiler, partition_fn,
+                                         decompositions, keep_inference_input_mutations,
+                                         inference_compiler)
+        return lambda *runtime_args: compiled(*flatten(runtime_args))
     state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
     names = [n for n, _ in state]
     tensors = [t for _, t in state]
@@ -243,6 +250,57 @@ def _record_inlined(name: str, identifier: Any) -> None:
             "a torch.compiler.nested_compile_region is traced inline (Note [Nested compile "
             "regions are inlined]): compiled as part of this graph, once per graph that "
             "calls it"), logger=log)
+
+
+# Note [Inputs Dynamo passes as a list]
+# PyTorch's compiled autograd, compiling its captured backward with torch.compile(backend=
+# "aotkit"), has Dynamo hand the backend one list input (``L_inputs_``: the gradients and saved
+# tensors, real ones) which the graph indexes, and which the backend is to empty once read
+# (``steal_arg``) so that its tensors can be freed. Traced as it was, the list's real tensors
+# reached the fake mode (a raw AssertionError). Each list becomes one placeholder per item: the
+# graph is compiled for flat inputs, and each call flattens the lists it is given, emptying
+# those the graph steals.
+def _flatten_list_inputs(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[
+        fx.GraphModule, list[Any], Callable[[Sequence[Any]], list[Any]]]:
+    """A copy of ``gm`` taking the items of its list inputs as inputs of their own (Dynamo
+    reads ``gm``'s placeholders after the backend returns), the flat example inputs, and what
+    flattens a call's arguments."""
+    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = gm.graph
+    lists: list[tuple[int, bool]] = []  # (position, stolen) of each list input
+    for position, (node, arg) in enumerate(zip(graph.find_nodes(op="placeholder"), args,
+                                               strict=True)):
+        if not isinstance(arg, (list, tuple)):
+            continue
+        reads = list(node.users)
+        if not all(r.target is operator.getitem and isinstance(r.args[1], int) for r in reads):
+            raise UnsupportedError(
+                f"aot_module_simplified: the graph's input {node.name} is a "
+                f"{type(arg).__name__}, which the graph uses otherwise than by indexing it "
+                f"({', '.join(r.format_node() for r in reads if r.target is not operator.getitem)})."
+                "\nFix: pass its items as inputs of their own.")
+        with graph.inserting_before(node):
+            items = [graph.placeholder(f"{node.name}_{i}") for i in range(len(arg))]
+        for read in reads:
+            items[read.args[1]].meta.update(read.meta)
+            read.replace_all_uses_with(items[read.args[1]])
+            graph.erase_node(read)
+        graph.erase_node(node)
+        lists.append((position, bool(node.meta.get("steal_arg"))))
+    gm.recompile()
+    positions = {position for position, _ in lists}
+    stolen = [position for position, steal in lists if steal]
+
+    def flat(call_args: Sequence[Any]) -> list[Any]:
+        return [x for i, a in enumerate(call_args) for x in (a if i in positions else (a,))]
+
+    def flatten(call_args: Sequence[Any]) -> list[Any]:
+        out = flat(call_args)
+        for i in stolen:
+            call_args[i].clear()
+        return out
+
+    return gm, flat(args), flatten
 
 
 def _to_fakes(mode: FakeTensorMode, xs: list[Any]) -> list[Any]:
