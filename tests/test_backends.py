@@ -1002,30 +1002,39 @@ def test_a_failed_trace_leaves_the_callers_exception_alone() -> None:
         assert handled.__traceback__.tb_next.tb_frame.f_locals == {"secret": 1}
 
 
+_PYTORCH_CA_WITH_AOTKIT = """
+import torch, aotkit
+from torch import nn
+from torch._dynamo import compiled_autograd
+
+torch.manual_seed(0)
+eager = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+compiled = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+compiled.load_state_dict(eager.state_dict())
+frames = []
+
+def backend(gm, example_inputs):
+    frames.append(gm)
+    return aotkit.aot_module_simplified(gm, example_inputs, aotkit.compilers.nop)
+
+for _ in range(3):  # the first backward finds no .grad, the next ones accumulate
+    x = torch.randn(4, 5)
+    eager(x).square().sum().backward()
+    with compiled_autograd._enable(lambda gm: torch.compile(gm, backend=backend)):
+        compiled(x).square().sum().backward()
+    for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)
+assert len(frames) == 2, len(frames)
+w = torch.randn(5, 1, requires_grad=True)
+with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="aotkit")):
+    (torch.ones(3, 5) @ w).sum().backward()
+torch.testing.assert_close(w.grad, torch.full((5, 1), 3.0))
+"""
+
+
 def test_pytorchs_compiled_autograd_compiles_its_backward_with_the_aotkit_backend() -> None:
     """Note [Inputs Dynamo passes as a list]: Dynamo hands the backend the captured backward's
-    inputs as one list of real tensors, which reached the fake mode (a raw AssertionError)."""
-    from torch._dynamo import compiled_autograd
-
-    torch.manual_seed(0)
-    eager = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
-    compiled = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
-    compiled.load_state_dict(eager.state_dict())
-    frames: list[torch.fx.GraphModule] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[object]) -> Callable[..., object]:
-        frames.append(gm)
-        return aotkit.aot_module_simplified(gm, example_inputs, aotkit.compilers.nop)
-
-    for _ in range(3):  # the first backward finds no .grad, the next ones accumulate
-        x = torch.randn(4, 5)
-        eager(x).square().sum().backward()
-        with compiled_autograd._enable(lambda gm: torch.compile(gm, backend=backend)):
-            compiled(x).square().sum().backward()
-        for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
-            torch.testing.assert_close(q.grad, p.grad)
-    assert len(frames) == 2
-    w = torch.randn(5, 1, requires_grad=True)
-    with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="aotkit")):
-        (torch.ones(3, 5) @ w).sum().backward()
-    torch.testing.assert_close(w.grad, torch.full((5, 1), 3.0))
+    inputs as one list of real tensors, which reached the fake mode (a raw AssertionError). In a
+    fresh process: the engine binds its formulas to the first compiled autograd that captures,
+    and other tests here run aotkit's."""
+    _run_python(_PYTORCH_CA_WITH_AOTKIT)

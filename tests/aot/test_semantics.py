@@ -631,6 +631,36 @@ def test_a_custom_backward_affine_in_a_missing_gradient_still_sends_its_value():
     torch.testing.assert_close(w.grad, w.detach())
 
 
+class _ChecksItsGradient(torch.autograd.Function):
+    """A backward with checks that fail on zeros: eager never runs it on them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        torch._assert_async((g != 0).all())
+        return torch.linalg.inv(g) * 0 + g * 2
+
+
+def test_checks_of_a_custom_backward_eager_never_runs_are_dropped():
+    """Only the other output is used: the variant without this backward kept its assert and
+    linalg error check (side effects) with what they read, and ran them on zeros."""
+    def f(x, y):
+        return x.sin(), _ChecksItsGradient.apply(y)
+
+    x, y = rand(3, 3, grad=True), (torch.randn(3, 3) + 3 * torch.eye(3)).requires_grad_()
+    expected = torch.autograd.grad(f(x, y)[0].sum(), [x, y], allow_unused=True)
+    compiled = aotkit.aot_function(f, compilers.nop)
+    actual = torch.autograd.grad(compiled(x, y)[0].sum(), [x, y], allow_unused=True)
+    torch.testing.assert_close(actual[0], expected[0])
+    assert actual[1] is None and expected[1] is None
+    weight = torch.eye(3) + 1  # reached with a gradient that passes its checks
+    actual = torch.autograd.grad((compiled(x, y)[1] * weight).sum(), [y])
+    torch.testing.assert_close(actual[0], weight * 2)
+
+
 _CUSTOM_BACKWARDS = {  # x, y saved; ga, gb the gradients of x * 2 and y * 3
     "linear": lambda x, y, ga, gb: (ga * 2, gb * 3),
     "divides_by_zero": lambda x, y, ga, gb: (ga * 2, gb / (y - y)),

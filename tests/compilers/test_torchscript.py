@@ -169,6 +169,13 @@ def test_torchscript_compilers_take_size_arithmetic(fn: Any, compile_with: str) 
         check_compiled(fn, compiled, torch.randn(shape, requires_grad=True))
 
 
+def test_a_size_rounded_to_digits_is_refused_naming_it() -> None:
+    compiled = aotkit.aot_function(lambda x: x * round(x.shape[0] / 3, 2), ts_compile,
+                                   dynamic=True)
+    with pytest.raises(CompilerError, match=r"rounds a size to digits"):
+        compiled(torch.ones(3, 2))
+
+
 def test_a_size_squared_stays_an_int() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(x, dtype=torch.long) * x.shape[0] ** 2

@@ -286,7 +286,7 @@ def _flatten_list_inputs(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[
             read.replace_all_uses_with(items[read.args[1]])
             graph.erase_node(read)
         graph.erase_node(node)
-        lists.append((position, bool(node.meta.get("steal_arg"))))
+        lists.append((position, bool(node.meta.get("steal_arg")) and isinstance(arg, list)))
     gm.recompile()
     positions = {position for position, _ in lists}
     stolen = [position for position, steal in lists if steal]

@@ -173,7 +173,13 @@ def _script_builtin(node: fx.Node) -> None:
     TorchScript compiles, typed by what the argument is (an int or a float)."""
     is_int = isinstance(node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node)
                         else node.args[0], (int, torch.SymInt))
-    if node.target is round and node.args[1:] in ((), (None,)):
+    if node.target is round and node.args[1:] not in ((), (None,)):
+        raise CompilerError(
+            f"ts_compile: the graph rounds a size to digits ({node.format_node()}: "
+            "round(x.shape[0] / 3, 2) and the like), which TorchScript has no function for.\n"
+            "Fix: compile this function with aotkit.compilers.nop or inductor, or round "
+            "outside it.")
+    if node.target is round:
         node.target, node.args = (int if is_int else _round_half_to_even), node.args[:1]
     elif node.target in (abs, operator.abs):
         node.target = _abs_int if is_int else _abs_float
