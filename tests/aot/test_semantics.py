@@ -661,6 +661,52 @@ def test_checks_of_a_custom_backward_eager_never_runs_are_dropped():
     torch.testing.assert_close(actual[0], weight * 2)
 
 
+class _ChecksWhatItIsGiven(torch.autograd.Function):
+    """set_materialize_grads(False): eager gives None for a missing gradient, never checked."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        out = torch.zeros(())
+        if ga is not None:
+            out = out + ga * 2
+        if gb is not None:
+            torch._assert_async((gb != 0).all())
+            out = out + gb * 3
+        return out
+
+
+@pytest.mark.parametrize("how", ["aot_function", "torch.compile"])
+def test_a_check_on_a_gradient_eager_gives_as_none_is_dropped(how):
+    """Kept as a side effect, the check ran on the zeros passed for the missing gradient."""
+    compiled = (aotkit.aot_function(_ChecksWhatItIsGiven.apply, compilers.nop)
+                if how == "aot_function" else torch.compile(_ChecksWhatItIsGiven.apply,
+                                                            backend="aotkit"))
+    x = rand(4, grad=True)
+    a, b = compiled(x)
+    torch.testing.assert_close(torch.autograd.grad(a.sum() + b.sum(), [x])[0], torch.full((4,), 5.0))
+    a, b = compiled(x)
+    torch.testing.assert_close(torch.autograd.grad(a.sum(), [x])[0], torch.full((4,), 2.0))
+
+
+def test_a_data_dependent_check_runs_under_a_compiler_that_runs_the_graph_as_given():
+    """The checks were written into the graph, but its code was not made again: a compiler
+    returning gm itself ran without them (x * -1 where eager raises)."""
+    def f(x, n):
+        k = n.item()
+        torch._check(k >= 0)
+        return x * k
+
+    compiled = aotkit.aot_function(f, lambda gm, example_inputs: gm, dynamic=True)
+    torch.testing.assert_close(compiled(torch.ones(3), torch.tensor(2)), torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError):
+        compiled(torch.ones(3), torch.tensor(-1))
+
+
 _CUSTOM_BACKWARDS = {  # x, y saved; ga, gb the gradients of x * 2 and y * 3
     "linear": lambda x, y, ga, gb: (ga * 2, gb * 3),
     "divides_by_zero": lambda x, y, ga, gb: (ga * 2, gb / (y - y)),

@@ -853,6 +853,24 @@ def test_removing_one_of_a_functions_registrations_on_several_tensors_is_refused
         _shared_function_removed_from_one_tensor([], removed_after_its_call)
 
 
+def test_a_refused_removal_still_removes_the_hook() -> None:
+    """The refusal was raised before the handle took the hook out: caught, the hook went on
+    doubling the gradient at every later backward."""
+    b = torch.ones(3, requires_grad=True)
+
+    def double(g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+    yb, other = b * 5, torch.ones(3, requires_grad=True) * 3
+    yb.register_hook(double)
+    handle = other.register_hook(double)
+    z = other + yb
+    z.register_hook(lambda g: handle.remove())
+    with aotkit.compiled_autograd.enable(nop), pytest.raises(UnsupportedError):
+        z.sum().backward()
+    assert not other._backward_hooks
+
+
 def _first_gradient_once(log: list[str]) -> Any:
     a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
     for step in range(3):

@@ -399,6 +399,7 @@ def _insert_runtime_asserts(gm: fx.GraphModule, mode: FakeTensorMode, name: str,
         from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 
         insert_deferred_runtime_asserts(gm, mode.shape_env, name)
+        gm.recompile()  # the pass edits the graph only: a compiler running gm ran the old code
     return gm
 
 

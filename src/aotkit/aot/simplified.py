@@ -73,7 +73,12 @@ def aot_module_simplified(
         compiled = aot_module_simplified(flat_mod, flat_args, fw_compiler, bw_compiler, partition_fn,
                                          decompositions, keep_inference_input_mutations,
                                          inference_compiler)
-        return lambda *runtime_args: compiled(*flatten(runtime_args))
+
+        def called_with_lists(*runtime_args: Any) -> Any:
+            return compiled(*flatten(runtime_args))
+
+        called_with_lists.graphs = compiled.graphs  # type: ignore[attr-defined]
+        return called_with_lists
     state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
     names = [n for n, _ in state]
     tensors = [t for _, t in state]

@@ -337,6 +337,10 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
     gm.meta.update(meta)  # a dump's index, a compiler's notes
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     absent = {placeholders[k] for k in missing}
+    reach = set(absent)  # what the missing tangents reach, before any node reads zeros instead
+    for node in gm.graph.nodes:
+        if reach.intersection(node.all_input_nodes):
+            reach.add(node)
     first = len(placeholders) - num_tangents
     present = sum(1 << k for k in range(num_tangents) if first + k not in missing)
     skipped: set[fx.Node] = set()  # absent values that are no zeros: a skipped custom's
@@ -358,10 +362,18 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
             _read_zeros(node, absent, absent, skipped)  # what eager never computes
     for node in absent:
         node.meta[ABSENT] = True
-    # A check eager never runs (a custom backward's linalg error check or assert) is dropped
-    # with what it reads: run, it would check the zeros passed for the missing gradients.
-    gm.graph.eliminate_dead_code(
-        is_impure_node=lambda n: is_impure(n) and (n.op != "call_function" or n not in absent))
+    # What eager never computes goes, effects included (a draw, a check). The effects FX does
+    # not know (linalg's error check, an assert without message) also go where a missing
+    # gradient reaches them: eager gives its formulas, and backwards that take None, no
+    # gradient there, and a trace under Dynamo cannot tell those from a backward eager runs on
+    # zeros. Kept, such a check ran on the zeros passed for the missing gradient and raised
+    # where eager does not.
+    def kept(n: fx.Node) -> bool:
+        if n.op != "call_function":
+            return n.is_impure()
+        return n not in absent and (n.is_impure() or (is_impure(n) and n not in reach))
+
+    gm.graph.eliminate_dead_code(is_impure_node=kept)
     gm.recompile()
     return gm
 

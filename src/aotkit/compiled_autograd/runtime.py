@@ -581,11 +581,13 @@ _original_remove = RemovableHandle.remove
 
 def _noting_remove(handle: RemovableHandle) -> None:
     removals = _replay.removals
-    if removals is not None:
-        table = handle.hooks_dict_ref()
-        if table is not None and handle.id in table:
-            removals.removed(table[handle.id], table, handle.id)
-    _original_remove(handle)
+    try:
+        if removals is not None:
+            table = handle.hooks_dict_ref()
+            if table is not None and handle.id in table:
+                removals.removed(table[handle.id], table, handle.id)
+    finally:  # a removal this backward refuses still leaves the later ones
+        _original_remove(handle)
 
 
 _original_multi_remove = _MultiHandle.remove
