@@ -1038,3 +1038,24 @@ def test_pytorchs_compiled_autograd_compiles_its_backward_with_the_aotkit_backen
     fresh process: the engine binds its formulas to the first compiled autograd that captures,
     and other tests here run aotkit's."""
     _run_python(_PYTORCH_CA_WITH_AOTKIT)
+
+
+def test_aot_module_simplified_takes_list_inputs_and_empties_those_it_steals() -> None:
+    """Note [Inputs Dynamo passes as a list], on a graph made by hand."""
+    import operator
+
+    graph = torch.fx.Graph()
+    items, w = graph.placeholder("items"), graph.placeholder("w")
+    a, b = (graph.call_function(operator.getitem, (items, i)) for i in range(2))
+    scaled = graph.call_function(torch.add, (graph.call_function(torch.mul, (a, w)), b))
+    graph.output((graph.call_function(torch.sum, (scaled,)),))
+    items.meta["steal_arg"] = True
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    x, y, w = torch.randn(3), torch.randn(3), torch.randn(3, requires_grad=True)
+    compiled = aotkit.aot_module_simplified(gm, [[x, y], w], aotkit.compilers.nop)
+    given = [x, y]
+    (out,) = compiled(given, w)
+    out.backward()
+    assert given == [] and len(list(gm.graph.find_nodes(op="placeholder"))) == 2  # gm kept
+    torch.testing.assert_close(out, (x * w + y).sum())
+    torch.testing.assert_close(w.grad, x)

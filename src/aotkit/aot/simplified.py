@@ -69,16 +69,9 @@ def aot_module_simplified(
             f"list of its example inputs, got {type(mod).__name__} and {type(args).__name__}."
             "\nFix: pass [x] for one input; use aotkit.aot_function for plain functions.")
     if isinstance(mod, fx.GraphModule) and any(isinstance(a, (list, tuple)) for a in args):
-        flat_mod, flat_args, flatten = _flatten_list_inputs(mod, args)
-        compiled = aot_module_simplified(flat_mod, flat_args, fw_compiler, bw_compiler, partition_fn,
-                                         decompositions, keep_inference_input_mutations,
-                                         inference_compiler)
-
-        def called_with_lists(*runtime_args: Any) -> Any:
-            return compiled(*flatten(runtime_args))
-
-        called_with_lists.graphs = compiled.graphs  # type: ignore[attr-defined]
-        return called_with_lists
+        return _with_list_inputs(mod, args, lambda gm, flat: aot_module_simplified(
+            gm, flat, fw_compiler, bw_compiler, partition_fn, decompositions,
+            keep_inference_input_mutations, inference_compiler))
     state = [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]
     names = [n for n, _ in state]
     tensors = [t for _, t in state]
@@ -265,6 +258,20 @@ def _record_inlined(name: str, identifier: Any) -> None:
 # reached the fake mode (a raw AssertionError). Each list becomes one placeholder per item: the
 # graph is compiled for flat inputs, and each call flattens the lists it is given, emptying
 # those the graph steals.
+def _with_list_inputs(gm: fx.GraphModule, args: Sequence[Any],
+                      compile_flat: Callable[[fx.GraphModule, list[Any]], Any]) -> Callable[..., Any]:
+    """``gm`` compiled by ``compile_flat`` for the items of its list inputs, called with the
+    lists (Note [Inputs Dynamo passes as a list])."""
+    flat_gm, flat_args, flatten = _flatten_list_inputs(gm, args)
+    compiled = compile_flat(flat_gm, flat_args)
+
+    def called_with_lists(*runtime_args: Any) -> Any:
+        return compiled(*flatten(runtime_args))
+
+    called_with_lists.graphs = compiled.graphs  # type: ignore[attr-defined]
+    return called_with_lists
+
+
 def _flatten_list_inputs(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[
         fx.GraphModule, list[Any], Callable[[Sequence[Any]], list[Any]]]:
     """A copy of ``gm`` taking the items of its list inputs as inputs of their own (Dynamo
