@@ -151,7 +151,6 @@ class RecentKeys:
                 "checked in C++])"), logger=log,
                 level=logging.DEBUG)
 
-
     def _settled(self, key_hash: int) -> bool:
         """With checks given up: whether this key came ``_SETTLED`` calls in a row; if so,
         checks are built again."""
