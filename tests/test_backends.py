@@ -229,6 +229,21 @@ def test_a_numpy_budget_is_a_number() -> None:
         assert type(aotkit.config.recompile_limit) is int
 
 
+def test_numpy_bools_are_bools() -> None:
+    """np.bool_ is no bool subclass: it passes as True/False wherever aotkit takes a bool."""
+    np = pytest.importorskip("numpy")
+    with aotkit.config.patch(bind_aten_calls=np.bool_(False)):
+        assert aotkit.config.bind_aten_calls is False
+    x = torch.randn(3, requires_grad=True)
+    compiled = aotkit.aot_function(torch.sin, aotkit.compilers.nop, dynamic=np.bool_(True))
+    torch.testing.assert_close(compiled(x), torch.sin(x))
+    with aotkit.compiled_autograd.enable(lambda gm: gm, dynamic=np.bool_(False)):
+        (x * 3).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+    with pytest.raises(aotkit.errors.ConfigError, match="must be bool"):
+        aotkit.config.bind_aten_calls = np.int64(1)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_options_changed_after_compiling_recompile_and_say_why(dynamic: bool) -> None:
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,25 @@ def _parse(option: Option, text: str) -> Any:
         ) from None
 
 
+def is_numpy_bool(kind: type) -> bool:
+    """Whether ``kind`` is NumPy's bool scalar type, which is neither bool nor a number."""
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+
+
+def plain_bool(value: Any) -> Any:
+    """``value`` as a Python bool when it is NumPy's bool scalar, else ``value`` unchanged.
+
+    >>> import numpy as np
+    >>> plain_bool(np.bool_(True)) is True, plain_bool(1)
+    (True, 1)
+    """
+    return bool(value) if is_numpy_bool(type(value)) else value
+
+
 def _check(option: Option, value: Any) -> Any:
-    # NumPy's scalars (np.float32(0.5), np.int64(8)) are numbers too
+    # NumPy's scalars (np.float32(0.5), np.int64(8), np.bool_(True)) are numbers and bools too
+    if option.type is bool:
+        value = plain_bool(value)
     if option.type is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = float(value)
     if option.type is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):

@@ -157,7 +157,8 @@ class AotOptions:
                 check_compiler_signature(role, value)
         check_decompositions(self.decompositions)
         for flag in ("dynamic", "keep_inference_input_mutations"):
-            value = getattr(self, flag)
+            value = config.plain_bool(getattr(self, flag))
+            object.__setattr__(self, flag, value)  # frozen
             if not isinstance(value, bool):  # "False" would read as on
                 kind = type(value)
                 shown = kind.__name__ if kind.__module__ == "builtins" else \

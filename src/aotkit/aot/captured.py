@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from aotkit import config
 from aotkit.aot.signature import (
     _ITEMS,
     Collectable,
@@ -99,8 +100,7 @@ def _capturable(value: Any) -> bool:
     kind = type(value)  # not value.__class__: a proxy's may raise, or run Python per call
     if issubclass(kind, (tuple, frozenset)):
         return len(value) <= _ITEMS and all(map(_capturable, value))
-    numpy_bool = kind.__module__ == "numpy" and kind.__name__ == "bool"
-    return issubclass(kind, _VALUES) or numpy_bool  # np.bool_ is no numbers.Number
+    return issubclass(kind, _VALUES) or config.is_numpy_bool(kind)  # np.bool_ is no Number
 
 
 def _constant(value: Any) -> bool:

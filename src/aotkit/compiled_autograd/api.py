@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from aotkit import compat, counters
+from aotkit import compat, config, counters
 from aotkit.aot.boxing import refused_call
 from aotkit.compiled_autograd import capture, runtime, session
 from aotkit.compilers.bind import bind_aten_calls
@@ -60,6 +60,7 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         >>> w.grad
         tensor([2., 2., 2.])
     """
+    dynamic = config.plain_bool(dynamic)
     _check_arguments(compiler_fn, dynamic)
     with _ENTER_LOCK:  # two threads must not both find no active block
         if (outer := session.active()) is not None:
