@@ -169,6 +169,43 @@ def test_torchscript_compilers_take_size_arithmetic(fn: Any, compile_with: str) 
         check_compiled(fn, compiled, torch.randn(shape, requires_grad=True))
 
 
+def _narrowed(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return x.narrow(0, n.item(), 2) * 2  # the graph holds sym_sum and sym_ite of its sizes
+
+
+def _checked(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    k = n.item()
+    torch._check(k >= 0)
+    return x * k
+
+
+def _asserted(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    torch._assert_async((x > -10).all(), "x is at most -10")
+    return x * n
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize(("fn", "compiler", "bad"), [
+    (_narrowed, "ts_compile", [(0, 4), (0, 5)]),
+    (_checked, "ts_compile", [(0, -1)]),
+    (_asserted, "ts_compile", [(-20, 1)]),
+    (_asserted, "simple_ts_compile", [(-20, 1)]),  # static: simple_ts_compile types no sizes
+])
+def test_torchscript_keeps_the_graphs_checks(fn: Any, compiler: str, bad: list[tuple[int, int]],
+                                             train: bool) -> None:
+    """TorchScript drops ATen's asserts as if they computed nothing: x * -1 ran where eager
+    raises. Data-dependent sizes (sym_sum, sym_ite) compile. (shift, n) makes a bad call."""
+    compiled = aotkit.aot_function(fn, COMPILERS[compiler], dynamic=compiler == "ts_compile")
+    x = torch.arange(5.0, requires_grad=train)
+    check_compiled(fn, compiled, x, torch.tensor(1))
+    for shift, n in bad:
+        args = (x + shift, torch.tensor(n))
+        with pytest.raises(RuntimeError):
+            fn(*args)
+        with pytest.raises(RuntimeError):
+            compiled(*args)
+
+
 def test_a_size_rounded_to_digits_is_refused_naming_it() -> None:
     compiled = aotkit.aot_function(lambda x: x * round(x.shape[0] / 3, 2), ts_compile,
                                    dynamic=True)

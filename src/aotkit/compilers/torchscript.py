@@ -118,6 +118,29 @@ def _strip_overloads(gm: fx.GraphModule) -> None:
             node.target = node.target.overloadpacket
 
 
+def _keep_checks(gm: fx.GraphModule) -> None:
+    """The graph's checks (``torch._check(n.item() >= 0)``, ``torch._assert_async``) as
+    functions that raise: TorchScript drops ATen's assert ops as if they computed nothing, and
+    ran on where eager raises."""
+    for node in gm.graph.find_nodes(op="call_function", target=aten._assert_scalar.default):
+        node.target = _check_scalar
+    for target in (aten._assert_async.default, aten._assert_async.msg):
+        for node in gm.graph.find_nodes(op="call_function", target=target):
+            node.target = _check_tensor
+            node.args = (node.args[0], node.args[1] if len(node.args) > 1 else
+                         "Expected Tensor with single nonzero value, but got zero")
+
+
+def _check_scalar(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def _check_tensor(condition: torch.Tensor, message: str) -> None:
+    if not bool(condition):
+        raise RuntimeError(message)
+
+
 def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
     """Rewrite what TorchScript cannot take: typed placeholders (a SymInt input is an ``int``,
     not a Tensor), ``torch.device`` keyword values as strings with their index (``"cuda:1"``:
@@ -132,6 +155,11 @@ def _normalize_for_torchscript(gm: fx.GraphModule) -> None:
             node.target = _SIZE_FUNCTIONS[node.target]
         elif node.op == "call_function" and node.target in _BUILTINS_OF_SIZES:
             _script_builtin(node)
+        elif node.target is torch.sym_sum:  # narrow(0, n.item(), 2)'s end
+            _as_additions(graph, node)
+        elif node.target is torch.sym_ite:
+            is_int = isinstance(node.meta.get("val"), (int, torch.SymInt))
+            node.target = _choose_int if is_int else _choose_float
         elif node.target is operator.pow and isinstance(node.meta.get("val"), (int, torch.SymInt)):
             node.target = _int_pow  # TorchScript's int ** int is a float
     for node in list(graph.nodes):  # FX writes a NaN as ``nan``, a name TorchScript lacks
@@ -202,6 +230,25 @@ def _abs_float(x: float) -> float:
     return -x if x < 0 else x
 
 
+def _as_additions(graph: fx.Graph, node: fx.Node) -> None:
+    """``sym_sum([a, b, c])`` as ``a + b + c``, which TorchScript types per operand."""
+    (values,) = node.args
+    total = values[0]
+    with graph.inserting_before(node):
+        for value in values[1:]:
+            total = graph.call_function(operator.add, (total, value))
+    node.replace_all_uses_with(total) if isinstance(total, fx.Node) else None
+    graph.erase_node(node)
+
+
+def _choose_int(condition: bool, if_true: int, if_false: int) -> int:
+    return if_true if condition else if_false
+
+
+def _choose_float(condition: bool, if_true: float, if_false: float) -> float:
+    return if_true if condition else if_false
+
+
 def _int_pow(base: int, exponent: int) -> int:
     """``base ** exponent`` of two sizes, an int as in Python (``n ** 2``); past int64, which
     Python's ints are not bound by, an error rather than a wrapped value."""
@@ -261,6 +308,8 @@ def _boxed(scripted: torch.jit.ScriptModule, what: str) -> Callable[[list[Any]],
         previous = torch._C._jit_set_autocast_mode(False)
         try:
             return scripted(*args)
+        except torch.jit.Error as exc:  # no RuntimeError, which eager's failed op or check is
+            raise RuntimeError(f"{what}'s compiled graph failed: {exc}") from exc
         finally:
             torch._C._jit_set_autocast_mode(previous)
 
@@ -289,6 +338,7 @@ def ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[l
     require_graph_module(gm, "ts_compile")
     with _torchscript():
         copied = copy_graph_module(gm)
+        _keep_checks(copied)
         _strip_overloads(copied)
         _normalize_for_torchscript(copied)
         return _boxed(_script(copied, "ts_compile", remove_mutation=True), "ts_compile")
@@ -296,7 +346,7 @@ def ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[l
 
 def simple_ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[[list[Any]], Any]:
     """Script and freeze ``gm`` with only the overloads stripped (TorchScript cannot call
-    ``OpOverload`` objects); graphs with symbolic sizes, ``torch.device`` keywords or mixed
+    ``OpOverload`` objects) and its checks kept; graphs with symbolic sizes, ``torch.device`` keywords or mixed
     outputs need :func:`ts_compile`. Returns a boxed callable.
 
     Example::
@@ -310,6 +360,7 @@ def simple_ts_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
     require_graph_module(gm, "simple_ts_compile")
     with _torchscript():
         copied = copy_graph_module(gm)
+        _keep_checks(copied)
         _strip_overloads(copied)
         return _boxed(_script(copied, "simple_ts_compile", remove_mutation=False),
                       "simple_ts_compile")
