@@ -51,6 +51,42 @@ def test_overlapping_inputs_gradients_match_eager(case):
     check_against_eager(fn, rand(12, grad=True), prepare=through_product)
 
 
+def windows(args, kwargs):  # unfold: each window overlaps the next
+    y = args[0] * 1
+    return (y.unfold(0, 3, 1),), {}
+
+
+@pytest.mark.parametrize("fn", [
+    lambda w: (w[0].mul_(10), w.sum())[1],
+    lambda w: (w[2].mul_(10), w[:, 1].add_(100), w * w)[2],
+], ids=["one window", "a window and a column"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_written_input_overlapping_itself_matches_eager(fn, grad):
+    """A write to one window of ``x.unfold(0, 3, 1)`` shows in the windows that overlap it. A
+    graph with autograd computes on a copy of the input, which missed that: 57 for 102, and
+    the caller's tensor lost the write."""
+    check_against_eager(fn, rand(6, grad=grad), prepare=windows, backward=grad)
+    assert "input 0 shares memory between its own elements" in \
+        aotkit.explain().of_kind("recompile")[-1].why
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_write_into_an_expanded_input_is_refused_before_anything_is_written(grad):
+    """Eager writes the one element an expanded row is made of; a graph cannot, and PyTorch's
+    copy back raised its raw overlap error after writing the inputs before it."""
+    def fn(z, x):
+        z.add_(1)
+        x[0].add_(1)
+        return x * 2
+
+    z, base = torch.zeros(3), torch.zeros(4, requires_grad=grad)
+    compiled = aotkit.aot_function(fn, compilers.nop)
+    with pytest.raises(UnsupportedError, match=r"(?s)input 1 is an expanded tensor .* pass "
+                       r"the tensor before expand\(\)"):
+        compiled(z, (base * 1).expand(3, 4))
+    assert torch.equal(z, torch.zeros(3))
+
+
 def test_overlapping_inputs_beside_a_separate_input():
     def fn(a, z, b):
         a.mul_(z)

@@ -263,7 +263,7 @@ def _rebasing(flat_fn: FlatFn, options: AotOptions, name: str) -> Callable[
 
 def _compile_on_bases(flat_fn: FlatFn, layout: OverlapLayout, args: list[Any], options: AotOptions,
                       name: str, compiled: int) -> tuple[CompiledGraphs, dict[int, int]]:
-    why = (f"{layout.describe()} and the function mutates one of them in place: traced again "
+    why = (f"{layout.describe()} and the function writes that memory: traced again "
            "with each shared storage as one input (Note [Overlapping mutated inputs])"
            + (", with static sizes: each new size or place of them compiles again"
               if options.dynamic else ""))

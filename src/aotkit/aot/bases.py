@@ -12,13 +12,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from aotkit.aot.analysis import AotMeta
-from aotkit.aot.ops import any_shared, bytes_spanned, geometry
+from aotkit.aot.ops import any_shared, bytes_spanned, geometry, is_expanded, overlaps_itself
 from aotkit.aot.trace import FlatFn
 from aotkit.errors import UnsupportedError
 
 # Note [Overlapping mutated inputs]
 # ``f(x[:3], x[1:])`` where f writes to its first argument: in eager the second argument sees the
-# write, since they share memory (so does a backward's read after a write its backward makes,
+# write, since they share memory (as do the other windows of ``w = x.unfold(0, 3, 1)`` when f
+# writes ``w[0]``: a graph computing on a copy of w, as one with autograd does, missed it) (so does a backward's read after a write its backward makes,
 # Note [Inputs the backward writes]; with ``f(s, s)`` one of two writes was lost). A graph
 # traced for two separate inputs reads the old value and writes back each input on its own, so
 # such a call cannot run the entry traced for it. The runtime notices the overlap at the call
@@ -66,7 +67,8 @@ class OverlapLayout:
 
     def describe(self) -> str:
         return "; ".join(f"inputs {', '.join(map(str, g.members))} share memory"
-                         for g in self.groups)
+                         if len(g.members) > 1 else f"input {g.members[0]} shares memory "
+                         "between its own elements" for g in self.groups)
 
     def graph_args(self, args: Sequence[Any]) -> list[Any]:
         """The inputs of the entry traced for this layout: the other inputs, then the bases."""
@@ -103,8 +105,9 @@ class OverlapLayout:
 def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
                    written_by_backward: Collection[int] = (),
                    read_by_backward: Collection[int] = ()) -> OverlapLayout | None:
-    """The layout of a call where an input the forward writes overlaps another, or one the
-    backward writes overlaps another the backward writes or reads, else None; raises for the
+    """The layout of a call where an input the forward writes overlaps another or itself (a
+    window of ``unfold``), or one the backward writes overlaps another the backward writes or
+    reads, or itself, else None; raises for the
     cases Note [Overlapping mutated inputs] refuses. (An input the backward writes is written
     into the caller's memory after the forward ran: inputs only the forward read need no
     base.)"""
@@ -114,16 +117,38 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
         return meta.inputs[i].mutated, i in written_by_backward, i in backward
 
     by_storage: dict[int, list[int]] = {}
+    self_overlapping: set[int] = set()
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.numel() != 0 \
                 and (ptr := a.untyped_storage().data_ptr()) != 0:
             by_storage.setdefault(ptr, []).append(i)
+            if _writes_overlapping(name, meta, i, a, written_by_backward):
+                self_overlapping.add(ptr)
     overlapping = [ptr for ptr, members in by_storage.items()
-                   if len(members) > 1 and _any_overlap(args, members, role)]
+                   if ptr in self_overlapping
+                   or (len(members) > 1 and _any_overlap(args, members, role))]
     if not overlapping:
         return None
     groups = tuple(_group(name, meta, args, by_storage[p]) for p in sorted(overlapping))
     return OverlapLayout(groups, len(args))
+
+
+def _writes_overlapping(name: str, meta: AotMeta, i: int, a: torch.Tensor,
+                        written_by_backward: Collection[int]) -> bool:
+    """Whether input ``i`` is written and its elements may share memory with each other (the
+    windows of ``x.unfold(0, 3, 1)``); raises for an ``expand``ed one, whose rows one element
+    holds: a graph cannot write a row of it (eager writes the element)."""
+    written = meta.inputs[i].mutates_data or i in written_by_backward
+    if not written or a.is_contiguous() or not overlaps_itself(a):
+        return False
+    if is_expanded(a):
+        raise UnsupportedError(
+            f"{name}: input {i} is an expanded tensor (shape {tuple(a.shape)}, stride "
+            f"{a.stride()}: several of its elements are one in memory) and the function (or its "
+            "backward) writes into it through a view; aotkit cannot replay such a write.\nFix: "
+            "pass the tensor before expand() and expand it inside the function, or pass "
+            "x.expand(...).clone().")
+    return True
 
 
 def _any_overlap(args: Sequence[Any], members: list[int],
