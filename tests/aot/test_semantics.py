@@ -12,6 +12,7 @@ import itertools
 import logging
 import re
 import textwrap
+import types
 import weakref
 from typing import Any
 from unittest import mock
@@ -111,6 +112,39 @@ def test_a_closed_over_sparse_matrix_the_backward_needs_gives_eagers_grads(parti
         fn = lambda x, tail=tail: tail(torch.sparse.mm(adjacency, x))  # noqa: E731
         check_against_eager(fn, rand(3, 2, grad=True),
                             aot_kwargs={"partition_fn": partition_fn})
+
+
+def test_a_sparse_buffer_is_refused_with_the_ways_that_work():
+    """The refusal told a module's user to pass a dense tensor they never passed; both ways it
+    names now work: an attribute outside the compiled module, and torch.compile."""
+    adjacency = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 2.0], [0.0, 3.0, 0.0]]).to_sparse()
+
+    class Graph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("adjacency", adjacency)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(self.adjacency, self.lin(x)).relu()
+
+    model, x = Graph(), rand(3, 2)
+    with pytest.raises(UnsupportedError, match=r"(?s)layout torch.sparse_coo \(shape \(3, 3\)\)"
+                       r".*buffer of an aot_module.*closure or an attribute of an object "
+                       r"outside.*torch.compile"):
+        aotkit.aot_module(model, compilers.nop)(x)
+    torch.testing.assert_close(torch.compile(model, backend="aotkit")(x), model(x))
+    outside = types.SimpleNamespace(adjacency=adjacency)
+
+    class ReadsOutside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = model.lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(outside.adjacency, self.lin(x)).relu()
+
+    torch.testing.assert_close(aotkit.aot_module(ReadsOutside(), compilers.nop)(x), model(x))
 
 
 # --- requires_grad and dtypes ------------------------------------------------------------------

@@ -41,9 +41,12 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
                 "layout=torch.jagged), which aotkit traces.")
         if layout is not torch.strided:
             raise UnsupportedError(
-                f"aotkit cannot trace tensors with layout {layout} (sparse or mkldnn inputs).\n"
-                "Fix: pass a dense tensor (.to_dense()) or keep this op outside the compiled "
-                "function."
+                f"aotkit cannot take a tensor with layout {layout} (shape {tuple(leaf.shape)}) "
+                "as an input (an argument, or a parameter or buffer of an aot_module): it "
+                "traces sparse and mkldnn tensors only as constants the function reads.\nFix: "
+                "pass it dense (.to_dense()), read it from a closure or an attribute of an "
+                "object outside the compiled module instead, or use torch.compile(..., "
+                "backend='aotkit'), which runs the sparse ops outside the graph."
             )
         rg = leaf.requires_grad
         return (
