@@ -91,9 +91,12 @@ class OverlapLayout:
             for i, a in zip(self.others, graph_args, strict=False):
                 full[i] = a
             bases = graph_args[len(self.others):]
-            for group, base in zip(self.groups, bases, strict=True):
-                for i, view in zip(group.members, group.views, strict=True):
-                    full[i] = base.as_strided(*view)
+            # Views made in grad mode, as the caller's were: under a no_grad call, autograd
+            # refuses a grad_fn to a written view made under no_grad (a raw error).
+            with torch.enable_grad():
+                for group, base in zip(self.groups, bases, strict=True):
+                    for i, view in zip(group.members, group.views, strict=True):
+                        full[i] = base.as_strided(*view)
             outs, spec = flat_fn(*full)
             members = {id(full[i]): i for g in self.groups for i in g.members}
             returned.update({k: members[id(o)] for k, o in enumerate(outs) if id(o) in members})
@@ -104,13 +107,14 @@ class OverlapLayout:
 
 def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
                    written_by_backward: Collection[int] = (),
-                   read_by_backward: Collection[int] = ()) -> OverlapLayout | None:
-    """The layout of a call where an input the forward writes overlaps another or itself (a
-    window of ``unfold``), or one the backward writes overlaps another the backward writes or
-    reads, or itself, else None; raises for the
-    cases Note [Overlapping mutated inputs] refuses. (An input the backward writes is written
-    into the caller's memory after the forward ran: inputs only the forward read need no
-    base.)"""
+                   read_by_backward: Collection[int] = (),
+                   copies: bool = False) -> OverlapLayout | None:
+    """The layout of a call where an input the forward writes overlaps another, or itself (a
+    window of ``unfold``) where the graph ``copies`` the inputs it writes (with autograd), or
+    one the backward writes overlaps another the backward writes or reads, else None; raises
+    for the cases Note [Overlapping mutated inputs] refuses. (An input the backward writes is
+    written into the caller's memory after the forward ran: inputs only the forward read need
+    no base.)"""
     backward = {*written_by_backward, *read_by_backward}
 
     def role(i: int) -> tuple[bool, bool, bool]:
@@ -122,7 +126,7 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
         if isinstance(a, torch.Tensor) and a.numel() != 0 \
                 and (ptr := a.untyped_storage().data_ptr()) != 0:
             by_storage.setdefault(ptr, []).append(i)
-            if _writes_overlapping(name, meta, i, a, written_by_backward):
+            if meta.inputs[i].mutates_data and _overlaps_itself(name, i, a) and copies:
                 self_overlapping.add(ptr)
     overlapping = [ptr for ptr, members in by_storage.items()
                    if ptr in self_overlapping
@@ -133,19 +137,17 @@ def overlap_layout(name: str, meta: AotMeta, args: Sequence[Any],
     return OverlapLayout(groups, len(args))
 
 
-def _writes_overlapping(name: str, meta: AotMeta, i: int, a: torch.Tensor,
-                        written_by_backward: Collection[int]) -> bool:
-    """Whether input ``i`` is written and its elements may share memory with each other (the
-    windows of ``x.unfold(0, 3, 1)``); raises for an ``expand``ed one, whose rows one element
-    holds: a graph cannot write a row of it (eager writes the element)."""
-    written = meta.inputs[i].mutates_data or i in written_by_backward
-    if not written or a.is_contiguous() or not overlaps_itself(a):
+def _overlaps_itself(name: str, i: int, a: torch.Tensor) -> bool:
+    """Whether the elements of input ``i``, which the function writes, may share memory with
+    each other (the windows of ``x.unfold(0, 3, 1)``); raises for an ``expand``ed one, whose
+    rows one element holds: a graph cannot write a row of it (eager writes the element)."""
+    if a.is_contiguous() or not overlaps_itself(a):
         return False
     if is_expanded(a):
         raise UnsupportedError(
             f"{name}: input {i} is an expanded tensor (shape {tuple(a.shape)}, stride "
-            f"{a.stride()}: several of its elements are one in memory) and the function (or its "
-            "backward) writes into it through a view; aotkit cannot replay such a write.\nFix: "
+            f"{a.stride()}: several of its elements are one in memory) and the function writes "
+            "into it through a view; aotkit cannot replay such a write.\nFix: "
             "pass the tensor before expand() and expand it inside the function, or pass "
             "x.expand(...).clone().")
     return True
@@ -178,19 +180,22 @@ def _matters(a: tuple[bool, ...], b: tuple[bool, ...]) -> bool:
 
 def _group(name: str, meta: AotMeta, args: Sequence[Any], members: list[int]) -> _Group:
     tensors = [args[i] for i in members]
-    which = f"inputs {', '.join(map(str, members))}"
+    single = len(members) == 1
+    which, one = (f"input {members[0]} shares memory between its elements and", "it") \
+        if single else (f"inputs {', '.join(map(str, members))} share memory and", "one of them")
     if len({t.dtype for t in tensors}) > 1:
-        raise _refused(name, which, "are views of one memory in different dtypes")
+        raise _refused(name, f"inputs {', '.join(map(str, members))} are views of one memory in "
+                       "different dtypes", single)
     if any(t.is_conj() or t.is_neg() for t in tensors):  # as_strided would drop the bit
-        raise _refused(name, which, "share memory and one of them is a conjugate or negative "
-                       "view (x.conj(), x.imag of a conjugate)")
+        raise _refused(name, f"{which} {one} is a conjugate or negative view (x.conj(), x.imag "
+                       "of a conjugate)", single)
     if any(meta.inputs[i].mutates_metadata or meta.inputs[i].swaps_storage for i in members):
-        raise _refused(name, which, "share memory and one of them has its shape, strides or "
-                       "memory changed in place (t_(), as_strided_(), set_(), ...)")
+        raise _refused(name, f"{which} {one} has its shape, strides or memory changed in place "
+                       "(t_(), as_strided_(), set_(), ...)", single)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and _root(tensors) is None:
-        raise _refused(name, which, "share memory, some of them require grad (a tensor "
-                       "and its detach(), say) and they are not views of one common tensor, "
-                       "through which their gradients could flow")
+        raise _refused(name, f"{which} some of them require grad (a tensor and its detach(), "
+                       "say) and they are not views of one common tensor, through which their "
+                       "gradients could flow", single)
     views = tuple((tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors)
     length = max(_end(t) for t in tensors)
     return _Group(tuple(members), views, length)
@@ -202,12 +207,14 @@ def _root(tensors: Sequence[torch.Tensor]) -> Any:
     return next(iter(roots.values())) if len(roots) == 1 else None
 
 
-def _refused(name: str, which: str, why: str) -> UnsupportedError:
+def _refused(name: str, what: str, single: bool) -> UnsupportedError:
+    fix = "pass x.clone() for it" if single else (
+        "pass separate tensors (e.g. .clone() one of them; under torch.compile, where the "
+        "inputs are a graph break's locals, clone() the one written before writing it)")
     return UnsupportedError(
-        f"{name}: {which} {why}, and the function (or its backward) mutates one of them in "
-        "place; aotkit cannot replay that mutation exactly.\nFix: pass separate tensors (e.g. "
-        ".clone() one of them; under torch.compile, where the inputs are a graph break's "
-        "locals, clone() the one written before writing it)."
+        f"{name}: {what}, and the function (or its backward) mutates "
+        f"{'it' if single else 'one of them'} in place; aotkit cannot replay that mutation "
+        f"exactly.\nFix: {fix}."
     )
 
 

@@ -611,9 +611,9 @@ def run(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
 def _run_plain(graphs: CompiledGraphs, args: list[Any]) -> list[Any]:
     if len(args) != graphs.num_inputs:
         raise ArgumentError(f"{graphs.name} expects {graphs.num_inputs} inputs, got {len(args)}.")
-    if graphs.mutates_inputs and (layout := overlap_layout(graphs.name, graphs.meta, args,
-                                                              graphs.saved.inputs_written,
-                                                              graphs.saved.inputs_read)):
+    if graphs.mutates_inputs and (layout := overlap_layout(
+            graphs.name, graphs.meta, args, graphs.saved.inputs_written, graphs.saved.inputs_read,
+            copies=graphs.training)):
         return _run_on_bases(graphs, layout, args)
     if graphs.grad_inside or graphs.training:
         unreached.forget_ended()

@@ -23,6 +23,19 @@ from aotkit.compat import guard_globals, source_name, treespec_children
 from aotkit.errors import UnsupportedError
 
 
+def _not_strided(t: torch.Tensor) -> UnsupportedError:
+    what = f"aotkit cannot take a tensor with layout {t.layout} (shape {tuple(t.shape)}) as an " \
+        "input (an argument, or a parameter or buffer of an aot_module)"
+    if t.layout is torch._mkldnn:  # type: ignore[attr-defined]
+        return UnsupportedError(f"{what}: fake tensors cannot hold it.\nFix: pass it dense "
+                                "(.to_dense()).")
+    return UnsupportedError(
+        f"{what}: it traces sparse tensors only as constants the function reads.\nFix: pass it "
+        "dense (.to_dense()), read it from a closure or an attribute of an object outside the "
+        "compiled module instead, or use torch.compile(..., backend='aotkit'), which runs the "
+        "sparse ops outside the graph.")
+
+
 def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
     """What about one flattened argument decides the traced graph."""
     if type(leaf) is Keyed:  # a value the function captures (Note [Values a function captures])
@@ -40,14 +53,7 @@ def leaf_key(leaf: Any, dynamic: bool) -> tuple[Any, ...]:
                 "sizes or strides to fake).\nFix: make it with torch.nested.nested_tensor(..., "
                 "layout=torch.jagged), which aotkit traces.")
         if layout is not torch.strided:
-            raise UnsupportedError(
-                f"aotkit cannot take a tensor with layout {layout} (shape {tuple(leaf.shape)}) "
-                "as an input (an argument, or a parameter or buffer of an aot_module): it "
-                "traces sparse and mkldnn tensors only as constants the function reads.\nFix: "
-                "pass it dense (.to_dense()), read it from a closure or an attribute of an "
-                "object outside the compiled module instead, or use torch.compile(..., "
-                "backend='aotkit'), which runs the sparse ops outside the graph."
-            )
+            raise _not_strided(leaf)
         rg = leaf.requires_grad
         return (
             leaf.dtype,

@@ -20,6 +20,7 @@ from aotkit.aot.arguments import has_tangents, note_forward_ad, refuse_dual_outp
 from aotkit.aot.boxing import Compiler
 from aotkit.aot.dynamo_decisions import note_dynamo_recompile
 from aotkit.aot.frames import region
+from aotkit.aot.offsets import moved_offsets, storage_offsets
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.signature import config_changes
 from aotkit.aot.trace import COMPILE_LOCK
@@ -99,6 +100,7 @@ def aot_module_simplified(
         flat_fn, fakes, options, name, mode, from_dynamo=True))
     expected = len(args)
     told_forward_ad: list[bool] = []
+    at_offsets = _OffsetsTraced(fakes, names, name)
 
     def forward(*runtime_args: Any) -> Any:
         if len(runtime_args) != expected:
@@ -110,10 +112,44 @@ def aot_module_simplified(
             told_forward_ad.append(True)
             return mod(*runtime_args)
         current = by_options.current()
-        return current.meta.unflatten(run(current, [*tensors, *runtime_args]))
+        flat = [*tensors, *runtime_args]
+        if current.absolute_offsets and at_offsets.moved(flat):
+            return mod(*runtime_args)
+        return current.meta.unflatten(run(current, flat))
 
     forward.graphs = graphs  # type: ignore[attr-defined]
     return forward
+
+
+# Note [Absolute storage offsets under Dynamo]
+# Dynamo does not guard on storage offsets, and a graph placing a view at an absolute storage
+# offset (Note [Absolute storage offsets]: a custom op writing ``y[::2]`` is handed the view
+# rebuilt at the offset it had when traced) would write other elements of an input that starts
+# elsewhere in its memory. Such a call runs Dynamo's graph eagerly instead, a "fallback"
+# decision naming the input; aot_function traces again for the new offsets.
+class _OffsetsTraced:
+    """The static storage offsets Dynamo's inputs were traced with."""
+
+    def __init__(self, fakes: Sequence[Any], names: Sequence[str], name: str) -> None:
+        traced = storage_offsets(fakes)
+        self.positions = [i for i, o in enumerate(traced) if type(o) is int]
+        self.offsets = tuple(traced[i] for i in self.positions)
+        self.names = [*names, *(f"args[{i}]" for i in range(len(fakes) - len(names)))]
+        self.name = name
+        self.told: set[str] = set()
+
+    def moved(self, flat: Sequence[Any]) -> bool:
+        why = moved_offsets(self.offsets, self.positions, flat, self.names)
+        if why is None:
+            return False
+        counters.bump("aot", "offset_eager_calls")
+        if why not in self.told:
+            self.told.add(why)
+            counters.record("fallback", self.name, f"{why}: Dynamo does not guard on it, so this "
+                            "call runs eagerly (Note [Absolute storage offsets under Dynamo]). "
+                            "Fix: none needed, the results are eager's; call with inputs at "
+                            "the traced offsets to run the graph.", logger=log)
+        return True
 
 
 # Note [Options changed after torch.compile]

@@ -237,7 +237,8 @@ def _as_additions(graph: fx.Graph, node: fx.Node) -> None:
     with graph.inserting_before(node):
         for value in values[1:]:
             total = graph.call_function(operator.add, (total, value))
-    node.replace_all_uses_with(total) if isinstance(total, fx.Node) else None
+    for user in list(node.users):
+        user.replace_input_with(node, total)
     graph.erase_node(node)
 
 
