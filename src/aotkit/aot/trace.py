@@ -23,6 +23,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dispatch.python import enable_python_dispatcher
+from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -369,6 +370,20 @@ def _saved_tensor_hooks_deferred() -> Iterator[None]:
 # ``parametrize.cached()`` holds from an eager call would be a real constant, stale once the
 # block ends: traces run with that cache off and compute the weight from its original.
 
+
+# Note [Custom ops writing shared memory]
+# A custom op writing two arguments that share memory (``op_(x, x)``, overlapping views) is
+# called by functionalization (auto_functionalized_v2) with views of one copy of their common
+# base, so each write lands where eager's does and the next reads it: unlike an ATen op writing
+# several tensors (Note [Foreach writes to shared memory]), it is not refused. The first
+# version, which PyTorch still uses where TORCHDYNAMO_AUTO_FUNCTIONALIZED_V2=0, copies each
+# argument apart, and is refused as ATen ops are.
+def _hands_views_of_one_base(func: torch._ops.OpOverload) -> bool:
+    import torch._inductor.config as inductor_config
+
+    return can_auto_functionalize(func) and inductor_config.enable_auto_functionalized_v2
+
+
 class _OutsideTensorGuard(TorchDispatchMode):
     """Refuse closed-over tensors that require grad or are mutated. See Note [Closed-over tensors]."""
 
@@ -487,7 +502,7 @@ class _OutsideTensorGuard(TorchDispatchMode):
         written = written_by(func, args, kwargs)
         if self.write_order is not None:
             self.write_order.note(written)
-        if len(written) > 1:
+        if len(written) > 1 and not _hands_views_of_one_base(func):
             check_foreach_writes(func, args, written, self.what)
         for t in written:
             self.wrote = True  # Note [Inputs sharing memory with constants]
