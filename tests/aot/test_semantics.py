@@ -5521,6 +5521,28 @@ def _add_and_scale_(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     b.mul_(c)
 
 
+@torch.library.custom_op("aotkit_test::positives", mutates_args=())
+def _positives(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0].clone()
+
+
+@_positives.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size())
+
+
+def test_a_custom_op_of_data_dependent_size_names_dynamic_true():
+    """Its fake kernel sizes the result by a symbol under dynamic=True; the refusal with static
+    sizes did not say so, as it does for nonzero."""
+    fn = lambda x: _positives(x) * 2  # noqa: E731
+    with pytest.raises(TraceError, match=r"(?s)aotkit_test.positives.*Fix: .*pass dynamic=True"):
+        aotkit.aot_function(fn, compilers.nop)(rand(10))
+    compiled = aotkit.aot_function(fn, compilers.nop, dynamic=True)
+    for n in (10, 12):
+        x = rand(n)
+        torch.testing.assert_close(compiled(x), fn(x))
+
+
 @pytest.mark.parametrize("aliases", [
     lambda a: (a, a[:]), lambda a: (a, a), lambda a: (a[:3], a[2:]), lambda a: (a[1:], a[::2]),
 ], ids=["view", "same", "overlapping", "strided"])

@@ -555,9 +555,12 @@ _TRACE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace.py
 def _sized_by_symbols(op: Any) -> bool:
     """Whether fake tensors give ``op``'s data-dependent result a symbolic size under
     dynamic=True (nonzero, masked_select, unique), not refusing it there too (ctc_loss), and
-    its consumers take that (an RNN does not take pack_padded_sequence's)."""
+    its consumers take that (an RNN does not take pack_padded_sequence's). A custom op's fake
+    kernel asking for such a size (``ctx.new_dynamic_size()``) gets one there."""
     from torch._subclasses import fake_impls
 
+    if isinstance(op, torch._ops.OpOverload) and op.namespace not in ("aten", "prims"):
+        return True
     impl = next((impl for check, impl in fake_impls.op_implementations_checks if check(op)),
                 None)
     return impl is not None and impl is not fake_impls.dyn_shape \
