@@ -64,3 +64,29 @@ def test_compiled_autograd_captured_once_and_replayed(results: list[dict[str, An
     for scenario in ("ddp_compiled_autograd", "ddp_compile_and_compiled_autograd",
                      "fsdp2_compiled_autograd"):
         assert [r[scenario]["captures"] for r in results] == [1, 1], scenario
+
+
+_COLLECTIVE_IN_AOT_FUNCTION = """
+import torch, torch.distributed as dist, aotkit
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def f(x):
+    y = x * 2
+    dist.all_reduce(y)
+    return y + 1
+try:
+    aotkit.aot_function(f, aotkit.compilers.nop)(torch.randn(4))
+except aotkit.errors.UnsupportedError as exc:
+    print(exc)
+"""
+
+
+def test_a_collective_in_an_aot_function_is_refused_naming_functional_collectives() -> None:
+    """The process group is a TorchScript object in the graph, which was refused as a quantized
+    cell's packed weights."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this PyTorch build has no gloo backend")
+    done = subprocess.run([sys.executable, "-c", _COLLECTIVE_IN_AOT_FUNCTION], text=True,
+                          capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "torch.distributed collective" in done.stdout
+    assert "_functional_collectives" in done.stdout and "quantized" not in done.stdout

@@ -6,6 +6,7 @@ Everything here is a thin alias over a primitive; callers never test versions th
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import types
@@ -359,6 +360,45 @@ def parametrize_cache_off() -> Iterator[None]:
         yield
     finally:
         parametrize._cache_enabled, parametrize._cache = enabled, cache
+
+
+@contextlib.contextmanager
+def relative_custom_op_slices() -> Iterator[None]:
+    """Note [Slices a custom op writes]: within the block, a custom op's written slice of a
+    base is described by its start in the base, as auto_functionalized replays it."""
+    from torch._higher_order_ops import auto_functionalize
+
+    original = auto_functionalize.try_use_slice
+    if getattr(original, "aotkit_relative", False):  # a trace inside a trace
+        yield
+        return
+    auto_functionalize.try_use_slice = functools.partial(_slice_in_base, original)
+    auto_functionalize.try_use_slice.aotkit_relative = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        auto_functionalize.try_use_slice = original
+
+
+# Note [Slices a custom op writes]
+# Functionalizing a custom op that writes a slice of a tensor (``op_(y[1:3])``), PyTorch
+# (2.11-2.13) records the slice by its start in the whole memory (the view's storage offset over
+# its stride), and auto_functionalized replays it as a slice of the base: for a base that starts
+# inside its memory (``buf[2:6]``) the op wrote other rows, or none. aotkit's traces record the
+# start counted from the base; where the base's offset is symbolic, or no multiple of the
+# stride, the view is recorded by size, stride and storage offset instead (Note [Absolute
+# storage offsets]).
+def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) -> Any:
+    from torch._higher_order_ops.auto_functionalize import is_alias
+
+    found = original(base, tensor)
+    if found is None or is_alias(base, tensor):
+        return found
+    dim, start, end = found
+    shift, step = base.storage_offset(), tensor.stride()[dim]
+    if type(shift) is not int or type(step) is not int or shift % step:
+        return None
+    return dim, start - shift // step, end - shift // step
 
 
 @contextlib.contextmanager

@@ -1166,6 +1166,41 @@ def test_a_custom_op_writing_a_view_serves_only_inputs_at_its_offset(via):
     assert "storage offset of args[0]: 0 -> 5" in aotkit.explain().of_kind(kind)[0].why
 
 
+def _rows_one_two_plus_one(y: torch.Tensor) -> torch.Tensor:
+    _add_one_(y[1:3])  # a slice of y: PyTorch records its start in the whole memory
+    return y * 2
+
+
+@pytest.mark.parametrize("via", ["aot_function", "dynamic", "torch.compile", "aot_module"])
+def test_a_custom_op_writing_a_slice_of_an_input_inside_its_memory(via):
+    """Note [Slices a custom op writes]: with y = buf[2:6], eager writes buf's rows 3 and 4; the
+    graph wrote row 5 only, from the first call on, and a buffer so placed lost the write."""
+    class Rows(torch.nn.Module):
+        def __init__(self, buf: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("y", buf)
+
+        def forward(self) -> torch.Tensor:
+            return _rows_one_two_plus_one(self.y)
+
+    fn = _rows_one_two_plus_one
+    for start in (2, 3, 0, 2):
+        results = []
+        for compiled in (False, True):
+            buf = torch.arange(16.0).reshape(8, 2)
+            y = buf[start:start + 4]
+            if via == "aot_module":
+                module = Rows(y)
+                results.append(((aotkit.aot_module(module, compilers.nop) if compiled
+                                 else module)(), buf))
+                continue
+            run = {"aot_function": aotkit.aot_function(fn, compilers.nop),
+                   "dynamic": aotkit.aot_function(fn, compilers.nop, dynamic=True),
+                   "torch.compile": torch.compile(fn, backend="aotkit")}[via] if compiled else fn
+            results.append((run(y), buf))
+        torch.testing.assert_close(results[1], results[0])
+
+
 def test_as_strided_gradient_lands_where_eager_puts_it_at_another_offset():
     def window(a):
         return a.as_strided((2,), (1,), 4) * torch.tensor([1.0, 2.0])

@@ -322,6 +322,30 @@ class _TwoSparseTables(torch.nn.Module):
         return (self.users(u) * self.items(i)).sum()
 
 
+@torch.library.custom_op("aotkit_inductor_test::add_and_double_", mutates_args=("a", "b"))
+def _add_and_double_(a: torch.Tensor, b: torch.Tensor) -> None:
+    a.add_(1)
+    b.mul_(2)
+
+
+@_add_and_double_.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
+def test_a_custom_op_writing_two_views_of_an_intermediate_runs_as_traced() -> None:
+    """Inductor's in-place lowering lost the first write where the views share memory (so does
+    PyTorch's backend="inductor"): [3, 5, 12, 16, ...] for eager's [3, 5, 14, 18, ...]."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        _add_and_double_(y[:4], y[2:6])
+        return y * 1
+
+    x = torch.arange(1.0, 9.0)
+    torch.testing.assert_close(torch.compile(fn, backend="aotkit_inductor")(x), fn(x))
+    assert any("add_and_double_" in d.why for d in aotkit.explain().of_kind("fallback"))
+
+
 def test_graphs_computing_sparse_tensors_run_as_traced() -> None:
     """Inductor reused the memory a sparse gradient's values live in: the second table's
     gradient came out wrong, silently. Such graphs run as traced, a decision says so; a closed-

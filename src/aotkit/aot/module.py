@@ -19,7 +19,7 @@ from aotkit import config, counters
 from aotkit.aot.api import AotFunction, AotOptions, Partitioner
 from aotkit.aot.arguments import leaf_names
 from aotkit.aot.boxing import Compiler
-from aotkit.aot.hook_watch import global_hook_tables, hook_identity, hook_tables
+from aotkit.aot.hook_watch import global_hook_tables, hook_identity, hook_tables, hooks_of
 from aotkit.aot.reads import lazy_refusal, uninitialized
 from aotkit.aot.signature import class_forward
 from aotkit.aot.trace import tracing_active
@@ -402,8 +402,10 @@ def _collect(root: nn.Module, attributes: Mapping[int, tuple[str, ...]],
                     None, *map(id, children.values())))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             # The hook objects, which the entry's layout holds, not their handles: pruning
-            # again re-registers the same hook under a new handle.
-            key.append(tuple(tuple(map(hook_identity, t.values())) for t in hook_tables(m)))
+            # again re-registers the same hook under a new handle. How each is called too:
+            # with_kwargs, and a backward hook's kind (the same function registered again so
+            # ran a stale graph).
+            key.append((*map(hook_identity, hooks_of(m)), m._is_full_backward_hook))
         if "forward" in m.__dict__:  # set on the instance
             key.append(("forward", id(m.__dict__["forward"])))
         params.extend(p.values())

@@ -253,7 +253,8 @@ def tracing(mode: FakeTensorMode, what: str, generators: Sequence[torch.Generato
         # compiled backward's results when it runs.
         with compat.selective_checkpointing_off(), mode, dispatcher, onednn, EagerOps(), \
                 compiled_autograd_off(), _saved_tensor_hooks_deferred(), \
-                torch.autograd.set_detect_anomaly(False), compat.parametrize_cache_off(), guard:
+                torch.autograd.set_detect_anomaly(False), compat.parametrize_cache_off(), \
+                compat.relative_custom_op_slices(), guard:
             yield guard.generators
         if guard.seeds is not None and guard.seeds.reseeded():
             raise reseeding_refused(what)

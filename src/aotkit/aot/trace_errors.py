@@ -496,7 +496,8 @@ def data_dependent(what: str, exc: BaseException, static: bool = False,
             and not (from_dynamo and _captures_data(exc)):  # not the user's own backward code
         return _data_dependent_backward(what, exc, static)
     if isinstance(exc, torch._subclasses.fake_tensor.DynamicOutputShapeException):
-        dynamic = dynamic if _sized_by_symbols(exc.func) else ""
+        dynamic = "" if not _sized_by_symbols(exc.func) else dynamic if not _custom(exc.func) \
+            else f"{dynamic}, if its fake kernel sizes the result with ctx.new_dynamic_size()"
         return TraceError(
             f"{what} could not be traced: {exc.func} returns {_data_dependent_result(exc.func)} "
             "depends on tensor data"
@@ -559,12 +560,17 @@ def _sized_by_symbols(op: Any) -> bool:
     kernel asking for such a size (``ctx.new_dynamic_size()``) gets one there."""
     from torch._subclasses import fake_impls
 
-    if isinstance(op, torch._ops.OpOverload) and op.namespace not in ("aten", "prims"):
+    if _custom(op):
         return True
     impl = next((impl for check, impl in fake_impls.op_implementations_checks if check(op)),
                 None)
     return impl is not None and impl is not fake_impls.dyn_shape \
         and op is not torch.ops.aten._pack_padded_sequence.default
+
+
+def _custom(op: Any) -> bool:
+    """Whether ``op`` is an operator of the user's own (torch.library), not PyTorch's."""
+    return isinstance(op, torch._ops.OpOverload) and op.namespace not in ("aten", "prims")
 
 
 def _in_backward(frames: traceback.StackSummary) -> bool:
@@ -598,7 +604,16 @@ def refuse_packed_constants(gm: Any, what: str) -> None:
     packed weights): ``load_state_dict`` swaps in new objects the graph never sees (it ran the
     old weights, silently), so such a trace is refused as quantized kernels are."""
     for node in gm.graph.find_nodes(op="get_attr"):
-        if isinstance(getattr(gm, node.target, None), torch.ScriptObject):
+        constant = getattr(gm, node.target, None)
+        if isinstance(constant, torch.ScriptObject) and "ProcessGroup" in str(constant._type()):
+            raise UnsupportedError(
+                f"{what} calls a torch.distributed collective (dist.all_reduce, "
+                "torch.distributed.nn.functional's) whose process group, a TorchScript object, "
+                "the graph would hold as a constant.\nFix: call the functional collectives of "
+                "torch.distributed._functional_collectives (all_reduce, all_gather_tensor, "
+                "reduce_scatter_tensor) inside the function, which aotkit traces, or use "
+                "torch.compile(fn, backend='aotkit').")
+        if isinstance(constant, torch.ScriptObject):
             raise UnsupportedError(
                 f"{what} runs quantized kernels with packed weights (TorchScript objects: a "
                 "dynamically quantized LSTMCell's or GRUCell's), which the graph would hold as "
