@@ -385,9 +385,9 @@ def relative_custom_op_slices() -> Iterator[None]:
 # (2.11-2.13) records the slice by its start in the whole memory (the view's storage offset over
 # its stride), and auto_functionalized replays it as a slice of the base: for a base that starts
 # inside its memory (``buf[2:6]``) the op wrote other rows, or none. aotkit's traces record the
-# start counted from the base; where the base's offset is symbolic, or no multiple of the
-# stride, the view is recorded by size, stride and storage offset instead (Note [Absolute
-# storage offsets]).
+# start counted from the base; where the start is symbolic (read at each call from the view's
+# storage offset), or the base's offset is symbolic or no multiple of the stride, the view is
+# recorded by size, stride and storage offset instead (Note [Absolute storage offsets]).
 def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) -> Any:
     from torch._higher_order_ops.auto_functionalize import is_alias
 
@@ -396,6 +396,10 @@ def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) 
         return found
     dim, start, end = found
     shift, step = base.storage_offset(), tensor.stride()[dim]
+    if type(start) is not int:  # read from the view's storage offset at each call: absolute
+        return None
+    if type(shift) is int and shift == 0:
+        return found
     if type(shift) is not int or type(step) is not int or shift % step:
         return None
     return dim, start - shift // step, end - shift // step

@@ -727,6 +727,33 @@ def test_a_check_on_a_gradient_eager_gives_as_none_is_dropped(how):
     torch.testing.assert_close(torch.autograd.grad(a.sum(), [x])[0], torch.full((4,), 2.0))
 
 
+def test_a_backward_compiler_rewriting_its_graph_in_place_rewrites_each_variant_once():
+    """The compiler was handed the traced backward itself: the variant for a call bringing one
+    gradient, cut from it later, got the rewrite twice (4x eager's gradients, not 2x)."""
+    def doubled(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphModule:
+        out = gm.graph.output_node()
+        with gm.graph.inserting_before(out):
+            out.args = ([gm.graph.call_function(torch.ops.aten.mul.Tensor, (g, 2))
+                         if isinstance(g, torch.fx.Node) else g for g in out.args[0]],)
+        gm.recompile()
+        return gm
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = (x @ w).relu()
+        return h.sin(), h.cos()
+
+    compiled = aotkit.aot_function(fn, compilers.nop, bw_compiler=doubled)
+    x = rand(3, 4)
+    for used in ((0, 1), (0,), (1,), (0, 1)):
+        grads, start = [], rand(4, 4)
+        for run in (fn, compiled):
+            w = start.clone().requires_grad_()
+            outs = run(x, w)
+            sum(outs[i].sum() for i in used).backward()
+            grads.append(w.grad)
+        torch.testing.assert_close(grads[1], grads[0] * 2)
+
+
 def test_a_data_dependent_check_runs_under_a_compiler_that_runs_the_graph_as_given():
     """The checks were written into the graph, but its code was not made again: a compiler
     returning gm itself ran without them (x * -1 where eager raises)."""

@@ -346,6 +346,27 @@ def test_a_custom_op_writing_two_views_of_an_intermediate_runs_as_traced() -> No
     assert any("add_and_double_" in d.why for d in aotkit.explain().of_kind("fallback"))
 
 
+def _rows_plus_one(y: torch.Tensor) -> torch.Tensor:
+    _add_and_double_(y[1:3], y[4:5])
+    return y * 2
+
+
+@pytest.mark.parametrize("via", ["aot_function", "torch.compile"])
+def test_a_custom_op_writing_a_view_at_a_symbolic_offset_runs_as_traced(via: str) -> None:
+    """Inductor wrote other rows (or failed with a raw NameError) for a view a custom op writes
+    at a symbolic storage offset (PyTorch's backend="inductor" too)."""
+    compiled = aotkit.aot_function(_rows_plus_one, inductor, dynamic=True) \
+        if via == "aot_function" else torch.compile(_rows_plus_one, backend="aotkit_inductor",
+                                                    dynamic=True)
+    for start, rows in ((0, 6), (2, 6), (1, 7)):
+        results = []
+        for run in (_rows_plus_one, compiled):
+            buf = torch.arange(40.0).reshape(10, 4)
+            results.append((run(buf[start:start + rows]), buf))
+        torch.testing.assert_close(results[1], results[0])
+    assert any("symbolic storage offset" in d.why for d in aotkit.explain().of_kind("fallback"))
+
+
 def test_graphs_computing_sparse_tensors_run_as_traced() -> None:
     """Inductor reused the memory a sparse gradient's values live in: the second table's
     gradient came out wrong, silently. Such graphs run as traced, a decision says so; a closed-

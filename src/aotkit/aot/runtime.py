@@ -40,6 +40,7 @@ from aotkit.aot.trace import COMPILE_LOCK
 from aotkit.aot.untraceable import SavedAfterWrite
 from aotkit.compat import StopRecomputation, dynamo_frames_off
 from aotkit.errors import ArgumentError, UnsupportedError
+from aotkit.partition.graph import copy_graph_module
 
 log = logging.getLogger("aotkit.aot")
 
@@ -263,6 +264,8 @@ class CompiledGraphs:
             self._reached[missing] = tangent_masks(gm, sum(self.differentiable))
             if self._custom_reaches:  # read past the variants' limit (reached_by)
                 self._variant_graphs.setdefault(missing, gm)
+        if gm is self.bw_gm:  # a compiler may rewrite it in place; later variants are cut
+            gm = copy_graph_module(gm)  # from it
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         # backward() may run under Dynamo's frame callback (a compiled training step's
         # loss.backward()): the compiler's own frames are not user code to compile.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import operator
 from typing import Any
@@ -17,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from aotkit import compat, counters
-from aotkit.partition.graph import is_impure
+from aotkit.partition.graph import copy_graph_module, is_impure
 
 
 # Note [Views that undo themselves]
@@ -333,8 +332,7 @@ def without_gradients(gm: fx.GraphModule, missing: list[int], num_tangents: int)
         >>> without_gradients(gm, [2], 2)(torch.zeros(3), torch.ones(3), torch.zeros(3))
         tensor([1., 1., 1.])
     """
-    meta, gm = gm.meta, fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    gm.meta.update(meta)  # a dump's index, a compiler's notes
+    gm = copy_graph_module(gm)  # with its meta: a dump's index, a compiler's notes
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     absent = {placeholders[k] for k in missing}
     reach = set(absent)  # what the missing tangents reach, before any node reads zeros instead

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import operator
 import os
@@ -344,14 +343,6 @@ def _mismatch_message(n: fx.Node, problem: str, bindings: dict[sympy.Symbol, int
                      "trust traced layouts (Inductor, CUDA graphs) may compute wrong results "
                      "here; aotkit.compilers.nop runs the graph as eager does.")
     return "\n".join(lines)
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph (node and module meta dicts copied, their
-    values shared), for compilers that rewrite the graph: the caller's stays as traced."""
-    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    copied.meta.update(gm.meta)
-    return copied
 
 
 def closed_over_tensors(gm: fx.GraphModule) -> list[tuple[fx.Node, torch.Tensor]]:

@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 
 from aotkit import counters
-from aotkit.compilers.basic import closed_over_tensors, copy_graph_module, nop, require_graph_module
+from aotkit.compilers.basic import closed_over_tensors, nop, require_graph_module
 from aotkit.errors import ArgumentError, CompilerError
+from aotkit.partition.graph import copy_graph_module
 
 Kind = Literal["forward", "backward", "inference"]
 KINDS: tuple[Kind, ...] = ("forward", "backward", "inference")
@@ -181,13 +182,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], kind: Kind)
 
     sparse = _sparse_value(gm)
     meta = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in example_inputs)
-    shared = _writes_one_intermediate_twice(gm)
+    shared = _custom_op_writes_inductor_loses(gm)
     if sparse is not None or meta or shared or _strided_over_closed_over(gm):  # Note [Sparse...]
         why = (f"the graph computes or reads a sparse tensor ({sparse}), whose memory "
                "Inductor's buffer reuse does not track" if sparse is not None else
                "the graph takes meta tensors, for which Inductor generates no kernels" if meta
-               else f"custom op {shared} writes two views of one intermediate, and Inductor's "
-               "in-place lowering loses one write where they share memory" if shared
+               else f"custom op {shared}, which Inductor's in-place lowering gets wrong "
+               "(it lost a write, or wrote other rows)" if shared
                else "the graph calls as_strided on a closed-over tensor, whose storage offset "
                "counts from its memory's start, where Inductor's code counts from the tensor's")
         counters.record("fallback", f"inductor ({kind} graph {next(_graph_ids)})",
@@ -403,16 +404,20 @@ def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tenso
     return lifted
 
 
-def _writes_one_intermediate_twice(gm: fx.GraphModule) -> str | None:
+def _custom_op_writes_inductor_loses(gm: fx.GraphModule) -> str | None:
     """The first custom op the graph calls on two views of one tensor it computes
-    (``op_(y[:4], y[2:6])``), which Inductor (2.13, and PyTorch's own backend) gets wrong."""
+    (``op_(y[:4], y[2:6])``), or on a view placed at a symbolic storage offset (``op_(y[1:3])``
+    under dynamic=True), which Inductor (2.13, and PyTorch's own backend) gets wrong; says so."""
     for node in gm.graph.find_nodes(op="call_function",
                                     target=torch.ops.higher_order.auto_functionalized_v2):
         bases = node.kwargs.get("_all_bases", ())
         indices = [v for k, v in node.kwargs.items() if k.endswith("_base_index")]
         if any(indices.count(i) > 1 and getattr(bases[i], "op", None) != "placeholder"
                for i in set(indices)):
-            return str(node.args[0])
+            return f"{node.args[0]} writes two views of one intermediate"
+        if any(k.endswith("_storage_offset") and isinstance(v, fx.Node)
+               for k, v in node.kwargs.items()):
+            return f"{node.args[0]} writes a view at a symbolic storage offset"
     return None
 
 

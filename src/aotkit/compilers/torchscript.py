@@ -24,9 +24,10 @@ from torch._decomp import get_decompositions
 
 from aotkit.aot import AotFunction, AotModule, aot_function, aot_module
 from aotkit.aot.boxing import require_boxed
-from aotkit.compilers.basic import closed_over_tensors, copy_graph_module, require_graph_module
+from aotkit.compilers.basic import closed_over_tensors, require_graph_module
 from aotkit.errors import ArgumentError, CompilerError
 from aotkit.partition import min_cut_rematerialization_partition
+from aotkit.partition.graph import copy_graph_module
 
 log = logging.getLogger("aotkit.compilers")
 aten = torch.ops.aten

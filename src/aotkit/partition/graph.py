@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,15 @@ import torch
 import torch.fx as fx
 
 from aotkit.errors import ArgumentError
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (node and module meta dicts copied, their
+    values shared), for whoever rewrites the graph (a compiler, a pass cutting a variant): the
+    caller's stays as traced."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta.update(gm.meta)
+    return copied
 
 
 @dataclass
