@@ -388,18 +388,25 @@ def relative_custom_op_slices() -> Iterator[None]:
 # start counted from the base; where the start is symbolic (read at each call from the view's
 # storage offset), or the base's offset is symbolic or no multiple of the stride, the view is
 # recorded by size, stride and storage offset instead (Note [Absolute storage offsets]).
+def _constant(value: Any) -> Any:
+    """``value`` as an int where it is one (``s0 // s0``), else as it is."""
+    if isinstance(value, torch.SymInt) and (known := value.node.maybe_as_int()) is not None:
+        return known
+    return value
+
+
 def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) -> Any:
     from torch._higher_order_ops.auto_functionalize import is_alias
 
     found = original(base, tensor)
     if found is None or is_alias(base, tensor):
         return found
-    dim, start, end = found
-    shift, step = base.storage_offset(), tensor.stride()[dim]
+    dim, start, end = map(_constant, found)
+    shift, step = _constant(base.storage_offset()), _constant(tensor.stride()[dim])
     if type(start) is not int:  # read from the view's storage offset at each call: absolute
         return None
     if type(shift) is int and shift == 0:
-        return found
+        return dim, start, end  # ints: PyTorch's SymInts read the view's offset at each call
     if type(shift) is not int or type(step) is not int or shift % step:
         return None
     return dim, start - shift // step, end - shift // step

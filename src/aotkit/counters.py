@@ -116,6 +116,23 @@ def record(
     return decision
 
 
+_recorded_once: set[tuple[str, str, str]] = set()
+
+
+def record_once(kind: str, what: str, why: str, *, once: str,
+                logger: logging.Logger | None = None) -> None:
+    """:func:`record` the first decision of this ``kind``, ``what`` and ``once`` tag since
+    :func:`reset`; later ones are counted only, so a fallback taken at every call keeps one
+    decision (and one log line), not one per call."""
+    with _LOCK:
+        first = (kind, what, once) not in _recorded_once
+        _recorded_once.add((kind, what, once))
+        if not first:
+            counters[kind][what] += 1
+    if first:
+        record(kind, what, why, logger=logger)
+
+
 def log_graph(logger: logging.Logger, text: Callable[[], str]) -> None:
     """Log a graph's ``text()`` at INFO under ``aotkit.config.log_graphs``, else at DEBUG. Asked
     for (AOTKIT_LOG_GRAPHS=1) where nothing shows aotkit's logs, it is printed to stderr, as
@@ -223,5 +240,6 @@ def reset() -> None:
     with _LOCK:
         counters.clear()
         _decisions.clear()
+        _recorded_once.clear()
     _dynamo_at_reset.clear()
     _dynamo_at_reset.update(_dynamo_totals())

@@ -623,3 +623,29 @@ def test_two_lambdas_decisions_are_told_apart() -> None:
         fn(torch.ones(2), 2)
     names = {d.what for d in aotkit.explain().of_kind("recompile")}
     assert len(names) == 2 and all("<lambda> at test_config_counters.py:" in n for n in names)
+
+
+def test_a_fallback_taken_at_every_call_keeps_one_decision_until_reset() -> None:
+    """Forward-mode AD's eager runs, told once per compiled function for good, were counted
+    but neither kept nor logged after counters.reset(); torch.compile's path kept a list
+    growing by one per call. The decision is now made once per reset, later calls counted."""
+    import torch.autograd.forward_ad as fwAD
+
+    f = aotkit.aot_function(lambda x: x.sin() * 2, compilers.nop)
+    x = torch.randn(4)
+    for _ in range(2):
+        counters.reset()
+        with fwAD.dual_level():
+            for _ in range(50):
+                f(fwAD.make_dual(x, torch.ones(4)))
+        [decision] = aotkit.explain().of_kind("fallback")
+        assert "forward-mode AD" in decision.why
+        assert counters.counters["aot"]["forward_ad_eager_calls"] == 50
+        assert counters.counters["fallback"][decision.what] == 50
+
+
+def test_record_once_is_per_kind_what_and_tag() -> None:
+    for tag in ("a", "b", "a"):
+        counters.record_once("fallback", "mine", f"reason {tag}", once=tag)
+    assert [d.why for d in aotkit.explain().of_kind("fallback")] == ["reason a", "reason b"]
+    assert counters.counters["fallback"]["mine"] == 3

@@ -214,8 +214,9 @@ def test_torch_func_transforms_inside_enable_run_eagerly_with_a_decision() -> No
     torch.testing.assert_close(jacobian, torch.diag(x.cos()))
     torch.testing.assert_close(w.grad, 2 * w.detach())
     assert counts() == (1, 1)
-    fallbacks = aotkit.explain().of_kind("fallback")
-    assert len(fallbacks) == 3 and all("torch.func" in d.why for d in fallbacks)
+    [fallback] = aotkit.explain().of_kind("fallback")  # one decision, three eager backwards
+    assert "torch.func" in fallback.why
+    assert aotkit.counters.counters["fallback"][fallback.what] == 3
 
 
 def test_enable_inside_pytorchs_off_window_captures_without_a_fallback_decision() -> None:

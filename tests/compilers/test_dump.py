@@ -62,6 +62,21 @@ def test_dumper_trains_like_eager_and_saves_every_graph_of_every_entry(tmp_path:
     assert x["shape"] == [3, 16]
 
 
+def test_each_backward_of_one_entry_is_saved_apart(tmp_path: Path) -> None:
+    """A backward for a call bringing one gradient overwrote the full backward's folder."""
+    dumper = graph_dumper_aot("two", tmp_path)
+    compiled = dumper(lambda x, w: ((x @ w).sin(), (x @ w).cos()))
+    x = torch.randn(3, 4)
+    for used in ((0, 1), (0,), (1,)):
+        outs = compiled(x, torch.randn(4, 4, requires_grad=True))
+        sum(outs[i].sum() for i in used).backward()
+    backwards = [p for p in dumper.saved if "_backward_" in p.name]
+    assert len(backwards) == len(set(backwards)) == 3
+    assert backwards[0].name == "two_backward_0"
+    codes = {(p / "module.py").read_text().count("tangents_") for p in backwards}
+    assert len(codes) > 1  # the variants' graphs differ from the full backward's
+
+
 def test_saved_graphs_reload_and_compute_what_the_in_memory_graphs_compute(tmp_path: Path) -> None:
     x = make_mlp_batch(0, MLP_CFG)[0]
     dumper = graph_dumper_aot("mlp", tmp_path)

@@ -630,7 +630,6 @@ class AotFunction:
         self._keys = RecentKeys(self.name)  # Note [Keys checked in C++]
         self._once = 0  # entries dropped that served one call only: runaway recompiles
         self._told_identity_keys: frozenset[str] = frozenset()  # Note [Objects as arguments]
-        self._told_forward_ad = False  # Note [Forward-mode AD runs eagerly]
         self._config_parts = options.config_parts
         # Inputs traced with static sizes under dynamic=True (Note [Static parameters]).
         self.static_sizes = frozenset(range(options.num_params_buffers) if static_sizes is None
@@ -648,8 +647,7 @@ class AotFunction:
         else:
             leaves, structure = pytree.tree_flatten((args, kwargs))
         if has_tangents(leaves):  # Note [Forward-mode AD runs eagerly]
-            note_forward_ad(self.name, first=not self._told_forward_ad)
-            self._told_forward_ad = True
+            note_forward_ad(self.name)
             return self.fn(*args, **kwargs)
         if self._captured.getters:
             leaves = [*leaves, *(captured_key(get()) for get in self._captured.getters)]

@@ -154,15 +154,14 @@ def refuse_dual_outputs(flat: Sequence[Any], name: str) -> None:
             "uncompiled.")
 
 
-def note_forward_ad(name: str, first: bool) -> None:
+def note_forward_ad(name: str) -> None:
     counters.bump("aot", "forward_ad_eager_calls")
-    if first:
-        counters.record("fallback", name, (
-            "called with forward-mode AD dual tensors: it runs eagerly, as compiled graphs do "
-            "not carry tangents in general (Note [Forward-mode AD runs eagerly]). Fix: none "
-            "needed, the results are eager's; to compile the forward-mode work, open the dual "
-            "level inside the function (forward_ad.dual_level() or torch.func.jvp in it), whose "
-            "trace then computes the tangents."), logger=log)
+    counters.record_once("fallback", name, (
+        "called with forward-mode AD dual tensors: it runs eagerly, as compiled graphs do "
+        "not carry tangents in general (Note [Forward-mode AD runs eagerly]). Fix: none "
+        "needed, the results are eager's; to compile the forward-mode work, open the dual "
+        "level inside the function (forward_ad.dual_level() or torch.func.jvp in it), whose "
+        "trace then computes the tangents."), once="forward AD", logger=log)
 
 
 def name_held_tensor(exc: BaseException, held: Mapping[int, tuple[str, Any]]) -> None:

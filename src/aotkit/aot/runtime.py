@@ -249,6 +249,19 @@ class CompiledGraphs:
                          if (custom := node.meta.get("custom_backward")) is not None)
 
     def _compile_backward(self, autocast: AutocastState, missing: int) -> Callable[[list[Any]], Any]:
+        # backward() may run under Dynamo's frame callback (a compiled training step's
+        # loss.backward()): aotkit's frames and the compiler's are not user code to compile.
+        with dynamo_frames_off():
+            compiled = compile_boxed(self.bw_compiler, *self._backward_graph(autocast, missing),
+                                     "backward")
+        counters.bump("aot", "bw_compiles")
+        log.debug("compiled backward of %s", self.name)
+        return compiled
+
+    def _backward_graph(self, autocast: AutocastState, missing: int) -> tuple[fx.GraphModule,
+                                                                              list[Any]]:
+        """The backward graph to compile for a backward() under ``autocast`` without the
+        tangents of bit mask ``missing``, a copy a compiler may rewrite, and its inputs."""
         assert self.bw_gm is not None and self.bw_compiler is not None
         gm = self.bw_gm
         if autocast != NO_AUTOCAST:
@@ -264,16 +277,9 @@ class CompiledGraphs:
             self._reached[missing] = tangent_masks(gm, sum(self.differentiable))
             if self._custom_reaches:  # read past the variants' limit (reached_by)
                 self._variant_graphs.setdefault(missing, gm)
-        if gm is self.bw_gm:  # a compiler may rewrite it in place; later variants are cut
-            gm = copy_graph_module(gm)  # from it
-        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        # backward() may run under Dynamo's frame callback (a compiled training step's
-        # loss.backward()): the compiler's own frames are not user code to compile.
-        with dynamo_frames_off():
-            compiled = compile_boxed(self.bw_compiler, gm, inputs, "backward")
-        counters.bump("aot", "bw_compiles")
-        log.debug("compiled backward of %s", self.name)
-        return compiled
+        if gm is self.bw_gm:  # later variants are cut from it
+            gm = copy_graph_module(gm)
+        return gm, [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 
     def _without_tangents(self, gm: fx.GraphModule, missing: int) -> fx.GraphModule:
         """``gm`` without the tangents of bit mask ``missing`` (Note [Gradients backward does

@@ -995,6 +995,13 @@ def recompile_fix(why: str, dynamic: bool, made_per_call: int = 0) -> str:
         return ("register module hooks once, before the first call (a hook added and removed at "
                 "every step, or a profiler's global hooks entered per step, compiles anew each "
                 "time), or raise the limit with aotkit.config.patch(recompile_limit=...).")
+    if why.startswith("storage offset of "):
+        return ("the graph places a view at a storage offset (as_strided, or a custom op writing "
+                "a view of an input), so each place of the input in its memory compiles again: "
+                "pass the input at one place (a .clone(), or a tensor of its own rather than a "
+                "window of a larger one), or compile with torch.compile(backend='aotkit'), which "
+                "runs calls at other places eagerly; or raise the limit with "
+                "aotkit.config.patch(recompile_limit=...).")
     if made_per_call:
         return ("a module the function calls or takes is made anew at every call (a loss "
                 "module, a submodule replaced at every step): make it once, outside the loop; "

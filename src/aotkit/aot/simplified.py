@@ -99,7 +99,6 @@ def aot_module_simplified(
     by_options = _ByOptions(graphs, name, options.config_parts, lambda: compile_graphs(
         flat_fn, fakes, options, name, mode, from_dynamo=True))
     expected = len(args)
-    told_forward_ad: list[bool] = []
     at_offsets = _OffsetsTraced(fakes, names, name)
 
     def forward(*runtime_args: Any) -> Any:
@@ -108,8 +107,7 @@ def aot_module_simplified(
                                 f"got {len(runtime_args)} (the module's parameters and buffers "
                                 "are passed for you).")
         if has_tangents(runtime_args):  # Note [Forward-mode AD runs eagerly]
-            note_forward_ad(name, first=not told_forward_ad)
-            told_forward_ad.append(True)
+            note_forward_ad(name)
             return mod(*runtime_args)
         current = by_options.current()
         flat = [*tensors, *runtime_args]
@@ -136,19 +134,17 @@ class _OffsetsTraced:
         self.offsets = tuple(traced[i] for i in self.positions)
         self.names = [*names, *(f"args[{i}]" for i in range(len(fakes) - len(names)))]
         self.name = name
-        self.told: set[str] = set()
 
     def moved(self, flat: Sequence[Any]) -> bool:
         why = moved_offsets(self.offsets, self.positions, flat, self.names)
         if why is None:
             return False
         counters.bump("aot", "offset_eager_calls")
-        if why not in self.told:
-            self.told.add(why)
-            counters.record("fallback", self.name, f"{why}: Dynamo does not guard on it, so this "
-                            "call runs eagerly (Note [Absolute storage offsets under Dynamo]). "
-                            "Fix: none needed, the results are eager's; call with inputs at "
-                            "the traced offsets to run the graph.", logger=log)
+        counters.record_once("fallback", self.name, f"{why}: Dynamo does not guard on it, so "
+                             "calls at other offsets run eagerly (Note [Absolute storage offsets "
+                             "under Dynamo]; counted in aot.offset_eager_calls). Fix: none "
+                             "needed, the results are eager's; call with inputs at the traced "
+                             "offsets to run the graph.", once="storage offsets", logger=log)
         return True
 
 

@@ -80,9 +80,10 @@ def enable(compiler_fn: Callable[..., Any], dynamic: bool = True) -> Iterator[No
         _forget_other_compilers(new)
         compat.set_autograd_verbose_logger(_engine_log)
         if compat.compiled_autograd_is_off():
-            counters.record("fallback", "compiled_autograd",
-                            "enable() inside disable(): backwards run eagerly until the "
-                            "disable() block ends (disable() wins)", logger=log)
+            counters.record_once("fallback", "compiled_autograd",
+                                 "enable() inside disable(): backwards run eagerly until the "
+                                 "disable() block ends (disable() wins)",
+                                 once="enable inside disable", logger=log)
         session.set_active(new)
         engine = compat.execution_engine()
         compat.set_execution_engine(runtime.Engine(
@@ -149,10 +150,10 @@ def _reinstall_if_cleared(factory: Callable[..., Any], dynamic: bool) -> None:
     if prior[0] is not None or compat.pytorch_disable_is_open():
         compat.set_autograd_compiler(*prior)
         if prior[0] is None:
-            counters.record("fallback", "compiled_autograd",
-                            "a backward inside torch._dynamo.compiled_autograd._disable() "
-                            "(torch.func's transforms open one around their autograd.grad) runs "
-                            "eagerly", logger=log)
+            counters.record_once("fallback", "compiled_autograd",
+                                 "a backward inside torch._dynamo.compiled_autograd._disable() "
+                                 "(torch.func's transforms open one around their autograd.grad) "
+                                 "runs eagerly", once="PyTorch's disable", logger=log)
         return
     compat.set_autograd_verbose_logger(_engine_log)  # emptied too
     session.graphs_cached = 0

@@ -511,7 +511,9 @@ class GraphDumper:
 
     def _save(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str,
               index: int | None) -> Callable[..., Any]:
-        stem = f"{self.name}_{kind}_{next_number(self.root) if index is None else index}"
+        stem = first = f"{self.name}_{kind}_{next_number(self.root) if index is None else index}"
+        while self.root / stem in self.saved:  # another backward of one entry: one bringing
+            stem = f"{first}_{len(self.saved)}"  # some gradients only, or under autocast
         folder = self.root / stem
         if kind == "joint":
             values = "not available: the joint graph is traced, never run (see the forward's)"
@@ -529,7 +531,9 @@ class GraphDumper:
 def graph_dumper_aot(current_name: str, folder_name: str | os.PathLike[str],
                      dump_example_input: bool = False) -> GraphDumper:
     """Save the forward, backward and joint graph of every compiled entry (and inference graphs)
-    to ``folder_name/current_name/current_name_{forward,backward,joint,inference}_N/``.
+    to ``folder_name/current_name/current_name_{forward,backward,joint,inference}_N/``; another
+    backward of entry N (for a call bringing some gradients only, or under autocast) goes to
+    ``current_name_backward_N_K/``.
 
     Each folder holds ``module.py`` (see :func:`aotkit.compilers.dump.load_graph`) and ``current_name_{kind}_N.input``
     (JSON, read by :func:`get_inputs`); with ``dump_example_input`` the inputs of each graph's
