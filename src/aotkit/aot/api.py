@@ -59,6 +59,7 @@ from aotkit.aot.reads import (
     recording,
     symbolic_values,
 )
+from aotkit.aot.recompile_fixes import recompile_fix
 from aotkit.aot.runtime import CompiledGraphs, run
 from aotkit.aot.saved import saved_for_backward
 from aotkit.aot.signature import (
@@ -67,7 +68,6 @@ from aotkit.aot.signature import (
     autocast_state,
     describe_change,
     differences,
-    recompile_fix,
     signature,
     tensor_positions,
 )
