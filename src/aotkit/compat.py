@@ -384,10 +384,11 @@ def relative_custom_op_slices() -> Iterator[None]:
 # Functionalizing a custom op that writes a slice of a tensor (``op_(y[1:3])``), PyTorch
 # (2.11-2.13) records the slice by its start in the whole memory (the view's storage offset over
 # its stride), and auto_functionalized replays it as a slice of the base: for a base that starts
-# inside its memory (``buf[2:6]``) the op wrote other rows, or none. aotkit's traces record the
-# start counted from the base; where the start is symbolic (read at each call from the view's
-# storage offset), or the base's offset is symbolic or no multiple of the stride, the view is
-# recorded by size, stride and storage offset instead (Note [Absolute storage offsets]).
+# inside its memory (``buf[2:6]``) the op wrote other rows, or none (and under dynamic=True the
+# start was read at each call from the view's storage offset). aotkit's traces record the start
+# counted from the base, a number; where it is no number (``y[:, -1:]`` of a symbolic width),
+# the view is recorded by size, stride and storage offset instead (Note [Absolute storage
+# offsets]).
 def _constant(value: Any) -> Any:
     """``value`` as an int where it is one (``s0 // s0``), else as it is."""
     if isinstance(value, torch.SymInt) and (known := value.node.maybe_as_int()) is not None:
@@ -397,19 +398,17 @@ def _constant(value: Any) -> Any:
 
 def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) -> Any:
     from torch._higher_order_ops.auto_functionalize import is_alias
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     found = original(base, tensor)
     if found is None or is_alias(base, tensor):
         return found
-    dim, start, end = map(_constant, found)
-    shift, step = _constant(base.storage_offset()), _constant(tensor.stride()[dim])
-    if type(start) is not int:  # read from the view's storage offset at each call: absolute
+    dim = found[0]
+    step, relative = tensor.stride()[dim], tensor.storage_offset() - base.storage_offset()
+    start = _constant(relative // step)  # ((s0 + s1) - s1) // s0 is 1 under dynamic=True
+    if type(start) is not int or not statically_known_true(relative % step == 0):
         return None
-    if type(shift) is int and shift == 0:
-        return dim, start, end  # ints: PyTorch's SymInts read the view's offset at each call
-    if type(shift) is not int or type(step) is not int or shift % step:
-        return None
-    return dim, start - shift // step, end - shift // step
+    return dim, start, _constant(start + tensor.size()[dim])
 
 
 @contextlib.contextmanager

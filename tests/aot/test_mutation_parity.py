@@ -1196,7 +1196,9 @@ def test_a_custom_op_writing_a_slice_of_an_input_inside_its_memory(via, fn):
                 "dynamic": aotkit.aot_function(fn, compilers.nop, dynamic=True),
                 "torch.compile": torch.compile(fn, backend="aotkit", dynamic=True),
                 "aot_module": aotkit.aot_module(module, compilers.nop)}[via]
-    for start in (0, 2, 3, 0, 2):
+    # The first call's input inside its memory (offset 0 would be a size of its own to a
+    # dynamic entry traced at another: sizes 0 and 1 are specialized).
+    for start in (2, 3, 1, 5, 2):
         results = []
         for run in (fn, compiled):
             buf = torch.arange(40.0).reshape(10, 4)
