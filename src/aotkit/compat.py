@@ -397,18 +397,27 @@ def _constant(value: Any) -> Any:
 
 
 def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) -> Any:
+    """``(dim, start, end)`` of ``tensor`` as a slice of ``base`` along one dimension, counted
+    from the base, where that is what it is, with numbers for start and end; else None."""
     from torch._higher_order_ops.auto_functionalize import is_alias
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
-    found = original(base, tensor)
-    if found is None or is_alias(base, tensor):
-        return found
-    dim = found[0]
-    step, relative = tensor.stride()[dim], tensor.storage_offset() - base.storage_offset()
-    start = _constant(relative // step)  # ((s0 + s1) - s1) // s0 is 1 under dynamic=True
-    if type(start) is not int or not statically_known_true(relative % step == 0):
+    if is_alias(base, tensor):
+        return original(base, tensor)
+    if tensor.dim() != base.dim() or not all(known(a == b) for a, b in
+                                             zip(tensor.stride(), base.stride(), strict=True)):
         return None
-    return dim, start, _constant(start + tensor.size()[dim])
+    dims = [d for d in range(tensor.dim()) if not known(tensor.size(d) == base.size(d))]
+    if len(dims) != 1:
+        return None
+    dim = dims[0]
+    step, relative = tensor.stride(dim), tensor.storage_offset() - base.storage_offset()
+    start = _constant(relative // step)  # ((s0 + s1) - s1) // s0 is 1 under dynamic=True
+    end = _constant(start + tensor.size(dim))
+    if type(start) is not int or not known(relative % step == 0) or start < 0 \
+            or not known(end <= base.size(dim)):  # a view reaching past the base is no slice
+        return None
+    return dim, start, end
 
 
 @contextlib.contextmanager

@@ -1213,6 +1213,20 @@ def test_a_custom_op_writing_a_slice_of_an_input_inside_its_memory(via, fn):
         assert not aotkit.explain().of_kind("recompile") + aotkit.explain().of_kind("fallback")
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_custom_op_writing_a_slice_of_an_input_at_any_flat_offset(dynamic):
+    """An input starting at no multiple of its row stride (flat[s:s + 40].view(10, 4)): PyTorch
+    gives up the slice form there, and each offset compiled again."""
+    compiled = aotkit.aot_function(_rows_one_two_plus_one, compilers.nop, dynamic=dynamic)
+    for start in (1, 2, 3, 5, 8, 6):
+        results = []
+        for run in (_rows_one_two_plus_one, compiled):
+            flat = torch.arange(80.0)
+            results.append((run(flat[start:start + 40].view(10, 4)), flat))
+        torch.testing.assert_close(results[1], results[0])
+    assert not aotkit.explain().of_kind("recompile")
+
+
 def test_as_strided_gradient_lands_where_eager_puts_it_at_another_offset():
     def window(a):
         return a.as_strided((2,), (1,), 4) * torch.tensor([1.0, 2.0])
