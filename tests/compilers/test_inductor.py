@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from typing import Any
 
 import pytest
 import torch
@@ -351,16 +352,21 @@ def _rows_plus_one(y: torch.Tensor) -> torch.Tensor:
     return y * 2
 
 
+def _two_rows(y: torch.Tensor) -> torch.Tensor:
+    _add_and_double_(y[1:2], y[2:3])  # a slice of a base at a symbolic storage offset
+    return y * 2
+
+
+@pytest.mark.parametrize("fn", [_rows_plus_one, _two_rows], ids=["column", "rows"])
 @pytest.mark.parametrize("via", ["aot_function", "torch.compile"])
-def test_a_custom_op_writing_a_view_at_a_symbolic_offset_runs_as_traced(via: str) -> None:
+def test_a_custom_op_writing_a_view_at_a_symbolic_offset_runs_as_traced(via: str, fn: Any) -> None:
     """Inductor wrote other rows (or failed with a raw NameError) for a view a custom op writes
-    at a symbolic storage offset (PyTorch's backend="inductor" too)."""
-    compiled = aotkit.aot_function(_rows_plus_one, inductor, dynamic=True) \
-        if via == "aot_function" else torch.compile(_rows_plus_one, backend="aotkit_inductor",
-                                                    dynamic=True)
-    for start, rows in ((0, 6), (2, 6), (1, 7)):
+    at a symbolic storage offset, or of a base at one (PyTorch's backend="inductor" too)."""
+    compiled = aotkit.aot_function(fn, inductor, dynamic=True) if via == "aot_function" \
+        else torch.compile(fn, backend="aotkit_inductor", dynamic=True)
+    for start, rows in ((2, 6), (3, 6), (1, 7)):
         results = []
-        for run in (_rows_plus_one, compiled):
+        for run in (fn, compiled):
             buf = torch.arange(40.0).reshape(10, 4)
             results.append((run(buf[start:start + rows]), buf))
         torch.testing.assert_close(results[1], results[0])

@@ -406,8 +406,9 @@ def _lift_closed_over_tensors(gm: fx.GraphModule) -> list[tuple[Any, torch.Tenso
 
 def _custom_op_writes_inductor_loses(gm: fx.GraphModule) -> str | None:
     """The first custom op the graph calls on two views of one tensor it computes
-    (``op_(y[:4], y[2:6])``), or on a view placed at a symbolic storage offset (``op_(y[1:3])``
-    under dynamic=True), which Inductor (2.13, and PyTorch's own backend) gets wrong; says so."""
+    (``op_(y[:4], y[2:6])``), or on a view placed at a symbolic storage offset, or of a base
+    at one (``op_(y[1:3])`` of an input inside its memory under dynamic=True), which Inductor
+    (2.13, and PyTorch's own backend) gets wrong; says so."""
     for node in gm.graph.find_nodes(op="call_function",
                                     target=torch.ops.higher_order.auto_functionalized_v2):
         bases = node.kwargs.get("_all_bases", ())
@@ -416,7 +417,9 @@ def _custom_op_writes_inductor_loses(gm: fx.GraphModule) -> str | None:
                for i in set(indices)):
             return f"{node.args[0]} writes two views of one intermediate"
         if any(k.endswith("_storage_offset") and isinstance(v, fx.Node)
-               for k, v in node.kwargs.items()):
+               for k, v in node.kwargs.items()) or any(
+                isinstance(getattr(b, "meta", {}).get("val"), torch.Tensor)
+                and isinstance(b.meta["val"].storage_offset(), torch.SymInt) for b in bases):
             return f"{node.args[0]} writes a view at a symbolic storage offset"
     return None
 
