@@ -412,6 +412,8 @@ def _slice_in_base(original: Callable[[Any, Any], Any], base: Any, tensor: Any) 
         return None
     dim = dims[0]
     step, relative = tensor.stride(dim), tensor.storage_offset() - base.storage_offset()
+    if not known(step > 0):  # an expanded dimension
+        return None
     start = _constant(relative // step)  # ((s0 + s1) - s1) // s0 is 1 under dynamic=True
     end = _constant(start + tensor.size(dim))
     if type(start) is not int or not known(relative % step == 0) or start < 0 \

@@ -18,9 +18,12 @@ from aotkit.errors import UnsupportedError
 
 # Note [Overlapping mutated inputs]
 # ``f(x[:3], x[1:])`` where f writes to its first argument: in eager the second argument sees the
-# write, since they share memory (as do the other windows of ``w = x.unfold(0, 3, 1)`` when f
-# writes ``w[0]``: a graph computing on a copy of w, as one with autograd does, missed it) (so does a backward's read after a write its backward makes,
-# Note [Inputs the backward writes]; with ``f(s, s)`` one of two writes was lost). A graph
+# write, since they share memory (so does a backward's read after a write its backward makes,
+# Note [Inputs the backward writes]; with ``f(s, s)`` one of two writes was lost), and so do the
+# other windows of ``w = x.unfold(0, 3, 1)`` when f writes ``w[0]``, which a graph with
+# autograd, computing on a copy of w, missed (without autograd the graph writes a copy laid out
+# as w, overlaps included; such an input is taken as a storage of its own only where the graph
+# copies). A graph
 # traced for two separate inputs reads the old value and writes back each input on its own, so
 # such a call cannot run the entry traced for it. The runtime notices the overlap at the call
 # (the entry mutates inputs, so it checks their memory anyway) and runs an entry traced for its
