@@ -40,8 +40,8 @@ _SCATTERS = frozenset({torch.ops.aten.as_strided_scatter.default,
 def places_absolute_views(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` calls as_strided with a storage offset on an input, or on a view or new
     value of one, or a custom op writing a view of one (Note [Absolute storage offsets]); on a
-    tensor made inside (``fill_diagonal_``
-    of an intermediate) the offset does not move with the inputs'."""
+    tensor made inside (``fill_diagonal_`` of an intermediate) the offset does not move with
+    the inputs'."""
     for target in _AS_STRIDED:
         before_offset = 4 if target is torch.ops.aten.as_strided_scatter.default else 3
         if any(len(n.args) + len(n.kwargs) > before_offset and _of_an_input(n.args[0])
